@@ -1,0 +1,45 @@
+"""Engine and adapter-cache settings: validated dataclasses, one place for every knob."""
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "float16", "bfloat16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class LoraCacheConfig:
+    max_lora_rank: int = 64
+    max_loras: int = 8                        # device slots: adapters usable in one step
+    host_memory_bytes: int = 1 << 30          # host tier budget
+    max_adapter_bytes: int = 256 << 20        # one adapter, as stored in the model's dtype
+    prefetch_dir: str | None = None           # <dir>/<task_id>/ loaded at engine start
+
+    def __post_init__(self):
+        for name in ("max_lora_rank", "max_loras", "host_memory_bytes", "max_adapter_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 64                    # sequences in one step
+    max_num_batched_tokens: int = 2048        # tokens (prefill chunks + decodes) in one step
+    kv_block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    kv_watermark: float = 0.01                # share of blocks kept free when admitting new sequences
+    kernel_backend: str = "auto"
+    lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

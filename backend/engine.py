@@ -1,0 +1,143 @@
+"""LLMEngine: add requests, step the batch, stream each request's new tokens until it finishes."""
+import itertools
+from dataclasses import dataclass, field, fields
+from typing import Hashable
+
+from backend.config import EngineConfig, LoraCacheConfig
+from backend.kv_cache import BlockManager
+from backend.model.config import ModelConfig
+from backend.model.runner import ModelRunner
+from backend.request import RequestError, SamplingParams, Sequence, validate_prompt
+from backend.sampler import Sampler
+from backend.scheduler import Scheduler
+
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: Hashable
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None          # "stop", "length", "abort", "error"
+    log_probs: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def split_engine_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """Engine keywords -> (EngineConfig fields, LoraCacheConfig fields); lora_* names go to the cache."""
+    engine, lora = {}, {}
+    lora_names = {f.name for f in fields(LoraCacheConfig)}
+    for key, value in kwargs.items():
+        name = key.removeprefix("lora_cache_").removeprefix("lora_")
+        if key.startswith("lora_") and name in lora_names:
+            lora[name] = value
+        elif key in lora_names:
+            lora[key] = value
+        else:
+            engine[key] = value
+    return engine, lora
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str, **kwargs):
+        engine_kwargs, lora_kwargs = split_engine_kwargs(kwargs)
+        self.config = EngineConfig(model_dir=str(model_dir), lora=LoraCacheConfig(**lora_kwargs), **engine_kwargs)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.runner = ModelRunner(self.config, self.model_config)
+        self.blocks = BlockManager(self.runner.num_blocks, self.config.kv_block_size, self.config.kv_watermark)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        self.sampler = Sampler()
+        self.seqs: dict[Hashable, Sequence] = {}
+        self._ids = itertools.count()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    lora_task_id: int | None = None, request_id: Hashable | None = None, **sampling) -> Hashable:
+        """Validate and queue one request; raises RequestError naming the field at fault."""
+        unknown = set(sampling) - SAMPLING_FIELDS
+        if unknown:
+            raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
+        params = params or SamplingParams(**sampling)
+        cfg = self.model_config
+        params.validate(cfg.vocab_size)
+        prompt_ids = [int(t) for t in prompt_ids]
+        validate_prompt(prompt_ids, params.max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
+        needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
+        if needed > self.blocks.num_blocks:
+            raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "
+                                                     f"the cache holds {self.blocks.num_blocks}")
+        request_id = next(self._ids) if request_id is None else request_id
+        if request_id in self.seqs:
+            raise RequestError("request_id", f"{request_id!r} is already in flight")
+        seq = Sequence(request_id, prompt_ids, params, lora_task_id)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Stop a request and free what it holds. False if it is not in flight."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def step(self) -> list[StepOutput]:
+        """One forward over the scheduled batch; the new token (if any) and finished flag of each request."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        try:
+            logits = self.runner.run(batch)
+        except Exception as exc:             # a failed forward fails its batch, never the engine
+            return [self._finish(item.seq, "error", error=f"engine failure: {exc}") for item in batch.items]
+        sampled = [item for item in batch.items if item.samples]
+        for item in batch.items:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        tokens, log_probs = self.sampler.sample(logits, [item.seq for item in sampled])
+        return [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
+
+    def _append(self, seq: Sequence, token: int, log_prob: float | None) -> StepOutput:
+        seq.output_ids.append(token)
+        if log_prob is not None:
+            seq.output_log_probs.append(log_prob)
+        out = StepOutput(seq.request_id, [token], log_probs=[] if log_prob is None else [log_prob])
+        reason = self._finish_reason(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+            out.finished, out.finish_reason = True, reason
+        return out
+
+    @staticmethod
+    def _finish_reason(seq: Sequence) -> str | None:
+        p, out = seq.params, seq.output_ids
+        if len(out) >= p.min_tokens:
+            if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
+                return "stop"
+            if any(out[-len(word):] == word for word in p.stop_words):
+                return "stop"
+        return "length" if len(out) >= p.max_new_tokens else None
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> StepOutput:
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], finished=True, finish_reason=reason, error=error)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 16,
+                 lora_task_ids: list[int | None] | None = None, **sampling) -> list[list[int]]:
+        """Run prompts to completion (greedy unless sampling says otherwise); output tokens per prompt."""
+        lora_task_ids = lora_task_ids or [None] * len(prompts)
+        ids = [self.add_request(prompt, lora_task_id=task, max_new_tokens=max_new_tokens, **sampling)
+               for prompt, task in zip(prompts, lora_task_ids)]
+        outputs = {request_id: [] for request_id in ids}
+        while any(request_id in self.seqs for request_id in ids):
+            for out in self.step():
+                if out.error:
+                    raise RuntimeError(out.error)
+                if out.request_id in outputs:
+                    outputs[out.request_id] += out.new_token_ids
+        return [outputs[request_id] for request_id in ids]

@@ -1,0 +1,80 @@
+"""The model's shape, read from a Hugging Face config.json."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None                 # llama3-style scaling, or None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        return cls.from_hf(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        arch = (hf.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        use_window = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            sliding_window=hf.get("sliding_window") if use_window else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )

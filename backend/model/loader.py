@@ -1,0 +1,116 @@
+"""Hugging Face safetensors -> our weights: a translation table, fused projections, tensor-parallel slices."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from backend.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Checkpoint tensors that make one of our parameters, concatenated along dim 0, and how TP splits them."""
+    keys: tuple[str, ...]
+    split: str = "none"                       # "column" (dim 0 of each part), "row" (dim 1), "none"
+
+
+def translation_table(cfg: ModelConfig) -> dict[str, Source]:
+    """Our parameter names -> checkpoint names, per architecture."""
+    table = {
+        "embed_tokens": Source(("model.embed_tokens.weight",)),
+        "norm": Source(("model.norm.weight",)),
+        "lm_head": Source(("model.embed_tokens.weight",) if cfg.tie_word_embeddings else ("lm_head.weight",)),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        attn = [f"{p}.self_attn.{name}_proj" for name in ("q", "k", "v")]
+        table |= {
+            f"layers.{i}.input_norm": Source((f"{p}.input_layernorm.weight",)),
+            f"layers.{i}.qkv_proj": Source(tuple(a + ".weight" for a in attn), "column"),
+            f"layers.{i}.o_proj": Source((f"{p}.self_attn.o_proj.weight",), "row"),
+            f"layers.{i}.post_attn_norm": Source((f"{p}.post_attention_layernorm.weight",)),
+            f"layers.{i}.gate_up_proj": Source((f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"), "column"),
+            f"layers.{i}.down_proj": Source((f"{p}.mlp.down_proj.weight",), "row"),
+        }
+        if cfg.qkv_bias:
+            table[f"layers.{i}.qkv_bias"] = Source(tuple(a + ".bias" for a in attn), "column")
+    return table
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full (unsplit) shape of every checkpoint tensor we read."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
+            f"{p}.self_attn.q_proj.bias": (q,), f"{p}.self_attn.k_proj.bias": (kv,),
+            f"{p}.self_attn.v_proj.bias": (kv,),
+            f"{p}.mlp.gate_proj.weight": (inter, h), f"{p}.mlp.up_proj.weight": (inter, h),
+            f"{p}.mlp.down_proj.weight": (h, inter),
+        }
+    return shapes
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file that holds it (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    key_files = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            key_files |= {key: path for key in f.keys()}
+    return key_files
+
+
+def _read_slice(handle, key: str, shape: tuple[int, ...], split: str, tp_size: int, tp_rank: int) -> torch.Tensor:
+    tensor = handle.get_slice(key)
+    actual = tuple(tensor.get_shape())
+    if actual != shape:
+        raise ValueError(f"checkpoint tensor {key} has shape {list(actual)}, expected {list(shape)}")
+    dim = {"column": 0, "row": 1}.get(split)
+    if dim is None or tp_size == 1:
+        return tensor[:]
+    if shape[dim] % tp_size:
+        raise ValueError(f"{key}: dim {dim} of size {shape[dim]} does not split into tp_size {tp_size}")
+    part = shape[dim] // tp_size
+    lo, hi = tp_rank * part, (tp_rank + 1) * part
+    return tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Read every parameter of the model, fused and sliced for this tensor-parallel rank."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    model_dir = Path(model_dir)
+    key_files = checkpoint_files(model_dir)
+    shapes = expected_shapes(cfg)
+    handles = {}
+    weights = {}
+    try:
+        for name, source in translation_table(cfg).items():
+            parts = []
+            for key in source.keys:
+                if key not in key_files:
+                    raise KeyError(f"checkpoint in {model_dir} has no tensor {key} (needed for {name})")
+                path = key_files[key]
+                if path not in handles:
+                    handles[path] = safe_open(path, framework="pt")
+                parts.append(_read_slice(handles[path], key, shapes[key], source.split, tp_size, tp_rank))
+            weights[name] = torch.cat(parts, dim=0).to(dtype).contiguous() if len(parts) > 1 \
+                else parts[0].to(dtype).contiguous()
+    finally:
+        handles.clear()
+    return weights

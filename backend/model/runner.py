@@ -1,0 +1,32 @@
+"""Owns the model's weights and KV cache tensors, and runs one forward per scheduled batch."""
+import torch
+
+from backend.config import EngineConfig
+from backend.kv_cache import num_kv_blocks
+from backend.model.config import ModelConfig
+from backend.model.context import build_context
+from backend.model.llama import LlamaModel
+from backend.model.loader import load_weights
+from backend.scheduler import Batch
+from kernels.dispatch import load_ops
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config = config
+        self.model_config = cfg = model_config
+        self.dtype = getattr(torch, config.dtype)
+        self.ops = load_ops(config.kernel_backend)
+        self.model = LlamaModel(cfg, load_weights(config.model_dir, cfg, self.dtype), self.ops)
+        self.block_size = config.kv_block_size
+        self.num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, self.block_size, cfg.num_layers,
+                                        cfg.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                          for _ in range(cfg.num_layers)]
+
+    def run(self, batch: Batch, lora=None) -> torch.Tensor:
+        """Logits [num_sampled, vocab] fp32, one row per sequence whose chunk reaches its last token."""
+        ctx = build_context(batch, self.block_size)
+        ctx.lora = lora
+        return self.model.forward(ctx, self.kv_caches)

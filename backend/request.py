@@ -1,0 +1,111 @@
+"""A request's sampling parameters, its running state, and the validation that guards the engine."""
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+
+class RequestError(ValueError):
+    """Bad input for one request: names the field and what is wrong with it."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0                  # 0 means greedy
+    top_k: int = 0                            # 0 means no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    end_id: int | None = None
+    ignore_end_id: bool = False               # benchmarks force full-length outputs
+    min_tokens: int = 0
+    stop_words: list[list[int]] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    return_log_probs: bool = False
+    beam_width: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_new_tokens <= 0:
+            raise RequestError("request_output_len", f"must be > 0, got {self.max_new_tokens}")
+        if self.beam_width != 1:
+            raise RequestError("beam_width", f"only beam_width 1 is supported, got {self.beam_width}")
+        if self.temperature < 0:
+            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError("runtime_top_k", f"must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError("runtime_top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise RequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.end_id is not None and not 0 <= self.end_id < vocab_size:
+            raise RequestError("end_id", f"{self.end_id} is outside the vocabulary [0, {vocab_size})")
+        for name, words in (("stop_words_list", self.stop_words), ("bad_words_list", self.bad_words)):
+            for word in words:
+                if not word or any(not 0 <= t < vocab_size for t in word):
+                    raise RequestError(name, f"word {word} is empty or has ids outside [0, {vocab_size})")
+
+
+def validate_prompt(prompt_ids: list[int], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
+    if len(prompt_ids) == 0:
+        raise RequestError("input_ids", "prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) + max_new_tokens > max_positions:
+        raise RequestError(
+            "request_output_len",
+            f"prompt ({len(prompt_ids)}) + output ({max_new_tokens}) tokens exceed "
+            f"max_position_embeddings {max_positions}")
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in flight: its tokens, how many of them the KV cache holds, and its blocks."""
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    lora_task_id: int | None = None
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_log_probs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0              # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens

@@ -1,0 +1,123 @@
+"""In-flight batching: which sequences run this step, and how many of their tokens.
+
+Every step packs the decode tokens of running sequences with prefill chunks of waiting ones under
+`max_num_seqs` and a token budget. A decode is just a chunk of one token: a sequence computes the tokens
+the cache lacks, and samples when its chunk reaches its last token. When blocks run out, the newest running
+sequence is preempted: its blocks are freed and its tokens recomputed later.
+"""
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from backend.config import EngineConfig
+from backend.kv_cache import BlockManager
+from backend.request import Sequence, Status
+
+
+class AdapterSlots(Protocol):
+    """The device tier of the adapter cache as the scheduler sees it."""
+    def can_acquire(self, task_id: int | None) -> bool: ...
+    def acquire(self, task_id: int | None) -> None: ...
+    def release(self, task_id: int | None) -> None: ...
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so this step yields its next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class Batch:
+    items: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterSlots | None = None):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.blocks = blocks
+        self.adapters = adapters
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # in admission order; the last is the newest
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Batch:
+        items: list[ScheduledSeq] = []
+        budget = self.max_num_batched_tokens
+        pending = list(self.running)
+        kept: list[Sequence] = []
+        preempted = False
+        while pending and budget > 0:
+            seq = pending.pop(0)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_allocate(seq, num_new):
+                victim = pending.pop() if pending else seq
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break
+            self.blocks.allocate(seq, num_new)
+            items.append(ScheduledSeq(seq, num_new))
+            kept.append(seq)
+            budget -= num_new
+        self.running = kept + pending
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, num_new, keep_watermark=True):
+                break
+            if self.adapters is not None:
+                if not self.adapters.can_acquire(seq.lora_task_id):
+                    break
+                self.adapters.acquire(seq.lora_task_id)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.blocks.allocate(seq, num_new)
+            items.append(ScheduledSeq(seq, num_new))
+            self.running.append(seq)
+            budget -= num_new
+        return Batch(items)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out for good (done, aborted or failed) and give back what it holds."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if self.adapters is not None:
+            self.adapters.release(seq.lora_task_id)

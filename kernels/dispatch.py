@@ -1,0 +1,30 @@
+"""The one place that picks the kernel implementation; the model calls `ops.<name>` and never branches."""
+import os
+from types import SimpleNamespace
+
+import torch
+
+OP_NAMES = ("write_kv_cache", "rotary", "paged_attention", "lora_shrink", "lora_expand")
+
+
+def resolve_backend(name: str) -> str:
+    """"auto" means Triton where it runs (CUDA, or the interpreter with TRITON_INTERPRET=1), torch otherwise."""
+    if name == "auto":
+        return "triton" if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    if name == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("kernel_backend 'triton' needs CUDA, or TRITON_INTERPRET=1 set before start on CPU")
+    if name not in ("torch", "triton"):
+        raise ValueError(f"unknown kernel backend {name!r}")
+    return name
+
+
+def load_ops(name: str) -> SimpleNamespace:
+    """The kernel functions of one backend, by the names in OP_NAMES."""
+    backend = resolve_backend(name)
+    if backend == "torch":
+        from kernels import reference as module
+    else:
+        from kernels import triton_ops as module
+    ops = SimpleNamespace(**{op: getattr(module, op) for op in OP_NAMES if hasattr(module, op)})
+    ops.name = backend
+    return ops

@@ -1,0 +1,97 @@
+"""Torch implementations of every kernel: the CPU serving path and the oracle the Triton kernels are tested against.
+
+Layouts shared with kernels/*.py:
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block_id * block_size + offset
+    block_tables: [num_seqs, max_blocks] int32 (padding entries are never read)
+    query_starts: [num_seqs + 1] int32, seq_lens: [num_seqs] int32 (context length including the new tokens)
+"""
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens]."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE. q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim],
+    cos_sin: [max_positions, head_dim] fp32 (cos in the first half, sin in the second)."""
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions]                   # [num_tokens, head_dim]
+    cos = cs[:, None, :half].to(q.dtype)
+    sin = cs[:, None, half:].to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]   # [length, num_kv_heads, head_dim]
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries over each sequence's paged context (K/V already written).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Sequence s owns queries
+    query_starts[s]:query_starts[s+1], the last tokens of its seq_lens[s] context tokens.
+    """
+    query_starts, seq_lens, block_tables = meta.query_starts_list, meta.seq_lens_list, meta.block_tables
+    out = torch.empty_like(q)
+    decode_ids = [s for s in range(len(seq_lens)) if query_starts[s + 1] - query_starts[s] == 1]
+    for s in range(len(seq_lens)):
+        start, end, length = query_starts[s], query_starts[s + 1], seq_lens[s]
+        if end - start == 1:
+            continue
+        k = _gather_context(k_cache, block_tables[s], length).transpose(0, 1)[None]
+        v = _gather_context(v_cache, block_tables[s], length).transpose(0, 1)[None]
+        q_pos = torch.arange(length - (end - start), length)
+        mask = _window_mask(q_pos, torch.arange(length), sliding_window)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    if decode_ids:
+        token_ids = torch.tensor([query_starts[s] for s in decode_ids])
+        out[token_ids] = _decode_attention(q[token_ids], k_cache, v_cache, block_tables[decode_ids],
+                                           torch.tensor([seq_lens[s] for s in decode_ids]), scale, sliding_window)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One query per sequence, all sequences at once. q: [num_seqs, num_heads, head_dim]."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // k_cache.shape[1])
+    table = block_tables[:, :num_blocks].clamp(min=0)
+    k = k_cache[table].flatten(1, 2)[:, :max_len]          # [num_seqs, max_len, num_kv_heads, head_dim]
+    v = v_cache[table].flatten(1, 2)[:, :max_len]
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), k.float()) * scale
+    k_pos = torch.arange(max_len)
+    valid = k_pos[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        valid &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)

