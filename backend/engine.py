@@ -3,6 +3,8 @@ import itertools
 from dataclasses import dataclass, field, fields
 from typing import Hashable
 
+import torch
+
 from backend.config import EngineConfig, LoraCacheConfig
 from backend.kv_cache import BlockManager
 from backend.model.config import ModelConfig
@@ -86,6 +88,7 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return True
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One forward over the scheduled batch; the new token (if any) and finished flag of each request."""
         batch = self.scheduler.schedule()

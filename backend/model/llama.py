@@ -17,7 +17,6 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin(cfg)
         self.scale = cfg.head_dim ** -0.5
 
-    @torch.inference_mode()
     def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step."""
         cfg, w = self.cfg, self.w

@@ -1,0 +1,34 @@
+"""Baselines measured in the same run as the engine: Hugging Face transformers (+ PEFT) generate."""
+import time
+
+import torch
+
+
+def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_size: int = 8) -> dict:
+    """generate() in batches of `batch_size` with left padding, every output forced to its full length."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    adapter_names = None
+    if workload.adapter_ranks:
+        from bench_adapters import attach_peft_adapters
+        model, adapter_names = attach_peft_adapters(model, workload)
+    num_tokens = 0
+    start = time.perf_counter()
+    for b in range(0, len(requests), batch_size):
+        chunk = requests[b:b + batch_size]
+        width = max(len(r["prompt"]) for r in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(chunk):
+            ids[row, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
+            mask[row, width - len(r["prompt"]):] = 1
+        new = chunk[0]["max_new_tokens"]
+        kwargs = {}
+        if adapter_names is not None:
+            kwargs["adapter_names"] = [adapter_names.get(r["lora_task_id"], "__base__") for r in chunk]
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                 min_new_tokens=new, pad_token_id=0, **kwargs)
+        num_tokens += (out.shape[1] - width) * len(chunk)
+    elapsed = time.perf_counter() - start
+    return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens}

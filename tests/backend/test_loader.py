@@ -1,0 +1,110 @@
+"""The weights loader: sharded checkpoints, fusion, tensor-parallel slices, and errors that name the culprit."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend import LLMEngine
+from backend.model.config import ModelConfig
+from backend.model.loader import load_weights
+from tests.helpers import random_prompts
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    single = load_weights(tiny_model_dir, cfg, torch.float32)
+    sharded = load_weights(tmp_path, cfg, torch.float32)
+    assert single.keys() == sharded.keys()
+    assert all(torch.equal(single[k], sharded[k]) for k in single)
+
+
+def test_fused_projections_concatenate_the_checkpoint_tensors(tiny_model_dir):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    raw = load_file(tiny_model_dir / "model.safetensors")
+    w = load_weights(tiny_model_dir, cfg, torch.float32)
+    p = "model.layers.1"
+    assert torch.equal(w["layers.1.qkv_proj"], torch.cat([raw[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"]))
+    assert torch.equal(w["layers.1.gate_up_proj"],
+                       torch.cat([raw[f"{p}.mlp.gate_proj.weight"], raw[f"{p}.mlp.up_proj.weight"]]))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_slices_reassemble_the_full_weights(tiny_model_dir, tp_size):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    full = load_weights(tiny_model_dir, cfg, torch.float32)
+    ranks = [load_weights(tiny_model_dir, cfg, torch.float32, tp_size, r) for r in range(tp_size)]
+    q, kv = cfg.q_size // tp_size, cfg.kv_size // tp_size
+    parts = [r["layers.0.qkv_proj"].split([q, kv, kv]) for r in ranks]
+    for j in range(3):                                     # each of q, k, v is split on its own
+        assert torch.equal(torch.cat([p[j] for p in parts]), full["layers.0.qkv_proj"].split(
+            [cfg.q_size, cfg.kv_size, cfg.kv_size])[j])
+    assert torch.equal(torch.cat([r["layers.0.o_proj"] for r in ranks], dim=1), full["layers.0.o_proj"])
+    assert torch.equal(torch.cat([r["layers.0.down_proj"] for r in ranks], dim=1), full["layers.0.down_proj"])
+    assert torch.equal(ranks[1]["embed_tokens"], full["embed_tokens"])
+
+
+def test_tied_embeddings_reuse_the_embedding_matrix(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir, tmp_path / "tied")
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors")
+    w = load_weights(path, ModelConfig.from_dir(path), torch.float32)
+    assert torch.equal(w["lm_head"], w["embed_tokens"])
+
+
+def test_missing_key_is_named(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir, tmp_path / "missing")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+
+
+def test_unexpected_shape_is_named(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir, tmp_path / "shape")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight has shape \[8, 64\], expected \[32, 64\]"):
+        LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+
+
+def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir, tmp_path / "arch")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+
+
+def test_llama3_rope_scaling_matches_hf(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from tests.helpers import hf_greedy
+    path = copy_model(tiny_model_dir, tmp_path / "llama3")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    config.pop("rope_scaling", None)
+    (path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+    prompts = random_prompts([90, 12], engine.model_config.vocab_size, seed=11)
+    eos = engine.model_config.eos_token_id
+    assert engine.generate(prompts, max_new_tokens=8, end_id=eos) == [hf_greedy(hf, p, 8) for p in prompts]

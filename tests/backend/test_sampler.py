@@ -1,0 +1,83 @@
+"""Sampling: seeds reproduce, filters restrict, penalties and bans change logits as specified."""
+import pytest
+import torch
+
+from backend import LLMEngine
+from backend.request import SamplingParams, Sequence
+from backend.sampler import Sampler, apply_bans, apply_penalties
+from tests.helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return random_prompts([4, 13, 21], engine.model_config.vocab_size, seed=5)
+
+
+def test_same_seed_same_output_different_seed_different_output(engine, prompts):
+    kw = dict(max_new_tokens=16, temperature=1.5)
+    first = engine.generate(prompts, seed=1234, **kw)
+    assert engine.generate(prompts, seed=1234, **kw) == first
+    assert engine.generate(prompts, seed=99, **kw) != first
+
+
+def test_top_k_one_equals_greedy(engine, prompts):
+    greedy = engine.generate(prompts, max_new_tokens=10)
+    assert engine.generate(prompts, max_new_tokens=10, temperature=2.0, top_k=1, seed=3) == greedy
+
+
+def test_top_k_and_top_p_only_pick_allowed_tokens():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0]])
+    picks_k, picks_p = set(), set()
+    for seed in range(60):
+        seq_k = Sequence(0, [0], SamplingParams(temperature=5.0, top_k=2, seed=seed))
+        seq_p = Sequence(0, [0], SamplingParams(temperature=1.0, top_p=0.5, seed=seed))
+        picks_k.add(Sampler().sample(logits.clone(), [seq_k])[0][0])
+        picks_p.add(Sampler().sample(logits.clone(), [seq_p])[0][0])
+    assert picks_k == {1, 2}
+    assert picks_p == {1, 2}                              # p(1) = 0.42 < 0.5, so the second token is kept too
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seq = Sequence(0, [0, 1], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
+    seq.output_ids = [2, 2]
+    apply_penalties(logits, [seq])
+    # repetition over prompt + output: 0 -> 2/2, 1 -> -2*2, 2 -> 1/2; presence/frequency over output: 2 -= .5+.5
+    assert torch.allclose(logits, torch.tensor([[1.0, -4.0, -0.5, 0.5]]))
+
+
+def test_min_tokens_bans_end_id_and_bad_words_ban_their_last_token():
+    logits = torch.zeros(1, 6)
+    seq = Sequence(0, [4, 3], SamplingParams(end_id=5, min_tokens=2, bad_words=[[1], [4, 3, 2], [0, 0]]))
+    apply_bans(logits, [seq])
+    assert logits[0].tolist() == [0.0, float("-inf"), float("-inf"), 0.0, 0.0, float("-inf")]
+
+
+def test_end_id_stop_words_and_min_tokens_end_generation(engine, prompts):
+    [free] = engine.generate(prompts[:1], max_new_tokens=12)
+    end_id = free[3]
+    first = free.index(end_id)
+    [stopped] = engine.generate(prompts[:1], max_new_tokens=12, end_id=end_id)
+    assert stopped == free[:first + 1]
+    [worded] = engine.generate(prompts[:1], max_new_tokens=12, stop_words=[free[4:6]])
+    assert worded[-2:] == free[4:6] and len(worded) <= 6
+    [long] = engine.generate(prompts[:1], max_new_tokens=12, end_id=end_id, min_tokens=first + 2)
+    assert len(long) >= first + 2 and end_id not in long[:first + 2]
+
+
+def test_log_probs_are_the_log_softmax_of_the_chosen_token(engine, prompts):
+    request_id = engine.add_request(prompts[1], max_new_tokens=5, return_log_probs=True)
+    log_probs = []
+    while engine.has_unfinished:
+        for out in engine.step():
+            log_probs += out.log_probs
+    assert len(log_probs) == 5 and all(-30 < lp <= 0 for lp in log_probs)
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    seq = Sequence(request_id, [0], SamplingParams(return_log_probs=True))
+    tokens, lps = Sampler().sample(logits.clone(), [seq])
+    assert tokens == [2] and lps[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())

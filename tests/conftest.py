@@ -1,0 +1,45 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():             # Triton kernels run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from tests.helpers import SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A small random GQA Llama (2 layers, 4 heads, 2 KV heads, vocab 512)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny(path, seed=0, architecture="llama")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    build_tiny(path, seed=1, architecture="qwen2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    if not is_complete(SMOLLM2_DIR):
+        build_smollm2(SMOLLM2_DIR)
+    return SMOLLM2_DIR
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
