@@ -7,6 +7,8 @@ import torch
 
 from backend.config import EngineConfig, LoraCacheConfig
 from backend.kv_cache import BlockManager
+from backend.lora.cache import LoraCache
+from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
 from backend.model.runner import ModelRunner
 from backend.request import RequestError, SamplingParams, Sequence, validate_prompt
@@ -48,18 +50,33 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(self.config, self.model_config)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.kv_block_size, self.config.kv_watermark)
-        self.scheduler = Scheduler(self.config, self.blocks)
+        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype)
+        self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
         self.sampler = Sampler()
         self.seqs: dict[Hashable, Sequence] = {}
         self._ids = itertools.count()
+        if self.config.lora.prefetch_dir:
+            for task_id, path in prefetch_dirs(self.config.lora.prefetch_dir):
+                self.add_lora_dir(task_id, path)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def add_lora(self, task_id: int, weights, config) -> None:
+        """Cache an adapter given as TensorRT-LLM tensors (numpy or torch): lora_weights [N, R], lora_config [N, 3]."""
+        self.lora_cache.add(int(task_id), weights, config)
+
+    def add_lora_dir(self, task_id: int, path) -> None:
+        """Cache an adapter from an HF PEFT or TensorRT-LLM directory."""
+        weights, config = load_lora_dir(path, self.model_config)
+        self.add_lora(task_id, weights, config)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    lora_task_id: int | None = None, request_id: Hashable | None = None, **sampling) -> Hashable:
-        """Validate and queue one request; raises RequestError naming the field at fault."""
+                    lora_task_id: int | None = None, request_id: Hashable | None = None,
+                    lora_weights=None, lora_config=None, **sampling) -> Hashable:
+        """Validate and queue one request; raises RequestError naming the field at fault. The first request
+        for an adapter brings lora_weights and lora_config; later ones send only lora_task_id."""
         unknown = set(sampling) - SAMPLING_FIELDS
         if unknown:
             raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
@@ -75,6 +92,15 @@ class LLMEngine:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self.seqs:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
+        if (lora_weights is None) != (lora_config is None):
+            raise RequestError("lora_config" if lora_config is None else "lora_weights",
+                               "lora_weights and lora_config must be sent together")
+        if lora_weights is not None:
+            if lora_task_id is None:
+                raise RequestError("lora_task_id", "must be set when lora_weights are sent")
+            self.add_lora(lora_task_id, lora_weights, lora_config)
+        lora_task_id = None if lora_task_id is None else int(lora_task_id)
+        self.lora_cache.ref(lora_task_id)
         seq = Sequence(request_id, prompt_ids, params, lora_task_id)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -82,10 +108,10 @@ class LLMEngine:
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free what it holds. False if it is not in flight."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         return True
 
     @torch.inference_mode()
@@ -95,7 +121,7 @@ class LLMEngine:
         if not batch.items:
             return []
         try:
-            logits = self.runner.run(batch)
+            logits = self.runner.run(batch, self.lora_cache)
         except Exception as exc:             # a failed forward fails its batch, never the engine
             return [self._finish(item.seq, "error", error=f"engine failure: {exc}") for item in batch.items]
         sampled = [item for item in batch.items if item.samples]
@@ -127,6 +153,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> StepOutput:
         self.scheduler.finish(seq, reason)
+        self.lora_cache.unref(seq.lora_task_id)
         self.seqs.pop(seq.request_id, None)
         return StepOutput(seq.request_id, [], finished=True, finish_reason=reason, error=error)
 

@@ -95,3 +95,31 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Tensor,
+                ranks_list: list[int]) -> torch.Tensor:
+    """h[start:end, :rank[slot]] = x[start:end] @ lora_a[slot, :rank[slot]].T for each segment with a slot.
+
+    x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim] -> h: [num_tokens, cap] (zeros where unused).
+    """
+    h = x.new_zeros(x.shape[0], lora_a.shape[1])
+    starts = segments.starts_list
+    for s, slot in enumerate(segments.slots_list):
+        rank = ranks_list[slot] if slot >= 0 else 0
+        if rank:
+            h[starts[s]:starts[s + 1], :rank] = x[starts[s]:starts[s + 1]] @ lora_a[slot, :rank].T
+    return h
+
+
+def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor, ranks_list: list[int],
+                out: torch.Tensor) -> None:
+    """out[start:end] += h[start:end, :rank[slot]] @ lora_b[slot, :, :rank[slot]].T for each segment with a slot.
+
+    h: [num_tokens, cap]; lora_b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in place.
+    """
+    starts = segments.starts_list
+    for s, slot in enumerate(segments.slots_list):
+        rank = ranks_list[slot] if slot >= 0 else 0
+        if rank:
+            out[starts[s]:starts[s + 1]] += h[starts[s]:starts[s + 1], :rank] @ lora_b[slot, :, :rank].T

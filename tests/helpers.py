@@ -27,5 +27,52 @@ def kv_bytes_for_blocks(num_blocks: int, block_size: int, model_config, dtype_by
     return num_blocks * 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype_bytes
 
 
-__all__ = ["SMOLLM2_DIR", "build_smollm2", "build_tiny", "is_complete", "hf_greedy", "random_prompts",
-           "kv_bytes_for_blocks"]
+
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_SPECS = [   # ranks 4, 8, 16, 64; different alphas; one rsLoRA; one attention-only; one with patterns
+    dict(r=4, lora_alpha=8, target_modules=ALL_MODULES),
+    dict(r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    dict(r=16, lora_alpha=16, use_rslora=True, target_modules=ALL_MODULES),
+    dict(r=64, lora_alpha=64, target_modules=ALL_MODULES, rank_pattern={"down_proj": 12},
+         alpha_pattern={"layers.1.self_attn.q_proj": 20}),
+]
+
+
+def make_peft_adapters(base_dir, out_root: Path, specs=ADAPTER_SPECS, seed: int = 0, scale: float = 1.0) -> list[Path]:
+    """Random, non-trivial PEFT LoRA adapters for the model in base_dir, saved as PEFT directories."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    paths = []
+    for i, spec in enumerate(specs):
+        torch.manual_seed(seed + i)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec))
+        if scale != 1.0:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "lora_B" in name:
+                        param.mul_(scale)
+        path = out_root / f"adapter{i}"
+        model.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+def peft_model_with(base_dir, adapter_dirs: list[Path], dtype=torch.float32):
+    """A PEFT model holding every adapter, named a0, a1, ... (use '__base__' for no adapter)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    model = PeftModel.from_pretrained(base, adapter_dirs[0], adapter_name="a0")
+    for i, path in enumerate(adapter_dirs[1:], start=1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    return model.eval()
+
+
+def peft_greedy(model, prompt: list[int], adapter: str, max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0, adapter_names=[adapter])
+    return out[0, len(prompt):].tolist()

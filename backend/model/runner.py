@@ -3,6 +3,8 @@ import torch
 
 from backend.config import EngineConfig
 from backend.kv_cache import num_kv_blocks
+from backend.lora.batch import LoraBatch, LoraSegments
+from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
 from backend.model.context import build_context
 from backend.model.llama import LlamaModel
@@ -25,8 +27,14 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
                           for _ in range(cfg.num_layers)]
 
-    def run(self, batch: Batch, lora=None) -> torch.Tensor:
-        """Logits [num_sampled, vocab] fp32, one row per sequence whose chunk reaches its last token."""
+    def run(self, batch: Batch, lora_cache: LoraCache | None = None) -> torch.Tensor:
+        """Logits [num_sampled, vocab] fp32, one row per sequence whose chunk reaches its last token (in the
+        order of batch.items, which this sorts by adapter slot so that each adapter is one segment)."""
+        if lora_cache is not None:
+            batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
         ctx = build_context(batch, self.block_size)
-        ctx.lora = lora
+        if lora_cache is not None and any(item.seq.lora_task_id is not None for item in batch.items):
+            token_slots = [lora_cache.slot(item.seq.lora_task_id)
+                           for item in batch.items for _ in range(item.num_new_tokens)]
+            ctx.lora = LoraBatch(lora_cache.slots, LoraSegments.from_token_slots(token_slots), self.ops)
         return self.model.forward(ctx, self.kv_caches)

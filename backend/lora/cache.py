@@ -1,0 +1,134 @@
+"""Two-tier adapter cache with the semantics of TensorRT-LLM's PEFT cache.
+
+Host tier: parsed adapters under a byte budget, LRU among those no waiting or running request uses.
+Device tier: a fixed number of slots; an adapter is copied in when a request using it is scheduled, pinned
+while any running request uses it, evicted LRU otherwise. The scheduler asks `can_acquire` before admitting.
+"""
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from backend.config import LoraCacheConfig
+from backend.lora.format import LoraAdapter, parse_lora
+from backend.lora.slots import DeviceSlots
+from backend.model.config import ModelConfig
+from backend.request import RequestError
+
+
+def not_found_message(task_id: int) -> str:
+    return f"LoRA task {task_id} not found in cache. Please send LoRA weights with request"
+
+
+@dataclass(slots=True)
+class LoraCacheStats:
+    host_hits: int = 0
+    host_misses: int = 0
+    host_evictions: int = 0
+    device_hits: int = 0
+    device_misses: int = 0
+    device_evictions: int = 0
+    host_bytes: int = 0
+    device_bytes: int = 0
+
+
+class LoraCache:
+    def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.dtype = dtype
+        self.host: OrderedDict[int, LoraAdapter] = OrderedDict()      # least recently used first
+        self.in_use: Counter[int] = Counter()                          # waiting + running requests per task
+        self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype)
+        self.slot_of: dict[int, int] = {}
+        self.pins = [0] * cfg.max_loras
+        self.idle_slots: OrderedDict[int, None] = OrderedDict((s, None) for s in range(cfg.max_loras))  # unpinned, LRU first
+        self.stats = LoraCacheStats()
+
+    # host tier ------------------------------------------------------------------------------------------
+    def add(self, task_id: int, weights, config) -> None:
+        """Parse and keep an adapter. Sending the same adapter again is a no-op; a different one under a
+        known id is refused."""
+        adapter = parse_lora(weights, config, self.model_cfg, self.dtype, self.cfg.max_lora_rank,
+                             self.cfg.max_adapter_bytes)
+        if task_id in self.host:
+            if not self.host[task_id].same_as(adapter):
+                raise RequestError("lora_task_id", f"LoRA task {task_id} is already cached with different weights")
+            self.host.move_to_end(task_id)
+            return
+        size = adapter.num_bytes
+        if size > self.cfg.host_memory_bytes:
+            raise RequestError("lora_weights", f"adapter of {size} bytes exceeds lora_cache_host_memory_bytes "
+                                               f"{self.cfg.host_memory_bytes}")
+        while self.stats.host_bytes + size > self.cfg.host_memory_bytes:
+            victim = next((t for t in self.host if self.in_use[t] == 0), None)
+            if victim is None:
+                raise RequestError("lora_weights", f"lora_cache_host_memory_bytes {self.cfg.host_memory_bytes} "
+                                                   "is full of adapters in use; retry later")
+            self._evict_host(victim)
+        self.host[task_id] = adapter
+        self.stats.host_bytes += size
+
+    def contains(self, task_id: int) -> bool:
+        return task_id in self.host
+
+    def ref(self, task_id: int | None) -> None:
+        """A request that uses the adapter entered the engine: keep the adapter on the host."""
+        if task_id is None:
+            return
+        if task_id not in self.host:
+            self.stats.host_misses += 1
+            raise RequestError("lora_task_id", not_found_message(task_id))
+        self.stats.host_hits += 1
+        self.in_use[task_id] += 1
+        self.host.move_to_end(task_id)
+
+    def unref(self, task_id: int | None) -> None:
+        if task_id is not None:
+            self.in_use[task_id] -= 1
+            if self.in_use[task_id] == 0:
+                del self.in_use[task_id]
+
+    def _evict_host(self, task_id: int) -> None:
+        slot = self.slot_of.pop(task_id, None)
+        if slot is not None:
+            self.stats.device_bytes -= self.host[task_id].num_bytes
+        adapter = self.host.pop(task_id)
+        self.stats.host_bytes -= adapter.num_bytes
+        self.stats.host_evictions += 1
+
+    # device tier (the scheduler's AdapterSlots) ----------------------------------------------------------
+    def slot(self, task_id: int | None) -> int:
+        return -1 if task_id is None else self.slot_of[task_id]
+
+    def can_acquire(self, task_id: int | None) -> bool:
+        return task_id is None or task_id in self.slot_of or bool(self.idle_slots)
+
+    def acquire(self, task_id: int | None) -> None:
+        if task_id is None:
+            return
+        slot = self.slot_of.get(task_id)
+        if slot is not None:
+            self.stats.device_hits += 1
+        else:
+            self.stats.device_misses += 1
+            occupied = set(self.slot_of.values())
+            slot = next((s for s in self.idle_slots if s not in occupied), next(iter(self.idle_slots)))
+            owner = next((t for t, s in self.slot_of.items() if s == slot), None)
+            if owner is not None:
+                del self.slot_of[owner]
+                self.stats.device_evictions += 1
+                self.stats.device_bytes -= self.host[owner].num_bytes
+            self.slots.load(slot, self.host[task_id])
+            self.slot_of[task_id] = slot
+            self.stats.device_bytes += self.host[task_id].num_bytes
+        self.pins[slot] += 1
+        self.idle_slots.pop(slot, None)
+
+    def release(self, task_id: int | None) -> None:
+        if task_id is None:
+            return
+        slot = self.slot_of[task_id]
+        self.pins[slot] -= 1
+        if self.pins[slot] == 0:
+            self.idle_slots[slot] = None                  # most recently used last

@@ -1,0 +1,113 @@
+"""TensorRT-LLM's LoRA tensors -> per-layer, per-module (A, B) pairs, validated.
+
+lora_config rows are [module_id, layer_idx, rank]; the matching lora_weights row holds A [rank, in_dim]
+flattened row-major, then B [out_dim, rank] flattened row-major, then zero padding. The scale is already
+folded into B.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backend.model.config import ModelConfig
+from backend.request import RequestError
+
+MODULE_NAMES = {0: "attn_qkv", 1: "attn_q", 2: "attn_k", 3: "attn_v", 4: "attn_dense",
+                5: "mlp_h_to_4h", 6: "mlp_4h_to_h", 7: "mlp_gate"}
+UNSUPPORTED_MODULES = {8: "cross_attn_qkv", 9: "cross_attn_q", 10: "cross_attn_k", 11: "cross_attn_v",
+                       12: "cross_attn_dense", 13: "moe_h_to_4h", 14: "moe_4h_to_h", 15: "moe_gate",
+                       16: "moe_router", 17: "mlp_router"}
+PROJ_OF_MODULE = {0: "qkv", 1: "qkv", 2: "qkv", 3: "qkv", 4: "o", 5: "gate_up", 6: "down", 7: "gate_up"}
+
+
+def module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
+    """(in_dim, out_dim) of a module's base projection."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {0: (h, q + 2 * kv), 1: (h, q), 2: (h, kv), 3: (h, kv), 4: (q, h),
+            5: (h, inter), 6: (inter, h), 7: (h, inter)}[module_id]
+
+
+def module_columns(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
+    """The output columns [start, end) a module writes within its fused projection (qkv, gate_up)."""
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    start = {2: q, 3: q + kv, 7: inter}.get(module_id, 0)
+    return start, start + module_shape(cfg, module_id)[1]
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the model's dtype."""
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def same_as(self, other: "LoraAdapter") -> bool:
+        return self.weights.keys() == other.weights.keys() and all(
+            torch.equal(a, other.weights[k][0]) and torch.equal(b, other.weights[k][1])
+            for k, (a, b) in self.weights.items())
+
+
+def _as_tensor(name: str, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    value = np.asarray(value)
+    if value.dtype == np.uint16:                  # bf16 bits, as numpy has no bfloat16
+        return torch.from_numpy(value.astype(np.int16)).view(torch.bfloat16)
+    if value.dtype not in (np.float16, np.float32, np.float64, np.int32, np.int64):
+        raise RequestError(name, f"unsupported dtype {value.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(value))
+
+
+def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
+               max_adapter_bytes: int) -> LoraAdapter:
+    """Validate TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3] (or [1, N, 3])."""
+    weights, config = _as_tensor("lora_weights", weights), _as_tensor("lora_config", config)
+    if weights.dim() == 3 and weights.shape[0] == 1:
+        weights = weights[0]
+    if config.dim() == 3 and config.shape[0] == 1:
+        config = config[0]
+    if weights.dim() != 2:
+        raise RequestError("lora_weights", f"must be [N, D*Hi + Ho*D] (or [1, N, ...]), got shape {list(weights.shape)}")
+    if config.dim() != 2 or config.shape[1] != 3:
+        raise RequestError("lora_config", f"must be [N, 3] (or [1, N, 3]), got shape {list(config.shape)}")
+    if weights.shape[0] != config.shape[0]:
+        raise RequestError("lora_config", f"has {config.shape[0]} rows but lora_weights has {weights.shape[0]}")
+    if weights.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise RequestError("lora_weights", f"dtype must be FP16, BF16 or FP32, got {weights.dtype}")
+    if config.dtype.is_floating_point:
+        raise RequestError("lora_config", f"dtype must be INT32, got {config.dtype}")
+    if not torch.isfinite(weights).all():
+        raise RequestError("lora_weights", "contains NaN or Inf values")
+
+    parsed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    num_bytes = 0
+    for i, (module_id, layer, rank) in enumerate(config.tolist()):
+        if module_id in UNSUPPORTED_MODULES:
+            raise RequestError("lora_config", f"row {i}: module {module_id} ({UNSUPPORTED_MODULES[module_id]}) "
+                                              "is unsupported for decoder-only models")
+        if module_id not in MODULE_NAMES:
+            raise RequestError("lora_config", f"row {i}: unknown module id {module_id} (valid: 0-7)")
+        if not 0 <= layer < cfg.num_layers:
+            raise RequestError("lora_config", f"row {i}: layer {layer} out of range [0, {cfg.num_layers})")
+        if not 1 <= rank <= max_rank:
+            raise RequestError("lora_config", f"row {i}: rank {rank} must be in [1, max_lora_rank {max_rank}]")
+        if (layer, module_id) in parsed:
+            raise RequestError("lora_config", f"row {i}: duplicate module {module_id} for layer {layer}")
+        in_dim, out_dim = module_shape(cfg, module_id)
+        need = rank * in_dim + out_dim * rank
+        if weights.shape[1] < need:
+            raise RequestError("lora_weights", f"row {i} has {weights.shape[1]} values, module {module_id} "
+                                               f"({MODULE_NAMES[module_id]}) rank {rank} needs {need}")
+        num_bytes += need * dtype.itemsize
+        if num_bytes > max_adapter_bytes:
+            raise RequestError("lora_weights", f"adapter exceeds lora_cache_max_adapter_size {max_adapter_bytes} bytes")
+        row = weights[i]
+        a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype)
+        b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype)
+        parsed[(layer, module_id)] = (a.contiguous(), b.contiguous())
+    for layer, module_id in parsed:
+        if module_id == 0 and any((layer, m) in parsed for m in (1, 2, 3)):
+            raise RequestError("lora_config", f"layer {layer} has both attn_qkv (0) and attn_q/k/v (1-3) rows")
+    return LoraAdapter(parsed)
