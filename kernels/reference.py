@@ -1,7 +1,8 @@
 """Torch implementations of every kernel: the CPU serving path and the oracle the Triton kernels are tested against.
 
 Layouts shared with kernels/*.py:
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block_id * block_size + offset
+    k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]; slot = block_id * block_size + offset
+        (head-major: one head's context gathers into a contiguous [num_seqs, context, head_dim] batch)
     block_tables: [num_seqs, max_blocks] int32 (padding entries are never read)
     query_starts: [num_seqs + 1] int32, seq_lens: [num_seqs] int32 (context length including the new tokens)
 """
@@ -14,9 +15,9 @@ from kernels.metadata import AttentionMetadata
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens]."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    k_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = k.transpose(0, 1)
+    v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = v.transpose(0, 1)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +36,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    block_size = cache.shape[1]
+    block_size = cache.shape[2]
     num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]   # [length, num_kv_heads, head_dim]
+    return cache[:, block_table[:num_blocks]].flatten(1, 2)[:, :length]   # [num_kv_heads, length, head_dim]
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -61,8 +62,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         start, end, length = query_starts[s], query_starts[s + 1], seq_lens[s]
         if end - start == 1:
             continue
-        k = _gather_context(k_cache, block_tables[s], length).transpose(0, 1)[None]
-        v = _gather_context(v_cache, block_tables[s], length).transpose(0, 1)[None]
+        k = _gather_context(k_cache, block_tables[s], length)[None]
+        v = _gather_context(v_cache, block_tables[s], length)[None]
         q_pos = torch.arange(length - (end - start), length)
         mask = _window_mask(q_pos, torch.arange(length), sliding_window)
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
@@ -79,22 +80,21 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
     """One query per sequence, all sequences at once. q: [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, _, block_size, _ = k_cache.shape
     max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // k_cache.shape[1])
-    table = block_tables[:, :num_blocks].clamp(min=0)
-    k = k_cache[table].flatten(1, 2)[:, :max_len]          # [num_seqs, max_len, num_kv_heads, head_dim]
-    v = v_cache[table].flatten(1, 2)[:, :max_len]
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), k.float()) * scale
-    k_pos = torch.arange(max_len)
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks]
+    k = k_cache[:, table].flatten(2, 3)                     # [num_kv_heads, num_seqs, num_blocks * block_size, head_dim]
+    v = v_cache[:, table].flatten(2, 3)
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale    # [num_kv_heads, num_seqs, group, context]
+    k_pos = torch.arange(k.shape[2])
     valid = k_pos[None, :] < seq_lens[:, None]
     if sliding_window is not None:
         valid &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)        # [num_kv_heads, num_seqs, group, head_dim]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Tensor,

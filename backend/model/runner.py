@@ -23,7 +23,7 @@ class ModelRunner:
         self.block_size = config.kv_block_size
         self.num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, self.block_size, cfg.num_layers,
                                         cfg.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
                           for _ in range(cfg.num_layers)]
 
