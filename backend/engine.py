@@ -28,18 +28,16 @@ class StepOutput:
     error: str | None = None
 
 
+# the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
+LORA_KWARGS = {"max_lora_rank": "max_lora_rank", "max_loras": "max_loras",
+               "lora_cache_host_memory_bytes": "host_memory_bytes", "lora_cache_max_adapter_size": "max_adapter_bytes",
+               "lora_prefetch_dir": "prefetch_dir"}
+
+
 def split_engine_kwargs(kwargs: dict) -> tuple[dict, dict]:
-    """Engine keywords -> (EngineConfig fields, LoraCacheConfig fields); lora_* names go to the cache."""
-    engine, lora = {}, {}
-    lora_names = {f.name for f in fields(LoraCacheConfig)}
-    for key, value in kwargs.items():
-        name = key.removeprefix("lora_cache_").removeprefix("lora_")
-        if key.startswith("lora_") and name in lora_names:
-            lora[name] = value
-        elif key in lora_names:
-            lora[key] = value
-        else:
-            engine[key] = value
+    """Engine keywords -> (EngineConfig fields, LoraCacheConfig fields)."""
+    engine = {k: v for k, v in kwargs.items() if k not in LORA_KWARGS}
+    lora = {LORA_KWARGS[k]: v for k, v in kwargs.items() if k in LORA_KWARGS}
     return engine, lora
 
 

@@ -91,8 +91,9 @@ class LoraCache:
 
     def _evict_host(self, task_id: int) -> None:
         slot = self.slot_of.pop(task_id, None)
-        if slot is not None:
+        if slot is not None:                              # the device tier only holds what the host has
             self.stats.device_bytes -= self.host[task_id].num_bytes
+            self.stats.device_evictions += 1
         adapter = self.host.pop(task_id)
         self.stats.host_bytes -= adapter.num_bytes
         self.stats.host_evictions += 1

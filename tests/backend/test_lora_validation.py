@@ -1,0 +1,123 @@
+"""Every malformed adapter is refused with an error naming what is wrong; the next valid request succeeds."""
+import numpy as np
+import pytest
+
+from backend import LLMEngine, RequestError
+from tests.backend.test_lora_cache import make_adapter
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20,
+                     max_lora_rank=16, lora_cache_max_adapter_size=50_000)
+
+
+def good(engine):
+    return make_adapter(engine.model_config, 4, 0)
+
+
+def case_tensor_rank(w, c):
+    return w[None, None], c
+
+
+def case_row_mismatch(w, c):
+    return w[:-1], c
+
+
+def case_config_width(w, c):
+    return w, c[:, :2]
+
+
+def case_unknown_module(w, c):
+    c[0, 0] = 42
+    return w, c
+
+
+def case_cross_attention(w, c):
+    c[0, 0] = 9
+    return w, c
+
+
+def case_layer_range(w, c):
+    c[0, 1] = 2
+    return w, c
+
+
+def case_duplicate(w, c):
+    c[1] = c[0]
+    return w, c
+
+
+def case_rank_zero(w, c):
+    c[0, 2] = 0
+    return w, c
+
+
+def case_rank_too_big(w, c):
+    c[0, 2] = 17
+    return w, c
+
+
+def case_short_row(w, c):
+    return w[:, :100], c
+
+
+def case_not_finite(w, c):
+    w[2, 3] = np.nan
+    return w, c
+
+
+def case_too_large(w, c):
+    c[:, 2] = 16                                   # rank 16 on q, o, down of 2 layers: 57344 bytes > 50000
+    return np.zeros((len(c), 16 * 128 + 64 * 16), dtype=np.float32), c
+
+
+def case_float_config(w, c):
+    return w, c.astype(np.float32)
+
+
+def case_qkv_mixed_with_q(w, c):
+    c[0, 0], c[1, 0], c[1, 1] = 0, 1, c[0, 1]
+    return w, c
+
+
+CASES = [
+    (case_tensor_rank, "lora_weights", "must be [N, D*Hi + Ho*D]"),
+    (case_row_mismatch, "lora_config", "has 6 rows but lora_weights has 5"),
+    (case_config_width, "lora_config", "must be [N, 3]"),
+    (case_unknown_module, "lora_config", "unknown module id 42"),
+    (case_cross_attention, "lora_config", "module 9 (cross_attn_q) is unsupported"),
+    (case_layer_range, "lora_config", "layer 2 out of range [0, 2)"),
+    (case_duplicate, "lora_config", "duplicate module 1 for layer 0"),
+    (case_rank_zero, "lora_config", "rank 0 must be in [1, max_lora_rank 16]"),
+    (case_rank_too_big, "lora_config", "rank 17 must be in [1, max_lora_rank 16]"),
+    (case_short_row, "lora_weights", "row 0 has 100 values"),
+    (case_not_finite, "lora_weights", "NaN or Inf"),
+    (case_too_large, "lora_weights", "exceeds lora_cache_max_adapter_size 50000"),
+    (case_float_config, "lora_config", "dtype must be INT32"),
+    (case_qkv_mixed_with_q, "lora_config", "both attn_qkv (0) and attn_q/k/v (1-3)"),
+]
+
+
+@pytest.mark.parametrize("case,field,text", CASES, ids=[c[0].__name__[5:] for c in CASES])
+def test_bad_adapter_is_refused_then_a_valid_request_succeeds(engine, case, field, text):
+    weights_ok, config_ok = good(engine)
+    weights, config = case(weights_ok.copy(), config_ok.copy())
+    task_id = 100 + CASES.index((case, field, text))
+    with pytest.raises(RequestError) as err:
+        engine.add_request([5, 6, 7], lora_task_id=task_id, lora_weights=weights, lora_config=config)
+    assert err.value.field == field and text in err.value.message, err.value.message
+    assert not engine.lora_cache.contains(task_id)
+    engine.add_request([5, 6, 7], lora_task_id=1, lora_weights=weights_ok, lora_config=config_ok, max_new_tokens=3)
+    produced = []
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.error is None
+            produced += out.new_token_ids
+    assert len(produced) == 3
+
+
+def test_weights_without_config_are_refused(engine):
+    weights, _ = good(engine)
+    with pytest.raises(RequestError, match="must be sent together"):
+        engine.add_request([5], lora_task_id=3, lora_weights=weights)
