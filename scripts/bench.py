@@ -113,7 +113,8 @@ def main() -> None:
         workload = WORKLOADS[name]
         requests = make_requests(workload, cfg.vocab_size, args.requests)
         engine = LLMEngine(args.model_dir, dtype=args.dtype, kernel_backend="torch",
-                           max_num_seqs=workload.max_num_seqs, max_num_batched_tokens=2048)
+                           max_num_seqs=workload.max_num_seqs, max_num_batched_tokens=2048,
+                           max_loras=workload.max_loras, max_lora_rank=workload.max_lora_rank)
         workload.setup(engine)
         res = run_engine(engine, requests)
         prompt_tokens = sum(len(r["prompt"]) for r in requests)

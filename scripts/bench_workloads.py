@@ -1,6 +1,6 @@
 """The standard workloads of shared/BENCHMARKS.md as data: who asks for what, with which adapter."""
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -13,8 +13,8 @@ class Workload:
     hf_baseline: bool = True
     adapter_ranks: tuple[int, ...] = ()       # one adapter per entry; empty: base only
     base_every: int = 0                       # every n-th request is base-only (0: none)
-    max_loras: int = 16
-    extra: dict = field(default_factory=dict)
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def setup(self, engine) -> None:
         """Register the workload's adapters with the engine (none for base-only workloads)."""
@@ -24,8 +24,10 @@ class Workload:
 
 
 WORKLOADS = {
+    "W1": Workload("W1", 128, (32, 256), 64, adapter_ranks=(8, 16, 32, 64) * 4, base_every=8, max_loras=16),
     "W2": Workload("W2", 128, (32, 256), 64),
     "W3": Workload("W3", 1, (128, 128), 128, max_num_seqs=1),
+    "W5": Workload("W5", 256, (64, 64), 32, adapter_ranks=(8,) * 128, max_loras=8, max_lora_rank=8),
 }
 
 
