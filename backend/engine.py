@@ -61,6 +61,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def stats(self) -> dict:
+        """Figures a server exports: sequences, KV blocks, adapter cache counters (cumulative) and bytes."""
+        lora = self.lora_cache.stats
+        return {"seqs_running": len(self.scheduler.running), "seqs_waiting": len(self.scheduler.waiting),
+                "kv_used": self.blocks.num_used_blocks, "kv_free": self.blocks.num_free_blocks,
+                "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
+
     def add_lora(self, task_id: int, weights, config) -> None:
         """Cache an adapter given as TensorRT-LLM tensors (numpy or torch): lora_weights [N, R], lora_config [N, 3]."""
         self.lora_cache.add(int(task_id), weights, config)

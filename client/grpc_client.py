@@ -1,0 +1,88 @@
+"""A streaming gRPC client for the lora_llm model, speaking TensorRT-LLM backend's tensors."""
+import queue
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+NOT_FOUND = "not found in cache. Please send LoRA weights with request"
+
+
+def build_inputs(input_ids: list[int], max_tokens: int, streaming: bool = True, lora_task_id: int | None = None,
+                 lora_weights: np.ndarray | None = None, lora_config: np.ndarray | None = None,
+                 **scalars) -> list[grpcclient.InferInput]:
+    """Inputs shaped as TensorRT-LLM backend clients shape them: [1, L], [1, 1], [1, N, R], [1, N, 3].
+    scalars: end_id, temperature, runtime_top_k, runtime_top_p, seed, ... (None values are left out)."""
+    dtypes = {"temperature": np.float32, "runtime_top_p": np.float32, "repetition_penalty": np.float32,
+              "presence_penalty": np.float32, "frequency_penalty": np.float32, "seed": np.uint64,
+              "random_seed": np.uint64, "lora_task_id": np.uint64, "streaming": np.bool_, "stop": np.bool_,
+              "return_log_probs": np.bool_, "exclude_input_in_output": np.bool_}
+    arrays = {"input_ids": np.array([input_ids], dtype=np.int32),
+              "request_output_len": np.array([[max_tokens]], dtype=np.int32),
+              "streaming": np.array([[streaming]], dtype=np.bool_)}
+    for name, value in (scalars | {"lora_task_id": lora_task_id}).items():
+        if value is not None:
+            arrays[name] = np.array([[value]], dtype=dtypes.get(name, np.int32))
+    if lora_weights is not None:
+        arrays["lora_weights"] = np.asarray(lora_weights, dtype=np.float16).reshape(1, *lora_weights.shape[-2:])
+        arrays["lora_config"] = np.asarray(lora_config, dtype=np.int32).reshape(1, -1, 3)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == np.bool_ else
+                                       {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32",
+                                        np.float16: "FP16"}[array.dtype.type])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class LoraLLMClient:
+    """Streams token ids from the server. Sends an adapter's weights only the first time in a session, and
+    once more if the server answers that it does not have them (evicted, or restarted)."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "lora_llm"):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.model = model
+        self.sent_task_ids: set[int] = set()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def generate(self, input_ids: list[int], max_tokens: int = 64, stream: bool = True,
+                 lora_task_id: int | None = None, lora_dir: str | Path | None = None, **scalars) -> Iterator[list[int]]:
+        """Yield each response's output_ids (new tokens when streaming; the whole output otherwise)."""
+        send_weights = lora_dir is not None and lora_task_id not in self.sent_task_ids
+        try:
+            yield from self._request(input_ids, max_tokens, stream, lora_task_id, lora_dir if send_weights else None,
+                                     **scalars)
+        except InferenceServerException as err:
+            if lora_dir is None or send_weights or NOT_FOUND not in str(err):
+                raise
+            yield from self._request(input_ids, max_tokens, stream, lora_task_id, lora_dir, **scalars)
+        if lora_task_id is not None:
+            self.sent_task_ids.add(lora_task_id)
+
+    def _request(self, input_ids, max_tokens, stream, lora_task_id, lora_dir, **scalars) -> Iterator[list[int]]:
+        weights = config = None
+        if lora_dir is not None:
+            from backend.lora.peft import load_lora_dir
+            weights, config = load_lora_dir(lora_dir)
+        responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            self.client.async_stream_infer(self.model, build_inputs(input_ids, max_tokens, stream, lora_task_id,
+                                                                    weights, config, **scalars),
+                                           enable_empty_final_response=True)
+            while True:
+                result, error = responses.get()
+                if error is not None:
+                    raise error
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    yield ids.reshape(-1).tolist()
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            self.client.stop_stream()

@@ -1,0 +1,177 @@
+"""Triton Python backend adapter for the engine: tensors in, backend requests out, responses back.
+
+No scheduling, model math or LoRA parsing here: `execute` parses and enqueues, then returns at once; the
+engine loop thread (backend/serving.py) steps the engine and answers through each request's sender.
+"""
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from backend import LLMEngine, RequestError                    # noqa: E402
+from backend.protocol import output_arrays, parse_request      # noqa: E402
+from backend.lora.cache import LoraCacheStats                 # noqa: E402
+from backend.serving import EngineLoop                         # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
+              "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")
+PATH_PARAMS = ("model_dir", "lora_prefetch_dir")
+LORA_STATS = LoraCacheStats.__slots__
+
+
+def engine_kwargs(model_config: dict) -> dict:
+    """Model parameters, each overridable by the environment variable LORA_LLM_<NAME>."""
+    kwargs = {}
+    for name, entry in model_config.get("parameters", {}).items():
+        value = os.environ.get(f"LORA_LLM_{name.upper()}", entry["string_value"])
+        if value == "":
+            continue
+        if name in INT_PARAMS:
+            value = int(value)
+        elif name in PATH_PARAMS and not os.path.isabs(value):
+            value = str(ROOT / value)
+        kwargs[name] = value
+    return kwargs
+
+
+def as_array(tensor) -> np.ndarray:
+    try:
+        return tensor.as_numpy()
+    except Exception:                              # BF16 has no numpy dtype: go through torch
+        from torch.utils.dlpack import from_dlpack
+        return from_dlpack(tensor.to_dlpack()).float().numpy()
+
+
+class TritonStream:
+    """One request's response sender; never touched again after its final response."""
+
+    def __init__(self, request, parsed, metrics: "Metrics"):
+        self.request = parsed
+        self.sender = request.get_response_sender()
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.done = False
+
+    def is_cancelled(self) -> bool:
+        return not self.done and self.sender.is_cancelled()
+
+    def emit(self, out) -> None:
+        if self.done:
+            return
+        if not self.tokens:
+            self.metrics.observe("ttft", time.perf_counter() - self.start)
+        self.tokens += out.new_token_ids
+        self.log_probs += out.log_probs
+        self.metrics.count("tokens", len(out.new_token_ids))
+        if self.request.streaming:
+            self._send(output_arrays(out.new_token_ids, out.log_probs), out.finished)
+        elif out.finished:
+            prompt = [] if self.request.exclude_input_in_output else self.request.prompt_ids
+            self._send(output_arrays(prompt + self.tokens, [0.0] * len(prompt) + self.log_probs), True)
+        if out.finished:
+            self.metrics.count("success")
+
+    def fail(self, message: str) -> None:
+        if not self.done:
+            self.done = True
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+            self.metrics.count("failure")
+
+    def cancelled(self) -> None:
+        if not self.done:
+            tokens = [] if self.request.streaming else self.tokens
+            self._send(output_arrays(tokens, self.log_probs if tokens else []), True)
+            self.metrics.count("cancelled")
+
+    def _send(self, arrays: dict, final: bool) -> None:
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
+        self.done = final
+        self.sender.send(response, flags=FINAL if final else 0)
+
+
+class Metrics:
+    """pb_utils metric families, updated under one lock (concurrent updates crash tritonserver 2.51)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        fam = pb_utils.MetricFamily
+        self.families = [
+            requests := fam("lora_llm_requests_total", "Finished requests by outcome", fam.COUNTER),
+            tokens := fam("lora_llm_generated_tokens_total", "Generated tokens", fam.COUNTER),
+            seqs := fam("lora_llm_sequences", "Sequences by state", fam.GAUGE),
+            blocks := fam("lora_llm_kv_blocks", "Paged KV cache blocks by state", fam.GAUGE),
+            lora := fam("lora_llm_lora_cache", "LoRA cache counters and bytes per tier", fam.GAUGE),
+            ttft := fam("lora_llm_time_to_first_token_seconds", "Time to first token", fam.HISTOGRAM),
+            step := fam("lora_llm_step_seconds", "Engine step latency", fam.HISTOGRAM),
+        ]
+        buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        self.counters = {s: requests.Metric(labels={"status": s}) for s in ("success", "failure", "cancelled")}
+        self.counters["tokens"] = tokens.Metric(labels={})
+        self.gauges = {f"seqs_{s}": seqs.Metric(labels={"state": s}) for s in ("running", "waiting")}
+        self.gauges |= {f"kv_{s}": blocks.Metric(labels={"state": s}) for s in ("used", "free")}
+        self.lora_gauges = {name: lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
+                            for name in LORA_STATS}
+        self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets),
+                           "step": step.Metric(labels={}, buckets=buckets)}
+
+    def count(self, name: str, value: int = 1) -> None:
+        with self.lock:
+            self.counters[name].increment(value)
+
+    def observe(self, name: str, value: float) -> None:
+        with self.lock:
+            self.histograms[name].observe(value)
+
+    def on_step(self, engine: LLMEngine, seconds: float) -> None:
+        stats = engine.stats()
+        with self.lock:
+            self.histograms["step"].observe(seconds)
+            for name, gauge in self.gauges.items():
+                gauge.set(stats[name])
+            for name, gauge in self.lora_gauges.items():
+                gauge.set(stats["lora"][name])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.metrics = Metrics()
+        self.engine = LLMEngine(**engine_kwargs(config))
+        self.loop = EngineLoop(self.engine, on_step=self.metrics.on_step)
+        self.metrics.on_step(self.engine, 0.0)
+
+    def execute(self, requests):
+        for request in requests:
+            arrays = {t.name(): as_array(t) for t in request.inputs()}
+            try:
+                parsed = parse_request(arrays)
+            except RequestError as err:
+                TritonStream(request, None, self.metrics).fail(str(err))
+                continue
+            stream = TritonStream(request, parsed, self.metrics)
+            if parsed.stop:
+                self._stop(request.request_id(), stream)
+            else:
+                self.loop.submit(stream, request.request_id())
+        return None
+
+    def _stop(self, name: str, stream: TritonStream) -> None:
+        if not name:
+            stream.fail("A request id must be provided for request cancellation")
+            return
+        self.loop.cancel(name)
+        stream._send(output_arrays([], []), True)
+
+    def finalize(self):
+        self.loop.stop()

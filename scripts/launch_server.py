@@ -1,0 +1,114 @@
+"""Start the tritonserver bundled in nvidia-pytriton on our model repository (see shared/RECIPES.md).
+
+    python scripts/launch_server.py [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--model-dir DIR]
+        [--lora-prefetch-dir DIR] [--model-repository DIR]
+"""
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None:
+        sys.exit("nvidia-pytriton is not installed (scripts/setup.sh installs it)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def backend_dir() -> Path:
+    """BE/python/ with the Python backend library, its utils and the 3.11 stub side by side."""
+    tritonserver = pytriton_dir() / "tritonserver"
+    be = Path(sys.prefix) / "triton_backends"
+    (be / "python").mkdir(parents=True, exist_ok=True)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    links = {"libtriton_python.so": tritonserver / "backends/python/libtriton_python.so",
+             "triton_python_backend_utils.py": tritonserver / "backends/python/triton_python_backend_utils.py",
+             "triton_python_backend_stub": tritonserver / f"python_backend_stubs/{version}/triton_python_backend_stub"}
+    for name, target in links.items():
+        link = be / "python" / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return be
+
+
+def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"          # the stub finds the venv here
+    libs = [sysconfig.get_config_var("LIBDIR"), str(pytriton_dir().parent / "nvidia_pytriton.libs")]
+    env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(overrides or {})
+    return env
+
+
+def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 model_repository: Path = ROOT / "model_repository", env: dict[str, str] | None = None,
+                 log_file=None) -> subprocess.Popen:
+    binary = pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+    cmd = [str(binary), "--model-repository", str(model_repository), "--backend-directory", str(backend_dir()),
+           "--disable-auto-complete-config", "--allow-gpu-metrics", "false", "--pinned-memory-pool-byte-size", "0",
+           "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+    return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
+
+
+def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"tritonserver not ready after {timeout_s} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--model-dir", help="any HF Llama-family directory with a tokenizer")
+    parser.add_argument("--lora-prefetch-dir", help="<dir>/<task_id>/ adapters loaded at start")
+    args = parser.parse_args()
+    env = {}
+    if args.model_dir:
+        env["LORA_LLM_MODEL_DIR"] = str(Path(args.model_dir).resolve())
+    if args.lora_prefetch_dir:
+        env["LORA_LLM_LORA_PREFETCH_DIR"] = str(Path(args.lora_prefetch_dir).resolve())
+    process = start_server(args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env)
+    signal.signal(signal.SIGINT, lambda *_: process.terminate())
+    signal.signal(signal.SIGTERM, lambda *_: process.terminate())
+    try:
+        wait_ready(process, args.http_port)
+    except (RuntimeError, TimeoutError) as err:
+        process.terminate()
+        sys.exit(str(err))
+    print(f"\nready: gRPC 127.0.0.1:{args.grpc_port}, HTTP 127.0.0.1:{args.http_port}, "
+          f"metrics http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
+    print("try:", flush=True)
+    print(f'  .venv/bin/python -m client --url 127.0.0.1:{args.grpc_port} --stream --text "What is the capital of France?"')
+    for task_id, name in ((1, "UPPER CASE"), (2, "sign-off line")):
+        print(f'  .venv/bin/python -m client --url 127.0.0.1:{args.grpc_port} --stream --lora-task-id {task_id} '
+              f'--text "Tell me about the sea."      # demo adapter: {name}')
+    print("Ctrl-C stops the server.", flush=True)
+    sys.exit(process.wait())
+
+
+if __name__ == "__main__":
+    main()
