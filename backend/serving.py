@@ -24,15 +24,16 @@ class Stream(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, float], None] | None = None,
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, float | None], None] | None = None,
                  idle_wait_s: float = 0.05):
         self.engine = engine
-        self.on_step = on_step                               # metrics hook: (engine, step seconds)
+        self.on_step = on_step                               # metrics hook: (engine, step seconds or None)
         self.idle_wait_s = idle_wait_s
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[int, Stream] = {}
         self.names: dict[str, int] = {}                     # client request id -> engine request id
         self._running = True
+        self._aborted_while_idle = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -62,8 +63,12 @@ class EngineLoop:
             self._drain(block=not self.engine.has_unfinished)
             self._reap_cancelled()
             if not self.engine.has_unfinished:
+                if self._aborted_while_idle and self.on_step is not None:   # the figures changed without a step
+                    self.on_step(self.engine, None)
+                self._aborted_while_idle = False
                 continue
             start = time.perf_counter()
+            self._aborted_while_idle = False
             outputs = self.engine.step()
             if self.on_step is not None:
                 self.on_step(self.engine, time.perf_counter() - start)
@@ -86,8 +91,7 @@ class EngineLoop:
         if op == "cancel":
             request_id = self.names.get(name)
             if request_id is not None and request_id in self.streams:
-                self.engine.abort(request_id)
-                self._close(request_id).cancelled()
+                self._abort(request_id)
         elif op == "add":
             r = stream.request
             try:
@@ -104,10 +108,13 @@ class EngineLoop:
                 self.names[name] = request_id
 
     def _reap_cancelled(self) -> None:
-        for request_id, stream in list(self.streams.items()):
-            if stream.is_cancelled():
-                self.engine.abort(request_id)
-                self._close(request_id).cancelled()
+        for request_id in [rid for rid, stream in self.streams.items() if stream.is_cancelled()]:
+            self._abort(request_id)
+
+    def _abort(self, request_id: int) -> None:
+        self.engine.abort(request_id)
+        self._close(request_id).cancelled()
+        self._aborted_while_idle = True
 
     def _deliver(self, out: StepOutput) -> None:
         stream = self.streams.get(out.request_id)

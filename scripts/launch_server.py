@@ -53,12 +53,15 @@ def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
 
 def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  model_repository: Path = ROOT / "model_repository", env: dict[str, str] | None = None,
-                 log_file=None) -> subprocess.Popen:
+                 log_file=None, models: list[str] | None = None) -> subprocess.Popen:
+    """Start tritonserver in the background; `models` loads only those (all of the repository by default)."""
     binary = pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
     cmd = [str(binary), "--model-repository", str(model_repository), "--backend-directory", str(backend_dir()),
            "--disable-auto-complete-config", "--allow-gpu-metrics", "false", "--pinned-memory-pool-byte-size", "0",
            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+    if models:
+        cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
     return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
 
 

@@ -43,3 +43,22 @@ def hf_tiny(tiny_model_dir):
 def hf_smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir, tmp_path_factory):
+    """Four PEFT adapters on the tiny model: ranks 4, 8, 16, 64, one rsLoRA, one attention-only."""
+    from tests.helpers import make_peft_adapters
+    return make_peft_adapters(tiny_model_dir, tmp_path_factory.mktemp("tiny-adapters"))
+
+
+@pytest.fixture(scope="session")
+def demo_adapters(smollm2_dir):
+    """The demo adapters of scripts/train_demo_adapters.py (trained by scripts/test.sh before pytest)."""
+    from tests.helpers import ROOT
+    path = ROOT / "models" / "adapters"
+    if not all((path / "prefetch" / t / "model.lora_weights.npy").is_file() for t in ("1", "2")):
+        import subprocess
+        import sys
+        subprocess.run([sys.executable, ROOT / "scripts" / "train_demo_adapters.py"], check=True)
+    return path

@@ -14,11 +14,6 @@ LENGTHS = [5, 21, 9, 14, 33, 3, 17, 26, 11, 8]
 
 
 @pytest.fixture(scope="module")
-def tiny_adapters(tiny_model_dir, tmp_path_factory):
-    return make_peft_adapters(tiny_model_dir, tmp_path_factory.mktemp("tiny-adapters"))
-
-
-@pytest.fixture(scope="module")
 def tiny_peft(tiny_model_dir, tiny_adapters):
     return peft_model_with(tiny_model_dir, tiny_adapters)
 

@@ -133,10 +133,11 @@ class Metrics:
         with self.lock:
             self.histograms[name].observe(value)
 
-    def on_step(self, engine: LLMEngine, seconds: float) -> None:
+    def on_step(self, engine: LLMEngine, seconds: float | None) -> None:
         stats = engine.stats()
         with self.lock:
-            self.histograms["step"].observe(seconds)
+            if seconds is not None:
+                self.histograms["step"].observe(seconds)
             for name, gauge in self.gauges.items():
                 gauge.set(stats[name])
             for name, gauge in self.lora_gauges.items():
@@ -149,7 +150,7 @@ class TritonPythonModel:
         self.metrics = Metrics()
         self.engine = LLMEngine(**engine_kwargs(config))
         self.loop = EngineLoop(self.engine, on_step=self.metrics.on_step)
-        self.metrics.on_step(self.engine, 0.0)
+        self.metrics.on_step(self.engine, None)
 
     def execute(self, requests):
         for request in requests:

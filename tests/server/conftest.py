@@ -1,0 +1,94 @@
+"""Real tritonservers for the server tests: one on the tiny model (fp32, exact), one on SmolLM2 with the demo
+adapters (text in, text out)."""
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch_server import start_server, wait_ready  # noqa: E402
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    env: dict
+    log: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def metric(self, name: str, **labels) -> float:
+        """One sample from the metrics port, e.g. metric("lora_llm_kv_blocks", state="used")."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith(name + ("{" if labels else " ")):
+                head, value = line.rsplit(" ", 1)
+                if ",".join(sorted(head[len(name):].strip("{}").split(","))) == want or not labels:
+                    return float(value)
+        raise KeyError(f"{name}{labels} not in metrics")
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None = None):
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path_factory.mktemp(name) / "tritonserver.log"
+    with open(log, "w") as log_file:
+        process = start_server(http, grpc, metrics, env=env, log_file=log_file, models=models)
+    try:
+        wait_ready(process, http)
+    except Exception:
+        process.terminate()
+        raise RuntimeError(f"tritonserver did not start:\n{log.read_text()[-4000:]}")
+    server = Server(process, http, grpc, metrics, env, log)
+    yield server
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    assert "Segmentation fault" not in log.read_text() and "signal 11" not in log.read_text()
+
+
+TINY_ENV = {"LORA_LLM_DTYPE": "float32", "LORA_LLM_KERNEL_BACKEND": "torch", "LORA_LLM_KV_BLOCK_SIZE": "16",
+            "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(4 << 20), "LORA_LLM_MAX_LORAS": "4", "LORA_LLM_MAX_NUM_SEQS": "32"}
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_model_dir):
+    env = TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)}
+    yield from run_server(tmp_path_factory, "tiny-server", env, models=["lora_llm"])   # no tokenizer: no text models
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_kwargs(tiny_model_dir):
+    """The in-process engine the tiny server runs, for reference outputs."""
+    return dict(model_dir=tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=16,
+                kv_cache_memory_bytes=4 << 20, max_loras=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory, smollm2_dir, demo_adapters):
+    env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_LORA_PREFETCH_DIR": str(demo_adapters / "prefetch"),
+           "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(256 << 20)}
+    yield from run_server(tmp_path_factory, "smollm2-server", env)

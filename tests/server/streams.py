@@ -1,0 +1,83 @@
+"""Raw gRPC streaming helpers for the server tests (independent of client/, which they also test)."""
+import queue
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+TRITON_DTYPES = {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16", np.bool_: "BOOL",
+                 np.object_: "BYTES", np.int64: "INT64"}
+
+
+def make_inputs(**arrays) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, array in arrays.items():
+        array = np.asarray(array)
+        tensor = grpcclient.InferInput(name, list(array.shape), TRITON_DTYPES[array.dtype.type])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def trtllm_inputs(prompt: list[int], max_tokens: int, streaming: bool, **extra) -> dict:
+    """A request shaped as TensorRT-LLM backend clients shape it."""
+    arrays = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+              "request_output_len": np.array([[max_tokens]], np.int32), "streaming": np.array([[streaming]])}
+    return arrays | extra
+
+
+@dataclass
+class StreamResult:
+    chunks: list[np.ndarray] = field(default_factory=list)     # output_ids of each response
+    num_final: int = 0
+    error: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for t in c.reshape(-1).tolist()]
+
+
+class Stream:
+    """One gRPC stream carrying one request; collects every response until the final flag."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.seen: list = []                                     # responses taken by wait_first, not yet collected
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, arrays: dict, model: str = "lora_llm", request_id: str = "") -> "Stream":
+        self.client.async_stream_infer(model, make_inputs(**arrays), request_id=request_id,
+                                       enable_empty_final_response=True)
+        return self
+
+    def collect(self, timeout_s: float = 120, output: str = "output_ids") -> StreamResult:
+        result = StreamResult()
+        while True:
+            response, error = self.seen.pop(0) if self.seen else self.responses.get(timeout=timeout_s)
+            if error is not None:
+                result.error = str(error)
+                result.num_final += 1
+                return result
+            array = response.as_numpy(output)
+            if array is not None and array.size:
+                result.chunks.append(array)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                result.num_final += 1
+                return result
+
+    def wait_first(self, timeout_s: float = 60) -> None:
+        """Block until the first response has arrived (collect still sees it)."""
+        self.seen.append(self.responses.get(timeout=timeout_s))
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def run(url: str, arrays: dict, model: str = "lora_llm", request_id: str = "", output: str = "output_ids") -> StreamResult:
+    stream = Stream(url).send(arrays, model, request_id)
+    try:
+        return stream.collect(output=output)
+    finally:
+        stream.close()

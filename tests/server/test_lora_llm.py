@@ -1,0 +1,167 @@
+"""The lora_llm model on a real tritonserver: streaming, adapters, errors, cancellation, TRT-LLM shapes."""
+import time
+
+import numpy as np
+import pytest
+
+from backend import LLMEngine
+from backend.lora.peft import peft_to_trtllm
+from tests.helpers import random_prompts
+from tests.server.streams import Stream, run, trtllm_inputs
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_kwargs):
+    kwargs = dict(tiny_engine_kwargs)
+    return LLMEngine(kwargs.pop("model_dir"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_adapters):
+    """TRT-LLM tensors of the four tiny adapters, fp16 as clients send them, by task id 101..104."""
+    out = {}
+    for task_id, path in enumerate(tiny_adapters, start=101):
+        weights, config = peft_to_trtllm(path, "float16")
+        out[task_id] = (weights, config)
+    return out
+
+
+def expected(engine, prompts, task_ids=None, adapters=None) -> list[list[int]]:
+    for task_id in set(task_ids or []) - {None}:
+        engine.add_lora(task_id, *adapters[task_id])
+    return engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=task_ids)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_outputs_equal_the_in_process_engine(tiny_server, engine, streaming):
+    prompts = random_prompts([5, 19, 33], 512, seed=40)
+    want = expected(engine, prompts)
+    for prompt, tokens in zip(prompts, want):
+        result = run(tiny_server.grpc_url, trtllm_inputs(prompt, MAX_NEW, streaming))
+        assert result.error is None and result.num_final == 1
+        if streaming:
+            assert len(result.chunks) == MAX_NEW and all(c.shape == (1, 1, 1) for c in result.chunks)
+            assert result.tokens == tokens
+        else:
+            [chunk] = result.chunks
+            assert chunk.shape == (1, 1, len(prompt) + MAX_NEW)          # [batch, beam, prompt + completion]
+            assert result.tokens == prompt + tokens
+
+
+def test_exclude_input_in_output_returns_the_completion_only(tiny_server, engine):
+    prompt = random_prompts([11], 512, seed=41)[0]
+    result = run(tiny_server.grpc_url, trtllm_inputs(prompt, MAX_NEW, False,
+                                                     exclude_input_in_output=np.array([[True]])))
+    assert result.tokens == expected(engine, [prompt])[0]
+
+
+def test_sixteen_concurrent_streams_over_four_adapters_and_base(tiny_server, engine, adapters):
+    task_ids = [101, 102, 103, 104] + [101, 102, 103, 104, None] * 2 + [101, 102]
+    prompts = random_prompts([4 + 3 * i for i in range(16)], 512, seed=42)
+    want = expected(engine, prompts, task_ids, adapters)
+
+    def request(i: int, with_weights: bool) -> dict:
+        extra = {}
+        if task_ids[i] is not None:
+            extra["lora_task_id"] = np.array([[task_ids[i]]], np.uint64)
+        if with_weights:
+            weights, config = adapters[task_ids[i]]
+            extra |= {"lora_weights": weights[None], "lora_config": config[None]}    # [1, N, R], [1, N, 3]
+        return trtllm_inputs(prompts[i], MAX_NEW, True, **extra)
+
+    streams = [Stream(tiny_server.grpc_url).send(request(i, with_weights=True)) for i in range(4)]
+    for stream in streams:                                  # the adapters are in the cache once each has answered
+        stream.wait_first()
+    streams += [Stream(tiny_server.grpc_url).send(request(i, with_weights=False)) for i in range(4, 16)]
+    results = [s.collect() for s in streams]
+    for stream in streams:
+        stream.close()
+    for i, result in enumerate(results):
+        assert result.error is None, result.error
+        assert result.num_final == 1
+        assert result.tokens == want[i], f"stream {i} (task {task_ids[i]})"
+
+
+def test_unknown_task_id_gets_the_exact_error(tiny_server):
+    result = run(tiny_server.grpc_url, trtllm_inputs([5, 6, 7], 4, True, lora_task_id=np.array([[987654]], np.uint64)))
+    assert "LoRA task 987654 not found in cache. Please send LoRA weights with request" in result.error
+    assert result.num_final == 1
+
+
+BAD_INPUTS = {
+    "wrong dtype": dict(input_ids=np.array([[5.0, 6.0]], np.float32)),
+    "batch of two in one request": dict(input_ids=np.array([[5, 6], [7, 8]], np.int32)),
+    "bad lora_config": dict(lora_task_id=np.array([[55]], np.uint64),
+                            lora_weights=np.zeros((1, 2, 4096), np.float16),
+                            lora_config=np.array([[[1, 0, 8], [42, 0, 8]]], np.int32)),
+    "token outside the vocabulary": dict(input_ids=np.array([[5, 2**31 - 1]], np.int32)),
+    "zero output length": dict(request_output_len=np.array([[0]], np.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_fails_alone_while_a_concurrent_stream_completes(tiny_server, engine, name):
+    prompt = random_prompts([9], 512, seed=43)[0]
+    good = Stream(tiny_server.grpc_url).send(trtllm_inputs(prompt, 24, True))
+    bad_inputs = trtllm_inputs([5, 6, 7], 4, True)
+    if "input_ids" in BAD_INPUTS[name]:
+        bad_inputs.pop("input_lengths")
+    bad = run(tiny_server.grpc_url, bad_inputs | BAD_INPUTS[name])
+    assert bad.error and bad.num_final == 1
+    result = good.collect()
+    good.close()
+    assert result.error is None and len(result.tokens) == 24
+
+
+def wait_for(predicate, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_cancel_mid_stream_frees_the_kv_blocks(tiny_server):
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([5] * 40, 400, True))
+    stream.wait_first()
+    assert tiny_server.metric("lora_llm_kv_blocks", state="used") > 0
+    before = tiny_server.metric("lora_llm_requests_total", status="cancelled")
+    stream.close(cancel=True)
+    assert wait_for(lambda: tiny_server.metric("lora_llm_kv_blocks", state="used") == 0)
+    assert wait_for(lambda: tiny_server.metric("lora_llm_requests_total", status="cancelled") == before + 1)
+    assert run(tiny_server.grpc_url, trtllm_inputs([5, 6], 3, True)).tokens.__len__() == 3
+
+
+def test_stop_request_with_the_same_id_cancels_it(tiny_server):
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([7] * 30, 400, True), request_id="victim-1")
+    stream.wait_first()
+    stop = run(tiny_server.grpc_url, trtllm_inputs([1], 1, True, stop=np.array([[True]])), request_id="victim-1")
+    assert stop.error is None and stop.num_final == 1
+    result = stream.collect()
+    stream.close()
+    assert result.error is None and result.num_final == 1 and len(result.tokens) < 400
+    assert wait_for(lambda: tiny_server.metric("lora_llm_kv_blocks", state="used") == 0)
+
+
+def test_stop_without_request_id_is_an_error(tiny_server):
+    result = run(tiny_server.grpc_url, trtllm_inputs([1], 1, True, stop=np.array([[True]])))
+    assert result.error and "A request id must be provided for request cancellation" in result.error
+
+
+def test_the_client_library_sends_weights_once_and_retries_on_not_found(tiny_server, engine, adapters, tiny_adapters):
+    from client import LoraLLMClient
+    prompt = random_prompts([13], 512, seed=44)[0]
+    want = expected(engine, [prompt], [101], adapters)[0]
+    client = LoraLLMClient(tiny_server.grpc_url)
+    try:
+        for _ in range(2):                   # the second call sends only the id
+            chunks = list(client.generate(prompt, MAX_NEW, True, lora_task_id=777, lora_dir=tiny_adapters[0]))
+            assert [t for c in chunks for t in c] == want
+        client.sent_task_ids.add(778)        # it believes the server has 778; the server says not found
+        chunks = list(client.generate(prompt, MAX_NEW, True, lora_task_id=778, lora_dir=tiny_adapters[0]))
+        assert [t for c in chunks for t in c] == want
+    finally:
+        client.close()
