@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "adapters")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args()
     from transformers import AutoTokenizer

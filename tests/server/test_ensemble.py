@@ -1,0 +1,51 @@
+"""Text in, text out through the ensemble on SmolLM2, streamed with incremental detokenization, LoRA included."""
+import numpy as np
+import pytest
+
+from tests.server.streams import run
+
+pytestmark = pytest.mark.slow
+
+
+def text_request(text: str, max_tokens: int, stream: bool, **extra) -> dict:
+    return {"text_input": np.array([[text]], dtype=object), "max_tokens": np.array([[max_tokens]], np.int32),
+            "stream": np.array([[stream]])} | extra
+
+
+def texts(result) -> list[str]:
+    return [c.reshape(-1)[0].decode() for c in result.chunks]
+
+
+def test_streaming_text_arrives_in_pieces_and_equals_the_whole(smollm2_server):
+    streamed = run(smollm2_server.grpc_url, text_request("The capital of France is", 12, True), model="ensemble",
+                   output="text_output")
+    whole = run(smollm2_server.grpc_url, text_request("The capital of France is", 12, False), model="ensemble",
+                output="text_output")
+    assert streamed.error is None and whole.error is None
+    assert len(streamed.chunks) > 3 and "Paris" in "".join(texts(streamed))
+    assert texts(whole)[0] == "The capital of France is" + "".join(texts(streamed))
+
+
+def test_multibyte_characters_are_never_split(smollm2_server):
+    prompt = "Écris une phrase en français avec des accents: café, élève, à bientôt. Réponse:"
+    result = run(smollm2_server.grpc_url, text_request(prompt, 24, True), model="ensemble", output="text_output")
+    assert result.error is None
+    assert all("\ufffd" not in piece for piece in texts(result))
+
+
+def test_lora_inputs_reach_the_core_model(smollm2_server):
+    prompt = "<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
+    base = run(smollm2_server.grpc_url, text_request(prompt, 24, False, exclude_input_in_output=np.array([[True]])),
+               model="ensemble", output="text_output")
+    upper = run(smollm2_server.grpc_url, text_request(prompt, 24, False, exclude_input_in_output=np.array([[True]]),
+                                                      lora_task_id=np.array([[1]], np.uint64)),
+                model="ensemble", output="text_output")
+    base_text, upper_text = texts(base)[0], texts(upper)[0]
+    letters = [c for c in upper_text if c.isalpha()]
+    assert base_text != upper_text and sum(c.isupper() for c in letters) >= 0.9 * len(letters)
+
+
+def test_unknown_adapter_error_reaches_the_text_client(smollm2_server):
+    result = run(smollm2_server.grpc_url, text_request("Hi", 4, True, lora_task_id=np.array([[4242]], np.uint64)),
+                 model="ensemble", output="text_output")
+    assert result.error and "LoRA task 4242 not found in cache" in result.error
