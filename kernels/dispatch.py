@@ -8,9 +8,10 @@ OP_NAMES = ("write_kv_cache", "rotary", "paged_attention", "lora_shrink", "lora_
 
 
 def resolve_backend(name: str) -> str:
-    """"auto" means Triton where it runs (CUDA, or the interpreter with TRITON_INTERPRET=1), torch otherwise."""
+    """"auto" means Triton on CUDA and torch on CPU; "triton" on CPU runs the kernels in Triton's interpreter
+    (TRITON_INTERPRET=1, for tests: far too slow to serve)."""
     if name == "auto":
-        return "triton" if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+        return "triton" if torch.cuda.is_available() else "torch"
     if name == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError("kernel_backend 'triton' needs CUDA, or TRITON_INTERPRET=1 set before start on CPU")
     if name not in ("torch", "triton"):
