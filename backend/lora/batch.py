@@ -13,6 +13,7 @@ class LoraSegments:
     slots: torch.Tensor                       # [num_segments] int32
     starts_list: list[int]
     slots_list: list[int]
+    max_len: int                              # longest segment, for kernel grids
 
     @classmethod
     def from_token_slots(cls, token_slots: list[int]) -> "LoraSegments":
@@ -23,7 +24,9 @@ class LoraSegments:
                     starts.append(i)
                 slots.append(slot)
         starts.append(len(token_slots))
-        return cls(torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), starts, slots)
+        max_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        return cls(torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), starts, slots,
+                   max_len)
 
 
 class LoraBatch:

@@ -1,0 +1,209 @@
+"""Paged attention: prefill (flash-style online softmax over packed variable-length queries, causal, reading the
+earlier context from the paged cache) and decode (one query per sequence, GQA groups share each KV page read,
+optional split-K over the context)."""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+# triton 3.7's interpreter computes garbage for bf16 tl.dot: there (only) the dots run in fp32
+DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_starts_ptr, seq_lens_ptr,
+                    scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cb, stride_cs,
+                    stride_bt, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_starts_ptr + seq)
+    q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_q_pos = seq_len - q_len
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    q_pos = first_q_pos + offs_m
+    kv_base = (head // GROUP) * stride_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    key_end = tl.minimum(first_q_pos + (m_block + 1) * BLOCK_M, seq_len)
+    key_start = tl.where(window > 0, tl.maximum(first_q_pos + m_block * BLOCK_M - window + 1, 0), 0)
+    offs_s = tl.arange(0, BLOCK_SIZE)
+    for page in range(key_start // BLOCK_SIZE, tl.cdiv(key_end, BLOCK_SIZE)):
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + page)
+        kv_offs = kv_base + block_id * stride_cb + offs_s[:, None] * stride_cs + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)      # [BLOCK_SIZE, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale                                      # [BLOCK_M, BLOCK_SIZE]
+        k_pos = page * BLOCK_SIZE + offs_s
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if window > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr,
+                   query_starts_ptr, seq_lens_ptr, scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_ch, stride_cb, stride_cs, stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    token = tl.load(query_starts_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)                 # [GROUP_PAD, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    first_page = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0) // BLOCK_SIZE
+    num_pages = tl.cdiv(seq_len, BLOCK_SIZE) - first_page
+    per_split = tl.cdiv(num_pages, NUM_SPLITS)
+    page_lo = first_page + split * per_split
+    page_hi = tl.minimum(page_lo + per_split, first_page + num_pages)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    offs_s = tl.arange(0, BLOCK_SIZE)
+    for page in range(page_lo, page_hi):
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + page)
+        kv_offs = kv_head * stride_ch + block_id * stride_cb + offs_s[:, None] * stride_cs + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale                                      # [GROUP_PAD, BLOCK_SIZE]
+        k_pos = page * BLOCK_SIZE + offs_s
+        visible = k_pos < seq_len
+        if window > 0:
+            visible = visible & (k_pos > seq_len - 1 - window)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:                                         # partial results: [num_seqs, num_heads, NUM_SPLITS, ...]
+        row = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_starts_ptr, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :])
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - m_max)                         # empty splits have m = -inf: weight 0
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    token = tl.load(query_starts_ptr + seq)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def prefill_config(head_dim: int, block_size: int) -> dict:
+    # BLOCK_M 16 keeps the tile count low for short chunks; a GPU build could autotune 32/64 for long prompts
+    return {"BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+            "BLOCK_M": 16}
+
+
+def decode_config(head_dim: int, block_size: int, group: int, num_seqs: int, num_kv_heads: int,
+                  max_seq_len: int) -> dict:
+    # split-K only when (sequence, KV head) programs are too few to fill a GPU and contexts are long
+    num_splits = 1
+    if num_seqs * num_kv_heads < 128 and max_seq_len > 1024:
+        num_splits = min(16, triton.next_power_of_2(max_seq_len // 512))
+    return {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "BLOCK_SIZE": block_size,
+            "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "NUM_SPLITS": num_splits}
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Semantics:
+        for s in range(num_seqs):
+            tokens = range(query_starts[s], query_starts[s + 1]); L = seq_lens[s]
+            K, V = the first L cached positions of sequence s (through block_tables[s]), head h reads KV head h // group
+            out[tokens] = softmax(q[tokens] @ K^T * scale, causal: query i sits at position L - len(tokens) + i,
+                                  and sees keys within sliding_window of it) @ V
+    q: [num_tokens, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim] -> like q.
+    Pure decode batches take the decode kernel (split-K when it pays); any prefill takes the prefill kernel.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    num_seqs = meta.seq_lens.shape[0]
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype and num_heads % num_kv_heads == 0
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.stride(1) == 1
+    out = torch.empty_like(q)
+    window = sliding_window or 0
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    common = (scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+              meta.block_tables.stride(0))
+    group = num_heads // num_kv_heads
+    if meta.max_query_len > 1:
+        cfg = prefill_config(head_dim, block_size)
+        grid = (triton.cdiv(meta.max_query_len, cfg["BLOCK_M"]), num_heads, num_seqs)
+        _prefill_kernel[grid](q, k_cache, v_cache, out, meta.block_tables, meta.query_starts, meta.seq_lens,
+                              *common, GROUP=group, DOT_FP32=DOT_FP32, **cfg)
+        return out
+    cfg = decode_config(head_dim, block_size, group, num_seqs, num_kv_heads, meta.max_seq_len)
+    if num_splits is not None:
+        cfg["NUM_SPLITS"] = num_splits
+    splits = cfg["NUM_SPLITS"]
+    part_acc = torch.empty(num_seqs * num_heads * splits, cfg["BLOCK_D"], dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(num_seqs * num_heads * splits, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables,
+                                                     meta.query_starts, meta.seq_lens, *common, DOT_FP32=DOT_FP32,
+                                                     **cfg)
+    if splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](out, part_acc, part_ml, meta.query_starts, out.stride(0),
+                                                     out.stride(1), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"],
+                                                     NUM_SPLITS=splits)
+    return out
