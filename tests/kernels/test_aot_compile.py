@@ -1,0 +1,14 @@
+"""Every kernel, in every configuration the launchers choose, compiles for sm_80 and sm_90 within shared memory."""
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_every_kernel_configuration_compiles_for_a100_and_h100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, ROOT / "scripts" / "compile_kernels.py", "--targets", "80,90"],
+                         capture_output=True, text=True, env=env, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert " 0 failed" in run.stdout and "sm_80 decode bf16 d128 bs32 splits16" in run.stdout
