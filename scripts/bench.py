@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_workloads import WORKLOADS, make_requests          # noqa: E402
 from bench_baselines import run_hf                             # noqa: E402
+from bench_server import run_server_workload                   # noqa: E402
 from backend import LLMEngine                                  # noqa: E402
 from backend.model.config import ModelConfig                   # noqa: E402
 
@@ -68,9 +69,13 @@ def run_engine(engine: LLMEngine, requests: list[dict]) -> dict:
     for r in requests:
         engine.add_request(r["prompt"], lora_task_id=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
                            ignore_end_id=True)
+    num_steps, step_time = 0, 0.0
     while engine.has_unfinished:
+        t = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        num_steps += 1
+        step_time += now - t
         for out in outputs:
             if out.error:
                 raise RuntimeError(out.error)
@@ -82,7 +87,8 @@ def run_engine(engine: LLMEngine, requests: list[dict]) -> dict:
                 last[out.request_id] = now
     elapsed = time.perf_counter() - start
     ttfts = list(first.values())
-    return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens,
+    return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens, "steps": num_steps,
+            "step_seconds": step_time,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99)}
 
@@ -112,11 +118,15 @@ def main() -> None:
     for name in names:
         workload = WORKLOADS[name]
         requests = make_requests(workload, cfg.vocab_size, args.requests)
-        engine = LLMEngine(args.model_dir, dtype=args.dtype, kernel_backend="torch",
-                           max_num_seqs=workload.max_num_seqs, max_num_batched_tokens=2048,
-                           max_loras=workload.max_loras, max_lora_rank=workload.max_lora_rank)
-        workload.setup(engine)
-        res = run_engine(engine, requests)
+        if workload.server:
+            res = run_server_workload(args.model_dir, requests, workload, args.dtype)
+        else:
+            engine = LLMEngine(args.model_dir, dtype=args.dtype, kernel_backend="torch",
+                               max_num_seqs=workload.max_num_seqs, max_num_batched_tokens=2048,
+                               max_loras=workload.max_loras, max_lora_rank=workload.max_lora_rank)
+            workload.setup(engine)
+            res = run_engine(engine, requests)
+            del engine
         prompt_tokens = sum(len(r["prompt"]) for r in requests)
         mean_ctx = sum(len(r["prompt"]) + r["max_new_tokens"] / 2 for r in requests) / len(requests)
         work = (prompt_tokens + res["output_tokens"]) * flops_per_token(cfg, int(mean_ctx))
@@ -132,8 +142,9 @@ def main() -> None:
             results[f"{name}_hf"] = base
             line += f"; HF {base['tok_s']:.1f} tok/s -> {res['tok_s'] / base['tok_s']:.2f}x"
         print(line, flush=True)
-    if "W1" in results and "W2" in results:
-        results["W1_over_W2"] = results["W1"]["tok_s"] / results["W2"]["tok_s"]
+    for a, b in (("W1", "W2"), ("W4", "W1")):
+        if a in results and b in results:
+            results[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
     print(json.dumps(results, indent=1))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

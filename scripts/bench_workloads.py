@@ -15,6 +15,7 @@ class Workload:
     base_every: int = 0                       # every n-th request is base-only (0: none)
     max_loras: int = 8
     max_lora_rank: int = 64
+    server: bool = False                      # through tritonserver (gRPC streaming, concurrency 32)
 
     def setup(self, engine) -> None:
         """Register the workload's adapters with the engine (none for base-only workloads)."""
@@ -27,6 +28,8 @@ WORKLOADS = {
     "W1": Workload("W1", 128, (32, 256), 64, adapter_ranks=(8, 16, 32, 64) * 4, base_every=8, max_loras=16),
     "W2": Workload("W2", 128, (32, 256), 64),
     "W3": Workload("W3", 1, (128, 128), 128, max_num_seqs=1),
+    "W4": Workload("W4", 128, (32, 256), 64, adapter_ranks=(8, 16, 32, 64) * 4, base_every=8, max_loras=16,
+                   hf_baseline=False, server=True),
     "W5": Workload("W5", 256, (64, 64), 32, adapter_ranks=(8,) * 128, max_loras=8, max_lora_rank=8),
 }
 

@@ -1,0 +1,113 @@
+"""W4: the W1 requests through a real tritonserver, gRPC streaming, at a fixed concurrency."""
+import queue
+import resource
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32) -> dict:
+    from bench_adapters import adapter_dirs
+    from launch_server import start_server, wait_ready
+
+    from backend.lora.peft import peft_to_trtllm
+    from client.grpc_client import NOT_FOUND, build_inputs
+    import tritonclient.grpc as grpcclient
+
+    adapters = {task_id: peft_to_trtllm(path, "float16")
+                for task_id, path in enumerate(adapter_dirs(model_dir, workload.adapter_ranks), start=1)}
+    http, grpc, metrics = _free_ports(3)
+    env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": "torch",
+           "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),
+           "LORA_LLM_MAX_NUM_SEQS": str(workload.max_num_seqs), "LORA_LLM_MAX_NUM_BATCHED_TOKENS": "2048"}
+    server = start_server(http, grpc, metrics, env=env, log_file=open("/tmp/bench_w4_server.log", "w"),
+                          models=["lora_llm"])
+    try:
+        wait_ready(server, http)
+        todo: queue.Queue = queue.Queue()
+        for r in requests:
+            todo.put(r)
+        sent: set[int] = set()
+        lock = threading.Lock()
+        ttfts: list[float] = []
+        gaps: list[float] = []
+        counts = [0]
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+
+        def one(client, r: dict, with_weights: bool) -> str | None:
+            task = r["lora_task_id"]
+            weights, config = adapters[task] if with_weights else (None, None)
+            inputs = build_inputs(r["prompt"], r["max_new_tokens"], True, task, weights, config)
+            responses: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+            t0 = time.perf_counter()
+            client.async_stream_infer("lora_llm", inputs, enable_empty_final_response=True)
+            last = None
+            try:
+                while True:
+                    result, error, now = responses.get()
+                    if error is not None:
+                        return str(error)
+                    ids = result.as_numpy("output_ids")
+                    if ids is not None and ids.size:
+                        with lock:
+                            counts[0] += ids.size
+                            (ttfts.append(now - t0) if last is None else gaps.append(now - last))
+                        last = now
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        return None
+            finally:
+                client.stop_stream()
+
+        def worker() -> None:
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+            while True:
+                try:
+                    r = todo.get_nowait()
+                except queue.Empty:
+                    break
+                task = r["lora_task_id"]
+                with lock:
+                    first = task is not None and task not in sent
+                    if first:
+                        sent.add(task)
+                error = one(client, r, first)
+                if error and NOT_FOUND in error:          # raced its adapter's first request: send the weights
+                    error = one(client, r, True)
+                if error:
+                    raise RuntimeError(error)
+            client.close()
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        client_cpu = usage.ru_utime + usage.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
+        steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                 if line.startswith("lora_llm_step_seconds_")}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    pct = lambda v, q: float(np.percentile(v, q)) if v else float("nan")   # noqa: E731
+    return {"tok_s": counts[0] / elapsed, "seconds": elapsed, "output_tokens": counts[0], "concurrency": concurrency,
+            "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99), "itl_p50_s": pct(gaps, 50),
+            "itl_p99_s": pct(gaps, 99), "steps": steps.get("lora_llm_step_seconds_count"),
+            "step_seconds": steps.get("lora_llm_step_seconds_sum"), "client_cpu_seconds": client_cpu}
