@@ -74,7 +74,7 @@ class LLMEngine:
 
     def add_lora_dir(self, task_id: int, path) -> None:
         """Cache an adapter from an HF PEFT or TensorRT-LLM directory."""
-        weights, config = load_lora_dir(path, self.model_config)
+        weights, config = load_lora_dir(path)
         self.add_lora(task_id, weights, config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,

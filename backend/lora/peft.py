@@ -59,7 +59,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def load_lora_dir(path: str | Path, model_config=None) -> tuple[np.ndarray, np.ndarray]:
+def load_lora_dir(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(lora_weights, lora_config) from a PEFT or TensorRT-LLM adapter directory."""
     path = Path(path)
     if (path / "adapter_config.json").is_file():
