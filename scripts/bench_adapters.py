@@ -32,11 +32,23 @@ def register_adapters(engine, workload) -> None:
         engine.add_lora_dir(task_id, path)
 
 
-def attach_peft_adapters(model, workload):
-    """Load the workload's adapters into an HF model: (PeftModel, {task_id: adapter name})."""
+def attach_peft_adapters(model, workload, loaded: int | None = None):
+    """Load the workload's adapters (the first `loaded` of them; all by default) into an HF model:
+    (PeftModel, {task_id: adapter name})."""
     from peft import PeftModel
     dirs = adapter_dirs(model.config._name_or_path, workload.adapter_ranks)
     peft = PeftModel.from_pretrained(model, dirs[0], adapter_name="t1")
-    for task_id, path in enumerate(dirs[1:], start=2):
+    for task_id, path in enumerate(dirs[1:loaded], start=2):
         peft.load_adapter(path, adapter_name=f"t{task_id}")
     return peft.eval(), {task_id: f"t{task_id}" for task_id in range(1, len(dirs) + 1)}
+
+
+def swap_adapters(peft, workload, task_ids: set[int]) -> None:
+    """Keep exactly the adapters a batch needs loaded: what an HF server without an adapter cache does."""
+    dirs = adapter_dirs(peft.base_model.model.config._name_or_path, workload.adapter_ranks)
+    loaded = {int(name[1:]) for name in peft.peft_config}
+    for task_id in loaded - task_ids:
+        if len(peft.peft_config) > 1:
+            peft.delete_adapter(f"t{task_id}")
+    for task_id in task_ids - loaded:
+        peft.load_adapter(dirs[task_id - 1], adapter_name=f"t{task_id}")

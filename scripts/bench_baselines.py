@@ -9,9 +9,10 @@ def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_siz
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     adapter_names = None
+    churn = len(workload.adapter_ranks) > workload.max_loras     # W5: adapters come and go, batch by batch
     if workload.adapter_ranks:
         from bench_adapters import attach_peft_adapters
-        model, adapter_names = attach_peft_adapters(model, workload)
+        model, adapter_names = attach_peft_adapters(model, workload, loaded=1 if churn else None)
     num_tokens = 0
     start = time.perf_counter()
     for b in range(0, len(requests), batch_size):
@@ -24,6 +25,9 @@ def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_siz
             mask[row, width - len(r["prompt"]):] = 1
         new = chunk[0]["max_new_tokens"]
         kwargs = {}
+        if churn:
+            from bench_adapters import swap_adapters
+            swap_adapters(model, workload, {r["lora_task_id"] for r in chunk} - {None})
         if adapter_names is not None:
             kwargs["adapter_names"] = [adapter_names.get(r["lora_task_id"], "__base__") for r in chunk]
         with torch.inference_mode():
