@@ -14,6 +14,19 @@ DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc):
+    """Fold one tile of scores s [rows, keys] (-inf where hidden) and values v [keys, d] into the running max
+    m_i, sum l_i and output acc; rows that have seen no visible key yet stay at zero."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_starts_ptr, seq_lens_ptr,
                     scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cb, stride_cs,
                     stride_bt, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -56,14 +69,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         visible = k_pos[None, :] <= q_pos[:, None]
         if window > 0:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -112,14 +118,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
         visible = k_pos < seq_len
         if window > 0:
             visible = visible & (k_pos > seq_len - 1 - window)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(tl.where(visible[None, :], s, float("-inf")), v, m_i, l_i, acc)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],

@@ -1,7 +1,6 @@
 """W4: the W1 requests through a real tritonserver, gRPC streaming, at a fixed concurrency."""
 import queue
 import resource
-import socket
 import threading
 import time
 import urllib.request
@@ -9,19 +8,9 @@ import urllib.request
 import numpy as np
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32) -> dict:
     from bench_adapters import adapter_dirs
-    from launch_server import start_server, wait_ready
+    from launch_server import free_ports, start_server, wait_ready
 
     from backend.lora.peft import peft_to_trtllm
     from client.grpc_client import NOT_FOUND, build_inputs
@@ -29,7 +18,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
 
     adapters = {task_id: peft_to_trtllm(path, "float16")
                 for task_id, path in enumerate(adapter_dirs(model_dir, workload.adapter_ranks), start=1)}
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": "torch",
            "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),
            "LORA_LLM_MAX_NUM_SEQS": str(workload.max_num_seqs), "LORA_LLM_MAX_NUM_BATCHED_TOKENS": "2048"}

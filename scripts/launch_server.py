@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -15,6 +16,17 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_ports(n: int) -> list[int]:
+    """n TCP ports free on 127.0.0.1 right now."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
 def pytriton_dir() -> Path:

@@ -1,6 +1,5 @@
 """Real tritonservers for the server tests: one on the tiny model (fp32, exact), one on SmolLM2 with the demo
 adapters (text in, text out)."""
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -12,7 +11,7 @@ import pytest
 from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from launch_server import start_server, wait_ready  # noqa: E402
+from launch_server import free_ports, start_server, wait_ready  # noqa: E402
 
 
 @dataclass
@@ -38,16 +37,6 @@ class Server:
                 if ",".join(sorted(head[len(name):].strip("{}").split(","))) == want or not labels:
                     return float(value)
         raise KeyError(f"{name}{labels} not in metrics")
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None = None):
