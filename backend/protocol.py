@@ -3,7 +3,7 @@
 Arrays arrive as Triton hands them to a model with max_batch_size >= 1: each request's tensors carry a
 leading batch dim of 1 (input_ids [1, L], scalars [1], lora_weights [1, N, R], words lists [1, 2, L]).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,7 +20,6 @@ class ParsedRequest:
     lora_task_id: int | None = None
     lora_weights: np.ndarray | None = None
     lora_config: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _unbatch(name: str, value: np.ndarray) -> np.ndarray:

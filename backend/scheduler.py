@@ -36,10 +36,6 @@ class ScheduledSeq:
 class Batch:
     items: list[ScheduledSeq]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.items)
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterSlots | None = None):

@@ -88,6 +88,10 @@ class TritonStream:
             self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
             self.metrics.count("failure")
 
+    def acknowledge(self) -> None:
+        """The final, empty response to a `stop` request."""
+        self._send(output_arrays([], []), True)
+
     def cancelled(self) -> None:
         if not self.done:
             tokens = [] if self.request.streaming else self.tokens
@@ -172,7 +176,7 @@ class TritonPythonModel:
             stream.fail("A request id must be provided for request cancellation")
             return
         self.loop.cancel(name)
-        stream._send(output_arrays([], []), True)
+        stream.acknowledge()
 
     def finalize(self):
         self.loop.stop()
