@@ -32,6 +32,7 @@ class EngineLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[int, Stream] = {}
         self.names: dict[str, int] = {}                     # client request id -> engine request id
+        self.name_of: dict[int, str] = {}                   # and back
         self._running = True
         self._aborted_while_idle = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -106,6 +107,7 @@ class EngineLoop:
             self.streams[request_id] = stream
             if name:
                 self.names[name] = request_id
+                self.name_of[request_id] = name
 
     def _reap_cancelled(self) -> None:
         for request_id in [rid for rid, stream in self.streams.items() if stream.is_cancelled()]:
@@ -128,8 +130,7 @@ class EngineLoop:
             stream.emit(out)
 
     def _close(self, request_id: int) -> Stream:
-        stream = self.streams.pop(request_id)
-        for name, rid in list(self.names.items()):
-            if rid == request_id:
-                del self.names[name]
-        return stream
+        name = self.name_of.pop(request_id, None)
+        if name is not None and self.names.get(name) == request_id:    # a newer request may reuse the name
+            del self.names[name]
+        return self.streams.pop(request_id)
