@@ -15,7 +15,7 @@ DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_a
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr, in_dim,
-                   stride_xt, stride_as, stride_ar, stride_ht,
+                   stride_xt, stride_as, stride_ar, stride_ak, stride_ht,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     seg = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -38,7 +38,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr
         k_mask = k0 + offs_k < in_dim
         x = tl.load(x_ptr + offs_m[:, None] * stride_xt + (k0 + offs_k)[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_K]
-        a = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + (k0 + offs_k)[None, :],
+        a = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + (k0 + offs_k)[None, :] * stride_ak,
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_R, BLOCK_K]
         if DOT_FP32:
             x = x.to(tl.float32)
@@ -50,7 +50,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr, out_dim,
-                   stride_ht, stride_bs, stride_bn, stride_ot,
+                   stride_ht, stride_bs, stride_bn, stride_bk, stride_ot,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr):
     seg = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -73,7 +73,7 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_p
         r_mask = r0 + offs_r < rank
         h = tl.load(h_ptr + offs_m[:, None] * stride_ht + (r0 + offs_r)[None, :],
                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_R]
-        b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :],
+        b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :] * stride_bk,
                     mask=n_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_N, BLOCK_R]
         if DOT_FP32:
             h = h.to(tl.float32)
@@ -105,14 +105,14 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Te
     (entries no segment covers are left unset: expand never reads them).
     """
     num_tokens, in_dim = x.shape
-    assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[2] == in_dim and x.dtype == lora_a.dtype
+    assert x.stride(1) == 1 and lora_a.shape[2] == in_dim and x.dtype == lora_a.dtype
     h = torch.empty(num_tokens, lora_a.shape[1], dtype=x.dtype, device=x.device)
     cfg = shrink_config(in_dim)
     grid = (len(segments.slots_list), triton.cdiv(segments.max_len, cfg["BLOCK_M"]),
             triton.cdiv(lora_a.shape[1], cfg["BLOCK_R"]))
     if grid[0] and grid[1]:
         _shrink_kernel[grid](x, lora_a, h, segments.starts, segments.slots, ranks, in_dim, x.stride(0),
-                             lora_a.stride(0), lora_a.stride(1), h.stride(0), DOT_FP32=DOT_FP32, **cfg)
+                             *lora_a.stride(), h.stride(0), DOT_FP32=DOT_FP32, **cfg)
     return h
 
 
@@ -126,10 +126,10 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Te
     h: [num_tokens, cap]; lora_b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in place.
     """
     out_dim = out.shape[1]
-    assert out.stride(1) == 1 and h.stride(1) == 1 and lora_b.is_contiguous() and lora_b.shape[1] == out_dim
+    assert out.stride(1) == 1 and h.stride(1) == 1 and lora_b.shape[1] == out_dim
     cfg = expand_config(out_dim)
     grid = (len(segments.slots_list), triton.cdiv(segments.max_len, cfg["BLOCK_M"]),
             triton.cdiv(out_dim, cfg["BLOCK_N"]))
     if grid[0] and grid[1]:
         _expand_kernel[grid](h, lora_b, out, segments.starts, segments.slots, ranks, out_dim, h.stride(0),
-                             lora_b.stride(0), lora_b.stride(1), out.stride(0), DOT_FP32=DOT_FP32, **cfg)
+                             *lora_b.stride(), out.stride(0), DOT_FP32=DOT_FP32, **cfg)

@@ -109,8 +109,18 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Te
     """h[start:end, :rank[slot]] = x[start:end] @ lora_a[slot, :rank[slot]].T for each segment with a slot.
 
     x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim] -> h: [num_tokens, cap] (zeros where unused).
+    One batched matmul over the segments' padded grid when they have one, else one matmul per segment.
     """
     h = x.new_zeros(x.shape[0], lora_a.shape[1])
+    grid = segments.padded
+    if grid is not None:
+        rank = max(ranks_list[slot] for slot in grid.slot_ids)
+        if rank:
+            a = lora_a[grid.slot_start:grid.slot_start + grid.num_slots, :rank].transpose(1, 2)
+            x_grid = _to_grid(x[grid.token_start:], grid)                    # [num_slots, max_len, in_dim]
+            h_grid = torch.bmm(x_grid, a).masked_fill_(_past_rank(ranks, grid, rank), 0)   # [.., max_len, rank]
+            h[grid.token_start:, :rank] = _from_grid(h_grid, grid)
+        return h
     starts = segments.starts_list
     for s, slot in enumerate(segments.slots_list):
         rank = ranks_list[slot] if slot >= 0 else 0
@@ -125,8 +135,32 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Te
 
     h: [num_tokens, cap]; lora_b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in place.
     """
+    grid = segments.padded
+    if grid is not None:
+        rank = max(ranks_list[slot] for slot in grid.slot_ids)
+        if rank:
+            b = lora_b[grid.slot_start:grid.slot_start + grid.num_slots, :, :rank].transpose(1, 2)
+            h_grid = _to_grid(h[grid.token_start:, :rank], grid).masked_fill_(_past_rank(ranks, grid, rank), 0)
+            out[grid.token_start:] += _from_grid(torch.bmm(h_grid, b), grid)
+        return
     starts = segments.starts_list
     for s, slot in enumerate(segments.slots_list):
         rank = ranks_list[slot] if slot >= 0 else 0
         if rank:
             out[starts[s]:starts[s + 1]] += h[starts[s]:starts[s + 1], :rank] @ lora_b[slot, :, :rank].T
+
+
+def _to_grid(rows: torch.Tensor, grid) -> torch.Tensor:
+    """[num_rows, dim] -> [num_slots, max_len, dim], zeros where a slot has fewer tokens (or none): padding
+    rows stay zero through both matmuls."""
+    padded = rows.new_zeros(grid.num_slots * grid.max_len, rows.shape[1]).index_copy_(0, grid.rows, rows)
+    return padded.view(grid.num_slots, grid.max_len, -1)
+
+
+def _past_rank(ranks: torch.Tensor, grid, rank: int) -> torch.Tensor:
+    """[num_slots, 1, rank] bool: the columns past each slot's own rank, which lower-rank slots must ignore."""
+    return torch.arange(rank) >= ranks[grid.slot_start:grid.slot_start + grid.num_slots, None, None]
+
+
+def _from_grid(padded: torch.Tensor, grid) -> torch.Tensor:
+    return padded.flatten(0, 1).index_select(0, grid.rows)

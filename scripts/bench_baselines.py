@@ -2,6 +2,7 @@
 import time
 
 import torch
+from tqdm import tqdm
 
 
 def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_size: int = 8) -> dict:
@@ -15,7 +16,7 @@ def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_siz
         model, adapter_names = attach_peft_adapters(model, workload, loaded=1 if churn else None)
     num_tokens = 0
     start = time.perf_counter()
-    for b in range(0, len(requests), batch_size):
+    for b in tqdm(range(0, len(requests), batch_size), desc=f"{workload.name} HF", unit="batch", leave=False):
         chunk = requests[b:b + batch_size]
         width = max(len(r["prompt"]) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)

@@ -6,6 +6,7 @@ import time
 import urllib.request
 
 import numpy as np
+from tqdm import tqdm
 
 
 def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32) -> dict:
@@ -34,6 +35,8 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         ttfts: list[float] = []
         gaps: list[float] = []
         counts = [0]
+        bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
+                   mininterval=2.0)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
 
@@ -55,6 +58,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
                     if ids is not None and ids.size:
                         with lock:
                             counts[0] += ids.size
+                            bar.update(ids.size)
                             (ttfts.append(now - t0) if last is None else gaps.append(now - last))
                         last = now
                     if result.get_response().parameters["triton_final_response"].bool_param:
@@ -87,6 +91,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - start
+        bar.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         client_cpu = usage.ru_utime + usage.ru_stime - cpu0.ru_utime - cpu0.ru_stime
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
@@ -98,5 +103,6 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
     pct = lambda v, q: float(np.percentile(v, q)) if v else float("nan")   # noqa: E731
     return {"tok_s": counts[0] / elapsed, "seconds": elapsed, "output_tokens": counts[0], "concurrency": concurrency,
             "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99), "itl_p50_s": pct(gaps, 50),
-            "itl_p99_s": pct(gaps, 99), "steps": steps.get("lora_llm_step_seconds_count"),
+            "itl_p99_s": pct(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
+            "steps": steps.get("lora_llm_step_seconds_count"),
             "step_seconds": steps.get("lora_llm_step_seconds_sum"), "client_cpu_seconds": client_cpu}

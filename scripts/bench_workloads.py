@@ -39,11 +39,13 @@ def make_requests(workload: Workload, vocab_size: int, num_requests: int | None 
     rng = random.Random(seed)
     n = num_requests or workload.num_requests
     requests = []
+    num_with_adapter = 0
     for i in range(n):
         length = rng.randint(*workload.prompt_range)
         request = {"prompt": [rng.randrange(3, vocab_size) for _ in range(length)],
                    "max_new_tokens": workload.output_tokens, "lora_task_id": None}
         if workload.adapter_ranks and not (workload.base_every and i % workload.base_every == workload.base_every - 1):
-            request["lora_task_id"] = 1 + i % len(workload.adapter_ranks)
+            request["lora_task_id"] = 1 + num_with_adapter % len(workload.adapter_ranks)     # every adapter in turn
+            num_with_adapter += 1
         requests.append(request)
     return requests

@@ -55,11 +55,11 @@ def configurations():
         seg = dict(seg_starts_ptr="*i32", seg_slots_ptr="*i32", ranks_ptr="*i32")
         yield (f"lora_shrink {dtype}", "kernels.lora", "_shrink_kernel",
                dict(x_ptr=p, a_ptr=p, h_ptr=p) | seg | dict(in_dim=i32, stride_xt=i32, stride_as=i32,
-                                                             stride_ar=i32, stride_ht=i32),
+                                                             stride_ar=i32, stride_ak=i32, stride_ht=i32),
                shrink_config(4096) | {"DOT_FP32": False})
         yield (f"lora_expand {dtype}", "kernels.lora", "_expand_kernel",
                dict(h_ptr=p, b_ptr=p, out_ptr=p) | seg | dict(out_dim=i32, stride_ht=i32, stride_bs=i32,
-                                                              stride_bn=i32, stride_ot=i32),
+                                                              stride_bn=i32, stride_bk=i32, stride_ot=i32),
                expand_config(4096) | {"DOT_FP32": False})
 
 

@@ -7,6 +7,22 @@ from backend.lora.slots import PROJS, DeviceSlots
 
 
 @dataclass(slots=True)
+class PaddedLayout:
+    """Tokens [token_start:] (all with an adapter, one segment per slot, slots ascending) laid out as a zero-padded
+    [num_slots, max_len] grid over slots slot_start.., so that one batched matmul per projection serves them all."""
+    token_start: int
+    slot_start: int
+    num_slots: int
+    max_len: int
+    rows: torch.Tensor                        # [num_tokens - token_start] int64: each token's row in the grid
+    slot_ids: list[int]                       # the slots that have tokens
+
+
+PAD_WASTE = 2.0                               # use the padded grid while it holds at most this many rows per token
+GRID_MAX_LEN = 32                             # and while segments are this short: longer ones run well one by one
+
+
+@dataclass(slots=True)
 class LoraSegments:
     """Contiguous token runs that share an adapter slot (slot -1: base only, skipped by the kernels)."""
     starts: torch.Tensor                      # [num_segments + 1] int32: segment s is tokens [starts[s], starts[s+1])
@@ -14,6 +30,7 @@ class LoraSegments:
     starts_list: list[int]
     slots_list: list[int]
     max_len: int                              # longest segment, for kernel grids
+    padded: PaddedLayout | None = None        # set when the batched-matmul grid pays (torch path)
 
     @classmethod
     def from_token_slots(cls, token_slots: list[int]) -> "LoraSegments":
@@ -26,7 +43,23 @@ class LoraSegments:
         starts.append(len(token_slots))
         max_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
         return cls(torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), starts, slots,
-                   max_len)
+                   max_len, padded_layout(starts, slots))
+
+
+def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
+    """The grid for batched matmuls, when the segments allow one (adapter segments last, one per slot, in slot
+    order: the runner sorts its batch that way), its segments are short (decode steps, where one matmul per
+    segment is all call overhead) and it wastes at most PAD_WASTE rows per token."""
+    first = next((s for s, slot in enumerate(slots) if slot >= 0), len(slots))
+    lora_slots = slots[first:]
+    if len(lora_slots) < 2 or any(b <= a for a, b in zip(lora_slots, lora_slots[1:])):
+        return None
+    lengths = [starts[s + 1] - starts[s] for s in range(first, len(slots))]
+    num_slots, max_len = lora_slots[-1] - lora_slots[0] + 1, max(lengths)
+    if max_len > GRID_MAX_LEN or num_slots * max_len > PAD_WASTE * sum(lengths):
+        return None
+    rows = torch.cat([(slot - lora_slots[0]) * max_len + torch.arange(n) for slot, n in zip(lora_slots, lengths)])
+    return PaddedLayout(starts[first], lora_slots[0], num_slots, max_len, rows, lora_slots)
 
 
 class LoraBatch:

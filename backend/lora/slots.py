@@ -4,7 +4,9 @@ Per layer and projection (qkv, o, gate_up, down) a slot holds
     A [cap, in_dim]: the A of each module in the projection, stacked along the rank
     B [out_dim, cap]: each module's B in its output columns and its own rank columns (zeros elsewhere)
 so one shrink (x @ A[:R]^T) and one expand (+= h @ B[:, :R]^T) serve the whole projection, where R is the
-sum of that slot's ranks there: mixed ranks cost what they are, not the max rank.
+sum of that slot's ranks there: mixed ranks cost what they are, not the max rank. Both are stored with the rank
+as the outer dimension (A^T [in_dim, cap], B^T [cap, out_dim]) and exposed transposed, so the torch path's
+batched matmuls read plain row-major operands.
 """
 import torch
 
@@ -32,8 +34,10 @@ class DeviceSlots:
             for proj in PROJS:
                 in_dim, out_dim = proj_shape(cfg, proj)
                 cap = RANK_CAP[proj] * max_rank
-                self.a[-1][proj] = torch.zeros(num_slots, cap, in_dim, dtype=dtype, device=device)
-                self.b[-1][proj] = torch.zeros(num_slots, out_dim, cap, dtype=dtype, device=device)
+                a_t = torch.zeros(num_slots, in_dim, cap, dtype=dtype, device=device)
+                b_t = torch.zeros(num_slots, cap, out_dim, dtype=dtype, device=device)
+                self.a[-1][proj] = a_t.transpose(1, 2)          # [num_slots, cap, in_dim]
+                self.b[-1][proj] = b_t.transpose(1, 2)          # [num_slots, out_dim, cap]
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), num_slots, dtype=torch.int32)   # [layer, proj, slot]
         self.ranks_list: list[list[list[int]]] = self.ranks.tolist()
 

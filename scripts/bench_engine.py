@@ -1,0 +1,69 @@
+"""The engine side of the benchmarks: one workload in process, and the throughput sweep over concurrency."""
+import time
+
+from tqdm import tqdm
+
+from backend import LLMEngine
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def make_engine(model_dir: str, dtype: str, workload) -> LLMEngine:
+    engine = LLMEngine(model_dir, dtype=dtype, kernel_backend="torch", max_num_seqs=workload.max_num_seqs,
+                       max_num_batched_tokens=2048, max_loras=workload.max_loras,
+                       max_lora_rank=workload.max_lora_rank)
+    workload.setup(engine)
+    return engine
+
+
+def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict:
+    """All requests at t=0; tokens/s over the whole run, TTFT and inter-token latencies per request."""
+    bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=label, unit="tok", leave=False,
+               mininterval=2.0)
+    start = time.perf_counter()
+    first: dict = {}
+    last: dict = {}
+    gaps: list[float] = []
+    num_tokens = 0
+    for r in requests:
+        engine.add_request(r["prompt"], lora_task_id=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
+                           ignore_end_id=True)
+    num_steps = 0
+    while engine.has_unfinished:
+        outputs = engine.step()
+        now = time.perf_counter()
+        num_steps += 1
+        for out in outputs:
+            if out.error:
+                raise RuntimeError(out.error)
+            if out.new_token_ids:
+                num_tokens += len(out.new_token_ids)
+                bar.update(len(out.new_token_ids))
+                if out.request_id in last:
+                    gaps.append(now - last[out.request_id])
+                first.setdefault(out.request_id, now - start)
+                last[out.request_id] = now
+    elapsed = time.perf_counter() - start
+    bar.close()
+    ttfts = list(first.values())
+    return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens, "steps": num_steps,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
+            "ttfts_s": ttfts, "itls_s": gaps}
+
+
+def sweep_concurrency(engine: LLMEngine, requests: list[dict], label: str) -> list[dict]:
+    """Throughput with 1, 2, 4, ... len(requests) requests at once (the first n of the workload's requests)."""
+    points = []
+    n = 1
+    while n <= len(requests):
+        res = run_engine(engine, requests[:n], f"{label} x{n}")
+        points.append({"concurrency": n, "tok_s": res["tok_s"]})
+        print(f"  {label} with {n:3d} requests at once: {res['tok_s']:7.1f} tok/s", flush=True)
+        n *= 2
+    return points

@@ -1,0 +1,43 @@
+"""The ratios a benchmark run reports (with the targets of issue 6 beside them) and its one printed table."""
+import math
+
+TARGETS = {"W1_over_hf": 20.0, "W2_over_hf": 8.0, "W1_over_W2": 0.85, "W4_over_W1": 0.9, "W3_bandwidth_frac": 0.5,
+           "W1_roofline_frac": 0.10}
+
+
+def ratios(results: dict) -> dict:
+    out = {}
+    for name in ("W1", "W2", "W3", "W5"):
+        if name in results and f"{name}_hf" in results:
+            out[f"{name}_over_hf"] = results[name]["tok_s"] / results[f"{name}_hf"]["tok_s"]
+    for a, b in (("W1", "W2"), ("W4", "W1")):
+        if a in results and b in results:
+            out[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
+    if "W3" in results:
+        out["W3_bandwidth_frac"] = results["W3"]["bandwidth_frac"]
+    for name in ("W1", "W2"):
+        if name in results:
+            out[f"{name}_roofline_frac"] = results[name]["roofline_frac"]
+    return out
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{1000 * value:.0f}"
+
+
+def print_table(results: dict, names: list[str]) -> None:
+    print(f"\n{results['machine']}; bf16 matmul {results['roofline_gflops']:.0f} GFLOP/s, "
+          f"copy {results['memory_gbps']:.1f} GB/s")
+    print(f"{'':4} {'reqs':>4} {'tok/s':>8} {'HF tok/s':>9} {'x HF':>6} {'roofline':>8} "
+          f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
+    for name in names:
+        res, base = results[name], results.get(f"{name}_hf")
+        vs = f"{res['tok_s'] / base['tok_s']:.2f}" if base else "-"
+        print(f"{name:4} {res['requests']:4d} {res['tok_s']:8.1f} {base['tok_s'] if base else float('nan'):9.1f} "
+              f"{vs:>6} {100 * res['roofline_frac']:7.1f}% "
+              f"{_ms(res.get('ttft_p50_s')) + '/' + _ms(res.get('ttft_p99_s')):>16} "
+              f"{_ms(res.get('itl_p50_s')) + '/' + _ms(res.get('itl_p99_s')):>15}")
+    for key, value in results["ratios"].items():
+        target = TARGETS.get(key)
+        print(f"  {key:18} {value:7.2f}" + (f"   (target >= {target}, {'met' if value >= target else 'missed'})"
+                                            if target else ""))

@@ -1,0 +1,57 @@
+"""What this machine can do now (bf16 matmul, memory copy) and what a workload asks of it (FLOPs, bytes)."""
+import time
+
+import torch
+
+from backend.model.config import ModelConfig
+
+
+def measure_roofline() -> dict:
+    """bf16 2048^3 matmul throughput (GFLOP/s) and memory copy bandwidth (GB/s), on this machine now."""
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    gflops = 5 * 2 * 2048 ** 3 / (time.perf_counter() - t) / 1e9
+    src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    gbps = 5 * 2 * src.numel() / (time.perf_counter() - t) / 1e9
+    return {"roofline_gflops": gflops, "memory_gbps": gbps}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "cpu"
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Weights one token touches in the decoder layers (projections and MLP, all layers)."""
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> float:
+    """Bytes one decode step reads at least: every layer weight and the lm_head."""
+    return (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * torch.finfo(getattr(torch, dtype)).bits / 8
+
+
+def request_flops(cfg: ModelConfig, prompt_len: int, output_len: int) -> float:
+    """2 x weights per token (the lm_head only where a token is sampled: the last prompt token and each output
+    but the last), plus QK^T and PV over each token's context."""
+    num_tokens = prompt_len + output_len - 1
+    attention = 4 * cfg.num_layers * cfg.q_size * num_tokens * (num_tokens + 1) / 2
+    return 2 * layer_params(cfg) * num_tokens + 2 * cfg.vocab_size * cfg.hidden_size * output_len + attention
+
+
+def workload_flops(cfg: ModelConfig, requests: list[dict]) -> float:
+    return sum(request_flops(cfg, len(r["prompt"]), r["max_new_tokens"]) for r in requests)

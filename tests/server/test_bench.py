@@ -1,0 +1,31 @@
+"""scripts/bench.py end to end in a tiny form (every workload, the HF baselines, a real tritonserver for W4,
+the plots), so that the one trusted way to measure the project cannot rot. Shapes only: speed lives in the figures."""
+import json
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
+    out, plots = tmp_path / "results.json", tmp_path / "plots"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "all", "--quick", "--requests", "3",
+           "--model-dir", str(tiny_model_dir), "--out", str(out), "--plot", str(plots)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["roofline_gflops"] > 0 and results["memory_gbps"] > 0 and results["machine"]
+    for name in ("W1", "W2", "W3", "W4", "W5"):
+        res = results[name]
+        assert res["tok_s"] > 0 and res["output_tokens"] > 0 and res["roofline_frac"] > 0, name
+        for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+            assert res[key] > 0, (name, key)
+        if name != "W4":
+            assert results[f"{name}_hf"]["tok_s"] > 0
+    assert [p["concurrency"] for p in results["W1"]["sweep"]] == [1, 2]
+    assert set(results["ratios"]) >= {"W1_over_hf", "W2_over_hf", "W1_over_W2", "W4_over_W1", "W3_bandwidth_frac",
+                                      "W1_roofline_frac"}
+    assert all(value > 0 for value in results["ratios"].values())
+    for png in ("throughput_vs_concurrency.png", "w4_latency_cdf.png", "w1_latency_cdf.png"):
+        assert (plots / png).read_bytes()[:4] == b"\x89PNG"
+    assert "W4_over_W1" in run.stdout
