@@ -19,6 +19,8 @@ def plot_sweeps(sweeps: dict[str, list[dict]], baselines: dict[str, float], mach
         ax.axhline(tok_s, linestyle="--", color="gray", linewidth=1)
         ax.annotate(label, (1, tok_s), textcoords="offset points", xytext=(4, 4), fontsize=8, color="gray")
     ax.set_xscale("log", base=2)
+    ticks = sorted({p["concurrency"] for points in sweeps.values() for p in points})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("requests at once")
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"Throughput vs concurrency\n{machine}", fontsize=9)
