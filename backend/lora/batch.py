@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.lora.slots import PROJS, DeviceSlots
+from backend.lora.slots import DeviceSlots
 
 
 @dataclass(slots=True)
@@ -63,15 +63,17 @@ def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
 
 
 class LoraBatch:
-    """What `linear` calls for each projection: out += expand(shrink(x)) per segment, from the device slots."""
+    """What `linear` calls for each projection: out += expand(shrink(x)) per module band, from the device slots."""
 
     def __init__(self, slots: DeviceSlots, segments: LoraSegments, ops):
         self.slots = slots
         self.segments = segments
         self.ops = ops
+        self.slot_ids = sorted({slot for slot in segments.slots_list if slot >= 0})
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, proj: str) -> None:
-        p = PROJS.index(proj)
-        ranks, ranks_list = self.slots.ranks[layer, p], self.slots.ranks_list[layer][p]
-        h = self.ops.lora_shrink(x, self.slots.a[layer][proj], self.segments, ranks, ranks_list)
-        self.ops.lora_expand(h, self.slots.b[layer][proj], self.segments, ranks, ranks_list, out)
+        for band in self.slots.bands[layer][proj]:
+            if any(band.ranks_list[slot] for slot in self.slot_ids):
+                h = self.ops.lora_shrink(x, band.a, self.segments, band.ranks, band.ranks_list)
+                self.ops.lora_expand(h, band.b, self.segments, band.ranks, band.ranks_list,
+                                     out[:, band.columns[0]:band.columns[1]])

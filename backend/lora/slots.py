@@ -1,20 +1,26 @@
-"""The device tier's memory: every slot's adapter packed per layer and projection, ready for shrink/expand.
+"""The device tier's memory: every slot's adapter, per layer and projection, ready for shrink/expand.
 
-Per layer and projection (qkv, o, gate_up, down) a slot holds
-    A [cap, in_dim]: the A of each module in the projection, stacked along the rank
-    B [out_dim, cap]: each module's B in its output columns and its own rank columns (zeros elsewhere)
-so one shrink (x @ A[:R]^T) and one expand (+= h @ B[:, :R]^T) serve the whole projection, where R is the
-sum of that slot's ranks there: mixed ranks cost what they are, not the max rank. Both are stored with the rank
-as the outer dimension (A^T [in_dim, cap], B^T [cap, out_dim]) and exposed transposed, so the torch path's
-batched matmuls read plain row-major operands.
+Per layer and projection (qkv, o, gate_up, down) a slot holds one band of max_rank rank rows per module
+(qkv: q, k, v; gate_up: gate, up):
+    A [cap, in_dim]: module m's A in rows [m * max_rank, m * max_rank + rank_m)
+    B [out_dim, cap]: module m's B in its output columns and its band's rank columns (zeros elsewhere)
+so one shrink and one expand per band serve every slot at once, each at that slot's own rank, and an expand
+reads only its module's columns: the zeros between modules are never touched. Both are stored rank-major
+(A^T [in_dim, cap], B^T [cap, out_dim]) and exposed transposed, so the torch path's batched matmuls read
+plain row-major operands. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
 """
+from dataclasses import dataclass
+
 import torch
 
-from backend.lora.format import PROJ_OF_MODULE, LoraAdapter, module_columns
+from backend.lora.format import LoraAdapter, module_columns
 from backend.model.config import ModelConfig
 
 PROJS = ("qkv", "o", "gate_up", "down")
-RANK_CAP = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}    # modules a projection may stack, times max rank
+BANDS = {"qkv": (1, 2, 3), "o": (4,), "gate_up": (5, 7), "down": (6,)}     # TRT-LLM module ids, in band order
+BAND_OF_MODULE = {module: (proj, band) for proj, modules in BANDS.items() for band, module in enumerate(modules)}
+MAX_BANDS = max(len(modules) for modules in BANDS.values())
+FUSED_QKV = 0
 
 
 def proj_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
@@ -22,24 +28,41 @@ def proj_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}[proj]
 
 
+@dataclass(slots=True)
+class Band:
+    """One module's slice of every slot, as the LoRA ops take it."""
+    a: torch.Tensor                           # [num_slots, max_rank, in_dim]
+    b: torch.Tensor                           # [num_slots, band_out_dim, max_rank]
+    ranks: torch.Tensor                       # [num_slots] int32
+    ranks_list: list[int]
+    columns: tuple[int, int]                  # the output columns [start, end) of the projection it writes
+
+
 class DeviceSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu"):
         self.cfg = cfg
         self.num_slots = num_slots
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
+        self.max_rank = max_rank
+        self.a: list[dict[str, torch.Tensor]] = []                 # [num_slots, cap, in_dim] per projection
+        self.b: list[dict[str, torch.Tensor]] = []                 # [num_slots, out_dim, cap]
         for _ in range(cfg.num_layers):
             self.a.append({})
             self.b.append({})
             for proj in PROJS:
                 in_dim, out_dim = proj_shape(cfg, proj)
-                cap = RANK_CAP[proj] * max_rank
-                a_t = torch.zeros(num_slots, in_dim, cap, dtype=dtype, device=device)
-                b_t = torch.zeros(num_slots, cap, out_dim, dtype=dtype, device=device)
-                self.a[-1][proj] = a_t.transpose(1, 2)          # [num_slots, cap, in_dim]
-                self.b[-1][proj] = b_t.transpose(1, 2)          # [num_slots, out_dim, cap]
-        self.ranks = torch.zeros(cfg.num_layers, len(PROJS), num_slots, dtype=torch.int32)   # [layer, proj, slot]
-        self.ranks_list: list[list[list[int]]] = self.ranks.tolist()
+                cap = len(BANDS[proj]) * max_rank
+                self.a[-1][proj] = torch.zeros(num_slots, in_dim, cap, dtype=dtype, device=device).transpose(1, 2)
+                self.b[-1][proj] = torch.zeros(num_slots, cap, out_dim, dtype=dtype, device=device).transpose(1, 2)
+        self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
+        self.ranks_list: list[list[list[list[int]]]] = self.ranks.tolist()   # [layer][proj][band][slot]
+        self.bands: list[dict[str, list[Band]]] = [{proj: self._bands(layer, proj) for proj in PROJS}
+                                                   for layer in range(cfg.num_layers)]
+
+    def _bands(self, layer: int, proj: str) -> list[Band]:
+        p, r = PROJS.index(proj), self.max_rank
+        return [Band(self.a[layer][proj][:, i * r:(i + 1) * r], self.b[layer][proj][:, slice(*cols), i * r:(i + 1) * r],
+                     self.ranks[layer, p, i], self.ranks_list[layer][p][i], cols)
+                for i, cols in enumerate(module_columns(self.cfg, module) for module in BANDS[proj])]
 
     @property
     def num_bytes_per_slot(self) -> int:
@@ -47,21 +70,26 @@ class DeviceSlots:
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into a slot, replacing whatever was there."""
-        offsets = torch.zeros(self.cfg.num_layers, len(PROJS), dtype=torch.int64)
         for layer in range(self.cfg.num_layers):
             for proj in PROJS:
                 self.a[layer][proj][slot].zero_()
                 self.b[layer][proj][slot].zero_()
-        for (layer, module_id), (a, b) in sorted(adapter.weights.items()):
-            proj = PROJ_OF_MODULE[module_id]
-            p = PROJS.index(proj)
-            start = int(offsets[layer, p])
-            rank = a.shape[0]
-            col_start, col_end = module_columns(self.cfg, module_id)
-            self.a[layer][proj][slot, start:start + rank] = a
-            self.b[layer][proj][slot, col_start:col_end, start:start + rank] = b
-            offsets[layer, p] += rank
-        self.ranks[:, :, slot] = offsets.to(torch.int32)
-        for layer in range(self.cfg.num_layers):
-            for p in range(len(PROJS)):
-                self.ranks_list[layer][p][slot] = int(offsets[layer, p])
+        self.ranks[:, :, :, slot] = 0
+        for (layer, module_id), (a, b) in adapter.weights.items():
+            for module, b_part in self._split_fused(module_id, b):
+                proj, band = BAND_OF_MODULE[module]
+                start, rank = band * self.max_rank, a.shape[0]
+                col_start, col_end = module_columns(self.cfg, module)
+                self.a[layer][proj][slot, start:start + rank] = a
+                self.b[layer][proj][slot, col_start:col_end, start:start + rank] = b_part
+                self.ranks[layer, PROJS.index(proj), band, slot] = rank
+        for layer, per_proj in enumerate(self.ranks[:, :, :, slot].tolist()):
+            for p, per_band in enumerate(per_proj):
+                for band, rank in enumerate(per_band):
+                    self.ranks_list[layer][p][band][slot] = rank
+
+    def _split_fused(self, module_id: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        if module_id != FUSED_QKV:
+            return [(module_id, b)]
+        q, kv = self.cfg.q_size, self.cfg.kv_size
+        return [(1, b[:q]), (2, b[q:q + kv]), (3, b[q + kv:])]
