@@ -29,20 +29,28 @@ def apply_bans(logits: torch.Tensor, seqs: list[Sequence]) -> None:
                 logits[row, word[-1]] = float("-inf")
 
 
-def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
-    p = seq.params
-    logits = logits / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p        # keep the smallest set reaching top_p
-        logits = logits.index_fill(0, order[drop], float("-inf"))
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, top-k and top-p for all rows at once, then one exponential race per row (Gumbel-max in its
+    exponential form) with each sequence's own generator, so seeded requests repeat whatever their batch.
+    logits: [num_rows, vocab] fp32 -> tokens [num_rows] int64."""
+    params = [seq.params for seq in seqs]
+    logits = logits / torch.tensor([p.temperature for p in params])[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < logits.shape[1] else 0 for p in params])
+    if top_k.any():
+        top = torch.topk(logits, int(top_k.max())).values
+        kth = top.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        logits = logits.masked_fill((logits < kth) & (top_k > 0)[:, None], float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params])
+    if (top_p < 1.0).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p[:, None]          # keep the smallest set reaching top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=seq.generator)
-    return int((probs / noise).argmax())
+    noise = torch.empty_like(probs)
+    for row, seq in enumerate(seqs):
+        noise[row].exponential_(1.0, generator=seq.generator)
+    return (probs / noise).argmax(-1)
 
 
 class Sampler:
@@ -52,9 +60,11 @@ class Sampler:
         apply_penalties(logits, seqs)
         apply_bans(logits, seqs)
         tokens = logits.argmax(-1).tolist()
-        for row, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[row] = _sample_row(logits[row], seq)
+        sampled_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+        if sampled_rows:
+            picks = sample_rows(logits[sampled_rows], [seqs[row] for row in sampled_rows])
+            for row, token in zip(sampled_rows, picks.tolist()):
+                tokens[row] = token
         log_probs: list[float | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.return_log_probs]
         if rows:

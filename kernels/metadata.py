@@ -14,3 +14,4 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    torch_plan: object | None = None          # kernels/reference.py's per-step split, built by its first layer

@@ -6,6 +6,8 @@ Layouts shared with kernels/*.py:
     block_tables: [num_seqs, max_blocks] int32 (padding entries are never read)
     query_starts: [num_seqs + 1] int32, seq_lens: [num_seqs] int32 (context length including the new tokens)
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,28 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
     return mask
 
 
+@dataclass(slots=True)
+class TorchPlan:
+    """How the torch path splits a step, built once and reused by every layer: prefill sequences one by one,
+    decode sequences (one query each) batched."""
+    prefill_ids: list[int]
+    decode_token_ids: torch.Tensor            # [num_decode] int64: each decode sequence's query row
+    decode_block_tables: torch.Tensor         # [num_decode, num_blocks] int32, trimmed to the longest context
+    decode_seq_lens: torch.Tensor             # [num_decode] int64
+    decode_valid: torch.Tensor                # [num_decode, num_blocks * block_size] bool: positions in the context
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> "TorchPlan":
+        starts, seq_lens = meta.query_starts_list, meta.seq_lens_list
+        decode_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] == 1]
+        prefill_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] > 1]
+        lens = torch.tensor([seq_lens[s] for s in decode_ids], dtype=torch.int64)
+        num_blocks = -(-max((seq_lens[s] for s in decode_ids), default=0) // block_size)
+        tables = meta.block_tables[decode_ids, :num_blocks]
+        valid = torch.arange(num_blocks * block_size)[None, :] < lens[:, None]
+        return cls(prefill_ids, torch.tensor([starts[s] for s in decode_ids], dtype=torch.int64), tables, lens, valid)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged context (K/V already written).
@@ -62,43 +86,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Sequence s owns queries
     query_starts[s]:query_starts[s+1], the last tokens of its seq_lens[s] context tokens.
     """
-    query_starts, seq_lens, block_tables = meta.query_starts_list, meta.seq_lens_list, meta.block_tables
+    if meta.torch_plan is None:
+        meta.torch_plan = TorchPlan.build(meta, k_cache.shape[2])
+    plan = meta.torch_plan
     out = torch.empty_like(q)
-    decode_ids = [s for s in range(len(seq_lens)) if query_starts[s + 1] - query_starts[s] == 1]
-    for s in range(len(seq_lens)):
-        start, end, length = query_starts[s], query_starts[s + 1], seq_lens[s]
-        if end - start == 1:
-            continue
-        k = _gather_context(k_cache, block_tables[s], length)[None]
-        v = _gather_context(v_cache, block_tables[s], length)[None]
+    for s in plan.prefill_ids:
+        start, end, length = meta.query_starts_list[s], meta.query_starts_list[s + 1], meta.seq_lens_list[s]
+        k = _gather_context(k_cache, meta.block_tables[s], length)[None]
+        v = _gather_context(v_cache, meta.block_tables[s], length)[None]
         q_pos = torch.arange(length - (end - start), length)
         mask = _window_mask(q_pos, torch.arange(length), sliding_window)
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
-    if decode_ids:
-        token_ids = torch.tensor([query_starts[s] for s in decode_ids])
-        out[token_ids] = _decode_attention(q[token_ids], k_cache, v_cache, block_tables[decode_ids],
-                                           torch.tensor([seq_lens[s] for s in decode_ids]), scale, sliding_window)
+    if len(plan.decode_token_ids):
+        out[plan.decode_token_ids] = _decode_attention(q[plan.decode_token_ids], k_cache, v_cache, plan, scale,
+                                                       sliding_window)
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
     """One query per sequence, all sequences at once. q: [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_cache.shape
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    table = block_tables[:, :num_blocks]
-    k = _gather_blocks(k_cache, table).flatten(2, 3)       # [num_kv_heads, num_seqs, num_blocks * block_size, head_dim]
-    v = _gather_blocks(v_cache, table).flatten(2, 3)
+    num_kv_heads = k_cache.shape[0]
+    k = _gather_blocks(k_cache, plan.decode_block_tables).flatten(2, 3)   # [num_kv_heads, num_seqs, context, head_dim]
+    v = _gather_blocks(v_cache, plan.decode_block_tables).flatten(2, 3)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale    # [num_kv_heads, num_seqs, group, context]
-    k_pos = torch.arange(k.shape[2])
-    valid = k_pos[None, :] < seq_lens[:, None]
+    valid = plan.decode_valid
     if sliding_window is not None:
-        valid &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
+        k_pos = torch.arange(k.shape[2])
+        valid = valid & (k_pos[None, :] > plan.decode_seq_lens[:, None] - 1 - sliding_window)
     scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)        # [num_kv_heads, num_seqs, group, head_dim]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)

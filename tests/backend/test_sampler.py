@@ -42,6 +42,16 @@ def test_top_k_and_top_p_only_pick_allowed_tokens():
     assert picks_p == {1, 2}                              # p(1) = 0.42 < 0.5, so the second token is kept too
 
 
+def test_a_seeded_row_samples_the_same_alone_or_in_a_mixed_batch():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=1), SamplingParams(temperature=1.3, top_p=0.6, seed=2),
+              SamplingParams(), SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=3)]
+    batch = Sampler().sample(logits.clone(), [Sequence(i, [0], p) for i, p in enumerate(params)])[0]
+    alone = [Sampler().sample(logits[i:i + 1].clone(), [Sequence(i, [0], p)])[0][0] for i, p in enumerate(params)]
+    assert batch == alone
+    assert batch[2] == int(logits[2].argmax())
+
+
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     seq = Sequence(0, [0, 1], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
