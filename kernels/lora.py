@@ -1,8 +1,8 @@
 """LoRA shrink (h = x @ A^T) and expand (out += h @ B^T) over token segments that share an adapter slot.
 
 Each slot has its own rank per call (ranks[slot]); programs past a slot's rank exit at once, so mixed ranks cost
-what they are (rounded up to BLOCK_R), not the largest rank. Slot -1 is a segment with no adapter. The output
-slices of fused projections (qkv, gate_up) live in the packed B (backend/lora/slots.py).
+what they are (rounded up to BLOCK_R), not the largest rank. Slot -1 is a segment with no adapter. The engine
+calls both once per module band of a projection (backend/lora/slots.py), on strided views of the slots.
 """
 import os
 

@@ -23,7 +23,8 @@ def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
             model = get_peft_model(base, config, adapter_name=f"t{i + 1}")
         else:
             model.add_adapter(f"t{i + 1}", config)
-    model.save_pretrained(root)                 # each named adapter in <root>/<name>
+            model.delete_adapter(f"t{i}")       # one adapter at a time: saving scans every adapter the model holds
+        model.save_pretrained(root, selected_adapters=[f"t{i + 1}"])    # into <root>/<name>
     return tuple(root / f"t{i + 1}" for i in range(len(ranks)))
 
 

@@ -9,7 +9,7 @@ from backend.lora.slots import DeviceSlots
 @dataclass(slots=True)
 class PaddedLayout:
     """Tokens [token_start:] (all with an adapter, one segment per slot, slots ascending) laid out as a zero-padded
-    [num_slots, max_len] grid over slots slot_start.., so that one batched matmul per projection serves them all."""
+    [num_slots, max_len] grid over slots slot_start.., so that one batched matmul per module band serves them all."""
     token_start: int
     slot_start: int
     num_slots: int

@@ -5,9 +5,10 @@ Per layer and projection (qkv, o, gate_up, down) a slot holds one band of max_ra
     A [cap, in_dim]: module m's A in rows [m * max_rank, m * max_rank + rank_m)
     B [out_dim, cap]: module m's B in its output columns and its band's rank columns (zeros elsewhere)
 so one shrink and one expand per band serve every slot at once, each at that slot's own rank, and an expand
-reads only its module's columns: the zeros between modules are never touched. Both are stored rank-major
-(A^T [in_dim, cap], B^T [cap, out_dim]) and exposed transposed, so the torch path's batched matmuls read
-plain row-major operands. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
+reads only its module's columns: the zeros between modules are never touched. On CPU both are stored
+rank-major (A^T [in_dim, cap], B^T [cap, out_dim]) and exposed transposed, so the torch path's batched matmuls
+read plain row-major operands; on GPU they are stored as shown, for the Triton kernels' coalesced loads. A fused
+qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
 """
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ FUSED_QKV = 0
 def proj_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}[proj]
+
+
+def _zeros(num_slots: int, rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[num_slots, rows, cols], stored column-major per slot on CPU (see the module docstring)."""
+    if torch.device(device).type == "cpu":
+        return torch.zeros(num_slots, cols, rows, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(num_slots, rows, cols, dtype=dtype, device=device)
 
 
 @dataclass(slots=True)
@@ -51,8 +59,8 @@ class DeviceSlots:
             for proj in PROJS:
                 in_dim, out_dim = proj_shape(cfg, proj)
                 cap = len(BANDS[proj]) * max_rank
-                self.a[-1][proj] = torch.zeros(num_slots, in_dim, cap, dtype=dtype, device=device).transpose(1, 2)
-                self.b[-1][proj] = torch.zeros(num_slots, cap, out_dim, dtype=dtype, device=device).transpose(1, 2)
+                self.a[-1][proj] = _zeros(num_slots, cap, in_dim, dtype, device)
+                self.b[-1][proj] = _zeros(num_slots, out_dim, cap, dtype, device)
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
         self.ranks_list: list[list[list[list[int]]]] = self.ranks.tolist()   # [layer][proj][band][slot]
         self.bands: list[dict[str, list[Band]]] = [{proj: self._bands(layer, proj) for proj in PROJS}
