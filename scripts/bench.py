@@ -1,6 +1,6 @@
 """The project's benchmarks (workloads of shared/BENCHMARKS.md) and their baselines, measured in one run.
 
-    python scripts/bench.py --workload all --out results.json --plot plots/     # the whole suite (~25 min)
+    python scripts/bench.py --workload all --out results.json --plot plots/     # the whole suite (~30 min)
     python scripts/bench.py --workload all --quick                             # every workload scaled down (<10 min)
     python scripts/bench.py --workload W2,W3 --requests 16 --baseline none     # a quick look at two of them
 """
