@@ -77,21 +77,24 @@ class Scheduler:
             budget -= num_new
         self.running = kept + pending
 
+        waiting_for_slot: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_allocate(seq, num_new, keep_watermark=True):
                 break
+            self.waiting.popleft()
             if self.adapters is not None:
                 if not self.adapters.can_acquire(seq.lora_task_id):
-                    break
+                    waiting_for_slot.append(seq)     # later requests on resident adapters (or none) may still run
+                    continue
                 self.adapters.acquire(seq.lora_task_id)
-            self.waiting.popleft()
             seq.status = Status.RUNNING
             self.blocks.allocate(seq, num_new)
             items.append(ScheduledSeq(seq, num_new))
             self.running.append(seq)
             budget -= num_new
+        self.waiting.extendleft(reversed(waiting_for_slot))     # back at the head, in order: first to get a slot
         return Batch(items)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -103,6 +103,21 @@ def test_more_adapters_than_device_slots_all_complete(tiny_model_dir, model_cfg)
     assert tight.blocks.num_free_blocks == tight.blocks.num_blocks
 
 
+def test_a_request_waiting_for_a_slot_does_not_hold_up_requests_on_resident_adapters(tiny_model_dir, model_cfg):
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20,
+                       max_loras=1)
+    for task in (1, 2):
+        engine.add_lora(task, *make_adapter(model_cfg, 4, task))
+    prompts = random_prompts([5, 6, 7, 8], model_cfg.vocab_size, seed=3)
+    ids = [engine.add_request(p, lora_task_id=t, max_new_tokens=4) for p, t in zip(prompts, [1, 2, 1, None])]
+    engine.step()
+    assert [engine.seqs[i].num_computed_tokens > 0 for i in ids] == [True, False, True, True]
+    assert engine.scheduler.waiting[0].request_id == ids[1]
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.lora_cache.pins == [0] and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 def test_byte_accounting_returns_to_what_is_resident(model_cfg):
     import torch
     size = adapter_bytes(model_cfg, 4)
