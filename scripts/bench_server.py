@@ -5,12 +5,12 @@ import threading
 import time
 import urllib.request
 
-import numpy as np
 from tqdm import tqdm
 
 
 def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32) -> dict:
     from bench_adapters import adapter_dirs
+    from bench_engine import percentile
     from launch_server import free_ports, start_server, wait_ready
 
     from backend.lora.peft import peft_to_trtllm
@@ -100,9 +100,8 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
     finally:
         server.terminate()
         server.wait(timeout=60)
-    pct = lambda v, q: float(np.percentile(v, q)) if v else float("nan")   # noqa: E731
     return {"tok_s": counts[0] / elapsed, "seconds": elapsed, "output_tokens": counts[0], "concurrency": concurrency,
-            "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99), "itl_p50_s": pct(gaps, 50),
-            "itl_p99_s": pct(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
             "steps": steps.get("lora_llm_step_seconds_count"),
             "step_seconds": steps.get("lora_llm_step_seconds_sum"), "client_cpu_seconds": client_cpu}
