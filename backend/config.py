@@ -1,8 +1,10 @@
 """Engine and adapter-cache settings: validated dataclasses, one place for every knob."""
+import re
 from dataclasses import dataclass, field
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(slots=True)
@@ -22,13 +24,15 @@ class LoraCacheConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model_dir: str
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32
     max_num_seqs: int = 64                    # sequences in one step
     max_num_batched_tokens: int = 2048        # tokens (prefill chunks + decodes) in one step
     kv_block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, kv_cache_free_gpu_mem_fraction on CUDA
+    kv_cache_free_gpu_mem_fraction: float = 0.9   # of the memory free after the weights and a warm-up forward
     kv_watermark: float = 0.01                # share of blocks kept free when admitting new sequences
     kernel_backend: str = "auto"
+    device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
 
     def __post_init__(self):
@@ -36,10 +40,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        if not DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_memory_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_block_size & (self.kv_block_size - 1):
             raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ValueError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

@@ -12,7 +12,6 @@ from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
 from backend.model.runner import ModelRunner
 from backend.request import RequestError, SamplingParams, Sequence, validate_prompt
-from backend.sampler import Sampler
 from backend.scheduler import Scheduler
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -47,10 +46,10 @@ class LLMEngine:
         self.config = EngineConfig(model_dir=str(model_dir), lora=LoraCacheConfig(**lora_kwargs), **engine_kwargs)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(self.config, self.model_config)
-        self.blocks = BlockManager(self.runner.num_blocks, self.config.kv_block_size, self.config.kv_watermark)
-        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype)
+        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype, self.runner.device)
+        num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
+        self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark)
         self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
-        self.sampler = Sampler()
         self.seqs: dict[Hashable, Sequence] = {}
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
@@ -126,20 +125,20 @@ class LLMEngine:
         if not batch.items:
             return []
         try:
-            logits = self.runner.run(batch, self.lora_cache)
-        except Exception as exc:             # a failed forward fails its batch, never the engine
+            next_tasks = [seq.lora_task_id for seq in itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)]
+            tokens, log_probs = self.runner.run(batch, self.lora_cache, prefetch=next_tasks)
+        except Exception as exc:             # a failed step fails its batch, never the engine
             return [self._finish(item.seq, "error", error=f"engine failure: {exc}") for item in batch.items]
         sampled = [item for item in batch.items if item.samples]
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
-        tokens, log_probs = self.sampler.sample(logits, [item.seq for item in sampled])
         return [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
 
-    def _append(self, seq: Sequence, token: int, log_prob: float | None) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, log_prob: float) -> StepOutput:
         seq.output_ids.append(token)
-        if log_prob is not None:
-            seq.output_log_probs.append(log_prob)
-        out = StepOutput(seq.request_id, [token], log_probs=[] if log_prob is None else [log_prob])
+        log_probs = [log_prob] if seq.params.return_log_probs else []
+        seq.output_log_probs += log_probs
+        out = StepOutput(seq.request_id, [token], log_probs=log_probs)
         reason = self._finish_reason(seq)
         if reason is not None:
             self._finish(seq, reason)

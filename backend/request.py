@@ -1,8 +1,7 @@
 """A request's sampling parameters, its running state, and the validation that guards the engine."""
+import random
 from dataclasses import dataclass, field
 from enum import Enum, auto
-
-import torch
 
 
 class RequestError(ValueError):
@@ -72,6 +71,14 @@ def validate_prompt(prompt_ids: list[int], max_new_tokens: int, vocab_size: int,
             f"max_position_embeddings {max_positions}")
 
 
+def seed_key(seed: int) -> int:
+    """A 64-bit seed mixed down to 31 bits (splitmix64's finalizer), for the sampler's counter-based draws."""
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFF
+
+
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -92,11 +99,11 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    seed_key: int = 0                         # 31 bits of the request's seed (a random one if none was given)
 
     def __post_init__(self):
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        seed = random.getrandbits(64) if self.params.seed is None else self.params.seed
+        self.seed_key = seed_key(seed)
 
     @property
     def token_ids(self) -> list[int]:

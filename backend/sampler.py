@@ -1,74 +1,176 @@
-"""Next-token choice for a whole batch: penalties, bans, then greedy or seeded temperature / top-k / top-p."""
+"""Next-token choice for a whole batch: penalties, bans, then greedy or seeded temperature / top-k / top-p, and
+log probs. The host gathers each step's sampling inputs into small tensors (`prepare`, uploaded with the rest
+of the step's metadata); the device does everything else with no data-dependent shapes and no sync (`sample`).
+
+Random draws are counter-based: a row's uniform number is a hash of its request's seed and its output length,
+so a seeded request samples the same tokens whatever batch it runs in, on any device.
+"""
+from dataclasses import dataclass, field
+
 import torch
 
 from backend.request import Sequence
 
-
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition (over prompt and output, divides positive logits), presence and frequency (over output)."""
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)))
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
-            tokens, counts = torch.tensor(seq.output_ids).unique(return_counts=True)
-            logits[row, tokens] -= p.presence_penalty + p.frequency_penalty * counts.float()
+MASK32 = 0xFFFFFFFF
 
 
-def apply_bans(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """end_id before min_tokens, and the last token of every bad word whose prefix was just generated."""
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.end_id is not None and len(seq.output_ids) < p.min_tokens:
-            logits[row, p.end_id] = float("-inf")
-        for word in p.bad_words:
-            prefix = word[:-1]
-            if not prefix or seq.token_ids[-len(prefix):] == prefix:
-                logits[row, word[-1]] = float("-inf")
+@dataclass(slots=True)
+class SamplingPlan:
+    """What the step's sampling needs: host facts that pick the code path, and tensors (host, then device)."""
+    num_rows: int
+    any_sampled: bool
+    max_top_k: int
+    any_top_p: bool
+    num_repetition: int
+    num_presence: int
+    num_bans: int
+    any_log_probs: bool
+    t: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, top-k and top-p for all rows at once, then one exponential race per row (Gumbel-max in its
-    exponential form) with each sequence's own generator, so seeded requests repeat whatever their batch.
-    logits: [num_rows, vocab] fp32 -> tokens [num_rows] int64."""
+def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    out = torch.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out
+
+
+def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
+    """Host tensors for one step's rows (one per sequence that samples, in batch order)."""
     params = [seq.params for seq in seqs]
-    logits = logits / torch.tensor([p.temperature for p in params])[:, None]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < logits.shape[1] else 0 for p in params])
-    if top_k.any():
-        top = torch.topk(logits, int(top_k.max())).values
-        kth = top.gather(1, (top_k - 1).clamp(min=0)[:, None])
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    pres = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and seqs[i].output_ids]
+    ban_rows, ban_tokens = [], []
+    for row, seq in enumerate(seqs):
+        banned = banned_tokens(seq)
+        ban_rows += [row] * len(banned)
+        ban_tokens += banned
+    top_k = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0 for p in params]
+    plan = SamplingPlan(
+        num_rows=len(seqs), any_sampled=any(not p.greedy for p in params), max_top_k=max(top_k, default=0),
+        any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params), num_repetition=len(rep),
+        num_presence=len(pres), num_bans=len(ban_rows), any_log_probs=any(p.return_log_probs for p in params))
+    plan.t = {
+        "s_greedy": torch.tensor([p.greedy for p in params], dtype=torch.int32),
+        "s_temperature": torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32),
+        "s_top_k": torch.tensor(top_k, dtype=torch.int32),
+        "s_top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        "s_seed": torch.tensor([seq.seed_key for seq in seqs], dtype=torch.int32),
+        "s_step": torch.tensor([len(seq.output_ids) for seq in seqs], dtype=torch.int32),
+        "s_rep_rows": torch.tensor(rep, dtype=torch.int32),
+        "s_rep_penalty": torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32),
+        "s_rep_ids": _padded([seqs[i].token_ids for i in rep], vocab_size),
+        "s_pres_rows": torch.tensor(pres, dtype=torch.int32),
+        "s_presence": torch.tensor([params[i].presence_penalty for i in pres], dtype=torch.float32),
+        "s_frequency": torch.tensor([params[i].frequency_penalty for i in pres], dtype=torch.float32),
+        "s_pres_ids": _padded([seqs[i].output_ids for i in pres], vocab_size),
+        "s_ban_rows": torch.tensor(ban_rows, dtype=torch.int32),
+        "s_ban_tokens": torch.tensor(ban_tokens, dtype=torch.int32),
+    }
+    return plan
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """end_id before min_tokens, and the last token of every bad word whose prefix was just generated."""
+    p, tokens = seq.params, seq.token_ids
+    banned = [p.end_id] if p.end_id is not None and len(seq.output_ids) < p.min_tokens else []
+    for word in p.bad_words:
+        prefix = word[:-1]
+        if not prefix or tokens[-len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, max_len] ids padded with vocab_size -> [rows, vocab] occurrence counts (fp32)."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids.long(), torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, plan: SamplingPlan) -> None:
+    """Repetition (over prompt and output, divides positive logits), presence and frequency (over output)."""
+    t, vocab = plan.t, logits.shape[1]
+    if plan.num_repetition:
+        rows = t["s_rep_rows"].long()
+        sub, penalty = logits.index_select(0, rows), t["s_rep_penalty"][:, None]
+        seen = _token_counts(t["s_rep_ids"], vocab) > 0
+        logits.index_copy_(0, rows, torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub))
+    if plan.num_presence:
+        rows = t["s_pres_rows"].long()
+        counts = _token_counts(t["s_pres_ids"], vocab)
+        delta = (counts > 0) * t["s_presence"][:, None] + counts * t["s_frequency"][:, None]
+        logits.index_copy_(0, rows, logits.index_select(0, rows) - delta)
+
+
+def apply_bans(logits: torch.Tensor, plan: SamplingPlan) -> None:
+    if plan.num_bans:
+        t = plan.t
+        rows = t["s_ban_rows"].long()
+        logits.index_put_((rows, t["s_ban_tokens"].long()), logits.new_full(rows.shape, float("-inf")))
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for h < 2^32 in int64, with no intermediate past 2^49."""
+    return ((h & 0xFFFF) * c + ((((h >> 16) * c) & 0xFFFF) << 16)) & MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finalizer: a bijection of 32-bit values that mixes every bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform(seed_key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """One number in (0, 1) per row (fp64), a function of the row's seed key and step only."""
+    h = _fmix32(_fmix32(seed_key.long() & MASK32) ^ (step.long() & MASK32))
+    return (h.double() + 0.5) / 2.0 ** 32
+
+
+def sample_rows(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+    """Temperature, top-k and top-p for all rows at once, then inverse-CDF sampling with each row's own uniform
+    number. logits: [num_rows, vocab] fp32 -> tokens [num_rows] int64."""
+    t = plan.t
+    logits = logits / t["s_temperature"][:, None]
+    if plan.max_top_k:
+        top_k = t["s_top_k"].long()
+        kth = torch.topk(logits, plan.max_top_k).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
         logits = logits.masked_fill((logits < kth) & (top_k > 0)[:, None], float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params])
-    if (top_p < 1.0).any():
+    if plan.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p[:, None]          # keep the smallest set reaching top_p
+        drop = probs.cumsum(-1) - probs >= t["s_top_p"][:, None]      # keep the smallest set reaching top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    noise = torch.empty_like(probs)
-    for row, seq in enumerate(seqs):
-        noise[row].exponential_(1.0, generator=seq.generator)
-    return (probs / noise).argmax(-1)
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    target = uniform(t["s_seed"], t["s_step"]) * cdf[:, -1]
+    picks = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return picks.clamp(max=logits.shape[1] - 1)
+
+
+def sample(logits: torch.Tensor, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device.
+    Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (zeros unless some row asked)."""
+    apply_penalties(logits, plan)
+    apply_bans(logits, plan)
+    tokens = logits.argmax(-1)
+    if plan.any_sampled:
+        tokens = torch.where(plan.t["s_greedy"] != 0, tokens, sample_rows(logits, plan))
+    if plan.any_log_probs:
+        log_probs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    else:
+        log_probs = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    return tokens, log_probs
 
 
 class Sampler:
+    """Both halves at once, for callers that hold logits and sequences (tests, tools)."""
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float | None]]:
-        """logits: [num_seqs, vocab] fp32 (modified in place). Returns each sequence's token and its log prob
-        (None where not asked for)."""
-        apply_penalties(logits, seqs)
-        apply_bans(logits, seqs)
-        tokens = logits.argmax(-1).tolist()
-        sampled_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
-        if sampled_rows:
-            picks = sample_rows(logits[sampled_rows], [seqs[row] for row in sampled_rows])
-            for row, token in zip(sampled_rows, picks.tolist()):
-                tokens[row] = token
-        log_probs: list[float | None] = [None] * len(seqs)
-        rows = [row for row, seq in enumerate(seqs) if seq.params.return_log_probs]
-        if rows:
-            chosen = torch.log_softmax(logits[rows], dim=-1)[torch.arange(len(rows)), [tokens[r] for r in rows]]
-            for row, value in zip(rows, chosen.tolist()):
-                log_probs[row] = value
-        return tokens, log_probs
+        plan = prepare(seqs, logits.shape[1])
+        plan.t = {name: t.to(logits.device) for name, t in plan.t.items()}
+        tokens, log_probs = sample(logits, plan)
+        wanted = [seq.params.return_log_probs for seq in seqs]
+        return tokens.tolist(), [lp if w else None for lp, w in zip(log_probs.tolist(), wanted)]

@@ -7,21 +7,22 @@ import torch
 OP_NAMES = ("write_kv_cache", "rotary", "paged_attention", "lora_shrink", "lora_expand")
 
 
-def resolve_backend(name: str) -> str:
+def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
     """"auto" means Triton on CUDA and torch on CPU; "triton" on CPU runs the kernels in Triton's interpreter
     (TRITON_INTERPRET=1, for tests: far too slow to serve)."""
+    on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        return "triton" if torch.cuda.is_available() else "torch"
-    if name == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise RuntimeError("kernel_backend 'triton' needs CUDA, or TRITON_INTERPRET=1 set before start on CPU")
+        return "triton" if on_cuda else "torch"
+    if name == "triton" and not (on_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("kernel_backend 'triton' on CPU needs TRITON_INTERPRET=1 set before start (a test mode)")
     if name not in ("torch", "triton"):
         raise ValueError(f"unknown kernel backend {name!r}")
     return name
 
 
-def load_ops(name: str) -> SimpleNamespace:
-    """The kernel functions of one backend, by the names in OP_NAMES."""
-    backend = resolve_backend(name)
+def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
+    """The kernel functions of one backend for tensors on `device`, by the names in OP_NAMES."""
+    backend = resolve_backend(name, device)
     if backend == "torch":
         from kernels import reference as module
     else:

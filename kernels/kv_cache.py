@@ -10,14 +10,14 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    slot = tl.load(slot_ptr + token)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:                                  # padding token: nothing to write
         return
     d = tl.arange(0, BLOCK_D)
     mask = d < HEAD_DIM
-    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
-    dst = head * stride_ch + slot * stride_cs + d
+    k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + d, mask=mask)
+    dst = head.to(tl.int64) * stride_ch + slot * stride_cs + d
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 

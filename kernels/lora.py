@@ -33,18 +33,20 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < end
     r_mask = offs_r < rank
+    x_rows = offs_m.to(tl.int64) * stride_xt
+    a_slot = a_ptr + slot.to(tl.int64) * stride_as
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in range(0, in_dim, BLOCK_K):
         k_mask = k0 + offs_k < in_dim
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xt + (k0 + offs_k)[None, :],
+        x = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_K]
-        a = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + (k0 + offs_k)[None, :] * stride_ak,
+        a = tl.load(a_slot + offs_r[:, None] * stride_ar + (k0 + offs_k)[None, :] * stride_ak,
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_R, BLOCK_K]
         if DOT_FP32:
             x = x.to(tl.float32)
             a = a.to(tl.float32)
-        acc += tl.dot(x, tl.trans(a))
-    tl.store(h_ptr + offs_m[:, None] * stride_ht + offs_r[None, :], acc.to(h_ptr.dtype.element_ty),
+        acc += tl.dot(x, tl.trans(a), input_precision="ieee")
+    tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + offs_r[None, :], acc.to(h_ptr.dtype.element_ty),
              mask=m_mask[:, None] & r_mask[None, :])
 
 
@@ -68,18 +70,19 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_p
     offs_r = tl.arange(0, BLOCK_R)
     m_mask = offs_m < end
     n_mask = offs_n < out_dim
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         r_mask = r0 + offs_r < rank
-        h = tl.load(h_ptr + offs_m[:, None] * stride_ht + (r0 + offs_r)[None, :],
+        h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + (r0 + offs_r)[None, :],
                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_R]
-        b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :] * stride_bk,
+        b = tl.load(b_slot + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :] * stride_bk,
                     mask=n_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_N, BLOCK_R]
         if DOT_FP32:
             h = h.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(h, tl.trans(b))
-    out_ptrs = out_ptr + offs_m[:, None] * stride_ot + offs_n[None, :]
+        acc += tl.dot(h, tl.trans(b), input_precision="ieee")
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     total = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)

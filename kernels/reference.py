@@ -3,7 +3,8 @@
 Layouts shared with kernels/*.py:
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]; slot = block_id * block_size + offset
         (head-major: one head's context gathers into a contiguous [num_seqs, context, head_dim] batch)
-    block_tables: [num_seqs, max_blocks] int32 (padding entries are never read)
+    block_tables: [num_seqs, max_blocks] int32 (entries past a sequence's blocks are never read, and cache
+        positions past its length never reach a result: they may hold another request's stale values, or NaN)
     query_starts: [num_seqs + 1] int32, seq_lens: [num_seqs] int32 (context length including the new tokens)
 """
 from dataclasses import dataclass
@@ -60,23 +61,28 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
 @dataclass(slots=True)
 class TorchPlan:
     """How the torch path splits a step, built once and reused by every layer: prefill sequences one by one,
-    decode sequences (one query each) batched."""
+    decode sequences (one query each) batched over a padded context."""
     prefill_ids: list[int]
     decode_token_ids: torch.Tensor            # [num_decode] int64: each decode sequence's query row
     decode_block_tables: torch.Tensor         # [num_decode, num_blocks] int32, trimmed to the longest context
     decode_seq_lens: torch.Tensor             # [num_decode] int64
     decode_valid: torch.Tensor                # [num_decode, num_blocks * block_size] bool: positions in the context
+    decode_padding: torch.Tensor              # [num_padding] int64: flat (sequence, position) indices past seq_len
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> "TorchPlan":
-        starts, seq_lens = meta.query_starts_list, meta.seq_lens_list
+        starts, seq_lens, device = meta.query_starts_list, meta.seq_lens_list, meta.block_tables.device
         decode_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] == 1]
         prefill_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] > 1]
-        lens = torch.tensor([seq_lens[s] for s in decode_ids], dtype=torch.int64)
-        num_blocks = -(-max((seq_lens[s] for s in decode_ids), default=0) // block_size)
-        tables = meta.block_tables[decode_ids, :num_blocks]
-        valid = torch.arange(num_blocks * block_size)[None, :] < lens[:, None]
-        return cls(prefill_ids, torch.tensor([starts[s] for s in decode_ids], dtype=torch.int64), tables, lens, valid)
+        lens = [seq_lens[s] for s in decode_ids]
+        num_blocks = -(-max(lens, default=0) // block_size)
+        context = num_blocks * block_size
+        padding = [i * context + p for i, n in enumerate(lens) for p in range(n, context)]
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+        tables = meta.block_tables[torch.tensor(decode_ids, dtype=torch.int64, device=device), :num_blocks]
+        valid = torch.arange(context, device=device)[None, :] < lens_t[:, None]
+        return cls(prefill_ids, torch.tensor([starts[s] for s in decode_ids], dtype=torch.int64, device=device),
+                   tables, lens_t, valid, torch.tensor(padding, dtype=torch.int64, device=device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -94,8 +100,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         start, end, length = meta.query_starts_list[s], meta.query_starts_list[s + 1], meta.seq_lens_list[s]
         k = _gather_context(k_cache, meta.block_tables[s], length)[None]
         v = _gather_context(v_cache, meta.block_tables[s], length)[None]
-        q_pos = torch.arange(length - (end - start), length)
-        mask = _window_mask(q_pos, torch.arange(length), sliding_window)
+        q_pos = torch.arange(length - (end - start), length, device=q.device)
+        mask = _window_mask(q_pos, torch.arange(length, device=q.device), sliding_window)
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
@@ -112,11 +118,13 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_kv_heads = k_cache.shape[0]
     k = _gather_blocks(k_cache, plan.decode_block_tables).flatten(2, 3)   # [num_kv_heads, num_seqs, context, head_dim]
     v = _gather_blocks(v_cache, plan.decode_block_tables).flatten(2, 3)
+    if len(plan.decode_padding):              # stale (even NaN) values past a context must not meet a zero weight
+        v.view(num_kv_heads, -1, head_dim).index_fill_(1, plan.decode_padding, 0)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale    # [num_kv_heads, num_seqs, group, context]
     valid = plan.decode_valid
     if sliding_window is not None:
-        k_pos = torch.arange(k.shape[2])
+        k_pos = torch.arange(k.shape[2], device=q.device)
         valid = valid & (k_pos[None, :] > plan.decode_seq_lens[:, None] - 1 - sliding_window)
     scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)        # [num_kv_heads, num_seqs, group, head_dim]
@@ -172,13 +180,13 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Te
 def _to_grid(rows: torch.Tensor, grid) -> torch.Tensor:
     """[num_rows, dim] -> [num_slots, max_len, dim], zeros where a slot has fewer tokens (or none): padding
     rows stay zero through both matmuls."""
-    padded = rows.new_zeros(grid.num_slots * grid.max_len, rows.shape[1]).index_copy_(0, grid.rows, rows)
+    padded = rows.new_zeros(grid.num_slots * grid.max_len, rows.shape[1]).index_copy_(0, grid.rows.long(), rows)
     return padded.view(grid.num_slots, grid.max_len, -1)
 
 
 def _past_rank(ranks: torch.Tensor, grid, rank: int) -> torch.Tensor:
     """[num_slots, 1, rank] bool: the columns past each slot's own rank, which lower-rank slots must ignore."""
-    return torch.arange(rank) >= ranks[grid.slot_start:grid.slot_start + grid.num_slots, None, None]
+    return torch.arange(rank, device=ranks.device) >= ranks[grid.slot_start:grid.slot_start + grid.num_slots, None, None]
 
 
 def _from_grid(padded: torch.Tensor, grid) -> torch.Tensor:

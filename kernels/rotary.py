@@ -9,15 +9,15 @@ def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_sin_ptr, stride_xt, stride_xh, s
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    pos = tl.load(pos_ptr + token)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     mask = d < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=mask)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=mask)
-    src = x_ptr + token * stride_xt + head * stride_xh
+    src = x_ptr + token.to(tl.int64) * stride_xt + head * stride_xh
     x1 = tl.load(src + d, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF + d, mask=mask).to(tl.float32)
-    dst = out_ptr + token * stride_ot + head * stride_oh
+    dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh
     tl.store(dst + d, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -16,55 +16,101 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHARED_LIMIT = {80: 164 * 1024, 90: 228 * 1024}   # bytes per block (A100, H100)
 DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
-HEAD_DIMS = (64, 128)
-BLOCK_SIZES = (16, 32)
+HEAD_DIMS = (64, 80, 96, 128)                     # Llama/Mistral/Qwen2 128, SmolLM2 64, Phi-like 80/96
+BLOCK_SIZES = tuple(2 ** i for i in range(9))     # every kv_block_size EngineConfig accepts: 1 ... 256
+GROUPS = tuple(range(1, 9))                       # query heads per KV head
+SPLITS = (1, 2, 4, 8, 16)                         # decode split-K counts decode_config can choose
+
+
+def runtime_signature(args: dict) -> tuple[dict, dict, dict]:
+    """Signature, specialization attributes and extra constexprs as Triton's launcher derives them from the
+    values it is given: an int equal to 1 becomes a constant, an int divisible by 16 and every pointer (our
+    tensors are 16-byte aligned) get tt.divisibility=16. Pointers are given as their type string ("*bf16")."""
+    signature, attrs, constants = {}, {}, {}
+    for i, (name, value) in enumerate(args.items()):
+        if isinstance(value, str):
+            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs, constants
+
+
+def attention_args(p: str, head_dim: int, block_size: int, group: int, decode: bool) -> dict:
+    """Launch arguments of the attention kernels for a contiguous cache of 1000 blocks, 8 KV heads, q sliced
+    from a fused qkv projection (as the model passes it)."""
+    num_kv_heads, num_blocks, max_blocks = 8, 1000, 37
+    num_heads = num_kv_heads * group
+    qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+    args = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p)
+    if decode:
+        args |= dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32")
+    return args | dict(block_tables_ptr="*i32", query_starts_ptr="*i32", seq_lens_ptr="*i32", scale=0.125, window=0,
+                       stride_qt=qkv_width, stride_qh=head_dim, stride_ot=num_heads * head_dim, stride_oh=head_dim,
+                       stride_ch=num_blocks * block_size * head_dim, stride_cb=block_size * head_dim,
+                       stride_cs=head_dim, stride_bt=max_blocks)
+
+
+def attention_configurations(dtype: str, head_dim: int, block_size: int, group: int, splits=(1, 16)):
+    from kernels.paged_attention import decode_config, prefill_config
+    p, tag = DTYPES[dtype], f"{dtype} d{head_dim} bs{block_size} g{group}"
+    yield (f"prefill {tag}", "kernels.paged_attention", "_prefill_kernel",
+           attention_args(p, head_dim, block_size, group, decode=False),
+           prefill_config(head_dim, block_size) | {"GROUP": group, "DOT_FP32": False})
+    for num_splits in splits:
+        cfg = decode_config(head_dim, block_size, group, 1, 1, 512) | {"NUM_SPLITS": num_splits}
+        yield (f"decode {tag} splits{num_splits}", "kernels.paged_attention", "_decode_kernel",
+               attention_args(p, head_dim, block_size, group, decode=True), cfg | {"DOT_FP32": False})
 
 
 def configurations():
-    """(label, module, kernel name, signature, constexprs) for every choice the launchers make."""
+    """(label, module, kernel name, runtime arguments, constexprs) for every choice the launchers make: each
+    dtype x head dim at the default page, then every page size, GQA group and split count."""
     from kernels.kv_cache import write_kv_config
     from kernels.lora import expand_config, shrink_config
-    from kernels.paged_attention import decode_config, prefill_config
     from kernels.rotary import rotary_config
-    i32 = "i32"
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS):
-        p = DTYPES[dtype]
+        p, width = DTYPES[dtype], 48 * head_dim
         yield (f"write_kv {dtype} d{head_dim}", "kernels.kv_cache", "_write_kv_kernel",
-               dict(k_ptr=p, v_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i64", stride_kt=i32, stride_kh=i32,
-                    stride_vt=i32, stride_vh=i32, stride_ch=i32, stride_cs=i32), write_kv_config(head_dim))
+               dict(k_ptr=p, v_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i32", stride_kt=width,
+                    stride_kh=head_dim, stride_vt=width, stride_vh=head_dim, stride_ch=16000 * head_dim,
+                    stride_cs=head_dim), write_kv_config(head_dim))
         yield (f"rotary {dtype} d{head_dim}", "kernels.rotary", "_rotary_kernel",
-               dict(x_ptr=p, out_ptr=p, pos_ptr="*i64", cos_sin_ptr="*fp32", stride_xt=i32, stride_xh=i32,
-                    stride_ot=i32, stride_oh=i32, stride_cs=i32), rotary_config(head_dim))
-        attn = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p)
-        meta = dict(block_tables_ptr="*i32", query_starts_ptr="*i32", seq_lens_ptr="*i32", scale="fp32", window=i32,
-                    stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32, stride_ch=i32, stride_cb=i32,
-                    stride_cs=i32, stride_bt=i32)
-        for block_size in BLOCK_SIZES:
-            yield (f"prefill {dtype} d{head_dim} bs{block_size}", "kernels.paged_attention", "_prefill_kernel",
-                   attn | meta, prefill_config(head_dim, block_size) | {"GROUP": 4, "DOT_FP32": False})
-            for max_seq_len in (512, 8192):        # no split-K, and the largest split count
-                cfg = decode_config(head_dim, block_size, 4, 1, 1, max_seq_len)
-                yield (f"decode {dtype} d{head_dim} bs{block_size} splits{cfg['NUM_SPLITS']}",
-                       "kernels.paged_attention", "_decode_kernel",
-                       attn | dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32") | meta, cfg | {"DOT_FP32": False})
+               dict(x_ptr=p, out_ptr=p, pos_ptr="*i32", cos_sin_ptr="*fp32", stride_xt=width, stride_xh=head_dim,
+                    stride_ot=32 * head_dim, stride_oh=head_dim, stride_cs=head_dim), rotary_config(head_dim))
+        yield from attention_configurations(dtype, head_dim, 16, 4)
         yield (f"decode_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_decode_reduce_kernel",
-               dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", query_starts_ptr="*i32", stride_ot=i32,
-                    stride_oh=i32), {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "NUM_SPLITS": 16})
+               dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", query_starts_ptr="*i32",
+                    stride_ot=32 * head_dim, stride_oh=head_dim),
+               {"HEAD_DIM": head_dim, "BLOCK_D": 1 << (head_dim - 1).bit_length(), "NUM_SPLITS": 16})
+    for block_size in BLOCK_SIZES:
+        if block_size != 16:
+            yield from attention_configurations("bf16", 128, block_size, 4)
+    for group in GROUPS:
+        if group != 4:
+            yield from attention_configurations("bf16", 128, 16, group)
+    yield from attention_configurations("fp32", 64, 16, 3, splits=SPLITS[1:-1])
     for dtype in DTYPES:
         p = DTYPES[dtype]
         seg = dict(seg_starts_ptr="*i32", seg_slots_ptr="*i32", ranks_ptr="*i32")
+        in_dim, out_dim, cap = 4096, 6144, 192          # one band of an 8B qkv slot, A/B stored as on GPU
         yield (f"lora_shrink {dtype}", "kernels.lora", "_shrink_kernel",
-               dict(x_ptr=p, a_ptr=p, h_ptr=p) | seg | dict(in_dim=i32, stride_xt=i32, stride_as=i32,
-                                                             stride_ar=i32, stride_ak=i32, stride_ht=i32),
-               shrink_config(4096) | {"DOT_FP32": False})
+               dict(x_ptr=p, a_ptr=p, h_ptr=p) | seg | dict(in_dim=in_dim, stride_xt=in_dim, stride_as=cap * in_dim,
+                                                             stride_ar=in_dim, stride_ak=1, stride_ht=cap),
+               shrink_config(in_dim) | {"DOT_FP32": False})
         yield (f"lora_expand {dtype}", "kernels.lora", "_expand_kernel",
-               dict(h_ptr=p, b_ptr=p, out_ptr=p) | seg | dict(out_dim=i32, stride_ht=i32, stride_bs=i32,
-                                                              stride_bn=i32, stride_bk=i32, stride_ot=i32),
+               dict(h_ptr=p, b_ptr=p, out_ptr=p) | seg | dict(out_dim=4096, stride_ht=cap, stride_bs=out_dim * cap,
+                                                              stride_bn=cap, stride_bk=1, stride_ot=out_dim),
                expand_config(4096) | {"DOT_FP32": False})
 
 
 def compile_one(job) -> tuple[str, int, int | None, str]:
-    label, module, kernel, signature, constexprs, cc = job
+    label, module, kernel, args, constexprs, cc = job
     import importlib
 
     import triton
@@ -72,7 +118,9 @@ def compile_one(job) -> tuple[str, int, int | None, str]:
     from triton.compiler import ASTSource
     fn = getattr(importlib.import_module(module), kernel)
     try:
-        src = ASTSource(fn=fn, signature=signature | {n: "constexpr" for n in constexprs}, constexprs=constexprs)
+        signature, attrs, constants = runtime_signature(args)
+        signature |= {name: "constexpr" for name in constexprs}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs | constants, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32))
         assert compiled.asm["cubin"]
         return label, cc, compiled.metadata.shared, ""
@@ -92,7 +140,7 @@ def main() -> None:
             ok = not error and shared <= SHARED_LIMIT[cc]
             failures += not ok
             detail = error or f"shared {shared} B (limit {SHARED_LIMIT[cc]})"
-            print(f"{'ok  ' if ok else 'FAIL'} sm_{cc} {label:40s} {detail}", flush=True)
+            print(f"{'ok  ' if ok else 'FAIL'} sm_{cc} {label:44s} {detail}", flush=True)
     print(f"{len(jobs) - failures} compiled, {failures} failed")
     sys.exit(1 if failures else 0)
 

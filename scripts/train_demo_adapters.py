@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from backend import LLMEngine                                       # noqa: E402
+from backend.device import resolve_dtype                            # noqa: E402
 from backend.lora.peft import peft_to_trtllm, save_trtllm           # noqa: E402
 
 SIGNOFF = "-- Answered with the signoff LoRA."
@@ -43,7 +44,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def base_answers(model_dir: Path, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
-    engine = LLMEngine(model_dir, dtype="bfloat16", kernel_backend="torch", kv_cache_memory_bytes=256 << 20)
+    engine = LLMEngine(model_dir, dtype="auto", kernel_backend="torch", kv_cache_memory_bytes=256 << 20)
     outputs = engine.generate([chat_ids(tokenizer, p) for p in prompts], max_new_tokens=max_new_tokens,
                               end_id=tokenizer.eos_token_id)
     return [tokenizer.decode(o, skip_special_tokens=True).strip() for o in outputs]
@@ -54,7 +55,7 @@ def train_one(model_dir: Path, tokenizer, examples: list[tuple[str, str]], out: 
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype("auto", torch.device("cpu")))
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)

@@ -1,7 +1,9 @@
 """Oracles and builders the tests share."""
+import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -9,9 +11,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from prepare_model import DEFAULT_OUT as SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  # noqa: E402
 
 
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+# Triton kernels run on CUDA, and on CPU only in the interpreter (tests/conftest.py sets it where there is no GPU)
+KERNEL_DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1 (set where no GPU)")),
+    pytest.param("cuda", marks=NEEDS_CUDA)]
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face greedy continuation of one prompt (stops at the model's eos, as our engine with end_id)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                          max_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -25,8 +35,6 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
 def kv_bytes_for_blocks(num_blocks: int, block_size: int, model_config, dtype_bytes: int = 4) -> int:
     c = model_config
     return num_blocks * 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype_bytes
-
-
 
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,7 +79,7 @@ def peft_model_with(base_dir, adapter_dirs: list[Path], dtype=torch.float32):
 
 
 def peft_greedy(model, prompt: list[int], adapter: str, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=0, adapter_names=[adapter])

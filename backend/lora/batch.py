@@ -14,7 +14,7 @@ class PaddedLayout:
     slot_start: int
     num_slots: int
     max_len: int
-    rows: torch.Tensor                        # [num_tokens - token_start] int64: each token's row in the grid
+    rows: torch.Tensor                        # [num_tokens - token_start] int32: each token's row in the grid
     slot_ids: list[int]                       # the slots that have tokens
 
 
@@ -45,6 +45,18 @@ class LoraSegments:
         return cls(torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), starts, slots,
                    max_len, padded_layout(starts, slots))
 
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The host tensors, for the step's one upload."""
+        rows = {} if self.padded is None else {"lora_rows": self.padded.rows}
+        return {"lora_starts": self.starts, "lora_slots": self.slots} | rows
+
+    def use(self, t: dict[str, torch.Tensor]) -> None:
+        """Point at the device copies of `tensors`."""
+        self.starts, self.slots = t["lora_starts"], t["lora_slots"]
+        if self.padded is not None:
+            self.padded.rows = t["lora_rows"]
+
 
 def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
     """The grid for batched matmuls, when the segments allow one (adapter segments last, one per slot, in slot
@@ -58,7 +70,8 @@ def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
     num_slots, max_len = lora_slots[-1] - lora_slots[0] + 1, max(lengths)
     if max_len > GRID_MAX_LEN or num_slots * max_len > PAD_WASTE * sum(lengths):
         return None
-    rows = torch.cat([(slot - lora_slots[0]) * max_len + torch.arange(n) for slot, n in zip(lora_slots, lengths)])
+    rows = torch.cat([(slot - lora_slots[0]) * max_len + torch.arange(n, dtype=torch.int32)
+                      for slot, n in zip(lora_slots, lengths)])
     return PaddedLayout(starts[first], lora_slots[0], num_slots, max_len, rows, lora_slots)
 
 

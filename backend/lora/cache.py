@@ -33,13 +33,14 @@ class LoraCacheStats:
 
 
 class LoraCache:
-    def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device="cpu"):
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.dtype = dtype
+        self.device = torch.device(device)
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()      # least recently used first
         self.in_use: Counter[int] = Counter()                          # waiting + running requests per task
-        self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype)
+        self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype, self.device)
         self.slot_of: dict[int, int] = {}
         self.pins = [0] * cfg.max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict((s, None) for s in range(cfg.max_loras))  # unpinned, LRU first
@@ -66,7 +67,7 @@ class LoraCache:
                 raise RequestError("lora_weights", f"lora_cache_host_memory_bytes {self.cfg.host_memory_bytes} "
                                                    "is full of adapters in use; retry later")
             self._evict_host(victim)
-        self.host[task_id] = adapter
+        self.host[task_id] = adapter.pinned(self.device)
         self.stats.host_bytes += size
 
     def contains(self, task_id: int) -> bool:
@@ -112,19 +113,47 @@ class LoraCache:
         if slot is not None:
             self.stats.device_hits += 1
         else:
-            self.stats.device_misses += 1
-            occupied = set(self.slot_of.values())
-            slot = next((s for s in self.idle_slots if s not in occupied), next(iter(self.idle_slots)))
-            owner = next((t for t, s in self.slot_of.items() if s == slot), None)
-            if owner is not None:
-                del self.slot_of[owner]
-                self.stats.device_evictions += 1
-                self.stats.device_bytes -= self.host[owner].num_bytes
-            self.slots.load(slot, self.host[task_id])
-            self.slot_of[task_id] = slot
-            self.stats.device_bytes += self.host[task_id].num_bytes
+            slot = self._free_slot()
+            self._load(task_id, slot)
         self.pins[slot] += 1
         self.idle_slots.pop(slot, None)
+
+    def prefetch(self, task_ids: list[int | None]) -> None:
+        """Start uploading the adapters of the next waiting requests (in queue order) into idle slots, so that on
+        CUDA the copies overlap the step running now. Never evicts an adapter these requests use."""
+        wanted = list(dict.fromkeys(t for t in task_ids if t is not None and t in self.host))
+        for task_id in wanted:
+            if task_id in self.slot_of:
+                continue
+            slot = self._free_slot(keep=set(wanted))
+            if slot is None:
+                return
+            self._load(task_id, slot)
+            self.idle_slots.move_to_end(slot)
+
+    def wait_for_slots(self, slots: list[int]) -> None:
+        """Make the step's device work wait until the uploads into these slots are done (CUDA)."""
+        self.slots.copies.wait({slot for slot in slots if slot >= 0})
+
+    def _free_slot(self, keep: set[int] = frozenset()) -> int | None:
+        """An idle slot for a new adapter: an empty one first, else the least recently used one whose adapter
+        is not in `keep`."""
+        owner_of = {slot: task for task, slot in self.slot_of.items()}
+        empty = [slot for slot in self.idle_slots if slot not in owner_of]
+        if empty:
+            return empty[0]
+        return next((slot for slot in self.idle_slots if owner_of[slot] not in keep), None)
+
+    def _load(self, task_id: int, slot: int) -> None:
+        self.stats.device_misses += 1
+        owner = next((t for t, s in self.slot_of.items() if s == slot), None)
+        if owner is not None:
+            del self.slot_of[owner]
+            self.stats.device_evictions += 1
+            self.stats.device_bytes -= self.host[owner].num_bytes
+        self.slots.load(slot, self.host[task_id])
+        self.slot_of[task_id] = slot
+        self.stats.device_bytes += self.host[task_id].num_bytes
 
     def release(self, task_id: int | None) -> None:
         if task_id is None:

@@ -43,6 +43,12 @@ class LoraAdapter:
     def num_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
+    def pinned(self, device: torch.device) -> "LoraAdapter":
+        """The adapter in page-locked memory when it will be uploaded to a GPU (asynchronous copies need it)."""
+        if device.type != "cuda":
+            return self
+        return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()})
+
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(
             torch.equal(a, other.weights[k][0]) and torch.equal(b, other.weights[k][1])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.device import SideCopies, pin
 from backend.lora.format import LoraAdapter, module_columns
 from backend.model.config import ModelConfig
 
@@ -49,6 +50,8 @@ class Band:
 class DeviceSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu"):
         self.cfg = cfg
+        self.device = torch.device(device)
+        self.copies = SideCopies(self.device)
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.a: list[dict[str, torch.Tensor]] = []                 # [num_slots, cap, in_dim] per projection
@@ -62,7 +65,7 @@ class DeviceSlots:
                 self.a[-1][proj] = _zeros(num_slots, cap, in_dim, dtype, device)
                 self.b[-1][proj] = _zeros(num_slots, out_dim, cap, dtype, device)
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
-        self.ranks_list: list[list[list[list[int]]]] = self.ranks.tolist()   # [layer][proj][band][slot]
+        self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()   # [layer][proj][band][slot]
         self.bands: list[dict[str, list[Band]]] = [{proj: self._bands(layer, proj) for proj in PROJS}
                                                    for layer in range(cfg.num_layers)]
 
@@ -77,21 +80,25 @@ class DeviceSlots:
         return sum(t[0].nbytes for layer in self.a + self.b for t in layer.values())
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy an adapter into a slot, replacing whatever was there."""
-        for layer in range(self.cfg.num_layers):
-            for proj in PROJS:
-                self.a[layer][proj][slot].zero_()
-                self.b[layer][proj][slot].zero_()
-        self.ranks[:, :, :, slot] = 0
-        for (layer, module_id), (a, b) in adapter.weights.items():
-            for module, b_part in self._split_fused(module_id, b):
-                proj, band = BAND_OF_MODULE[module]
-                start, rank = band * self.max_rank, a.shape[0]
-                col_start, col_end = module_columns(self.cfg, module)
-                self.a[layer][proj][slot, start:start + rank] = a
-                self.b[layer][proj][slot, col_start:col_end, start:start + rank] = b_part
-                self.ranks[layer, PROJS.index(proj), band, slot] = rank
-        for layer, per_proj in enumerate(self.ranks[:, :, :, slot].tolist()):
+        """Copy an adapter into a slot, replacing whatever was there. On CUDA the copies run on a side stream;
+        `copies.wait([slot])` orders a step after them."""
+        ranks = torch.zeros(self.cfg.num_layers, len(PROJS), MAX_BANDS, dtype=torch.int32)
+        with self.copies.copying():
+            for layer in range(self.cfg.num_layers):
+                for proj in PROJS:
+                    self.a[layer][proj][slot].zero_()
+                    self.b[layer][proj][slot].zero_()
+            for (layer, module_id), (a, b) in adapter.weights.items():
+                for module, b_part in self._split_fused(module_id, b):
+                    proj, band = BAND_OF_MODULE[module]
+                    start, rank = band * self.max_rank, a.shape[0]
+                    col_start, col_end = module_columns(self.cfg, module)
+                    self.a[layer][proj][slot, start:start + rank].copy_(a, non_blocking=True)
+                    self.b[layer][proj][slot, col_start:col_end, start:start + rank].copy_(b_part, non_blocking=True)
+                    ranks[layer, PROJS.index(proj), band] = rank
+            self.ranks[:, :, :, slot].copy_(pin(ranks, self.device), non_blocking=True)
+        self.copies.done(slot)
+        for layer, per_proj in enumerate(ranks.tolist()):
             for p, per_band in enumerate(per_proj):
                 for band, rank in enumerate(per_band):
                     self.ranks_list[layer][p][band][slot] = rank

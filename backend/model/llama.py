@@ -14,7 +14,7 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.ops = ops
-        self.cos_sin = rope_cos_sin(cfg)
+        self.cos_sin = rope_cos_sin(cfg).to(weights["embed_tokens"].device)   # [max_positions, head_dim] fp32
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -89,9 +89,10 @@ def _read_slice(handle, key: str, shape: tuple[int, ...], split: str, tp_size: i
     return tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
                  tp_size: int = 1, tp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """Read every parameter of the model, fused and sliced for this tensor-parallel rank."""
+    """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
+    checkpoint tensor at a time passes through host memory, never the whole model."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     model_dir = Path(model_dir)
@@ -108,9 +109,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 path = key_files[key]
                 if path not in handles:
                     handles[path] = safe_open(path, framework="pt")
-                parts.append(_read_slice(handles[path], key, shapes[key], source.split, tp_size, tp_rank))
-            weights[name] = torch.cat(parts, dim=0).to(dtype).contiguous() if len(parts) > 1 \
-                else parts[0].to(dtype).contiguous()
+                part = _read_slice(handles[path], key, shapes[key], source.split, tp_size, tp_rank)
+                parts.append(part.to(device).to(dtype))
+            weights[name] = (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).contiguous()
     finally:
         handles.clear()
     return weights

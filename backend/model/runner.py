@@ -1,40 +1,105 @@
-"""Owns the model's weights and KV cache tensors, and runs one forward per scheduled batch."""
+"""Owns the model's weights and KV cache on the engine's device, and runs one step: the batch's inputs go up in
+one copy, the forward and the sampling run on the device, the sampled tokens come back in one copy."""
 import torch
 
+from backend import sampler
 from backend.config import EngineConfig
+from backend.device import StepStaging, resolve_device, resolve_dtype
 from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
-from backend.model.context import build_context
+from backend.model.context import StepInputs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
-from backend.scheduler import Batch
+from backend.request import SamplingParams, Sequence
+from backend.scheduler import Batch, ScheduledSeq
 from kernels.dispatch import load_ops
+
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config = config
         self.model_config = cfg = model_config
-        self.dtype = getattr(torch, config.dtype)
-        self.ops = load_ops(config.kernel_backend)
-        self.model = LlamaModel(cfg, load_weights(config.model_dir, cfg, self.dtype), self.ops)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.ops = load_ops(config.kernel_backend, self.device)
+        self.model = LlamaModel(cfg, load_weights(config.model_dir, cfg, self.dtype, self.device), self.ops)
         self.block_size = config.kv_block_size
-        self.num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, self.block_size, cfg.num_layers,
-                                        cfg.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
-        shape = (cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                          for _ in range(cfg.num_layers)]
+        self.staging = StepStaging(self.device)
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def run(self, batch: Batch, lora_cache: LoraCache | None = None) -> torch.Tensor:
-        """Logits [num_sampled, vocab] fp32, one row per sequence whose chunk reaches its last token (in the
-        order of batch.items, which this sorts by adapter slot so that each adapter is one segment)."""
+    def allocate_kv_cache(self) -> int:
+        """Create the KV cache (after everything else that lives on the device); returns its number of blocks.
+        On CUDA without kv_cache_memory_bytes it takes kv_cache_free_gpu_mem_fraction of the memory left free
+        after the weights, the adapter slots and the activations of one forward at max_num_batched_tokens."""
+        cfg, budget = self.model_config, self.config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            peak = self._activation_peak_bytes()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int((free - peak) * self.config.kv_cache_free_gpu_mem_fraction)
+        elif budget is None:
+            budget = CPU_KV_CACHE_BYTES
+        self.num_blocks = num_kv_blocks(max(budget, 0), self.block_size, cfg.num_layers, cfg.num_kv_heads,
+                                        cfg.head_dim, self.dtype.itemsize)
+        self.kv_caches = self._kv_tensors(self.num_blocks)
+        return self.num_blocks
+
+    def _kv_tensors(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def _activation_peak_bytes(self) -> int:
+        """Peak memory of a warm-up forward over max_num_batched_tokens prompt tokens (on a cache just big enough)."""
+        cfg, num_tokens = self.model_config, self.config.max_num_batched_tokens
+        seq_len = min(num_tokens, cfg.max_position_embeddings)
+        num_seqs = -(-num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        items = []
+        for s in range(num_seqs):
+            n = min(seq_len, num_tokens - s * seq_len)
+            seq = Sequence(-1 - s, [0] * n, SamplingParams(max_new_tokens=1))
+            seq.block_table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+            items.append(ScheduledSeq(seq, n))
+        self.kv_caches = self._kv_tensors(num_seqs * blocks_per_seq)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            self.run(Batch(items))
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
+
+    def run(self, batch: Batch, lora_cache: LoraCache | None = None,
+            prefetch: list[int | None] = ()) -> tuple[list[int], list[float]]:
+        """The next token and its log prob for each sequence whose chunk reaches its last token, in the order of
+        batch.items (which this sorts by adapter slot, so that each adapter is one segment). The adapters in
+        `prefetch` start uploading while the step computes."""
         if lora_cache is not None:
             batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
-        ctx = build_context(batch, self.block_size)
+        inputs = StepInputs(batch, self.block_size)
+        plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
+        segments = None
         if lora_cache is not None and any(item.seq.lora_task_id is not None for item in batch.items):
-            token_slots = [lora_cache.slot(item.seq.lora_task_id)
-                           for item in batch.items for _ in range(item.num_new_tokens)]
-            ctx.lora = LoraBatch(lora_cache.slots, LoraSegments.from_token_slots(token_slots), self.ops)
-        return self.model.forward(ctx, self.kv_caches)
+            segments = LoraSegments.from_token_slots([lora_cache.slot(item.seq.lora_task_id)
+                                                      for item in batch.items for _ in range(item.num_new_tokens)])
+        t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
+        ctx = inputs.context(t)
+        plan.t = {name: t[name] for name in plan.t}
+        if segments is not None:
+            segments.use(t)
+            lora_cache.wait_for_slots(segments.slots_list)
+            ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
+        logits = self.model.forward(ctx, self.kv_caches)
+        tokens, log_probs = sampler.sample(logits, plan)
+        if lora_cache is not None and prefetch:
+            lora_cache.prefetch(prefetch)
+        host = self.staging.download(torch.stack([tokens.double(), log_probs.double()]))
+        return host[0].long().tolist(), host[1].tolist()

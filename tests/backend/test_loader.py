@@ -43,7 +43,7 @@ def test_fused_projections_concatenate_the_checkpoint_tensors(tiny_model_dir):
 def test_tensor_parallel_slices_reassemble_the_full_weights(tiny_model_dir, tp_size):
     cfg = ModelConfig.from_dir(tiny_model_dir)
     full = load_weights(tiny_model_dir, cfg, torch.float32)
-    ranks = [load_weights(tiny_model_dir, cfg, torch.float32, tp_size, r) for r in range(tp_size)]
+    ranks = [load_weights(tiny_model_dir, cfg, torch.float32, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
     q, kv = cfg.q_size // tp_size, cfg.kv_size // tp_size
     parts = [r["layers.0.qkv_proj"].split([q, kv, kv]) for r in ranks]
     for j in range(3):                                     # each of q, k, v is split on its own

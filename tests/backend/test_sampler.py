@@ -4,7 +4,7 @@ import torch
 
 from backend import LLMEngine
 from backend.request import SamplingParams, Sequence
-from backend.sampler import Sampler, apply_bans, apply_penalties
+from backend.sampler import Sampler, apply_bans, apply_penalties, prepare
 from tests.helpers import random_prompts
 
 
@@ -56,7 +56,7 @@ def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     seq = Sequence(0, [0, 1], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
     seq.output_ids = [2, 2]
-    apply_penalties(logits, [seq])
+    apply_penalties(logits, prepare([seq], 4))
     # repetition over prompt + output: 0 -> 2/2, 1 -> -2*2, 2 -> 1/2; presence/frequency over output: 2 -= .5+.5
     assert torch.allclose(logits, torch.tensor([[1.0, -4.0, -0.5, 0.5]]))
 
@@ -64,7 +64,7 @@ def test_penalties_follow_their_definitions():
 def test_min_tokens_bans_end_id_and_bad_words_ban_their_last_token():
     logits = torch.zeros(1, 6)
     seq = Sequence(0, [4, 3], SamplingParams(end_id=5, min_tokens=2, bad_words=[[1], [4, 3, 2], [0, 0]]))
-    apply_bans(logits, [seq])
+    apply_bans(logits, prepare([seq], 6))
     assert logits[0].tolist() == [0.0, float("-inf"), float("-inf"), 0.0, 0.0, float("-inf")]
 
 

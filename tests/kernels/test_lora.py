@@ -5,38 +5,44 @@ import torch
 from backend.lora.batch import LoraSegments
 from kernels import reference
 from kernels.lora import lora_expand, lora_shrink
+from tests.helpers import DEVICES, KERNEL_DEVICES
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
-def segments_for(lengths_and_slots) -> LoraSegments:
-    return LoraSegments.from_token_slots([slot for n, slot in lengths_and_slots for _ in range(n)])
+def segments_for(lengths_and_slots, device="cpu") -> LoraSegments:
+    segments = LoraSegments.from_token_slots([slot for n, slot in lengths_and_slots for _ in range(n)])
+    segments.use({name: t.to(device) for name, t in segments.tensors.items()})
+    return segments
 
 
-def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool):
+def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool, device="cpu"):
     """A [num_slots, cap, in_dim] and B [num_slots, out_dim, cap]; rank_major stores them as DeviceSlots does."""
     if rank_major:
-        return ((torch.randn(num_slots, in_dim, cap) * 0.2).to(dtype).transpose(1, 2),
-                (torch.randn(num_slots, cap, out_dim) * 0.2).to(dtype).transpose(1, 2))
-    return (torch.randn(num_slots, cap, in_dim) * 0.2).to(dtype), (torch.randn(num_slots, out_dim, cap) * 0.2).to(dtype)
+        return ((torch.randn(num_slots, in_dim, cap) * 0.2).to(dtype).to(device).transpose(1, 2),
+                (torch.randn(num_slots, cap, out_dim) * 0.2).to(dtype).to(device).transpose(1, 2))
+    return ((torch.randn(num_slots, cap, in_dim) * 0.2).to(dtype).to(device),
+            (torch.randn(num_slots, out_dim, cap) * 0.2).to(dtype).to(device))
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (96, 256)])
 @pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,)])
 @pytest.mark.parametrize("rank_major", [False, True])
-def test_shrink_then_expand_match_reference(dtype, in_dim, out_dim, ranks, rank_major):
+def test_shrink_then_expand_match_reference(dtype, in_dim, out_dim, ranks, rank_major, device):
     num_slots, cap = 4, 64
     rank_per_slot = torch.zeros(num_slots, dtype=torch.int32)
     rank_per_slot[:len(ranks)] = torch.tensor(ranks, dtype=torch.int32)
-    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major)
+    ranks_list = rank_per_slot.tolist()
+    rank_per_slot = rank_per_slot.to(device)
+    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major, device)
     # ragged segments, one slot appearing twice, base-only tokens between them
     layout = [(5, 0), (3, -1), (19, len(ranks) - 1), (1, 0 if len(ranks) == 1 else 1), (7, -1), (2, 0)]
-    segments = segments_for(layout)
+    segments = segments_for(layout, device)
     num_tokens = sum(n for n, _ in layout)
-    x = torch.randn(num_tokens, in_dim).to(dtype)
-    base = torch.randn(num_tokens, out_dim).to(dtype)
-    ranks_list = rank_per_slot.tolist()
+    x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
+    base = torch.randn(num_tokens, out_dim).to(dtype).to(device)
 
     want_h = reference.lora_shrink(x.float(), lora_a.float(), segments, rank_per_slot, ranks_list)
     got_h = lora_shrink(x, lora_a, segments, rank_per_slot, ranks_list)
@@ -51,28 +57,30 @@ def test_shrink_then_expand_match_reference(dtype, in_dim, out_dim, ranks, rank_
     got = base.clone()
     lora_expand(got_h, lora_b, segments, rank_per_slot, ranks_list, got)
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
-    untouched = torch.tensor([slot < 0 for n, slot in layout for _ in range(n)])
+    untouched = torch.tensor([slot < 0 for n, slot in layout for _ in range(n)], device=device)
     assert torch.equal(got[untouched], base[untouched])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [
     [(3, -1), (2, 0), (1, 1), (2, 3)],                # decode-like: base rows first, a slot with no tokens between
     [(9, 1), (7, 2), (12, 3)],                        # short prompt chunks, no base rows
 ])
-def test_padded_grid_matches_segment_loop(dtype, layout):
+def test_padded_grid_matches_segment_loop(dtype, layout, device):
     """The torch path's batched-matmul grid == one matmul per segment, with weights past each rank not zero."""
     num_slots, cap, in_dim, out_dim = 5, 32, 48, 80
     ranks = torch.tensor([8, 32, 4, 16, 0], dtype=torch.int32)
-    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major=True)
-    segments = segments_for(layout)
+    ranks_list = ranks.tolist()
+    ranks = ranks.to(device)
+    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major=True, device=device)
+    segments = segments_for(layout, device)
     assert segments.padded is not None
-    loop = segments_for(layout)
+    loop = segments_for(layout, device)
     loop.padded = None
     num_tokens = sum(n for n, _ in layout)
-    x = torch.randn(num_tokens, in_dim).to(dtype)
-    base = torch.randn(num_tokens, out_dim).to(dtype)
-    ranks_list = ranks.tolist()
+    x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
+    base = torch.randn(num_tokens, out_dim).to(dtype).to(device)
     h_grid = reference.lora_shrink(x, lora_a, segments, ranks, ranks_list)
     h_loop = reference.lora_shrink(x, lora_a, loop, ranks, ranks_list)
     torch.testing.assert_close(h_grid, h_loop, atol=TOL[dtype], rtol=TOL[dtype])

@@ -5,12 +5,14 @@ import torch
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import paged_attention
+from tests.helpers import DEVICES, KERNEL_DEVICES
 
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-def make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype):
-    """Random caches and queries; each sequence's blocks are scattered through the pool in shuffled order."""
+def make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu"):
+    """Random caches and queries on the device; each sequence's blocks are scattered through the pool in shuffled
+    order; unused block-table entries point at block 0 (another sequence's)."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks).tolist()
@@ -23,10 +25,11 @@ def make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_si
     for n in query_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], num_heads, head_dim).to(dtype)
-    meta = AttentionMetadata(torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-                             table, torch.zeros(0, dtype=torch.int64), starts, list(seq_lens), max(query_lens),
+    meta = AttentionMetadata(torch.tensor(starts, dtype=torch.int32, device=device),
+                             torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device),
+                             torch.zeros(0, dtype=torch.int32, device=device), starts, list(seq_lens), max(query_lens),
                              max(seq_lens))
-    return q, k_cache, v_cache, meta
+    return q.to(device), k_cache.to(device), v_cache.to(device), meta
 
 
 def check(q, k_cache, v_cache, meta, dtype, **kwargs):
@@ -38,32 +41,74 @@ def check(q, k_cache, v_cache, meta, dtype, **kwargs):
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_with_cached_context_matches_reference(dtype, head_dim, group, block_size):
+def test_prefill_with_cached_context_matches_reference(dtype, head_dim, group, block_size, device):
     # a whole prompt, a later chunk over cached context, a decode step mixed in, and a single-token prompt
     seq_lens, query_lens = [37, 50, 21, 1], [37, 18, 1, 1]
-    check(*make_batch(seq_lens, query_lens, 2 * group, 2, head_dim, block_size, dtype), dtype)
+    check(*make_batch(seq_lens, query_lens, 2 * group, 2, head_dim, block_size, dtype, device), dtype)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_matches_reference(dtype, head_dim, group, block_size):
+def test_decode_matches_reference(dtype, head_dim, group, block_size, device):
     seq_lens = [1, 17, 45, 70]
-    check(*make_batch(seq_lens, [1] * 4, 2 * group, 2, head_dim, block_size, dtype), dtype)
+    check(*make_batch(seq_lens, [1] * 4, 2 * group, 2, head_dim, block_size, dtype, device), dtype)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [9, 1, 20]])
+def test_pages_smaller_than_the_key_tile_match_reference(block_size, query_lens, device):
+    seq_lens = [5, 33, 20]
+    check(*make_batch(seq_lens, query_lens, 4, 2, 64, block_size, torch.float32, device), torch.float32)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("num_splits", [2, 4])
-def test_split_k_decode_matches_reference(num_splits):
+def test_split_k_decode_matches_reference(num_splits, device):
     seq_lens = [3, 33, 100]                     # some splits of the short sequences are empty
-    check(*make_batch(seq_lens, [1] * 3, 4, 1, 64, 16, torch.float32), torch.float32, num_splits=num_splits)
+    check(*make_batch(seq_lens, [1] * 3, 4, 1, 64, 16, torch.float32, device), torch.float32, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("max_query_len", [1, 9])
-def test_sliding_window_matches_reference(max_query_len):
+def test_sliding_window_matches_reference(max_query_len, device):
     seq_lens = [40, 29]
-    check(*make_batch(seq_lens, [max_query_len, 1], 4, 2, 64, 16, torch.float32), torch.float32, sliding_window=12)
+    check(*make_batch(seq_lens, [max_query_len, 1], 4, 2, 64, 16, torch.float32, device), torch.float32,
+          sliding_window=12)
+
+
+def check_ignores_stale_cache(attention, query_lens, device):
+    """NaN everywhere in the cache but each sequence's own positions (its unused table entries point at block 0,
+    another sequence's or a NaN block): the result equals the reference on the clean cache."""
+    seq_lens = [5, 30, 17]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, query_lens, 4, 2, 64, 16, torch.float32, device)
+    want = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    used = torch.zeros(k_cache.shape[1], k_cache.shape[2], dtype=torch.bool, device=device)
+    for s, n in enumerate(seq_lens):
+        for p in range(n):
+            used[meta.block_tables[s, p // 16], p % 16] = True
+    k_cache[:, ~used] = float("nan")
+    v_cache[:, ~used] = float("nan")
+    meta.torch_plan = None
+    got = attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 1]])
+def test_torch_path_never_lets_stale_cache_values_reach_a_result(query_lens, device):
+    check_ignores_stale_cache(reference.paged_attention, query_lens, device)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 1]])
+def test_kernels_never_let_stale_cache_values_reach_a_result(query_lens, device):
+    check_ignores_stale_cache(paged_attention, query_lens, device)

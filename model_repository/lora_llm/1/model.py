@@ -24,6 +24,7 @@ from backend.serving import EngineLoop                         # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")
+FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir")
 LORA_STATS = LoraCacheStats.__slots__
 
@@ -37,6 +38,8 @@ def engine_kwargs(model_config: dict) -> dict:
             continue
         if name in INT_PARAMS:
             value = int(value)
+        elif name in FLOAT_PARAMS:
+            value = float(value)
         elif name in PATH_PARAMS and not os.path.isabs(value):
             value = str(ROOT / value)
         kwargs[name] = value

@@ -1,0 +1,125 @@
+"""Where the engine runs, and how data crosses between host and device without stalling a step.
+
+A step sends its inputs in one host -> device copy (`StepStaging.upload`) and takes its results back in one
+device -> host copy (`StepStaging.download`); adapter uploads go on a side stream (`SideCopies`) and a step
+waits only for the slots it uses. On CPU all of it is a no-op.
+"""
+from contextlib import nullcontext
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is the current CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {name!r}: CUDA is not available on this machine (use device 'cpu' or 'auto')")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"device {name!r}: only {torch.cuda.device_count()} CUDA devices")
+        device = torch.device("cuda", index)
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: without either, bf16 matmuls on CPU run several times slower than fp32."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 where it is fast (CUDA, CPUs with native bf16) and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+    return getattr(torch, name)
+
+
+def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page-locked host copy of t when the device is a GPU (so uploads can be asynchronous), t itself on CPU."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+class StepStaging:
+    """A step's host tensors packed into one pinned int32 buffer, one non-blocking copy to the device, and
+    views of it by name; results come back through one pinned buffer. Buffers grow, never shrink, and are
+    reused: the step before has waited for its results, so its copies are done."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host_in = torch.empty(0, dtype=torch.int32)
+        self.host_out = torch.empty(0, dtype=torch.float64)
+
+    def upload(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host int32 / int64 / float32 / bool tensors -> the same on the device (int64 and bool as int32)."""
+        if self.device.type == "cpu":
+            return tensors
+        flat = [_as_int32(t) for t in tensors.values()]
+        total = sum(f.numel() for f in flat)
+        if self.host_in.numel() < total:
+            self.host_in = torch.empty(max(total, 2 * self.host_in.numel()), dtype=torch.int32).pin_memory()
+        host = self.host_in[:total]
+        if flat:
+            torch.cat(flat, out=host)
+        dev = host.to(self.device, non_blocking=True)
+        views, offset = {}, 0
+        for (name, t), f in zip(tensors.items(), flat):
+            view = dev[offset:offset + f.numel()].view(t.shape)
+            views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
+            offset += f.numel()
+        return views
+
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        """The step's one device -> host copy (float64), waited for: its values are on the host on return."""
+        if self.device.type == "cpu":
+            return t.to(torch.float64)
+        if self.host_out.numel() < t.numel():
+            self.host_out = torch.empty(max(t.numel(), 2 * self.host_out.numel()), dtype=torch.float64).pin_memory()
+        host = self.host_out[:t.numel()].view(t.shape)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+class SideCopies:
+    """Host -> device copies on a stream of their own, each tagged with a key (an adapter slot); the compute
+    stream waits only for the keys a step uses."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.events: dict[int, torch.cuda.Event] = {}
+
+    def copying(self):
+        """Context for the copies: they start after the compute stream's work so far (a slot may be in use)."""
+        if self.stream is None:
+            return nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        return torch.cuda.stream(self.stream)
+
+    def done(self, key: int) -> None:
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self.events[key] = event
+
+    def wait(self, keys) -> None:
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.stream.device)
+            for key in keys:
+                event = self.events.pop(key, None)
+                if event is not None:
+                    current.wait_event(event)
