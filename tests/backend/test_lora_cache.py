@@ -130,3 +130,23 @@ def test_byte_accounting_returns_to_what_is_resident(model_cfg):
     cache.add(9, *make_adapter(model_cfg, 4, 9))
     assert list(cache.host) == [9] and cache.stats.device_bytes == 0 and not cache.slot_of
     assert cache.stats.host_evictions == 4 and cache.stats.device_evictions == 4
+
+
+def test_prefetch_fills_idle_slots_ahead_and_never_evicts_what_is_pinned_or_wanted(model_cfg):
+    import torch
+    cache = LoraCache(LoraCacheConfig(max_loras=2), model_cfg, torch.float32)
+    for task in (1, 2, 3, 4):
+        cache.add(task, *make_adapter(model_cfg, 4, task))
+    cache.acquire(1)                              # pinned by a running request
+    cache.prefetch([None, 2, 3])                  # one idle slot: 2 gets it, 3 finds none
+    assert set(cache.slot_of) == {1, 2} and cache.pins[cache.slot(2)] == 0
+    loaded = cache.slots.ranks_list[0][0][0][cache.slot(2)]
+    assert loaded == 4                            # its weights are in the slot already
+    misses = cache.stats.device_misses
+    cache.acquire(2)                              # the request is admitted: a hit, nothing copied
+    assert cache.stats.device_misses == misses and cache.stats.device_hits == 1
+    cache.release(2)
+    cache.prefetch([3, 2])                        # 2 is idle but wanted by a waiting request: kept
+    assert set(cache.slot_of) == {1, 2}
+    cache.prefetch([4])
+    assert set(cache.slot_of) == {1, 4} and cache.stats.device_evictions == 1

@@ -5,7 +5,7 @@ import torch
 from backend import LLMEngine
 from backend.request import SamplingParams, Sequence
 from backend.sampler import Sampler, apply_bans, apply_penalties, prepare
-from tests.helpers import random_prompts
+from tests.helpers import DEVICES, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def test_top_k_one_equals_greedy(engine, prompts):
     assert engine.generate(prompts, max_new_tokens=10, temperature=2.0, top_k=1, seed=3) == greedy
 
 
-def test_top_k_and_top_p_only_pick_allowed_tokens():
-    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0]])
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_and_top_p_only_pick_allowed_tokens(device):
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0]], device=device)
     picks_k, picks_p = set(), set()
     for seed in range(60):
         seq_k = Sequence(0, [0], SamplingParams(temperature=5.0, top_k=2, seed=seed))
@@ -42,8 +43,9 @@ def test_top_k_and_top_p_only_pick_allowed_tokens():
     assert picks_p == {1, 2}                              # p(1) = 0.42 < 0.5, so the second token is kept too
 
 
-def test_a_seeded_row_samples_the_same_alone_or_in_a_mixed_batch():
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_samples_the_same_alone_or_in_a_mixed_batch(device):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(device)
     params = [SamplingParams(temperature=0.7, top_k=5, seed=1), SamplingParams(temperature=1.3, top_p=0.6, seed=2),
               SamplingParams(), SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=3)]
     batch = Sampler().sample(logits.clone(), [Sequence(i, [0], p) for i, p in enumerate(params)])[0]
@@ -91,3 +93,14 @@ def test_log_probs_are_the_log_softmax_of_the_chosen_token(engine, prompts):
     seq = Sequence(request_id, [0], SamplingParams(return_log_probs=True))
     tokens, lps = Sampler().sample(logits.clone(), [seq])
     assert tokens == [2] and lps[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())
+
+
+def test_counter_based_draws_are_uniform_and_depend_on_seed_and_step():
+    from backend.sampler import uniform
+    steps = torch.arange(20000, dtype=torch.int32)
+    u = uniform(torch.full_like(steps, 12345), steps)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.003
+    assert torch.histc(u.float(), bins=10, min=0, max=1).min() > 1800                # no empty or thin bin
+    other = uniform(torch.full_like(steps, 12346), steps)
+    assert (u == other).float().mean() < 0.01
