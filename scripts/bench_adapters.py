@@ -1,30 +1,43 @@
 """Random LoRA adapters for the benchmarks: made once with PEFT, used by both the engine and HF + PEFT."""
+import json
 import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from backend.model.config import ModelConfig
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @lru_cache(maxsize=None)
 def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
-    """One PEFT directory per rank in `ranks` (task id = position + 1), seeded."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    """One PEFT directory per rank in `ranks` (task id = position + 1), seeded: A ~ N(0, 1/rank), B ~ N(0, 0.02),
+    written directly (no model instance, so an 8B shape costs seconds)."""
+    from safetensors.torch import save_file
+    cfg = ModelConfig.from_dir(model_dir)
     root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = None
+    shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
+              "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
     for i, rank in enumerate(ranks):
-        torch.manual_seed(i)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights="gaussian")
-        if model is None:
-            model = get_peft_model(base, config, adapter_name=f"t{i + 1}")
-        else:
-            model.add_adapter(f"t{i + 1}", config)
-            model.delete_adapter(f"t{i}")       # one adapter at a time: saving scans every adapter the model holds
-        model.save_pretrained(root, selected_adapters=[f"t{i + 1}"])    # into <root>/<name>
+        g = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(cfg.num_layers):
+            for name, (in_dim, out_dim) in shapes.items():
+                part = "self_attn" if name in ATTENTION else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=g) / rank).to(torch.float16)
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=g) * 0.02).to(torch.float16)
+        path = root / f"t{i + 1}"
+        path.mkdir()
+        save_file(tensors, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+            "target_modules": TARGETS, "bias": "none", "base_model_name_or_path": model_dir}))
     return tuple(root / f"t{i + 1}" for i in range(len(ranks)))
 
 

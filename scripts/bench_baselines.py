@@ -5,10 +5,11 @@ import torch
 from tqdm import tqdm
 
 
-def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_size: int = 8) -> dict:
+def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_size: int = 8,
+           device: str = "cpu") -> dict:
     """generate() in batches of `batch_size` with left padding, every output forced to its full length."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     adapter_names = None
     churn = len(workload.adapter_ranks) > workload.max_loras     # W5: adapters come and go, batch by batch
     if workload.adapter_ranks:
@@ -32,8 +33,10 @@ def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_siz
         if adapter_names is not None:
             kwargs["adapter_names"] = [adapter_names.get(r["lora_task_id"], "__base__") for r in chunk]
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new,
                                  min_new_tokens=new, pad_token_id=0, **kwargs)
         num_tokens += (out.shape[1] - width) * len(chunk)
+    if device != "cpu":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens}

@@ -13,8 +13,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-def make_engine(model_dir: str, dtype: str, workload) -> LLMEngine:
-    engine = LLMEngine(model_dir, dtype=dtype, kernel_backend="torch", max_num_seqs=workload.max_num_seqs,
+def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu") -> LLMEngine:
+    """The engine as the workload wants it (kernels: torch on CPU, Triton on CUDA)."""
+    engine = LLMEngine(model_dir, dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
                        max_num_batched_tokens=2048, max_loras=workload.max_loras,
                        max_lora_rank=workload.max_lora_rank)
     workload.setup(engine)

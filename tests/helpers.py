@@ -11,12 +11,19 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from prepare_model import DEFAULT_OUT as SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  # noqa: E402
 
 
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+# CUDA cases carry the `cuda` marker (scripts/gpu_check.sh runs `-m cuda`) and skip where there is no GPU
+CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
 # Triton kernels run on CUDA, and on CPU only in the interpreter (tests/conftest.py sets it where there is no GPU)
 KERNEL_DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1 (set where no GPU)")),
-    pytest.param("cuda", marks=NEEDS_CUDA)]
+    pytest.param("cuda", marks=CUDA_MARKS)]
+
+
+def needs_cuda(test):
+    for mark in CUDA_MARKS:
+        test = mark(test)
+    return test
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -5,7 +5,7 @@ import torch
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from tests.helpers import DEVICES, NEEDS_CUDA, peft_greedy, peft_model_with, random_prompts
+from tests.helpers import DEVICES, needs_cuda, peft_greedy, peft_model_with, random_prompts
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
@@ -80,7 +80,7 @@ def test_adapters_churn_through_fewer_slots_than_adapters(tiny_model_dir, tiny_a
         assert outputs[i] == peft_greedy(peft, prompt, f"a{tasks[i] - 1}", 6), f"request {i} (task {tasks[i]})"
 
 
-@NEEDS_CUDA
+@needs_cuda
 def test_bf16_on_cuda_stays_close_to_bf16_peft(tiny_model_dir, tiny_adapters):
     """Tolerance: bf16 rounding differs between fused and separate projections, so only the first token of each
     row must agree, and the first three tokens of at least 5 of the 6 rows."""
@@ -96,7 +96,7 @@ def test_bf16_on_cuda_stays_close_to_bf16_peft(tiny_model_dir, tiny_adapters):
     assert sum(o == w for o, w in zip(outputs, want)) >= 5
 
 
-@NEEDS_CUDA
+@needs_cuda
 def test_a_step_syncs_only_for_its_one_result_copy(tiny_model_dir, tiny_adapters):
     """Under torch.cuda.set_sync_debug_mode("error") any hidden sync (.item(), .tolist(), a blocking copy)
     raises; the steps below prefill and decode with adapters, every sampling option and log probs."""
@@ -120,7 +120,7 @@ def test_a_step_syncs_only_for_its_one_result_copy(tiny_model_dir, tiny_adapters
         torch.cuda.set_sync_debug_mode(0)
 
 
-@NEEDS_CUDA
+@needs_cuda
 def test_kv_cache_takes_its_share_of_free_gpu_memory(tiny_model_dir):
     free_before, total = torch.cuda.mem_get_info()
     engine = LLMEngine(tiny_model_dir, device="cuda", dtype="float32", kv_cache_free_gpu_mem_fraction=0.05)

@@ -1,0 +1,152 @@
+"""The GPU bench: W1, W2, W3 of shared/BENCHMARKS.md on random-weight models of real shapes, against transformers
+(+ PEFT) on the same GPU in the same run, and W3 against the HBM bandwidth bound. Prints one table, writes JSON.
+
+    python scripts/gpu_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--requests N] [--baseline hf|none]
+        [--out docs/bench/gpu.json] [--device cuda]
+`--device cpu --models tiny-shape` runs the same code on CPU in seconds (the test suite does, to keep it working).
+"""
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from backend.model.config import ModelConfig                      # noqa: E402
+from bench_baselines import run_hf                                 # noqa: E402
+from bench_engine import make_engine, run_engine                   # noqa: E402
+from bench_roofline import weight_bytes                            # noqa: E402
+from bench_workloads import WORKLOADS, make_requests               # noqa: E402
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
+         "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02}
+SHAPES = {
+    "smollm2-135m-shape": LLAMA | dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                       num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                       tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    "llama-3.1-8b-shape": LLAMA | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                       tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 8192}),
+    "tiny-shape": LLAMA | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
+                               rope_theta=10000.0, max_position_embeddings=1024),
+}
+
+
+def build_model(shape: str, out: Path, device: str) -> Path:
+    """A random-weight bf16 checkpoint of the shape, made on the device (seconds even for 8B), saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(out)
+    del model
+    free_memory(device)
+    return out
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device memory bandwidth (bytes/s, read + write) of a 1 GiB copy."""
+    src = torch.empty(1 << 30 if device != "cpu" else 1 << 26, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    return 10 * 2 * src.numel() / (time.perf_counter() - start)
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def bench_model(shape: str, args, bandwidth: float) -> dict:
+    model_dir = str(build_model(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")), args.device))
+    cfg = ModelConfig.from_dir(model_dir)
+    results = {}
+    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device)
+    for name in ("W1", "W2", "W3"):
+        workload = WORKLOADS[name]
+        requests = make_requests(workload, cfg.vocab_size, args.requests and min(args.requests, workload.num_requests))
+        run_engine(engine, requests[:2], f"{shape} {name} warm-up")        # compile the kernels outside the timing
+        run = run_engine(engine, requests, f"{shape} {name}")
+        results[name] = {k: v for k, v in run.items() if not isinstance(v, list)}     # figures, not samples
+        sync(args.device)
+        print(f"  {shape} {name}: {results[name]['tok_s']:.1f} tok/s", flush=True)
+    del engine
+    free_memory(args.device)
+    context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
+    kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * 2
+    bound = bandwidth / (weight_bytes(cfg, "bfloat16") + kv_bytes)
+    results["W3"] |= {"bandwidth_bound_tok_s": bound, "bandwidth_frac": results["W3"]["tok_s"] / bound}
+    if args.baseline == "hf":
+        for name in ("W2", "W3", "W1"):
+            workload = WORKLOADS[name]
+            requests = make_requests(workload, cfg.vocab_size,
+                                     args.requests and min(args.requests, workload.num_requests))
+            results[f"{name}_hf"] = run_hf(model_dir, requests, "bfloat16", workload, device=args.device)
+            print(f"  {shape} {name} HF: {results[f'{name}_hf']['tok_s']:.1f} tok/s", flush=True)
+            free_memory(args.device)
+    return results
+
+
+def table(report: dict) -> str:
+    lines = [f"GPU bench on {report['device']} (copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s)",
+             f"{'model':22s} {'W1 tok/s':>10s} {'W2 tok/s':>10s} {'W3 tok/s':>9s} {'W3 ITL ms':>10s} "
+             f"{'W3/bound':>9s} {'W1/HF':>7s} {'W2/HF':>7s} {'W1/W2':>7s}"]
+    for shape, r in report["models"].items():
+        ratio = lambda a, b: f"{r[a]['tok_s'] / r[b]['tok_s']:.2f}" if a in r and b in r else "-"   # noqa: E731
+        lines.append(f"{shape:22s} {r['W1']['tok_s']:10.1f} {r['W2']['tok_s']:10.1f} {r['W3']['tok_s']:9.1f} "
+                     f"{r['W3']['itl_p50_s'] * 1e3:10.2f} {r['W3']['bandwidth_frac']:9.1%} {ratio('W1', 'W1_hf'):>7s} "
+                     f"{ratio('W2', 'W2_hf'):>7s} {ratio('W1', 'W2'):>7s}")
+    lines.append("targets (issue 10): W3 8B >= 60% of the bound, W1 >= 5x HF + PEFT, W1/W2 >= 0.8")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m-shape,llama-3.1-8b-shape")
+    parser.add_argument("--requests", type=int, default=0, help="scale W1/W2 down to N requests (0: as specified)")
+    parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gpu.json")
+    args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        sys.exit("gpu_bench: no CUDA device (use --device cpu for a dry run)")
+    name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    bandwidth = copy_bandwidth(args.device)
+    report = {"device": name, "torch": torch.__version__, "copy_bandwidth_gbps": bandwidth / 1e9, "models": {}}
+    for shape in args.models.split(","):
+        report["models"][shape] = bench_model(shape, args, bandwidth)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))           # after each model: a cut-off run keeps its part
+    print(table(report), flush=True)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

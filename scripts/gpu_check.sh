@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The one check of the GPU path, for a machine with an NVIDIA GPU and no network where PyTorch, Triton,
+# transformers, PEFT and pytest are already installed (it installs nothing; torch 2.11 / triton 3.6 / Python 3.12
+# work as well as our pins). Builds its models in temporary dirs.
+#   1. the environment (GPU, versions); 2. every kernel configuration compiled for sm_80/sm_90 by this Triton;
+#   3. the tests marked `cuda` (kernels vs the torch references at real shapes, engine greedy == transformers/PEFT
+#      in fp32, bf16 within tolerance, adapter churn, a step under torch.cuda.set_sync_debug_mode("error"));
+#   4. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT).
+#
+#   scripts/gpu_check.sh [--tests-only | --bench-only] [gpu_bench.py arguments, e.g. --out $OUT/gpu.json]
+# Each part fits a 10-minute call: run `--tests-only`, then `--bench-only --models smollm2-135m-shape` and
+# `--bench-only --models llama-3.1-8b-shape --out ...` separately where calls are limited.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+part=all
+case "${1:-}" in
+  --tests-only) part=tests; shift ;;
+  --bench-only) part=bench; shift ;;
+esac
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PYTHON" - <<'EOF'
+import sys
+import peft, torch, transformers, triton
+assert torch.cuda.is_available(), "gpu_check: torch sees no CUDA device"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"transformers {transformers.__version__}, peft {peft.__version__}, {torch.cuda.get_device_name()}")
+EOF
+
+if [ "$part" != bench ]; then
+  echo "== kernels compiled for sm_80 and sm_90 by this Triton"
+  "$PYTHON" scripts/compile_kernels.py --targets 80,90 --jobs "$(nproc)" | tail -n 3
+  echo "== tests on CUDA"
+  "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/backend
+fi
+if [ "$part" != tests ]; then
+  echo "== GPU bench"
+  "$PYTHON" scripts/gpu_bench.py "$@"
+fi
