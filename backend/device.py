@@ -104,11 +104,9 @@ class SideCopies:
         self.events: dict[int, torch.cuda.Event] = {}
 
     def copying(self):
-        """Context for the copies: they start after the compute stream's work so far (a slot may be in use)."""
-        if self.stream is None:
-            return nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        return torch.cuda.stream(self.stream)
+        """Context for the copies. They need not wait for the compute stream: a slot being filled is idle (no
+        sequence of the running step reads it) and earlier steps are done (each waits for its results)."""
+        return nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
     def done(self, key: int) -> None:
         if self.stream is not None:

@@ -125,8 +125,8 @@ class LLMEngine:
         if not batch.items:
             return []
         try:
-            next_tasks = [seq.lora_task_id for seq in itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)]
-            tokens, log_probs = self.runner.run(batch, self.lora_cache, prefetch=next_tasks)
+            waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
+            tokens, log_probs = self.runner.run(batch, self.lora_cache, prefetch=[seq.lora_task_id for seq in waiting])
         except Exception as exc:             # a failed step fails its batch, never the engine
             return [self._finish(item.seq, "error", error=f"engine failure: {exc}") for item in batch.items]
         sampled = [item for item in batch.items if item.samples]

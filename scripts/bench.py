@@ -24,6 +24,7 @@ from bench_report import print_table, ratios                   # noqa: E402
 from bench_roofline import cpu_name, measure_roofline, workload_flops, weight_bytes   # noqa: E402
 from bench_server import run_server_workload                   # noqa: E402
 from bench_workloads import WORKLOADS, make_requests           # noqa: E402
+from backend.device import resolve_dtype                       # noqa: E402
 from backend.model.config import ModelConfig                   # noqa: E402
 
 QUICK_REQUESTS = 32                           # --quick caps every workload at this many requests
@@ -59,10 +60,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"at most {QUICK_REQUESTS} requests per workload")
     parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     args = parser.parse_args()
+    args.dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -70,11 +72,11 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = ModelConfig.from_dir(args.model_dir)
-    roofline = measure_roofline()
+    roofline = measure_roofline(args.dtype)
     results: dict = {"machine": f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
                                 f"torch {torch.__version__}, {args.dtype}", **roofline,
                      "model": Path(args.model_dir).name, "quick": args.quick}
-    print(f"{results['machine']}: bf16 matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
+    print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
           f"{roofline['memory_gbps']:.1f} GB/s; model weights {weight_bytes(cfg, args.dtype) / 1e6:.0f} MB", flush=True)
     samples: dict = {}
     for name in names:

@@ -26,7 +26,7 @@ def _ms(value: float | None) -> str:
 
 
 def print_table(results: dict, names: list[str]) -> None:
-    print(f"\n{results['machine']}; bf16 matmul {results['roofline_gflops']:.0f} GFLOP/s, "
+    print(f"\n{results['machine']}; matmul {results['roofline_gflops']:.0f} GFLOP/s, "
           f"copy {results['memory_gbps']:.1f} GB/s")
     print(f"{'':4} {'reqs':>4} {'tok/s':>8} {'HF tok/s':>9} {'x HF':>6} {'roofline':>8} "
           f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")

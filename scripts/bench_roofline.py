@@ -1,4 +1,4 @@
-"""What this machine can do now (bf16 matmul, memory copy) and what a workload asks of it (FLOPs, bytes)."""
+"""What this machine can do now (matmul in the bench dtype, memory copy) and what a workload asks of it (FLOPs, bytes)."""
 import time
 
 import torch
@@ -6,10 +6,10 @@ import torch
 from backend.model.config import ModelConfig
 
 
-def measure_roofline() -> dict:
-    """bf16 2048^3 matmul throughput (GFLOP/s) and memory copy bandwidth (GB/s), on this machine now."""
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+def measure_roofline(dtype: str = "bfloat16") -> dict:
+    """2048^3 matmul throughput in `dtype` (GFLOP/s) and memory copy bandwidth (GB/s), on this machine now."""
+    a = torch.randn(2048, 2048, dtype=getattr(torch, dtype))
+    b = torch.randn(2048, 2048, dtype=getattr(torch, dtype))
     a @ b
     t = time.perf_counter()
     for _ in range(5):

@@ -32,7 +32,7 @@ SHAPES = {
                                        tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
     "llama-3.1-8b-shape": LLAMA | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                       tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192,
+                                       tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072,
                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 8192}),

@@ -32,13 +32,25 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
       f"transformers {transformers.__version__}, peft {peft.__version__}, {torch.cuda.get_device_name()}")
 EOF
 
+failed=()
+step() {                                  # step LABEL TITLE COMMAND...: a failure is reported at the end
+  local label=$1 title=$2
+  shift 2
+  echo "== $title"
+  "$@" || failed+=("$label")
+}
+compile_all() {                           # print the failures and the summary, not the 254 "ok" lines
+  "$PYTHON" scripts/compile_kernels.py --targets 80,90 --jobs "$(nproc)" | grep -v "^ok "
+}
 if [ "$part" != bench ]; then
-  echo "== kernels compiled for sm_80 and sm_90 by this Triton"
-  "$PYTHON" scripts/compile_kernels.py --targets 80,90 --jobs "$(nproc)" | tail -n 3
-  echo "== tests on CUDA"
-  "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/backend
+  step compile "kernels compiled for sm_80 and sm_90 by this Triton" compile_all
+  step tests "tests on CUDA" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/backend
 fi
 if [ "$part" != tests ]; then
-  echo "== GPU bench"
-  "$PYTHON" scripts/gpu_bench.py "$@"
+  step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"
 fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_check: FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_check: passed"

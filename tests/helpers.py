@@ -15,9 +15,9 @@ from prepare_model import DEFAULT_OUT as SMOLLM2_DIR, build_smollm2, build_tiny,
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
 # Triton kernels run on CUDA, and on CPU only in the interpreter (tests/conftest.py sets it where there is no GPU)
-KERNEL_DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1 (set where no GPU)")),
-    pytest.param("cuda", marks=CUDA_MARKS)]
+INTERPRETER_MARK = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="Triton on CPU needs TRITON_INTERPRET=1 (set where no GPU)")
+KERNEL_DEVICES = [pytest.param("cpu", marks=INTERPRETER_MARK), pytest.param("cuda", marks=CUDA_MARKS)]
 
 
 def needs_cuda(test):

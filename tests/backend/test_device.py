@@ -5,7 +5,7 @@ import torch
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from tests.helpers import DEVICES, needs_cuda, peft_greedy, peft_model_with, random_prompts
+from tests.helpers import CUDA_MARKS, DEVICES, INTERPRETER_MARK, needs_cuda, peft_greedy, peft_model_with, random_prompts
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
@@ -128,3 +128,19 @@ def test_kv_cache_takes_its_share_of_free_gpu_memory(tiny_model_dir):
     assert 0 < cache_bytes <= 0.05 * free_before
     assert engine.blocks.num_blocks == engine.runner.num_blocks > 0
     assert engine.generate([[5, 6, 7]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kernel_backend,device", [
+    ("torch", "cpu"), pytest.param("torch", "cuda", marks=CUDA_MARKS),
+    pytest.param("triton", "cpu", marks=INTERPRETER_MARK), pytest.param("triton", "cuda", marks=CUDA_MARKS)])
+def test_a_cache_full_of_nan_before_the_run_changes_no_token(tiny_model_dir, kernel_backend, device):
+    """Positions past each sequence's length and unused block-table entries are never read into a result: stale
+    values (here NaN) left by other requests cannot leak into this one."""
+    engine = engine_on(tiny_model_dir, device, kernel_backend=kernel_backend, kv_block_size=16,
+                       max_num_batched_tokens=32)
+    prompts = random_prompts([3, 37, 18, 9], engine.model_config.vocab_size, seed=15)
+    clean = engine.generate(prompts, max_new_tokens=5)
+    for k_cache, v_cache in engine.runner.kv_caches:
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+    assert engine.generate(prompts, max_new_tokens=5) == clean
