@@ -48,6 +48,7 @@ class EngineConfig:
         if self.kv_block_size & (self.kv_block_size - 1):
             raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction}")
+            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_free_gpu_mem_fraction}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

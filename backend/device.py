@@ -40,6 +40,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def on(device: torch.device):
+    """Make `device` the current CUDA device (kernel launches and streams follow it) in this thread."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Page-locked host copy of t when the device is a GPU (so uploads can be asynchronous), t itself on CPU."""
     return t.pin_memory() if device.type == "cuda" else t
@@ -83,7 +88,7 @@ class StepStaging:
         host = self.host_out[:t.numel()].view(t.shape)
         host.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))
         done.synchronize()
         return host
 

@@ -186,7 +186,8 @@ def _to_grid(rows: torch.Tensor, grid) -> torch.Tensor:
 
 def _past_rank(ranks: torch.Tensor, grid, rank: int) -> torch.Tensor:
     """[num_slots, 1, rank] bool: the columns past each slot's own rank, which lower-rank slots must ignore."""
-    return torch.arange(rank, device=ranks.device) >= ranks[grid.slot_start:grid.slot_start + grid.num_slots, None, None]
+    slot_ranks = ranks[grid.slot_start:grid.slot_start + grid.num_slots, None, None]
+    return torch.arange(rank, device=ranks.device) >= slot_ranks
 
 
 def _from_grid(padded: torch.Tensor, grid) -> torch.Tensor:

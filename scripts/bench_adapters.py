@@ -21,7 +21,8 @@ def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
     root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
     for i, rank in enumerate(ranks):
         g = torch.Generator().manual_seed(i)

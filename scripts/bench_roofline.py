@@ -1,4 +1,5 @@
-"""What this machine can do now (matmul in the bench dtype, memory copy) and what a workload asks of it (FLOPs, bytes)."""
+"""What this machine can do now (matmul in the bench's dtype, memory copy) and what a workload asks of it (FLOPs,
+bytes)."""
 import time
 
 import torch

@@ -65,7 +65,8 @@ class DeviceSlots:
                 self.a[-1][proj] = _zeros(num_slots, cap, in_dim, dtype, device)
                 self.b[-1][proj] = _zeros(num_slots, out_dim, cap, dtype, device)
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
-        self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()   # [layer][proj][band][slot]
+        # the same on the host: [layer][proj][band][slot]
+        self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()
         self.bands: list[dict[str, list[Band]]] = [{proj: self._bands(layer, proj) for proj in PROJS}
                                                    for layer in range(cfg.num_layers)]
 

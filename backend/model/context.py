@@ -63,8 +63,3 @@ class StepInputs:
             max_query_len=self.max_query_len, max_seq_len=max(self.seq_lens))
         return StepContext(t["input_ids"], t["positions"], attn, t["logits_indices"])
 
-
-def build_context(batch: Batch, block_size: int) -> StepContext:
-    """The context on the host (CPU)."""
-    inputs = StepInputs(batch, block_size)
-    return inputs.context(inputs.tensors)

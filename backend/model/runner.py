@@ -4,7 +4,7 @@ import torch
 
 from backend import sampler
 from backend.config import EngineConfig
-from backend.device import StepStaging, resolve_device, resolve_dtype
+from backend.device import StepStaging, on, resolve_device, resolve_dtype
 from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
@@ -82,6 +82,10 @@ class ModelRunner:
         """The next token and its log prob for each sequence whose chunk reaches its last token, in the order of
         batch.items (which this sorts by adapter slot, so that each adapter is one segment). The adapters in
         `prefetch` start uploading while the step computes."""
+        with on(self.device):
+            return self._run(batch, lora_cache, prefetch)
+
+    def _run(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None]):
         if lora_cache is not None:
             batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
         inputs = StepInputs(batch, self.block_size)

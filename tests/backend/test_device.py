@@ -5,7 +5,8 @@ import torch
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from tests.helpers import CUDA_MARKS, DEVICES, INTERPRETER_MARK, needs_cuda, peft_greedy, peft_model_with, random_prompts
+from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, needs_cuda, peft_greedy, peft_model_with,
+                           random_prompts)
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
