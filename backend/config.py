@@ -31,6 +31,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, kv_cache_free_gpu_mem_fraction on CUDA
     kv_cache_free_gpu_mem_fraction: float = 0.9   # of the memory free after the weights and a warm-up forward
     kv_watermark: float = 0.01                # share of blocks kept free when admitting new sequences
+    max_queue_size: int = 1024                # requests waiting to start; past it, a retryable "queue full" error
+    max_words: int = 1024                     # stop words, and bad words, per request
+    max_word_len: int = 64                    # tokens per stop or bad word
     kernel_backend: str = "auto"
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
@@ -42,7 +45,8 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if not DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_memory_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_memory_bytes",
+                     "max_queue_size", "max_words", "max_word_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_block_size & (self.kv_block_size - 1):

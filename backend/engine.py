@@ -8,10 +8,11 @@ import torch
 from backend.config import EngineConfig, LoraCacheConfig
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
+from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
 from backend.model.runner import ModelRunner
-from backend.request import RequestError, SamplingParams, Sequence, validate_prompt
+from backend.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
 from backend.scheduler import Scheduler
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -50,6 +51,8 @@ class LLMEngine:
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark)
         self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
+        self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
+                                    self.config.max_word_len)
         self.seqs: dict[Hashable, Sequence] = {}
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
@@ -78,15 +81,23 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     lora_task_id: int | None = None, request_id: Hashable | None = None,
-                    lora_weights=None, lora_config=None, **sampling) -> Hashable:
+                    lora_weights=None, lora_config=None, lora_adapter: LoraAdapter | None = None,
+                    **sampling) -> Hashable:
         """Validate and queue one request; raises RequestError naming the field at fault. The first request
-        for an adapter brings lora_weights and lora_config; later ones send only lora_task_id."""
+        for an adapter brings lora_weights and lora_config (or them parsed already: lora_adapter, see
+        LoraCache.parse); later ones send only lora_task_id."""
         unknown = set(sampling) - SAMPLING_FIELDS
         if unknown:
             raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
+        if len(self.scheduler.waiting) >= self.config.max_queue_size:
+            raise RequestError("max_queue_size", f"queue full ({self.config.max_queue_size} requests waiting): "
+                                                 "retry later")
         params = params or SamplingParams(**sampling)
         cfg = self.model_config
-        params.validate(cfg.vocab_size)
+        if len(prompt_ids) > self.limits.max_input_len:
+            raise RequestError("input_ids", f"{len(prompt_ids)} tokens exceed the model's max input length "
+                                            f"{self.limits.max_input_len}")
+        params.validate(cfg.vocab_size, self.limits)
         prompt_ids = [int(t) for t in prompt_ids]
         validate_prompt(prompt_ids, params.max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
         needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
@@ -99,10 +110,12 @@ class LLMEngine:
         if (lora_weights is None) != (lora_config is None):
             raise RequestError("lora_config" if lora_config is None else "lora_weights",
                                "lora_weights and lora_config must be sent together")
+        if (lora_weights is not None or lora_adapter is not None) and lora_task_id is None:
+            raise RequestError("lora_task_id", "must be set when lora_weights are sent")
         if lora_weights is not None:
-            if lora_task_id is None:
-                raise RequestError("lora_task_id", "must be set when lora_weights are sent")
-            self.add_lora(lora_task_id, lora_weights, lora_config)
+            lora_adapter = self.lora_cache.parse(lora_weights, lora_config)
+        if lora_adapter is not None:
+            self.lora_cache.insert(int(lora_task_id), lora_adapter)
         lora_task_id = None if lora_task_id is None else int(lora_task_id)
         self.lora_cache.ref(lora_task_id)
         seq = Sequence(request_id, prompt_ids, params, lora_task_id)

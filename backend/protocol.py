@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.request import RequestError, SamplingParams
+from backend.request import RequestError, RequestLimits, SamplingParams, check_finite
 
 
 @dataclass(slots=True)
@@ -20,6 +20,7 @@ class ParsedRequest:
     lora_task_id: int | None = None
     lora_weights: np.ndarray | None = None
     lora_config: np.ndarray | None = None
+    lora_adapter: object | None = None        # the weights parsed off the engine thread (backend/lora/format.py)
 
 
 def _unbatch(name: str, value: np.ndarray) -> np.ndarray:
@@ -41,15 +42,21 @@ def _scalar(arrays: dict, name: str, kind, default=None):
         if value.dtype.kind not in "iub":
             raise RequestError(name, f"must be an integer, got dtype {value.dtype}")
         return int(value[0])
+    check_finite(name, float(value[0]))
     return float(value[0])
 
 
-def parse_words(name: str, value: np.ndarray) -> list[list[int]]:
+def parse_words(name: str, value: np.ndarray, limits: RequestLimits) -> list[list[int]]:
     """TensorRT-LLM words list [2, L]: row 0 the ids of all words back to back, row 1 each word's end offset,
     both padded with -1."""
     value = _unbatch(name, value)
     if value.ndim != 2 or value.shape[0] != 2:
         raise RequestError(name, f"must be [2, L] (ids row, offsets row), got shape {list(value.shape)}")
+    if value.dtype.kind not in "iu":
+        raise RequestError(name, f"must be INT32, got dtype {value.dtype}")
+    if value.shape[1] > limits.max_words * limits.max_word_len:
+        raise RequestError(name, f"{value.shape[1]} ids exceed max_words {limits.max_words} x max_word_len "
+                                 f"{limits.max_word_len}")
     ids, offsets = value[0].tolist(), [int(o) for o in value[1] if o >= 0]
     words, start = [], 0
     for end in offsets:
@@ -61,9 +68,10 @@ def parse_words(name: str, value: np.ndarray) -> list[list[int]]:
     return words
 
 
-def parse_request(arrays: dict[str, np.ndarray]) -> ParsedRequest:
-    """Map the contract's inputs onto an engine request. Sampling follows TensorRT-LLM: greedy unless
-    runtime_top_k > 1 or runtime_top_p > 0; temperature scales the sampled distribution."""
+def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedRequest:
+    """Map the contract's inputs onto an engine request, every size checked before the work it bounds. Sampling
+    follows TensorRT-LLM: greedy unless runtime_top_k > 1 or runtime_top_p > 0; temperature scales the sampled
+    distribution."""
     if "input_ids" not in arrays:
         raise RequestError("input_ids", "is required")
     if "request_output_len" not in arrays:
@@ -71,6 +79,8 @@ def parse_request(arrays: dict[str, np.ndarray]) -> ParsedRequest:
     ids = _unbatch("input_ids", arrays["input_ids"])
     if ids.dtype.kind not in "iu":
         raise RequestError("input_ids", f"must be INT32, got dtype {ids.dtype}")
+    if ids.size > limits.max_input_len:
+        raise RequestError("input_ids", f"{ids.size} tokens exceed the model's max input length {limits.max_input_len}")
     prompt = ids.reshape(-1).tolist()
     length = _scalar(arrays, "input_lengths", int)
     if length is not None:
@@ -81,17 +91,20 @@ def parse_request(arrays: dict[str, np.ndarray]) -> ParsedRequest:
     top_k = _scalar(arrays, "runtime_top_k", int, 0)
     top_p = _scalar(arrays, "runtime_top_p", float, 0.0)
     sampling = top_k > 1 or top_p > 0.0
+    temperature = _scalar(arrays, "temperature", float, 1.0)   # read (and checked) even where greedy ignores it
     seed = _scalar(arrays, "seed", int, _scalar(arrays, "random_seed", int))
+    words = {name: parse_words(name, arrays[name], limits) if name in arrays else []
+             for name in ("stop_words_list", "bad_words_list")}
     params = SamplingParams(
         max_new_tokens=_scalar(arrays, "request_output_len", int),
-        temperature=_scalar(arrays, "temperature", float, 1.0) if sampling else 0.0,
+        temperature=temperature if sampling else 0.0,
         top_k=top_k,
         top_p=top_p if top_p > 0.0 else 1.0,
         seed=seed,
         end_id=_scalar(arrays, "end_id", int),
         min_tokens=_scalar(arrays, "min_tokens", int, _scalar(arrays, "min_length", int, 0)),
-        stop_words=parse_words("stop_words_list", arrays["stop_words_list"]) if "stop_words_list" in arrays else [],
-        bad_words=parse_words("bad_words_list", arrays["bad_words_list"]) if "bad_words_list" in arrays else [],
+        stop_words=words["stop_words_list"],
+        bad_words=words["bad_words_list"],
         repetition_penalty=_scalar(arrays, "repetition_penalty", float, 1.0),
         presence_penalty=_scalar(arrays, "presence_penalty", float, 0.0),
         frequency_penalty=_scalar(arrays, "frequency_penalty", float, 0.0),

@@ -1,4 +1,5 @@
 """A request's sampling parameters, its running state, and the validation that guards the engine."""
+import math
 import random
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -11,6 +12,19 @@ class RequestError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
         self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on one request, checked before any work that grows with its size."""
+    max_input_len: int                        # prompt tokens
+    max_words: int = 1024                     # stop words, and bad words, per request
+    max_word_len: int = 64                    # tokens per word
+
+
+def check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise RequestError(name, f"must be a finite number, got {value}")
 
 
 @dataclass(slots=True)
@@ -35,7 +49,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
+        for name, value in (("temperature", self.temperature), ("runtime_top_p", self.top_p),
+                            ("repetition_penalty", self.repetition_penalty),
+                            ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            check_finite(name, value)
         if self.max_new_tokens <= 0:
             raise RequestError("request_output_len", f"must be > 0, got {self.max_new_tokens}")
         if self.beam_width != 1:
@@ -53,6 +71,11 @@ class SamplingParams:
         if self.end_id is not None and not 0 <= self.end_id < vocab_size:
             raise RequestError("end_id", f"{self.end_id} is outside the vocabulary [0, {vocab_size})")
         for name, words in (("stop_words_list", self.stop_words), ("bad_words_list", self.bad_words)):
+            if limits is not None and len(words) > limits.max_words:
+                raise RequestError(name, f"{len(words)} words exceed max_words {limits.max_words}")
+            if limits is not None and any(len(word) > limits.max_word_len for word in words):
+                raise RequestError(name, f"a word of {max(map(len, words))} tokens exceeds max_word_len "
+                                         f"{limits.max_word_len}")
             for word in words:
                 if not word or any(not 0 <= t < vocab_size for t in word):
                     raise RequestError(name, f"word {word} is empty or has ids outside [0, {vocab_size})")

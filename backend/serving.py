@@ -24,21 +24,46 @@ class Stream(Protocol):
 
 
 class EngineLoop:
+    """Steps the engine on its own thread and never lets an exception end that thread: a failed step fails the
+    requests in flight, a failing sender closes only its stream, and after `max_step_failures` failed steps in
+    a row the engine is declared broken: every pending and new request is answered with an error at once."""
+
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, float | None], None] | None = None,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, max_step_failures: int = 3):
         self.engine = engine
         self.on_step = on_step                               # metrics hook: (engine, step seconds or None)
         self.idle_wait_s = idle_wait_s
+        self.max_step_failures = max_step_failures
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[int, Stream] = {}
         self.names: dict[str, int] = {}                     # client request id -> engine request id
         self.name_of: dict[int, str] = {}                   # and back
+        self.broken: str | None = None                      # why the engine can serve no more, once it cannot
+        self.num_step_failures = 0                          # in a row
+        self.num_hook_errors = 0
         self._running = True
         self._aborted_while_idle = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.broken is None and self.thread.is_alive()
+
     def submit(self, stream: Stream, name: str = "") -> None:
+        """Queue a request for the loop. Runs on the caller's thread, which also parses the adapter weights the
+        request brings, so that a large adapter never stalls the streams in flight."""
+        if not self.alive:
+            stream.fail(f"engine unavailable: {self.broken or 'the engine loop has stopped'}")
+            return
+        r = stream.request
+        if r.lora_weights is not None and r.lora_config is not None and r.lora_task_id is not None:
+            try:
+                r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
+            except RequestError as err:
+                stream.fail(str(err))
+                return
+            r.lora_weights = r.lora_config = None
         self.inbox.put(("add", stream, name))
 
     def cancel(self, name: str) -> bool:
@@ -51,30 +76,66 @@ class EngineLoop:
         self._running = False
         self.inbox.put(("wake", None, ""))
         self.thread.join(timeout=30)
-        while not self.inbox.empty():
-            op, stream, _ = self.inbox.get_nowait()
-            if op == "add":
-                stream.fail(message)
-        for request_id in list(self.streams):
-            self.engine.abort(request_id)
-            self.streams.pop(request_id).fail(message)
+        self._fail_everything(message)
 
     def _run(self) -> None:
         while self._running:
-            self._drain(block=not self.engine.has_unfinished)
-            self._reap_cancelled()
-            if not self.engine.has_unfinished:
-                if self._aborted_while_idle and self.on_step is not None:   # the figures changed without a step
-                    self.on_step(self.engine, None)
-                self._aborted_while_idle = False
-                continue
-            start = time.perf_counter()
+            try:
+                self._tick()
+            except Exception as exc:                         # never let the loop thread die
+                self._step_failed(exc)
+
+    def _tick(self) -> None:
+        self._drain(block=not self.engine.has_unfinished)
+        self._reap_cancelled()
+        if not self.engine.has_unfinished:
+            if self._aborted_while_idle:                     # the figures changed without a step
+                self._hook(None)
             self._aborted_while_idle = False
-            outputs = self.engine.step()
-            if self.on_step is not None:
-                self.on_step(self.engine, time.perf_counter() - start)
-            for out in outputs:
-                self._deliver(out)
+            return
+        start = time.perf_counter()
+        self._aborted_while_idle = False
+        outputs = self.engine.step()
+        self.num_step_failures = 0
+        self._hook(time.perf_counter() - start)
+        for out in outputs:
+            self._deliver(out)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A failure outside any one request's input: fail every request in flight; break after several in a row."""
+        self.num_step_failures += 1
+        message = f"engine failure: {type(exc).__name__}: {exc}"
+        if self.num_step_failures >= self.max_step_failures:
+            self.broken = f"{message} ({self.num_step_failures} steps failed in a row)"
+            self._fail_everything(f"engine unavailable: {self.broken}")
+        else:
+            self._fail_in_flight(message)
+        self._hook(None)
+
+    def _fail_in_flight(self, message: str) -> None:
+        for request_id in list(self.streams):
+            try:
+                self.engine.abort(request_id)
+            except Exception:                                # the engine is failing already: still answer
+                pass
+            _quietly(self._close(request_id).fail, message)
+
+    def _fail_everything(self, message: str) -> None:
+        self._fail_in_flight(message)
+        while True:
+            try:
+                op, stream, _ = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                _quietly(stream.fail, message)
+
+    def _hook(self, seconds: float | None) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, seconds)
+            except Exception:                                # figures are not worth a request
+                self.num_hook_errors += 1
 
     def _drain(self, block: bool) -> None:
         try:
@@ -94,15 +155,20 @@ class EngineLoop:
             if request_id is not None and request_id in self.streams:
                 self._abort(request_id)
         elif op == "add":
+            if name and name in self.names:
+                _quietly(stream.fail, f"request_id: {name!r} is already in flight; send a stop request first or "
+                                      "use another id")
+                return
             r = stream.request
             try:
                 request_id = self.engine.add_request(r.prompt_ids, r.params, lora_task_id=r.lora_task_id,
-                                                     lora_weights=r.lora_weights, lora_config=r.lora_config)
+                                                     lora_weights=r.lora_weights, lora_config=r.lora_config,
+                                                     lora_adapter=r.lora_adapter)
             except RequestError as err:
-                stream.fail(str(err))
+                _quietly(stream.fail, str(err))
                 return
             except Exception as err:                          # never let one request take the loop down
-                stream.fail(f"engine failure: {err}")
+                _quietly(stream.fail, f"engine failure: {err}")
                 return
             self.streams[request_id] = stream
             if name:
@@ -110,12 +176,12 @@ class EngineLoop:
                 self.name_of[request_id] = name
 
     def _reap_cancelled(self) -> None:
-        for request_id in [rid for rid, stream in self.streams.items() if stream.is_cancelled()]:
+        for request_id in [rid for rid, stream in self.streams.items() if _cancelled(stream)]:
             self._abort(request_id)
 
     def _abort(self, request_id: int) -> None:
         self.engine.abort(request_id)
-        self._close(request_id).cancelled()
+        _quietly(self._close(request_id).cancelled)
         self._aborted_while_idle = True
 
     def _deliver(self, out: StepOutput) -> None:
@@ -124,13 +190,34 @@ class EngineLoop:
             return
         if out.finished:
             self._close(out.request_id)
-        if out.error:
-            stream.fail(out.error)
-        else:
-            stream.emit(out)
+        try:
+            if out.error:
+                stream.fail(out.error)
+            else:
+                stream.emit(out)
+        except Exception as exc:                             # a broken sender closes its own stream only
+            if not out.finished:
+                self.engine.abort(out.request_id)
+                self._close(out.request_id)
+            _quietly(stream.fail, f"response failed: {exc}")
 
     def _close(self, request_id: int) -> Stream:
         name = self.name_of.pop(request_id, None)
         if name is not None and self.names.get(name) == request_id:    # a newer request may reuse the name
             del self.names[name]
         return self.streams.pop(request_id)
+
+
+def _cancelled(stream: Stream) -> bool:
+    try:
+        return stream.is_cancelled()
+    except Exception:                                        # a sender that cannot tell is treated as gone
+        return True
+
+
+def _quietly(send: Callable, *args) -> None:
+    """Answer a stream that may be broken itself: its failure must not reach the loop."""
+    try:
+        send(*args)
+    except Exception:
+        pass

@@ -47,11 +47,17 @@ class LoraCache:
         self.stats = LoraCacheStats()
 
     # host tier ------------------------------------------------------------------------------------------
+    def parse(self, weights, config) -> LoraAdapter:
+        """Validate and convert TRT-LLM tensors. Touches no cache state: servers call it off the engine thread."""
+        return parse_lora(weights, config, self.model_cfg, self.dtype, self.cfg.max_lora_rank,
+                          self.cfg.max_adapter_bytes)
+
     def add(self, task_id: int, weights, config) -> None:
-        """Parse and keep an adapter. Sending the same adapter again is a no-op; a different one under a
-        known id is refused."""
-        adapter = parse_lora(weights, config, self.model_cfg, self.dtype, self.cfg.max_lora_rank,
-                             self.cfg.max_adapter_bytes)
+        self.insert(task_id, self.parse(weights, config))
+
+    def insert(self, task_id: int, adapter: LoraAdapter) -> None:
+        """Keep a parsed adapter. Sending the same adapter again is a no-op; a different one under a known id is
+        refused."""
         if task_id in self.host:
             if not self.host[task_id].same_as(adapter):
                 raise RequestError("lora_task_id", f"LoRA task {task_id} is already cached with different weights")

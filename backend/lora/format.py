@@ -66,9 +66,15 @@ def _as_tensor(name: str, value) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(value))
 
 
+def max_row_width(cfg: ModelConfig, max_rank: int) -> int:
+    """The widest lora_weights row any valid config row needs: max_lora_rank x (in + out) of the widest module."""
+    return max_rank * max(sum(module_shape(cfg, m)) for m in MODULE_NAMES)
+
+
 def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
                max_adapter_bytes: int) -> LoraAdapter:
-    """Validate TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3] (or [1, N, 3])."""
+    """Validate TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3] (or [1, N, 3]). Shapes, the
+    config rows and the adapter's size are checked before any weight is read."""
     weights, config = _as_tensor("lora_weights", weights), _as_tensor("lora_config", config)
     if weights.dim() == 3 and weights.shape[0] == 1:
         weights = weights[0]
@@ -78,18 +84,41 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
         raise RequestError("lora_weights", f"must be [N, D*Hi + Ho*D] (or [1, N, ...]), got shape {list(weights.shape)}")
     if config.dim() != 2 or config.shape[1] != 3:
         raise RequestError("lora_config", f"must be [N, 3] (or [1, N, 3]), got shape {list(config.shape)}")
+    if config.shape[0] == 0:
+        raise RequestError("lora_config", "has no rows: an adapter needs at least one module")
     if weights.shape[0] != config.shape[0]:
         raise RequestError("lora_config", f"has {config.shape[0]} rows but lora_weights has {weights.shape[0]}")
+    width = max_row_width(cfg, max_rank)
+    if weights.shape[1] > width:
+        raise RequestError("lora_weights", f"rows of {weights.shape[1]} values exceed the widest module's "
+                                           f"max_lora_rank {max_rank} x (in + out) = {width}")
     if weights.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise RequestError("lora_weights", f"dtype must be FP16, BF16 or FP32, got {weights.dtype}")
     if config.dtype.is_floating_point:
         raise RequestError("lora_config", f"dtype must be INT32, got {config.dtype}")
+
+    rows = _check_config(config.tolist(), cfg, max_rank, weights.shape[1])
+    num_bytes = sum(need for _, _, _, need in rows) * dtype.itemsize
+    if num_bytes > max_adapter_bytes:
+        raise RequestError("lora_weights", f"adapter of {num_bytes} bytes exceeds lora_cache_max_adapter_size "
+                                           f"{max_adapter_bytes}")
     if not torch.isfinite(weights).all():
         raise RequestError("lora_weights", "contains NaN or Inf values")
-
     parsed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    num_bytes = 0
-    for i, (module_id, layer, rank) in enumerate(config.tolist()):
+    for i, (module_id, layer, rank, need) in enumerate(rows):
+        in_dim, out_dim = module_shape(cfg, module_id)
+        row = weights[i]
+        a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype)
+        b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype)
+        parsed[(layer, module_id)] = (a.contiguous(), b.contiguous())
+    return LoraAdapter(parsed)
+
+
+def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int,
+                  row_width: int) -> list[tuple[int, int, int, int]]:
+    """Each lora_config row checked: (module_id, layer, rank, values its weights row needs)."""
+    rows, seen = [], set()
+    for i, (module_id, layer, rank) in enumerate(config):
         if module_id in UNSUPPORTED_MODULES:
             raise RequestError("lora_config", f"row {i}: module {module_id} ({UNSUPPORTED_MODULES[module_id]}) "
                                               "is unsupported for decoder-only models")
@@ -99,21 +128,16 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
             raise RequestError("lora_config", f"row {i}: layer {layer} out of range [0, {cfg.num_layers})")
         if not 1 <= rank <= max_rank:
             raise RequestError("lora_config", f"row {i}: rank {rank} must be in [1, max_lora_rank {max_rank}]")
-        if (layer, module_id) in parsed:
+        if (layer, module_id) in seen:
             raise RequestError("lora_config", f"row {i}: duplicate module {module_id} for layer {layer}")
+        seen.add((layer, module_id))
         in_dim, out_dim = module_shape(cfg, module_id)
         need = rank * in_dim + out_dim * rank
-        if weights.shape[1] < need:
-            raise RequestError("lora_weights", f"row {i} has {weights.shape[1]} values, module {module_id} "
+        if row_width < need:
+            raise RequestError("lora_weights", f"row {i} has {row_width} values, module {module_id} "
                                                f"({MODULE_NAMES[module_id]}) rank {rank} needs {need}")
-        num_bytes += need * dtype.itemsize
-        if num_bytes > max_adapter_bytes:
-            raise RequestError("lora_weights", f"adapter exceeds lora_cache_max_adapter_size {max_adapter_bytes} bytes")
-        row = weights[i]
-        a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype)
-        b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype)
-        parsed[(layer, module_id)] = (a.contiguous(), b.contiguous())
-    for layer, module_id in parsed:
-        if module_id == 0 and any((layer, m) in parsed for m in (1, 2, 3)):
+        rows.append((module_id, layer, rank, need))
+    for layer, module_id in seen:
+        if module_id == 0 and any((layer, m) in seen for m in (1, 2, 3)):
             raise RequestError("lora_config", f"layer {layer} has both attn_qkv (0) and attn_q/k/v (1-3) rows")
-    return LoraAdapter(parsed)
+    return rows

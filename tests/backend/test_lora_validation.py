@@ -72,6 +72,14 @@ def case_too_large(w, c):
     return np.zeros((len(c), 16 * 128 + 64 * 16), dtype=np.float32), c
 
 
+def case_no_rows(w, c):
+    return w[:0], c[:0]
+
+
+def case_too_wide(w, c):
+    return np.zeros((len(c), 1_000_000), dtype=np.float32), c   # wider than any module at max_lora_rank 16
+
+
 def case_float_config(w, c):
     return w, c.astype(np.float32)
 
@@ -95,6 +103,8 @@ CASES = [
     (case_not_finite, "lora_weights", "NaN or Inf"),
     (case_too_large, "lora_weights", "exceeds lora_cache_max_adapter_size 50000"),
     (case_float_config, "lora_config", "dtype must be INT32"),
+    (case_no_rows, "lora_config", "has no rows"),
+    (case_too_wide, "lora_weights", "rows of 1000000 values exceed the widest module's max_lora_rank 16"),
     (case_qkv_mixed_with_q, "lora_config", "both attn_qkv (0) and attn_q/k/v (1-3)"),
 ]
 

@@ -23,7 +23,8 @@ from backend.serving import EngineLoop                         # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
-              "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")
+              "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
+              "max_words", "max_word_len")
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir")
 LORA_STATS = LoraCacheStats.__slots__
@@ -121,12 +122,15 @@ class Metrics:
             lora := fam("lora_llm_lora_cache", "LoRA cache counters and bytes per tier", fam.GAUGE),
             ttft := fam("lora_llm_time_to_first_token_seconds", "Time to first token", fam.HISTOGRAM),
             step := fam("lora_llm_step_seconds", "Engine step latency", fam.HISTOGRAM),
+            alive := fam("lora_llm_engine_alive", "1 while the engine loop serves requests, 0 once it cannot",
+                         fam.GAUGE),
         ]
         buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         self.counters = {s: requests.Metric(labels={"status": s}) for s in ("success", "failure", "cancelled")}
         self.counters["tokens"] = tokens.Metric(labels={})
         self.gauges = {f"seqs_{s}": seqs.Metric(labels={"state": s}) for s in ("running", "waiting")}
         self.gauges |= {f"kv_{s}": blocks.Metric(labels={"state": s}) for s in ("used", "free")}
+        self.alive = alive.Metric(labels={})
         self.lora_gauges = {name: lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
                             for name in LORA_STATS}
         self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets),
@@ -140,9 +144,10 @@ class Metrics:
         with self.lock:
             self.histograms[name].observe(value)
 
-    def on_step(self, engine: LLMEngine, seconds: float | None) -> None:
+    def on_step(self, engine: LLMEngine, seconds: float | None, alive: bool = True) -> None:
         stats = engine.stats()
         with self.lock:
+            self.alive.set(1 if alive else 0)
             if seconds is not None:
                 self.histograms["step"].observe(seconds)
             for name, gauge in self.gauges.items():
@@ -156,23 +161,29 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.metrics = Metrics()
         self.engine = LLMEngine(**engine_kwargs(config))
-        self.loop = EngineLoop(self.engine, on_step=self.metrics.on_step)
-        self.metrics.on_step(self.engine, None)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self._on_step(self.engine, None)
+
+    def _on_step(self, engine: LLMEngine, seconds: float | None) -> None:
+        self.metrics.on_step(engine, seconds, alive=getattr(self, "loop", None) is None or self.loop.alive)
 
     def execute(self, requests):
-        for request in requests:
-            arrays = {t.name(): as_array(t) for t in request.inputs()}
+        for request in requests:                   # every request is answered, whatever happens to the others
             try:
-                parsed = parse_request(arrays)
+                self._accept(request)
             except RequestError as err:
                 TritonStream(request, None, self.metrics).fail(str(err))
-                continue
-            stream = TritonStream(request, parsed, self.metrics)
-            if parsed.stop:
-                self._stop(request.request_id(), stream)
-            else:
-                self.loop.submit(stream, request.request_id())
+            except Exception as err:
+                TritonStream(request, None, self.metrics).fail(f"request failed: {type(err).__name__}: {err}")
         return None
+
+    def _accept(self, request) -> None:
+        parsed = parse_request({t.name(): as_array(t) for t in request.inputs()}, self.engine.limits)
+        stream = TritonStream(request, parsed, self.metrics)
+        if parsed.stop:
+            self._stop(request.request_id(), stream)
+        else:
+            self.loop.submit(stream, request.request_id())
 
     def _stop(self, name: str, stream: TritonStream) -> None:
         if not name:

@@ -1,0 +1,162 @@
+"""The engine loop a server runs: faults in a step, a sender or a metrics hook fail only what they touch, the loop
+thread lives on, and every request is answered exactly once."""
+import threading
+
+import numpy as np
+import pytest
+
+from backend import LLMEngine
+from backend.protocol import parse_request
+from backend.request import RequestLimits
+from backend.serving import EngineLoop
+from tests.helpers import random_prompts
+
+TIMEOUT_S = 60
+
+
+class FakeStream:
+    """A server's response channel, recording what the loop sends; `broken` makes every emit raise."""
+
+    def __init__(self, prompt: list[int], max_new_tokens: int = 5, broken: bool = False, **extra):
+        arrays = {"input_ids": np.array([prompt], dtype=np.int32),
+                  "request_output_len": np.array([[max_new_tokens]], dtype=np.int32)} | extra
+        self.request = parse_request(arrays, LIMITS)
+        self.broken = broken
+        self.tokens: list[int] = []
+        self.answers: list[str] = []              # "finish", "fail: ...", "cancelled"
+        self.done = threading.Event()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def emit(self, out) -> None:
+        if self.broken:
+            raise ConnectionError("client went away")
+        self.tokens += out.new_token_ids
+        if out.finished:
+            self._answer("finish")
+
+    def fail(self, message: str) -> None:
+        self._answer(f"fail: {message}")
+
+    def cancelled(self) -> None:
+        self._answer("cancelled")
+
+    def _answer(self, what: str) -> None:
+        self.answers.append(what)
+        self.done.set()
+
+    def wait(self) -> "FakeStream":
+        assert self.done.wait(TIMEOUT_S), "the stream got no final answer"
+        return self
+
+
+LIMITS = RequestLimits(max_input_len=511)      # the tiny model's
+
+
+@pytest.fixture()
+def engine(tiny_model_dir):
+    return LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.fixture()
+def loop(engine):
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    yield loop
+    loop.stop()
+
+
+def prompts(engine, n: int) -> list[list[int]]:
+    return random_prompts([7 + 3 * i for i in range(n)], engine.model_config.vocab_size, seed=21)
+
+
+def test_a_failing_sender_closes_only_its_stream(engine):
+    good_prompt, bad_prompt = prompts(engine, 2)
+    want = engine.generate([good_prompt], max_new_tokens=5)[0]       # before the loop thread steps the engine
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    bad, good = FakeStream(bad_prompt, broken=True), FakeStream(good_prompt)
+    loop.submit(bad, "bad")
+    loop.submit(good, "good")
+    assert good.wait().tokens == want and good.answers == ["finish"]
+    assert len(bad.wait().answers) == 1 and bad.answers[0].startswith("fail: response failed")
+    assert engine.blocks.num_used_blocks == 0 and not loop.streams and loop.alive
+    loop.stop()
+
+
+def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(engine, loop, monkeypatch):
+    first, second = prompts(engine, 2)
+    schedule = engine.scheduler.schedule
+    calls = iter([RuntimeError("injected")])
+
+    def failing_once():
+        fault = next(calls, None)
+        if fault is not None:
+            raise fault
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", failing_once)
+    victim = FakeStream(first)
+    loop.submit(victim)
+    assert victim.wait().answers == ["fail: engine failure: RuntimeError: injected"]
+    survivor = FakeStream(second)
+    loop.submit(survivor)
+    assert survivor.wait().answers == ["finish"] and len(survivor.tokens) == 5
+    assert engine.blocks.num_used_blocks == 0 and loop.alive
+
+
+def test_steps_failing_in_a_row_break_the_engine_and_every_request_is_answered_at_once(engine, loop, monkeypatch):
+    def failing():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", failing)
+    for prompt in prompts(engine, 3):                # one failed step each
+        stream = FakeStream(prompt)
+        loop.submit(stream)
+        assert stream.wait().answers[0].startswith("fail: engine")
+    assert not loop.alive and "device lost" in loop.broken
+    late = FakeStream(prompts(engine, 1)[0])
+    loop.submit(late)
+    assert late.done.is_set() and late.answers[0].startswith("fail: engine unavailable")
+
+
+def test_a_metrics_hook_that_raises_costs_no_request(engine):
+    def broken_hook(engine, seconds):
+        raise ValueError("metrics backend down")
+
+    loop = EngineLoop(engine, on_step=broken_hook, idle_wait_s=0.01)
+    try:
+        stream = FakeStream(prompts(engine, 1)[0])
+        loop.submit(stream)
+        assert stream.wait().answers == ["finish"] and loop.num_hook_errors > 0 and loop.alive
+    finally:
+        loop.stop()
+
+
+def test_a_second_request_with_an_in_flight_id_is_refused(engine, loop):
+    first, second = prompts(engine, 2)
+    running = FakeStream(first, max_new_tokens=40)
+    duplicate = FakeStream(second)
+    loop.submit(running, "req-1")
+    loop.submit(duplicate, "req-1")
+    assert duplicate.wait().answers[0].startswith("fail: request_id: 'req-1' is already in flight")
+    assert running.wait().answers == ["finish"] and len(running.tokens) == 40
+
+
+def test_shutdown_answers_every_request_once(engine):
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    streams = [FakeStream(p, max_new_tokens=200) for p in prompts(engine, 4)]
+    for s in streams:
+        loop.submit(s)
+    loop.stop()
+    assert all(len(s.wait().answers) == 1 for s in streams)
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_adapters):
+    from backend.lora.peft import load_lora_dir
+    weights, config = load_lora_dir(tiny_adapters[0])
+    stream = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
+                        lora_weights=weights[None].astype(np.float32), lora_config=config[None])
+    loop.submit(stream)
+    assert stream.request.lora_weights is None and stream.request.lora_adapter is not None   # parsed already
+    assert stream.wait().answers == ["finish"] and engine.lora_cache.contains(3)
