@@ -90,6 +90,8 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
 
     top_k = _scalar(arrays, "runtime_top_k", int, 0)
     top_p = _scalar(arrays, "runtime_top_p", float, 0.0)
+    if not 0.0 <= top_p <= 1.0:
+        raise RequestError("runtime_top_p", f"must be in [0, 1] (0: no top-p), got {top_p}")
     sampling = top_k > 1 or top_p > 0.0
     temperature = _scalar(arrays, "temperature", float, 1.0)   # read (and checked) even where greedy ignores it
     seed = _scalar(arrays, "seed", int, _scalar(arrays, "random_seed", int))
