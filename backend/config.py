@@ -37,6 +37,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
+    inject_fault_steps: tuple[int, ...] = ()  # test hook: these steps (counted from 1) fail as a broken forward would
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

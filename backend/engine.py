@@ -54,6 +54,7 @@ class LLMEngine:
         self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
                                     self.config.max_word_len)
         self.seqs: dict[Hashable, Sequence] = {}
+        self.num_steps = 0
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
             for task_id, path in prefetch_dirs(self.config.lora.prefetch_dir):
@@ -137,7 +138,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
+        self.num_steps += 1
         try:
+            if self.num_steps in self.config.inject_fault_steps:
+                raise RuntimeError(f"injected fault at step {self.num_steps}")
             waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
             tokens, log_probs = self.runner.run(batch, self.lora_cache, prefetch=[seq.lora_task_id for seq in waiting])
         except Exception as exc:             # a failed step fails its batch, never the engine

@@ -30,6 +30,7 @@ class LoraCacheStats:
     device_evictions: int = 0
     host_bytes: int = 0
     device_bytes: int = 0
+    device_pins: int = 0                      # running requests holding a slot
 
 
 class LoraCache:
@@ -122,6 +123,7 @@ class LoraCache:
             slot = self._free_slot()
             self._load(task_id, slot)
         self.pins[slot] += 1
+        self.stats.device_pins += 1
         self.idle_slots.pop(slot, None)
 
     def prefetch(self, task_ids: list[int | None]) -> None:
@@ -166,5 +168,6 @@ class LoraCache:
             return
         slot = self.slot_of[task_id]
         self.pins[slot] -= 1
+        self.stats.device_pins -= 1
         if self.pins[slot] == 0:
             self.idle_slots[slot] = None                  # most recently used last

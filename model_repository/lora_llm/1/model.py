@@ -26,6 +26,7 @@ INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len")
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
+INT_LIST_PARAMS = ("inject_fault_steps",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir")
 LORA_STATS = LoraCacheStats.__slots__
 
@@ -41,6 +42,8 @@ def engine_kwargs(model_config: dict) -> dict:
             value = int(value)
         elif name in FLOAT_PARAMS:
             value = float(value)
+        elif name in INT_LIST_PARAMS:
+            value = tuple(int(v) for v in value.split(","))
         elif name in PATH_PARAMS and not os.path.isabs(value):
             value = str(ROOT / value)
         kwargs[name] = value
