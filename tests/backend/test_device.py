@@ -5,8 +5,8 @@ import torch
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, needs_cuda, peft_greedy, peft_model_with,
-                           random_prompts)
+from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, kv_bytes_for_blocks, needs_cuda, peft_greedy,
+                           peft_model_with, random_prompts)
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
@@ -59,26 +59,34 @@ def test_greedy_with_mixed_adapters_matches_peft(tiny_model_dir, tiny_adapters, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_adapters_churn_through_fewer_slots_than_adapters(tiny_model_dir, tiny_adapters, device):
-    """Four adapters through two device slots, requests arriving while others run: evictions, reloads and
-    prefetches mid-run, and every output still equals PEFT's."""
-    engine = engine_on(tiny_model_dir, device, max_loras=2, max_num_seqs=3, max_num_batched_tokens=24)
+    """Four adapters (ranks 4-64) through two device slots, requests arriving while others run, a KV pool small
+    enough to preempt, one LoRA request aborted mid-run: evictions, reloads into slots a larger rank used,
+    prefetches, and every finished output still equals PEFT's; no pin is left behind."""
+    cfg = engine_on(tiny_model_dir, device).model_config
+    engine = engine_on(tiny_model_dir, device, max_loras=2, max_num_seqs=3, max_num_batched_tokens=24,
+                       kv_block_size=16, kv_cache_memory_bytes=kv_bytes_for_blocks(4, 16, cfg))
     for task_id, path in enumerate(tiny_adapters, start=1):
         engine.add_lora_dir(task_id, path)
     prompts = random_prompts(PROMPT_LENGTHS + [14, 6], engine.model_config.vocab_size, seed=12)
     tasks = [1, 2, 3, 4, 1, 3, 2, 4]
+    aborted = 5
     outputs = {i: [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     while pending or engine.has_unfinished:
         if pending:
             i = pending.pop(0)
-            engine.add_request(prompts[i], request_id=i, lora_task_id=tasks[i], max_new_tokens=6)
+            engine.add_request(prompts[i], request_id=i, lora_task_id=tasks[i], max_new_tokens=16)
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
+            if out.request_id == aborted and len(outputs[aborted]) == 2:
+                assert engine.abort(aborted)
     stats = engine.lora_cache.stats
-    assert stats.device_evictions > 0 and sum(engine.lora_cache.pins) == 0
+    assert stats.device_evictions > 0 and engine.scheduler.num_preemptions > 0
+    assert sum(engine.lora_cache.pins) == stats.device_pins == 0 and engine.blocks.num_used_blocks == 0
     peft = peft_model_with(tiny_model_dir, tiny_adapters).to(device)
     for i, prompt in enumerate(prompts):
-        assert outputs[i] == peft_greedy(peft, prompt, f"a{tasks[i] - 1}", 6), f"request {i} (task {tasks[i]})"
+        want = peft_greedy(peft, prompt, f"a{tasks[i] - 1}", 16)
+        assert outputs[i] == (want[:2] if i == aborted else want), f"request {i} (task {tasks[i]})"
 
 
 @needs_cuda
