@@ -1,7 +1,8 @@
 """Start the tritonserver bundled in nvidia-pytriton on our model repository (see shared/RECIPES.md).
 
     python scripts/launch_server.py [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--model-dir DIR]
-        [--lora-prefetch-dir DIR] [--model-repository DIR]
+        [--lora-prefetch-dir DIR] [--model-repository DIR] [--models lora_llm,...] [--no-restart]
+When tritonserver dies it is logged (exit code or signal) and started again with backoff.
 """
 import argparse
 import importlib.util
@@ -92,6 +93,65 @@ def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300
     raise TimeoutError(f"tritonserver not ready after {timeout_s} s")
 
 
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def supervise(args, env: dict[str, str]) -> int:
+    """Run tritonserver and start it again whenever it dies (backoff 1, 2, 4 ... 30 s; back to 1 s after a
+    minute up). Adapters in the prefetch dir come back with it; clients retry what was in flight."""
+    stopping = False
+    process: subprocess.Popen | None = None
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+        if process is not None:
+            process.terminate()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    restarts, delay = 0, 1.0
+    while True:
+        process = start_server(args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
+                               models=args.models and args.models.split(","))
+        started = time.monotonic()
+        print(f"[launch_server] tritonserver pid {process.pid} (restarts so far: {restarts})", flush=True)
+        try:
+            wait_ready(process, args.http_port)
+            if restarts == 0:
+                print_ready(args.grpc_port, args.http_port, args.metrics_port)
+            else:
+                print(f"[launch_server] ready again after restart {restarts}", flush=True)
+        except (RuntimeError, TimeoutError) as err:
+            if stopping:
+                return 0
+            process.terminate()
+            if restarts == 0:                         # a server that never came up is a setup error, not a crash
+                sys.exit(str(err))
+        code = process.wait()
+        if stopping or not args.restart:
+            return code
+        delay = 1.0 if time.monotonic() - started > 60 else min(30.0, delay * 2 if restarts else delay)
+        restarts += 1
+        print(f"[launch_server] tritonserver died ({describe_exit(code)}); restart {restarts} in {delay:.0f} s",
+              flush=True)
+        time.sleep(delay)
+
+
+def print_ready(grpc_port: int, http_port: int, metrics_port: int) -> None:
+    print(f"\nready: gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port}, "
+          f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
+    print("try:", flush=True)
+    print(f'  .venv/bin/python -m client --url 127.0.0.1:{grpc_port} --stream --text "What is the capital of France?"')
+    for task_id, name in ((1, "UPPER CASE"), (2, "sign-off line")):
+        print(f'  .venv/bin/python -m client --url 127.0.0.1:{grpc_port} --stream --lora-task-id {task_id} '
+              f'--text "Tell me about the sea."      # demo adapter: {name}')
+    print("Ctrl-C stops the server.", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-port", type=int, default=8000)
@@ -100,29 +160,16 @@ def main() -> None:
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     parser.add_argument("--model-dir", help="any HF Llama-family directory with a tokenizer")
     parser.add_argument("--lora-prefetch-dir", help="<dir>/<task_id>/ adapters loaded at start")
+    parser.add_argument("--models", help="load only these models of the repository (comma list)")
+    parser.add_argument("--no-restart", dest="restart", action="store_false",
+                        help="exit when tritonserver dies instead of starting it again")
     args = parser.parse_args()
     env = {}
     if args.model_dir:
         env["LORA_LLM_MODEL_DIR"] = str(Path(args.model_dir).resolve())
     if args.lora_prefetch_dir:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(Path(args.lora_prefetch_dir).resolve())
-    process = start_server(args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env)
-    signal.signal(signal.SIGINT, lambda *_: process.terminate())
-    signal.signal(signal.SIGTERM, lambda *_: process.terminate())
-    try:
-        wait_ready(process, args.http_port)
-    except (RuntimeError, TimeoutError) as err:
-        process.terminate()
-        sys.exit(str(err))
-    print(f"\nready: gRPC 127.0.0.1:{args.grpc_port}, HTTP 127.0.0.1:{args.http_port}, "
-          f"metrics http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
-    print("try:", flush=True)
-    print(f'  .venv/bin/python -m client --url 127.0.0.1:{args.grpc_port} --stream --text "What is the capital of France?"')
-    for task_id, name in ((1, "UPPER CASE"), (2, "sign-off line")):
-        print(f'  .venv/bin/python -m client --url 127.0.0.1:{args.grpc_port} --stream --lora-task-id {task_id} '
-              f'--text "Tell me about the sea."      # demo adapter: {name}')
-    print("Ctrl-C stops the server.", flush=True)
-    sys.exit(process.wait())
+    sys.exit(supervise(args, env))
 
 
 if __name__ == "__main__":
