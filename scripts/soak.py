@@ -1,0 +1,175 @@
+"""Soak a real server: many concurrent gRPC streams for a while, random lengths, many adapters through few device
+slots (weights sent on first use, again when evicted), a share of streams cancelled mid-way, a small KV pool that
+forces preemption, a few adversarial requests. Reports whether every request was answered and nothing leaked.
+
+    python scripts/soak.py [--streams 256] [--duration 600] [--adapters 128] [--max-loras 8] [--model-dir DIR]
+        [--out FILE.json]
+Starts its own server (scripts/launch_server.py, which restarts tritonserver if it dies: restarts are reported).
+Exit status 1 if a request went unanswered, or KV blocks or adapter pins are left at the end.
+"""
+import argparse
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from backend.lora.format import module_shape                      # noqa: E402
+from backend.model.config import ModelConfig                      # noqa: E402
+from client.grpc_client import NOT_FOUND, build_inputs            # noqa: E402
+from launch_server import free_ports                              # noqa: E402
+from soak_server import SoakServer                                # noqa: E402
+
+
+def make_adapter(cfg: ModelConfig, rank: int, seed: int, scale: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
+    """Random TensorRT-LLM tensors on q, v, down of every layer (fp16, clipped to its finite range)."""
+    rng = np.random.default_rng(seed)
+    rows, config = [], []
+    for layer in range(cfg.num_layers):
+        for module_id in (1, 3, 6):
+            in_dim, out_dim = module_shape(cfg, module_id)
+            rows.append(np.clip(rng.normal(0, scale, rank * (in_dim + out_dim)), -6e4, 6e4))
+            config.append([module_id, layer, rank])
+    weights = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.float16)
+    for i, row in enumerate(rows):
+        weights[i, :len(row)] = row
+    return weights, np.array(config, dtype=np.int32)
+
+
+class Soak:
+    def __init__(self, args, cfg: ModelConfig, url: str):
+        self.args, self.cfg, self.url = args, cfg, url
+        self.adapters = [make_adapter(cfg, (4, 8, 16)[t % 3], t) for t in range(args.adapters)]
+        self.sent_weights: set[int] = set()
+        self.lock = threading.Lock()
+        self.outcomes: Counter = Counter()     # answered: finished / error kinds / cancelled by the client
+        self.num_sent = 0
+        self.num_tokens = 0
+
+    def request(self, rng: random.Random) -> tuple[dict, str]:
+        """One random request's inputs and its kind."""
+        prompt = [rng.randrange(3, self.cfg.vocab_size) for _ in range(rng.randint(4, self.args.max_prompt))]
+        kwargs = dict(input_ids=prompt, max_tokens=rng.randint(1, self.args.max_output))
+        roll = rng.random()
+        if roll < 0.02:                        # adversarial: absurd (finite) adapter weights drive activations to inf
+            weights, config = make_adapter(self.cfg, 4, 10_000 + rng.randrange(1000), scale=3e3)
+            task_id = 10_000 + rng.randrange(1_000_000)
+            return kwargs | dict(lora_task_id=task_id, lora_weights=weights, lora_config=config), "adversarial"
+        if roll < 0.04:
+            return kwargs | dict(temperature=float("nan"), runtime_top_k=5), "invalid"
+        if roll < 0.15:
+            return kwargs, "base"
+        task_id = rng.randrange(len(self.adapters))
+        return kwargs | dict(lora_task_id=task_id + 1), "lora"
+
+    def worker(self, seed: int, deadline: float) -> None:
+        import tritonclient.grpc as grpcclient
+        rng = random.Random(seed)
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            while time.monotonic() < deadline:
+                kwargs, kind = self.request(rng)
+                cancel_after = rng.randint(0, 8) if rng.random() < self.args.cancel_share else None
+                self.run_one(client, kwargs, cancel_after)
+        finally:
+            client.close()
+
+    def run_one(self, client, kwargs: dict, cancel_after: int | None, retry: bool = True) -> None:
+        import queue
+        task_id = kwargs.get("lora_task_id")
+        if task_id is not None and "lora_weights" not in kwargs and task_id not in self.sent_weights:
+            kwargs = kwargs | dict(zip(("lora_weights", "lora_config"), self.adapters[task_id - 1]))
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        with self.lock:
+            self.num_sent += 1
+        outcome, received = "unanswered", 0
+        try:
+            client.async_stream_infer("lora_llm", build_inputs(**kwargs), enable_empty_final_response=True)
+            while True:
+                if cancel_after is not None and received >= cancel_after:
+                    outcome = "cancelled by client"
+                    break
+                try:
+                    result, error = responses.get(timeout=self.args.request_timeout)
+                except queue.Empty:
+                    break
+                if error is not None:
+                    outcome = "error: " + error_kind(str(error))
+                    break
+                ids = result.as_numpy("output_ids")
+                received += 0 if ids is None else ids.size
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    outcome = "finished"
+                    break
+        finally:
+            client.stop_stream(cancel_requests=outcome == "cancelled by client")
+        with self.lock:
+            self.outcomes[outcome] += 1
+            self.num_tokens += received
+            if outcome == "finished" and "lora_weights" in kwargs and task_id <= len(self.adapters):
+                self.sent_weights.add(task_id)
+        if outcome == "error: not found" and retry:                # evicted from the host tier: send the weights
+            self.sent_weights.discard(task_id)
+            self.run_one(client, kwargs, cancel_after, retry=False)
+
+
+def error_kind(message: str) -> str:
+    for key, kind in ((NOT_FOUND, "not found"), ("finite", "invalid input"), ("queue full", "queue full"),
+                      ("engine failure", "engine failure"), ("lora_cache_host_memory_bytes", "host tier full"),
+                      ("unavailable", "unavailable")):
+        if key in message:
+            return kind
+    return message[:80]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=600, help="seconds")
+    parser.add_argument("--adapters", type=int, default=128)
+    parser.add_argument("--max-loras", type=int, default=8)
+    parser.add_argument("--cancel-share", type=float, default=0.3)
+    parser.add_argument("--max-prompt", type=int, default=200)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=64, help="KV pool in blocks of 16 tokens (forces preemption)")
+    parser.add_argument("--request-timeout", type=float, default=120)
+    parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    cfg = ModelConfig.from_dir(args.model_dir)
+    with SoakServer(args, cfg, free_ports(3)) as server:
+        soak = Soak(args, cfg, server.grpc_url)
+        start_rss = server.rss_bytes()
+        start = time.monotonic()
+        threads = [threading.Thread(target=soak.worker, args=(i, start + args.duration)) for i in range(args.streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - start
+        end = server.settled_figures()
+        report = {"streams": args.streams, "seconds": elapsed, "requests_sent": soak.num_sent,
+                  "requests_answered": sum(n for k, n in soak.outcomes.items() if k != "unanswered"),
+                  "outcomes": dict(soak.outcomes), "tokens_per_s": soak.num_tokens / elapsed,
+                  "server_rss_start_mb": start_rss / 2**20, "server_rss_end_mb": server.rss_bytes() / 2**20,
+                  "restarts": server.restarts(), **end}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    ok = (report["requests_answered"] == report["requests_sent"] and report["kv_blocks_used"] == 0
+          and report["adapter_pins"] == 0)
+    print("soak: " + ("passed" if ok else "FAILED: unanswered requests or leaked blocks/pins"))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
