@@ -71,7 +71,10 @@ def parse_words(name: str, value: np.ndarray, limits: RequestLimits) -> list[lis
 def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedRequest:
     """Map the contract's inputs onto an engine request, every size checked before the work it bounds. Sampling
     follows TensorRT-LLM: greedy unless runtime_top_k > 1 or runtime_top_p > 0; temperature scales the sampled
-    distribution."""
+    distribution. A `stop` request is honoured before anything else is read (TensorRT-LLM's clients send it with
+    placeholder inputs: input_ids [[0]], input_lengths [[0]], request_output_len [[0]]); end_id -1 means none."""
+    if _scalar(arrays, "stop", bool, False):
+        return ParsedRequest(prompt_ids=[], params=SamplingParams(), stop=True)
     if "input_ids" not in arrays:
         raise RequestError("input_ids", "is required")
     if "request_output_len" not in arrays:
@@ -94,6 +97,7 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
         raise RequestError("runtime_top_p", f"must be in [0, 1] (0: no top-p), got {top_p}")
     sampling = top_k > 1 or top_p > 0.0
     temperature = _scalar(arrays, "temperature", float, 1.0)   # read (and checked) even where greedy ignores it
+    end_id = _scalar(arrays, "end_id", int)
     seed = _scalar(arrays, "seed", int, _scalar(arrays, "random_seed", int))
     words = {name: parse_words(name, arrays[name], limits) if name in arrays else []
              for name in ("stop_words_list", "bad_words_list")}
@@ -103,7 +107,7 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
         top_k=top_k,
         top_p=top_p if top_p > 0.0 else 1.0,
         seed=seed,
-        end_id=_scalar(arrays, "end_id", int),
+        end_id=None if end_id == -1 else end_id,
         min_tokens=_scalar(arrays, "min_tokens", int, _scalar(arrays, "min_length", int, 0)),
         stop_words=words["stop_words_list"],
         bad_words=words["bad_words_list"],

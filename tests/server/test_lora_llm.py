@@ -165,3 +165,21 @@ def test_the_client_library_sends_weights_once_and_retries_on_not_found(tiny_ser
         assert [t for c in chunks for t in c] == want
     finally:
         client.close()
+
+
+def test_stop_in_tensorrt_llm_client_form_is_honoured_before_any_validation(tiny_server):
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([7] * 30, 400, True), request_id="victim-2")
+    stream.wait_first()
+    stop = {"input_ids": np.array([[0]], np.int32), "input_lengths": np.array([[0]], np.int32),
+            "request_output_len": np.array([[0]], np.int32), "stop": np.array([[True]])}
+    assert run(tiny_server.grpc_url, stop, request_id="victim-2").error is None
+    result = stream.collect()
+    stream.close()
+    assert result.error is None and result.num_final == 1 and len(result.tokens) < 400
+
+
+def test_end_id_minus_one_means_no_end_token(tiny_server, engine):
+    prompt = random_prompts([8], 512, seed=48)[0]
+    [free] = engine.generate([prompt], max_new_tokens=12)
+    result = run(tiny_server.grpc_url, trtllm_inputs(prompt, 12, True, end_id=np.array([[-1]], np.int32)))
+    assert result.error is None and result.tokens == free
