@@ -153,3 +153,19 @@ def test_a_cache_full_of_nan_before_the_run_changes_no_token(tiny_model_dir, ker
         k_cache.fill_(float("nan"))
         v_cache.fill_(float("nan"))
     assert engine.generate(prompts, max_new_tokens=5) == clean
+
+
+def test_an_adversarial_adapter_changes_no_other_requests_tokens(tiny_model_dir):
+    """An adapter of absurd (finite) weights drives its own activations to inf/NaN and its KV blocks with them;
+    the unrelated requests beside it, before and after, get exactly the tokens of a run without it."""
+    from tests.backend.test_lora_cache import make_adapter
+    engine = engine_on(tiny_model_dir, "cpu", kv_block_size=16, max_num_batched_tokens=40)
+    weights, config = make_adapter(engine.model_config, 4, 0, modules=(1, 2, 3, 4, 5, 6, 7))
+    engine.add_lora(66, weights * 1e19, config)
+    engine.add_lora(7, weights, config)
+    prompts = random_prompts([9, 33, 5, 20, 14], engine.model_config.vocab_size, seed=17)
+    clean = engine.generate(prompts, max_new_tokens=8, lora_task_ids=[None, 7, None, 7, None])
+    mixed = engine.generate(prompts + prompts[:2], max_new_tokens=8, lora_task_ids=[None, 7, None, 7, None, 66, 66])
+    assert mixed[:5] == clean
+    assert any(not torch.isfinite(k).all() for k, _ in engine.runner.kv_caches), "its blocks hold inf/NaN now"
+    assert engine.generate(prompts, max_new_tokens=8, lora_task_ids=[None, 7, None, 7, None]) == clean
