@@ -41,6 +41,8 @@ class EngineLoop:
         self.broken: str | None = None                      # why the engine can serve no more, once it cannot
         self.num_step_failures = 0                          # in a row
         self.num_hook_errors = 0
+        self.pending_adapter_bytes = 0                      # parsed adapters in the inbox, bounded by the host budget
+        self._pending_lock = threading.Lock()
         self._running = True
         self._aborted_while_idle = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -58,13 +60,25 @@ class EngineLoop:
             return
         r = stream.request
         if r.lora_weights is not None and r.lora_config is not None and r.lora_task_id is not None:
-            try:
-                r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
-            except RequestError as err:
-                stream.fail(str(err))
+            if self.engine.lora_cache.contains(r.lora_task_id):    # cached already: the id is enough
+                r.lora_weights = r.lora_config = None
+            elif self.pending_adapter_bytes + r.lora_weights.nbytes > self.engine.config.lora.host_memory_bytes:
+                stream.fail("lora_weights: adapter uploads waiting for the engine exceed "
+                            f"lora_cache_host_memory_bytes {self.engine.config.lora.host_memory_bytes}; retry later")
                 return
-            r.lora_weights = r.lora_config = None
+            else:
+                try:
+                    r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
+                except RequestError as err:
+                    stream.fail(str(err))
+                    return
+                r.lora_weights = r.lora_config = None
+                self._count_pending(r.lora_adapter.num_bytes)
         self.inbox.put(("add", stream, name))
+
+    def _count_pending(self, num_bytes: int) -> None:
+        with self._pending_lock:
+            self.pending_adapter_bytes += num_bytes
 
     def cancel(self, name: str) -> bool:
         """Abort the in-flight request with this client request id. False if there is none."""
@@ -128,6 +142,8 @@ class EngineLoop:
             except queue.Empty:
                 return
             if op == "add":
+                if stream.request.lora_adapter is not None:
+                    self._count_pending(-stream.request.lora_adapter.num_bytes)
                 _quietly(stream.fail, message)
 
     def _hook(self, seconds: float | None) -> None:
@@ -155,6 +171,8 @@ class EngineLoop:
             if request_id is not None and request_id in self.streams:
                 self._abort(request_id)
         elif op == "add":
+            if stream.request.lora_adapter is not None:
+                self._count_pending(-stream.request.lora_adapter.num_bytes)
             if name and name in self.names:
                 _quietly(stream.fail, f"request_id: {name!r} is already in flight; send a stop request first or "
                                       "use another id")

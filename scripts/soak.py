@@ -91,7 +91,7 @@ class Soak:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         with self.lock:
             self.num_sent += 1
-        outcome, received = "unanswered", 0
+        outcome, received, accepted = "unanswered", 0, False
         try:
             client.async_stream_infer("lora_llm", build_inputs(**kwargs), enable_empty_final_response=True)
             while True:
@@ -107,6 +107,7 @@ class Soak:
                     break
                 ids = result.as_numpy("output_ids")
                 received += 0 if ids is None else ids.size
+                accepted = True
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     outcome = "finished"
                     break
@@ -115,8 +116,8 @@ class Soak:
         with self.lock:
             self.outcomes[outcome] += 1
             self.num_tokens += received
-            if outcome == "finished" and "lora_weights" in kwargs and task_id <= len(self.adapters):
-                self.sent_weights.add(task_id)
+            if accepted and "lora_weights" in kwargs and task_id <= len(self.adapters):
+                self.sent_weights.add(task_id)             # the server has it: later requests send the id only
         if outcome == "error: not found" and retry:                # evicted from the host tier: send the weights
             self.sent_weights.discard(task_id)
             self.run_one(client, kwargs, cancel_after, retry=False)
@@ -141,7 +142,7 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=200)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=64, help="KV pool in blocks of 16 tokens (forces preemption)")
-    parser.add_argument("--request-timeout", type=float, default=120)
+    parser.add_argument("--request-timeout", type=float, default=600, help="seconds without a response: unanswered")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

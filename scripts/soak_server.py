@@ -16,7 +16,7 @@ class SoakServer:
     def __init__(self, args, cfg, ports: list[int]):
         self.http_port, self.grpc_port, self.metrics_port = ports
         kv_block_bytes = 2 * cfg.num_layers * 16 * cfg.kv_size * 4                  # fp32 worst case
-        self.host_budget = 256 << 20
+        self.host_budget = 1 << 30
         self.env = os.environ | {
             "LORA_LLM_MODEL_DIR": str(Path(args.model_dir).resolve()), "LORA_LLM_KV_BLOCK_SIZE": "16",
             "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(args.kv_blocks * kv_block_bytes),
