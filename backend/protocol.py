@@ -83,7 +83,8 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
     if ids.dtype.kind not in "iu":
         raise RequestError("input_ids", f"must be INT32, got dtype {ids.dtype}")
     if ids.size > limits.max_input_len:
-        raise RequestError("input_ids", f"{ids.size} tokens exceed the model's max input length {limits.max_input_len}")
+        raise RequestError("input_ids", f"{ids.size} tokens exceed the model's max input length "
+                                        f"{limits.max_input_len}")
     prompt = ids.reshape(-1).tolist()
     length = _scalar(arrays, "input_lengths", int)
     if length is not None:
@@ -126,7 +127,6 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
         params=params,
         streaming=_scalar(arrays, "streaming", bool, False),
         exclude_input_in_output=_scalar(arrays, "exclude_input_in_output", bool, False),
-        stop=_scalar(arrays, "stop", bool, False),
         lora_task_id=_scalar(arrays, "lora_task_id", int),
         lora_weights=None if lora_weights is None else np.asarray(lora_weights),
         lora_config=None if lora_config is None else np.asarray(lora_config),

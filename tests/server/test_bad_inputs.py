@@ -76,7 +76,7 @@ CASES = {
     "bad_words_list long word": ({"bad_words_list": words([5] * 65, [65])}, ["bad_words_list", "max_word_len 64"]),
     "bad_words_list many words": ({"bad_words_list": words([5] * 1025, list(range(1, 1026)))},
                                   ["bad_words_list", "1025 words exceed max_words 1024"]),
-    "lora_task_id unknown": ({"lora_task_id": scalar(777, U64)}, ["LoRA task 777 not found in cache"]),
+    "lora_task_id unknown": ({"lora_task_id": scalar(424242, U64)}, ["LoRA task 424242 not found in cache"]),
     "lora_weights without config": ({**lora([[1, 0, 4]]), "lora_config": DROP}, ["lora_config", "together"]),
     "lora_weights without task id": ({**lora([[1, 0, 4]]), "lora_task_id": DROP}, ["lora_task_id", "must be set"]),
     "lora_config module 42": (lora([[42, 0, 4]]), ["lora_config", "unknown module id 42"]),
