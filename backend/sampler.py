@@ -72,8 +72,9 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
 
 def banned_tokens(seq: Sequence) -> list[int]:
     """end_id before min_tokens, and the last token of every bad word whose prefix was just generated."""
-    p, tokens = seq.params, seq.token_ids
+    p = seq.params
     banned = [p.end_id] if p.end_id is not None and len(seq.output_ids) < p.min_tokens else []
+    tokens = seq.token_ids if p.bad_words else []         # prompt + output, built only where a word needs it
     for word in p.bad_words:
         prefix = word[:-1]
         if not prefix or tokens[-len(prefix):] == prefix:
