@@ -1,5 +1,6 @@
 """LLMEngine: add requests, step the batch, stream each request's new tokens until it finishes."""
 import itertools
+import time
 from dataclasses import dataclass, field, fields
 from typing import Hashable
 
@@ -12,7 +13,8 @@ from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
 from backend.model.runner import ModelRunner
-from backend.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
+from backend.request import (RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence, Status,
+                             validate_prompt)
 from backend.scheduler import Scheduler
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -22,10 +24,13 @@ SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 class StepOutput:
     request_id: Hashable
     new_token_ids: list[int]
-    finished: bool = False
+    finished: bool = False                    # this sequence is done
     finish_reason: str | None = None          # "stop", "length", "abort", "error"
     log_probs: list[float] = field(default_factory=list)
     error: str | None = None
+    sequence_index: int = 0                   # which of the request's num_return_sequences
+    request_finished: bool = False            # every sequence of the request is done: its last output
+    metrics: SeqMetrics | None = None
 
 
 # the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
@@ -53,7 +58,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
         self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
                                     self.config.max_word_len)
-        self.seqs: dict[Hashable, Sequence] = {}
+        self.seqs: dict[Hashable, list[Sequence]] = {}     # a request's sequences, by sequence index
+        self.forks: dict[Sequence, list[Sequence]] = {}    # sequences that start once their first has its prompt
         self.num_steps = 0
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
@@ -118,18 +124,21 @@ class LLMEngine:
         if lora_adapter is not None:
             self.lora_cache.insert(int(lora_task_id), lora_adapter)
         lora_task_id = None if lora_task_id is None else int(lora_task_id)
-        self.lora_cache.ref(lora_task_id)
-        seq = Sequence(request_id, prompt_ids, params, lora_task_id)
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i)
+                   for i in range(params.num_return_sequences)]
+        for seq in members:
+            self.lora_cache.ref(lora_task_id)
+        self.seqs[request_id] = members
+        self.scheduler.add(members[0])
+        if len(members) > 1:
+            self.forks[members[0]] = members[1:]
         return request_id
 
     def abort(self, request_id: Hashable) -> bool:
-        """Stop a request and free what it holds. False if it is not in flight."""
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        """Stop a request (every sequence of it) and free what it holds. False if it is not in flight."""
+        if request_id not in self.seqs:
             return False
-        self._finish(seq, "abort")
+        self._finish_request(request_id, "abort")
         return True
 
     @torch.inference_mode()
@@ -145,22 +154,44 @@ class LLMEngine:
             waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
             tokens, log_probs = self.runner.run(batch, self.lora_cache, prefetch=[seq.lora_task_id for seq in waiting])
         except Exception as exc:             # a failed step fails its batch, never the engine
-            return [self._finish(item.seq, "error", error=f"engine failure: {exc}") for item in batch.items]
+            failed = dict.fromkeys(item.seq.request_id for item in batch.items)
+            return [self._finish_request(request_id, "error", error=f"engine failure: {exc}") for request_id in failed]
         sampled = [item for item in batch.items if item.samples]
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
+            if not item.seq.metrics.first_scheduled_time_ns:
+                item.seq.metrics.first_scheduled_time_ns = time.time_ns()
         return [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
 
     def _append(self, seq: Sequence, token: int, log_prob: float) -> StepOutput:
         seq.output_ids.append(token)
-        log_probs = [log_prob] if seq.params.return_log_probs else []
+        p, m = seq.params, seq.metrics
+        m.last_token_time_ns = time.time_ns()
+        m.first_token_time_ns = m.first_token_time_ns or m.last_token_time_ns
+        log_probs = [log_prob] if p.return_log_probs else []
         seq.output_log_probs += log_probs
-        out = StepOutput(seq.request_id, [token], log_probs=log_probs)
+        if p.top_p_decay != 1.0 or p.top_p_reset_id is not None:
+            seq.top_p = p.top_p if token == p.top_p_reset_id else max(seq.top_p * p.top_p_decay, p.top_p_min)
+        if seq in self.forks:
+            self._fork(seq, self.forks.pop(seq))
+        out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
+                         metrics=m)
         reason = self._finish_reason(seq)
         if reason is not None:
-            self._finish(seq, reason)
-            out.finished, out.finish_reason = True, reason
+            out = self._finish(seq, reason, out)
         return out
+
+    def _fork(self, first: Sequence, others: list[Sequence]) -> None:
+        """The other samples of a prompt start from the first one's cache: they share its full prompt blocks and
+        copy the block holding the last prompt token, which each computes again to sample its own first token."""
+        copies = []
+        for seq in others:
+            copy = self.blocks.fork(first, seq, len(seq.prompt_ids) - 1)
+            if copy is not None:
+                copies.append(copy)
+            self.scheduler.add(seq)
+        if copies:
+            self.runner.copy_kv_blocks(copies)
 
     @staticmethod
     def _finish_reason(seq: Sequence) -> str | None:
@@ -172,11 +203,31 @@ class LLMEngine:
                 return "stop"
         return "length" if len(out) >= p.max_new_tokens else None
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> StepOutput:
-        self.scheduler.finish(seq, reason)
-        self.lora_cache.unref(seq.lora_task_id)
-        self.seqs.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, [], finished=True, finish_reason=reason, error=error)
+    def _finish(self, seq: Sequence, reason: str, out: StepOutput | None = None) -> StepOutput:
+        """Take one sequence out; the request ends with its last sequence."""
+        if seq.status is not Status.FINISHED:
+            if seq in self.scheduler.waiting or seq.status is Status.RUNNING:
+                self.scheduler.finish(seq, reason)
+            else:                              # a fork not started yet
+                self.blocks.free(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, reason
+            self.lora_cache.unref(seq.lora_task_id)
+        out = out or StepOutput(seq.request_id, [], sequence_index=seq.sequence_index, metrics=seq.metrics)
+        out.finished, out.finish_reason = True, reason
+        members = self.seqs.get(seq.request_id, [])
+        if all(member.status is Status.FINISHED for member in members):
+            self.seqs.pop(seq.request_id, None)
+            out.request_finished = True
+        return out
+
+    def _finish_request(self, request_id: Hashable, reason: str, error: str | None = None) -> StepOutput:
+        """End every sequence of a request at once (abort, failure): one final output."""
+        members = self.seqs.get(request_id, [])
+        self.forks.pop(members[0], None)
+        for seq in members:
+            out = self._finish(seq, reason)
+        out.error = error
+        return out
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 16,
                  lora_task_ids: list[int | None] | None = None, **sampling) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""Paged KV cache bookkeeping: a fixed pool of blocks, per-sequence block tables, reference counts."""
+"""Paged KV cache bookkeeping: a fixed pool of blocks, per-sequence block tables, reference counts (the samples
+of one prompt share its blocks)."""
 from collections import deque
 
 from backend.request import Sequence
@@ -13,7 +14,7 @@ def num_kv_blocks(memory_bytes: int, block_size: int, num_layers: int, num_kv_he
 
 class BlockManager:
     """Hands out cache blocks. A sequence's block table covers every token it has (or is about to have)
-    in the cache; blocks are reference counted so that sequences may one day share prefixes."""
+    in the cache; blocks are reference counted so that sequences can share them."""
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0):
         if num_blocks < 1:
@@ -46,9 +47,30 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_free_blocks} free")
         for _ in range(needed):
-            block_id = self.free_block_ids.popleft()
-            self.ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._take())
+        seq.metrics.num_new_blocks += needed
+
+    def _take(self) -> int:
+        block_id = self.free_block_ids.popleft()
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def fork(self, source: Sequence, seq: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give `seq` the cache of source's first num_tokens tokens: the blocks they fill are shared, the block
+        holding token num_tokens (which seq writes next) is a fresh one. Returns (source block, fresh block) for
+        the caller to copy on the device, or None when no block is free (seq then starts from scratch)."""
+        if not self.free_block_ids:
+            return None
+        num_shared = num_tokens // self.block_size
+        shared = source.block_table[:num_shared]
+        for block_id in shared:
+            self.ref_counts[block_id] += 1
+        fresh = self._take()
+        seq.block_table = shared + [fresh]
+        seq.num_computed_tokens = num_tokens
+        seq.metrics.num_reused_blocks += num_shared
+        seq.metrics.num_new_blocks += 1
+        return source.block_table[num_shared], fresh
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

@@ -1,17 +1,20 @@
-"""TensorRT-LLM backend's I/O contract, framework-free: input arrays -> an engine request, outputs -> arrays.
+"""TensorRT-LLM backend's I/O contract, framework-free: input arrays -> engine requests, outputs -> arrays.
 
 Arrays arrive as Triton hands them to a model with max_batch_size >= 1: each request's tensors carry a
-leading batch dim of 1 (input_ids [1, L], scalars [1], lora_weights [1, N, R], words lists [1, 2, L]).
+leading batch dim (input_ids [B, L], scalars [B] or [B, 1], lora_weights [B, N, R], words lists [B, 2, L]).
+Each of the B rows is an engine request of its own, answered with its batch_index.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
-from backend.request import RequestError, RequestLimits, SamplingParams, check_finite
+from backend.contract import check_unsupported
+from backend.request import RequestError, RequestLimits, SamplingParams, SeqMetrics, check_finite
 
 
 @dataclass(slots=True)
 class ParsedRequest:
+    """One row of a client request."""
     prompt_ids: list[int]
     params: SamplingParams
     streaming: bool = False
@@ -21,6 +24,9 @@ class ParsedRequest:
     lora_weights: np.ndarray | None = None
     lora_config: np.ndarray | None = None
     lora_adapter: object | None = None        # the weights parsed off the engine thread (backend/lora/format.py)
+    return_perf_metrics: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
 
 
 def _unbatch(name: str, value: np.ndarray) -> np.ndarray:
@@ -68,17 +74,37 @@ def parse_words(name: str, value: np.ndarray, limits: RequestLimits) -> list[lis
     return words
 
 
-def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedRequest:
-    """Map the contract's inputs onto an engine request, every size checked before the work it bounds. Sampling
-    follows TensorRT-LLM: greedy unless runtime_top_k > 1 or runtime_top_p > 0; temperature scales the sampled
-    distribution. A `stop` request is honoured before anything else is read (TensorRT-LLM's clients send it with
-    placeholder inputs: input_ids [[0]], input_lengths [[0]], request_output_len [[0]]); end_id -1 means none."""
-    if _scalar(arrays, "stop", bool, False):
-        return ParsedRequest(prompt_ids=[], params=SamplingParams(), stop=True)
-    if "input_ids" not in arrays:
-        raise RequestError("input_ids", "is required")
-    if "request_output_len" not in arrays:
-        raise RequestError("request_output_len", "is required")
+def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> list[ParsedRequest]:
+    """Map the contract's inputs onto engine requests, one per batch row, every size checked before the work it
+    bounds. A `stop` request is honoured before anything else is read (TensorRT-LLM's clients send it with
+    placeholder inputs: input_ids [[0]], input_lengths [[0]], request_output_len [[0]])."""
+    if "stop" in arrays and np.asarray(arrays["stop"]).size and bool(np.asarray(arrays["stop"]).any()):
+        return [ParsedRequest(prompt_ids=[], params=SamplingParams(), stop=True)]
+    for name in ("input_ids", "request_output_len"):
+        if name not in arrays:
+            raise RequestError(name, "is required")
+    batch_size = np.asarray(arrays["input_ids"]).shape[0] if np.ndim(arrays["input_ids"]) else 1
+    if batch_size < 1:
+        raise RequestError("input_ids", "holds no request (batch size 0)")
+    for name, value in arrays.items():
+        if np.ndim(value) and np.shape(value)[0] != batch_size:
+            raise RequestError(name, f"batch size {np.shape(value)[0]} differs from input_ids' {batch_size}")
+    if batch_size == 1:
+        return [parse_row(arrays, limits)]
+    rows = []
+    for b in range(batch_size):
+        try:
+            rows.append(parse_row({name: value[b:b + 1] if np.ndim(value) else value
+                                   for name, value in arrays.items()}, limits))
+        except RequestError as err:
+            raise RequestError(err.field, f"{err.message} (batch index {b})") from None
+    return rows
+
+
+def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedRequest:
+    """One batch row. Sampling follows TensorRT-LLM: greedy unless runtime_top_k > 1 or runtime_top_p > 0;
+    temperature scales the sampled distribution; end_id -1 means none."""
+    check_unsupported(arrays)
     ids = _unbatch("input_ids", arrays["input_ids"])
     if ids.dtype.kind not in "iu":
         raise RequestError("input_ids", f"must be INT32, got dtype {ids.dtype}")
@@ -117,6 +143,11 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
         frequency_penalty=_scalar(arrays, "frequency_penalty", float, 0.0),
         return_log_probs=_scalar(arrays, "return_log_probs", bool, False),
         beam_width=_scalar(arrays, "beam_width", int, 1),
+        num_return_sequences=_scalar(arrays, "num_return_sequences", int, 1),
+        top_p_min=_scalar(arrays, "runtime_top_p_min", float, 1e-6),
+        top_p_decay=_scalar(arrays, "runtime_top_p_decay", float, 1.0),
+        top_p_reset_id=_reset_id(_scalar(arrays, "runtime_top_p_reset_ids", int)),
+        embedding_bias=_embedding_bias(arrays),
     )
     if params.temperature == 0.0 and sampling:
         params.top_k = 1                           # temperature 0 with sampling asked for: greedy
@@ -130,11 +161,32 @@ def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> Parse
         lora_task_id=_scalar(arrays, "lora_task_id", int),
         lora_weights=None if lora_weights is None else np.asarray(lora_weights),
         lora_config=None if lora_config is None else np.asarray(lora_config),
+        return_perf_metrics=_scalar(arrays, "return_perf_metrics", bool, False) or
+        _scalar(arrays, "return_kv_cache_reuse_stats", bool, False),
+        return_num_input_tokens=_scalar(arrays, "return_num_input_tokens", bool, False),
+        return_num_output_tokens=_scalar(arrays, "return_num_output_tokens", bool, False),
     )
 
 
+def _reset_id(value: int | None) -> int | None:
+    return None if value is None or value < 0 else value            # -1: no reset token
+
+
+def _embedding_bias(arrays: dict) -> np.ndarray | None:
+    """embedding_bias [vocab] fp32, added to the logits; empty means none. Its length is checked against the
+    vocabulary by SamplingParams.validate."""
+    if "embedding_bias" not in arrays:
+        return None
+    bias = _unbatch("embedding_bias", arrays["embedding_bias"]).reshape(-1)
+    if bias.size == 0:
+        return None
+    if bias.dtype.kind != "f":
+        raise RequestError("embedding_bias", f"must be FP32, got dtype {bias.dtype}")
+    return bias.astype(np.float32)
+
+
 def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[str, np.ndarray]:
-    """One response's tensors for one request: output_ids [1, beam=1, n], sequence_length [1, 1], and the
+    """One response's tensors for one sequence: output_ids [1, beam=1, n], sequence_length [1, 1], and the
     log probs [1, 1] / [1, 1, n] (zeros where not asked for)."""
     n = len(token_ids)
     log_probs = log_probs if log_probs and len(log_probs) == n else [0.0] * n
@@ -144,3 +196,29 @@ def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[s
         "cum_log_probs": np.array([[sum(log_probs)]], dtype=np.float32),
         "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, n),
     }
+
+
+def extra_arrays(row: ParsedRequest, batch_size: int, batch_index: int, sequence_index: int,
+                 metrics: SeqMetrics | None, num_output_tokens: int) -> dict[str, np.ndarray]:
+    """The outputs TensorRT-LLM adds when they say something: batch_index for a batch of several rows,
+    sequence_index for several return sequences, the perf metrics and token counts when asked for."""
+    out = {}
+    if batch_size > 1:
+        out["batch_index"] = np.array([[batch_index]], dtype=np.int32)
+    if row.params.num_return_sequences > 1:
+        out["sequence_index"] = np.array([[sequence_index]], dtype=np.int32)
+    if row.return_perf_metrics and metrics is not None:
+        out |= {name: np.array([[value]], dtype=np.int32) for name, value in (
+            ("kv_cache_alloc_new_blocks", metrics.num_new_blocks),
+            ("kv_cache_reused_blocks", metrics.num_reused_blocks),
+            ("kv_cache_alloc_total_blocks", metrics.num_new_blocks))}
+        out |= {name: np.array([[getattr(metrics, name)]], dtype=np.int64) for name in (
+            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")}
+        out |= {"acceptance_rate": np.array([[0.0]], dtype=np.float32),
+                "total_accepted_draft_tokens": np.array([[0]], dtype=np.int32),
+                "total_draft_tokens": np.array([[0]], dtype=np.int32)}
+    if row.return_num_input_tokens:
+        out["num_input_tokens"] = np.array([[len(row.prompt_ids)]], dtype=np.int32)
+    if row.return_num_output_tokens:
+        out["num_output_tokens"] = np.array([[num_output_tokens]], dtype=np.int32)
+    return out

@@ -1,8 +1,13 @@
 """A request's sampling parameters, its running state, and the validation that guards the engine."""
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+
+import numpy as np
+
+MAX_RETURN_SEQUENCES = 64
 
 
 class RequestError(ValueError):
@@ -44,6 +49,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     return_log_probs: bool = False
     beam_width: int = 1
+    num_return_sequences: int = 1             # samples of the prompt, sharing its KV blocks
+    top_p_min: float = 1e-6                   # top-p decay (TensorRT-LLM): after each token top_p becomes
+    top_p_decay: float = 1.0                  # max(top_p * decay, top_p_min), and the initial top_p again
+    top_p_reset_id: int | None = None         # when the token is top_p_reset_id
+    embedding_bias: object | None = None      # [vocab] float32 added to the logits (numpy or torch)
 
     @property
     def greedy(self) -> bool:
@@ -51,13 +61,31 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
         for name, value in (("temperature", self.temperature), ("runtime_top_p", self.top_p),
+                            ("runtime_top_p_min", self.top_p_min), ("runtime_top_p_decay", self.top_p_decay),
                             ("repetition_penalty", self.repetition_penalty),
                             ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             check_finite(name, value)
         if self.max_new_tokens <= 0:
             raise RequestError("request_output_len", f"must be > 0, got {self.max_new_tokens}")
         if self.beam_width != 1:
-            raise RequestError("beam_width", f"only beam_width 1 is supported, got {self.beam_width}")
+            raise RequestError("beam_width", f"only beam_width 1 is supported (beam search is not), got "
+                                             f"{self.beam_width}")
+        if not 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES:
+            raise RequestError("num_return_sequences", f"must be in [1, {MAX_RETURN_SEQUENCES}], got "
+                                                       f"{self.num_return_sequences}")
+        if not 0.0 < self.top_p_decay <= 1.0:
+            raise RequestError("runtime_top_p_decay", f"must be in (0, 1], got {self.top_p_decay}")
+        if not 0.0 < self.top_p_min <= 1.0:
+            raise RequestError("runtime_top_p_min", f"must be in (0, 1], got {self.top_p_min}")
+        if self.top_p_reset_id is not None and not 0 <= self.top_p_reset_id < vocab_size:
+            raise RequestError("runtime_top_p_reset_ids", f"{self.top_p_reset_id} is outside the vocabulary "
+                                                          f"[0, {vocab_size})")
+        if self.embedding_bias is not None:
+            if tuple(self.embedding_bias.shape) != (vocab_size,):
+                raise RequestError("embedding_bias", f"must hold one value per vocabulary entry ({vocab_size}), "
+                                                     f"got shape {list(self.embedding_bias.shape)}")
+            if not bool(np.isfinite(np.asarray(self.embedding_bias)).all()):
+                raise RequestError("embedding_bias", "must hold finite numbers")
         if self.temperature < 0:
             raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -102,6 +130,17 @@ def seed_key(seed: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFF
 
 
+@dataclass(slots=True)
+class SeqMetrics:
+    """A request's timeline (ns since the epoch, as TensorRT-LLM reports them; 0: not yet) and its KV blocks."""
+    arrival_time_ns: int = field(default_factory=time.time_ns)
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    num_new_blocks: int = 0                   # taken from the free pool
+    num_reused_blocks: int = 0                # found in the cache, shared with another sequence
+
+
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -122,11 +161,15 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    sequence_index: int = 0                   # which of the request's num_return_sequences this is
     seed_key: int = 0                         # 31 bits of the request's seed (a random one if none was given)
+    top_p: float = 1.0                        # this step's top_p (decays with runtime_top_p_decay)
+    metrics: SeqMetrics = field(default_factory=SeqMetrics)
 
     def __post_init__(self):
         seed = random.getrandbits(64) if self.params.seed is None else self.params.seed
-        self.seed_key = seed_key(seed)
+        self.seed_key = seed_key(seed + (self.sequence_index << 32))
+        self.top_p = self.params.top_p
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""Next-token choice for a whole batch: penalties, bans, then greedy or seeded temperature / top-k / top-p, and
+"""Next-token choice for a whole batch: embedding bias, penalties, bans, then greedy or seeded temperature / top-k / top-p, and
 log probs. The host gathers each step's sampling inputs into small tensors (`prepare`, uploaded with the rest
 of the step's metadata); the device does everything else with no data-dependent shapes and no sync (`sample`).
 
@@ -24,6 +24,7 @@ class SamplingPlan:
     num_repetition: int
     num_presence: int
     num_bans: int
+    num_biased: int
     any_log_probs: bool
     t: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -45,16 +46,18 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
         banned = banned_tokens(seq)
         ban_rows += [row] * len(banned)
         ban_tokens += banned
+    biased = [i for i, p in enumerate(params) if p.embedding_bias is not None]
     top_k = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0 for p in params]
     plan = SamplingPlan(
         num_rows=len(seqs), any_sampled=any(not p.greedy for p in params), max_top_k=max(top_k, default=0),
-        any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params), num_repetition=len(rep),
-        num_presence=len(pres), num_bans=len(ban_rows), any_log_probs=any(p.return_log_probs for p in params))
+        any_top_p=any(seq.top_p < 1.0 and not seq.params.greedy for seq in seqs), num_repetition=len(rep),
+        num_presence=len(pres), num_bans=len(ban_rows), num_biased=len(biased),
+        any_log_probs=any(p.return_log_probs for p in params))
     plan.t = {
         "s_greedy": torch.tensor([p.greedy for p in params], dtype=torch.int32),
         "s_temperature": torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32),
         "s_top_k": torch.tensor(top_k, dtype=torch.int32),
-        "s_top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        "s_top_p": torch.tensor([seq.top_p for seq in seqs], dtype=torch.float32),
         "s_seed": torch.tensor([seq.seed_key for seq in seqs], dtype=torch.int32),
         "s_step": torch.tensor([len(seq.output_ids) for seq in seqs], dtype=torch.int32),
         "s_rep_rows": torch.tensor(rep, dtype=torch.int32),
@@ -66,6 +69,9 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
         "s_pres_ids": _padded([seqs[i].output_ids for i in pres], vocab_size),
         "s_ban_rows": torch.tensor(ban_rows, dtype=torch.int32),
         "s_ban_tokens": torch.tensor(ban_tokens, dtype=torch.int32),
+        "s_bias_rows": torch.tensor(biased, dtype=torch.int32),
+        "s_bias": torch.stack([torch.as_tensor(params[i].embedding_bias, dtype=torch.float32) for i in biased])
+        if biased else torch.zeros(0, vocab_size, dtype=torch.float32),
     }
     return plan
 
@@ -102,6 +108,12 @@ def apply_penalties(logits: torch.Tensor, plan: SamplingPlan) -> None:
         counts = _token_counts(t["s_pres_ids"], vocab)
         delta = (counts > 0) * t["s_presence"][:, None] + counts * t["s_frequency"][:, None]
         logits.index_copy_(0, rows, logits.index_select(0, rows) - delta)
+
+
+def apply_bias(logits: torch.Tensor, plan: SamplingPlan) -> None:
+    """embedding_bias: each biased row gets its request's [vocab] bias added."""
+    if plan.num_biased:
+        logits.index_add_(0, plan.t["s_bias_rows"].long(), plan.t["s_bias"])
 
 
 def apply_bans(logits: torch.Tensor, plan: SamplingPlan) -> None:
@@ -154,6 +166,7 @@ def sample_rows(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
 def sample(logits: torch.Tensor, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device.
     Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (zeros unless some row asked)."""
+    apply_bias(logits, plan)
     apply_penalties(logits, plan)
     apply_bans(logits, plan)
     tokens = logits.argmax(-1)

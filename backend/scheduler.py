@@ -104,6 +104,7 @@ class Scheduler:
             self._release(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            self.blocks.free(seq)                # a fork waits with the blocks it shares
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 

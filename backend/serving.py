@@ -1,7 +1,7 @@
 """The engine loop a server runs: one background thread steps the engine; requests arrive from other threads.
 
 Framework-free: a server hands in `Stream` objects (its own response channel per request) and gets each
-request's outputs back through them. Every stream ends exactly once: `finish`, `fail` or `cancelled`.
+request's outputs back through them. Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
 """
 import queue
 import threading
@@ -14,11 +14,12 @@ from backend.request import RequestError
 
 
 class Stream(Protocol):
-    """One request's response channel, implemented by the server."""
-    request: ParsedRequest
+    """One client request's response channel, implemented by the server. A request holds one or more rows (its
+    batch), each an engine request with one or more sequences (num_return_sequences)."""
+    requests: list[ParsedRequest]
 
     def is_cancelled(self) -> bool: ...
-    def emit(self, out: StepOutput) -> None: ...            # new tokens; the last one has out.finished
+    def emit(self, out: StepOutput, batch_index: int, last: bool) -> None: ...   # last: the request's final output
     def fail(self, message: str) -> None: ...               # an error response, final
     def cancelled(self) -> None: ...                        # a final response after a cancellation
 
@@ -35,9 +36,10 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.max_step_failures = max_step_failures
         self.inbox: queue.Queue = queue.Queue()
-        self.streams: dict[int, Stream] = {}
-        self.names: dict[str, int] = {}                     # client request id -> engine request id
-        self.name_of: dict[int, str] = {}                   # and back
+        self.rows: dict[int, tuple[Stream, int]] = {}       # engine request id -> its stream and batch index
+        self.streams: dict[Stream, list[int]] = {}          # stream -> its engine requests still in flight
+        self.names: dict[str, Stream] = {}                  # client request id -> its stream
+        self.name_of: dict[Stream, str] = {}                # and back
         self.broken: str | None = None                      # why the engine can serve no more, once it cannot
         self.num_step_failures = 0                          # in a row
         self.num_hook_errors = 0
@@ -58,23 +60,34 @@ class EngineLoop:
         if not self.alive:
             stream.fail(f"engine unavailable: {self.broken or 'the engine loop has stopped'}")
             return
-        r = stream.request
-        if r.lora_weights is not None and r.lora_config is not None and r.lora_task_id is not None:
-            if self.engine.lora_cache.contains(r.lora_task_id):    # cached already: the id is enough
-                r.lora_weights = r.lora_config = None
-            elif self.pending_adapter_bytes + r.lora_weights.nbytes > self.engine.config.lora.host_memory_bytes:
-                stream.fail("lora_weights: adapter uploads waiting for the engine exceed "
-                            f"lora_cache_host_memory_bytes {self.engine.config.lora.host_memory_bytes}; retry later")
-                return
-            else:
-                try:
-                    r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
-                except RequestError as err:
-                    stream.fail(str(err))
-                    return
-                r.lora_weights = r.lora_config = None
-                self._count_pending(r.lora_adapter.num_bytes)
+        try:
+            for r in stream.requests:
+                self._parse_adapter(r)
+        except RequestError as err:
+            self._uncount(stream)
+            stream.fail(str(err))
+            return
         self.inbox.put(("add", stream, name))
+
+    def _parse_adapter(self, r: ParsedRequest) -> None:
+        if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:
+            return
+        if self.engine.lora_cache.contains(r.lora_task_id):          # cached already: the id is enough
+            r.lora_weights = r.lora_config = None
+            return
+        if self.pending_adapter_bytes + r.lora_weights.nbytes > self.engine.config.lora.host_memory_bytes:
+            raise RequestError("lora_weights", "adapter uploads waiting for the engine exceed "
+                                               f"lora_cache_host_memory_bytes {self.engine.config.lora.host_memory_bytes}; "
+                                               "retry later")
+        r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
+        r.lora_weights = r.lora_config = None
+        self._count_pending(r.lora_adapter.num_bytes)
+
+    def _uncount(self, stream: Stream) -> None:
+        """The stream's parsed adapters leave the inbox (into the engine, or refused)."""
+        for r in stream.requests:
+            if r.lora_adapter is not None:
+                self._count_pending(-r.lora_adapter.num_bytes)
 
     def _count_pending(self, num_bytes: int) -> None:
         with self._pending_lock:
@@ -127,12 +140,14 @@ class EngineLoop:
         self._hook(None)
 
     def _fail_in_flight(self, message: str) -> None:
-        for request_id in list(self.streams):
-            try:
-                self.engine.abort(request_id)
-            except Exception:                                # the engine is failing already: still answer
-                pass
-            _quietly(self._close(request_id).fail, message)
+        for stream in list(self.streams):
+            for request_id in self.streams[stream]:
+                try:
+                    self.engine.abort(request_id)
+                except Exception:                            # the engine is failing already: still answer
+                    pass
+            self._close(stream)
+            _quietly(stream.fail, message)
 
     def _fail_everything(self, message: str) -> None:
         self._fail_in_flight(message)
@@ -142,8 +157,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if op == "add":
-                if stream.request.lora_adapter is not None:
-                    self._count_pending(-stream.request.lora_adapter.num_bytes)
+                self._uncount(stream)
                 _quietly(stream.fail, message)
 
     def _hook(self, seconds: float | None) -> None:
@@ -167,63 +181,76 @@ class EngineLoop:
 
     def _handle(self, op: str, stream: Stream | None, name: str) -> None:
         if op == "cancel":
-            request_id = self.names.get(name)
-            if request_id is not None and request_id in self.streams:
-                self._abort(request_id)
+            if name in self.names:
+                self._abort(self.names[name])
         elif op == "add":
-            if stream.request.lora_adapter is not None:
-                self._count_pending(-stream.request.lora_adapter.num_bytes)
+            self._uncount(stream)
             if name and name in self.names:
                 _quietly(stream.fail, f"request_id: {name!r} is already in flight; send a stop request first or "
                                       "use another id")
                 return
-            r = stream.request
+            request_ids = []
             try:
-                request_id = self.engine.add_request(r.prompt_ids, r.params, lora_task_id=r.lora_task_id,
-                                                     lora_weights=r.lora_weights, lora_config=r.lora_config,
-                                                     lora_adapter=r.lora_adapter)
-            except RequestError as err:
-                _quietly(stream.fail, str(err))
-                return
+                for r in stream.requests:
+                    request_ids.append(self.engine.add_request(
+                        r.prompt_ids, r.params, lora_task_id=r.lora_task_id, lora_weights=r.lora_weights,
+                        lora_config=r.lora_config, lora_adapter=r.lora_adapter))
             except Exception as err:                          # never let one request take the loop down
-                _quietly(stream.fail, f"engine failure: {err}")
+                for request_id in request_ids:
+                    self.engine.abort(request_id)
+                prefix = f"batch index {len(request_ids)}: " if len(stream.requests) > 1 else ""
+                detail = str(err) if isinstance(err, RequestError) else f"engine failure: {err}"
+                _quietly(stream.fail, prefix + detail)
                 return
-            self.streams[request_id] = stream
+            self.streams[stream] = request_ids
+            for batch_index, request_id in enumerate(request_ids):
+                self.rows[request_id] = (stream, batch_index)
             if name:
-                self.names[name] = request_id
-                self.name_of[request_id] = name
+                self.names[name] = stream
+                self.name_of[stream] = name
 
     def _reap_cancelled(self) -> None:
-        for request_id in [rid for rid, stream in self.streams.items() if _cancelled(stream)]:
-            self._abort(request_id)
+        for stream in [s for s in self.streams if _cancelled(s)]:
+            self._abort(stream)
 
-    def _abort(self, request_id: int) -> None:
-        self.engine.abort(request_id)
-        _quietly(self._close(request_id).cancelled)
+    def _abort(self, stream: Stream) -> None:
+        for request_id in self.streams[stream]:
+            self.engine.abort(request_id)
+        self._close(stream)
+        _quietly(stream.cancelled)
         self._aborted_while_idle = True
 
     def _deliver(self, out: StepOutput) -> None:
-        stream = self.streams.get(out.request_id)
-        if stream is None:
+        if out.request_id not in self.rows:
             return
-        if out.finished:
-            self._close(out.request_id)
+        stream, batch_index = self.rows[out.request_id]
+        if out.request_finished:
+            del self.rows[out.request_id]
+            self.streams[stream].remove(out.request_id)
+        last = not self.streams[stream]
+        if out.error:
+            for request_id in self.streams[stream]:          # the other rows end with it
+                self.engine.abort(request_id)
+            self._close(stream)
+            _quietly(stream.fail, out.error)
+            return
+        if last:
+            self._close(stream)
         try:
-            if out.error:
-                stream.fail(out.error)
-            else:
-                stream.emit(out)
+            stream.emit(out, batch_index, last)
         except Exception as exc:                             # a broken sender closes its own stream only
-            if not out.finished:
-                self.engine.abort(out.request_id)
-                self._close(out.request_id)
+            if not last:
+                for request_id in self.streams[stream]:
+                    self.engine.abort(request_id)
+                self._close(stream)
             _quietly(stream.fail, f"response failed: {exc}")
 
-    def _close(self, request_id: int) -> Stream:
-        name = self.name_of.pop(request_id, None)
-        if name is not None and self.names.get(name) == request_id:    # a newer request may reuse the name
+    def _close(self, stream: Stream) -> None:
+        for request_id in self.streams.pop(stream, []):
+            self.rows.pop(request_id, None)
+        name = self.name_of.pop(stream, None)
+        if name is not None:
             del self.names[name]
-        return self.streams.pop(request_id)
 
 
 def _cancelled(stream: Stream) -> bool:

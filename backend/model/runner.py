@@ -77,6 +77,15 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in every layer's K and V cache, in stream order."""
+        with on(self.device):
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
+            for k, v in self.kv_caches:
+                k.index_copy_(1, dst, k.index_select(1, src))
+                v.index_copy_(1, dst, v.index_select(1, src))
+
     def run(self, batch: Batch, lora_cache: LoraCache | None = None,
             prefetch: list[int | None] = ()) -> tuple[list[int], list[float]]:
         """The next token and its log prob for each sequence whose chunk reaches its last token, in the order of

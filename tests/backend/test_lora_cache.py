@@ -111,7 +111,7 @@ def test_a_request_waiting_for_a_slot_does_not_hold_up_requests_on_resident_adap
     prompts = random_prompts([5, 6, 7, 8], model_cfg.vocab_size, seed=3)
     ids = [engine.add_request(p, lora_task_id=t, max_new_tokens=4) for p, t in zip(prompts, [1, 2, 1, None])]
     engine.step()
-    assert [engine.seqs[i].num_computed_tokens > 0 for i in ids] == [True, False, True, True]
+    assert [engine.seqs[i][0].num_computed_tokens > 0 for i in ids] == [True, False, True, True]
     assert engine.scheduler.waiting[0].request_id == ids[1]
     while engine.has_unfinished:
         engine.step()

@@ -20,7 +20,7 @@ class FakeStream:
     def __init__(self, prompt: list[int], max_new_tokens: int = 5, broken: bool = False, **extra):
         arrays = {"input_ids": np.array([prompt], dtype=np.int32),
                   "request_output_len": np.array([[max_new_tokens]], dtype=np.int32)} | extra
-        self.request = parse_request(arrays, LIMITS)
+        self.requests = parse_request(arrays, LIMITS)
         self.broken = broken
         self.tokens: list[int] = []
         self.answers: list[str] = []              # "finish", "fail: ...", "cancelled"
@@ -29,11 +29,11 @@ class FakeStream:
     def is_cancelled(self) -> bool:
         return False
 
-    def emit(self, out) -> None:
+    def emit(self, out, batch_index: int, last: bool) -> None:
         if self.broken:
             raise ConnectionError("client went away")
         self.tokens += out.new_token_ids
-        if out.finished:
+        if last:
             self._answer("finish")
 
     def fail(self, message: str) -> None:
@@ -158,10 +158,10 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
     stream = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
                         lora_weights=weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(stream)
-    assert stream.request.lora_weights is None and stream.request.lora_adapter is not None   # parsed already
+    assert stream.requests[0].lora_weights is None and stream.requests[0].lora_adapter is not None   # parsed already
     assert stream.wait().answers == ["finish"] and engine.lora_cache.contains(3)
     assert loop.pending_adapter_bytes == 0
     again = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
                        lora_weights=weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(again)                              # cached already: its weights are not parsed again
-    assert again.request.lora_adapter is None and again.wait().answers == ["finish"]
+    assert again.requests[0].lora_adapter is None and again.wait().answers == ["finish"]

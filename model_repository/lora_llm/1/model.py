@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from backend import LLMEngine, RequestError                    # noqa: E402
-from backend.protocol import output_arrays, parse_request      # noqa: E402
+from backend.protocol import extra_arrays, output_arrays, parse_request   # noqa: E402
 from backend.lora.cache import LoraCacheStats                 # noqa: E402
 from backend.serving import EngineLoop                         # noqa: E402
 
@@ -59,34 +59,37 @@ def as_array(tensor) -> np.ndarray:
 
 
 class TritonStream:
-    """One request's response sender; never touched again after its final response."""
+    """One Triton request's response sender, for all its rows and sequences; never touched after its final
+    response. Streaming rows answer each step's new tokens, the others each sequence's whole output."""
 
-    def __init__(self, request, parsed, metrics: "Metrics"):
-        self.request = parsed
+    def __init__(self, request, rows, metrics: "Metrics"):
+        self.requests = rows
         self.sender = request.get_response_sender()
         self.metrics = metrics
         self.start = time.perf_counter()
-        self.tokens: list[int] = []
-        self.log_probs: list[float] = []
+        self.outputs: dict[tuple[int, int], tuple[list[int], list[float]]] = {}   # (batch, sequence) -> so far
         self.done = False
 
     def is_cancelled(self) -> bool:
         return not self.done and self.sender.is_cancelled()
 
-    def emit(self, out) -> None:
+    def emit(self, out, batch_index: int, last: bool) -> None:
         if self.done:
             return
-        if not self.tokens:
+        if not self.outputs:
             self.metrics.observe("ttft", time.perf_counter() - self.start)
-        self.tokens += out.new_token_ids
-        self.log_probs += out.log_probs
+        row = self.requests[batch_index]
+        tokens, log_probs = self.outputs.setdefault((batch_index, out.sequence_index), ([], []))
+        tokens += out.new_token_ids
+        log_probs += out.log_probs
         self.metrics.count("tokens", len(out.new_token_ids))
-        if self.request.streaming:
-            self._send(output_arrays(out.new_token_ids, out.log_probs), out.finished)
-        elif out.finished:
-            prompt = [] if self.request.exclude_input_in_output else self.request.prompt_ids
-            self._send(output_arrays(prompt + self.tokens, [0.0] * len(prompt) + self.log_probs), True)
-        if out.finished:
+        if row.streaming and (out.new_token_ids or last):
+            self._send(output_arrays(out.new_token_ids, out.log_probs), last, row, batch_index, out, len(tokens))
+        elif not row.streaming and out.finished:
+            prompt = [] if row.exclude_input_in_output else row.prompt_ids
+            self._send(output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs), last, row, batch_index,
+                       out, len(tokens))
+        if last:
             self.metrics.count("success")
 
     def fail(self, message: str) -> None:
@@ -101,11 +104,14 @@ class TritonStream:
 
     def cancelled(self) -> None:
         if not self.done:
-            tokens = [] if self.request.streaming else self.tokens
-            self._send(output_arrays(tokens, self.log_probs if tokens else []), True)
+            row = self.requests[0]
+            tokens, log_probs = ([], []) if row.streaming else self.outputs.get((0, 0), ([], []))
+            self._send(output_arrays(tokens, log_probs if tokens else []), True)
             self.metrics.count("cancelled")
 
-    def _send(self, arrays: dict, final: bool) -> None:
+    def _send(self, arrays: dict, final: bool, row=None, batch_index: int = 0, out=None, num_tokens: int = 0):
+        if row is not None:
+            arrays |= extra_arrays(row, len(self.requests), batch_index, out.sequence_index, out.metrics, num_tokens)
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self.done = final
         self.sender.send(response, flags=FINAL if final else 0)
@@ -159,9 +165,19 @@ class Metrics:
                 gauge.set(stats["lora"][name])
 
 
+def check_unary(rows) -> None:
+    """Without decoupled mode a request gets exactly one response: one sequence, not streamed."""
+    if any(row.streaming for row in rows):
+        raise RequestError("streaming", "streaming is only supported in decoupled mode")
+    if len(rows) > 1 or rows[0].params.num_return_sequences > 1:
+        raise RequestError("num_return_sequences" if len(rows) == 1 else "input_ids",
+                           "several sequences in one request need decoupled mode (one response each)")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.metrics = Metrics()
         self.engine = LLMEngine(**engine_kwargs(config))
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
@@ -175,15 +191,17 @@ class TritonPythonModel:
             try:
                 self._accept(request)
             except RequestError as err:
-                TritonStream(request, None, self.metrics).fail(str(err))
+                TritonStream(request, [], self.metrics).fail(str(err))
             except Exception as err:
-                TritonStream(request, None, self.metrics).fail(f"request failed: {type(err).__name__}: {err}")
+                TritonStream(request, [], self.metrics).fail(f"request failed: {type(err).__name__}: {err}")
         return None
 
     def _accept(self, request) -> None:
-        parsed = parse_request({t.name(): as_array(t) for t in request.inputs()}, self.engine.limits)
-        stream = TritonStream(request, parsed, self.metrics)
-        if parsed.stop:
+        rows = parse_request({t.name(): as_array(t) for t in request.inputs()}, self.engine.limits)
+        if not self.decoupled:
+            check_unary(rows)
+        stream = TritonStream(request, rows, self.metrics)
+        if rows[0].stop:
             self._stop(request.request_id(), stream)
         else:
             self.loop.submit(stream, request.request_id())

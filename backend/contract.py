@@ -1,0 +1,58 @@
+"""The inputs of TensorRT-LLM's `tensorrt_llm` model that belong to features this server lacks, and what each
+accepts: its neutral value (the one that asks for nothing), refused otherwise with an error naming the input.
+
+model_repository/lora_llm/config.pbtxt declares every input and output of that model (all optional but the
+prompt and its length); tests/server/test_contract.py keeps the two lists together.
+"""
+import numpy as np
+
+from backend.request import RequestError
+
+EMPTY = ()                                # neutral: absent or no elements
+
+# input -> (the feature it belongs to, the values that ask for nothing (EMPTY: none at all))
+UNSUPPORTED: dict[str, tuple[str, tuple]] = {
+    "draft_input_ids": ("speculative decoding with draft tokens", EMPTY),
+    "draft_logits": ("speculative decoding with draft tokens", EMPTY),
+    "prompt_embedding_table": ("prompt tables (p-tuning)", EMPTY),
+    "prompt_table_extra_ids": ("prompt tables (p-tuning)", EMPTY),
+    "decoder_input_ids": ("encoder-decoder models", EMPTY),
+    "decoder_input_lengths": ("encoder-decoder models", EMPTY),
+    "encoder_input_features": ("encoder-decoder models", EMPTY),
+    "encoder_output_lengths": ("encoder-decoder models", EMPTY),
+    "cross_attention_mask": ("encoder-decoder models", EMPTY),
+    "skip_cross_attn_blocks": ("encoder-decoder models", EMPTY),
+    "mrope_rotary_cos_sin": ("multimodal rotary embeddings (mrope)", EMPTY),
+    "mrope_position_deltas": ("multimodal rotary embeddings (mrope)", EMPTY),
+    "retention_token_range_starts": ("KV cache retention priorities", EMPTY),
+    "retention_token_range_ends": ("KV cache retention priorities", EMPTY),
+    "retention_token_range_priorities": ("KV cache retention priorities", EMPTY),
+    "retention_token_range_durations_ms": ("KV cache retention priorities", EMPTY),
+    "retention_decode_priority": ("KV cache retention priorities", (35,)),       # TensorRT-LLM's default
+    "retention_decode_duration_ms": ("KV cache retention priorities", (-1,)),    # no duration
+    "lookahead_window_size": ("lookahead decoding", EMPTY),
+    "lookahead_ngram_size": ("lookahead decoding", EMPTY),
+    "lookahead_verification_set_size": ("lookahead decoding", EMPTY),
+    "context_phase_params": ("disaggregated serving", EMPTY),
+    "guided_decoding_guide_type": ("guided decoding", EMPTY),
+    "guided_decoding_guide": ("guided decoding", EMPTY),
+    "return_context_logits": ("context logits outputs", (False,)),
+    "return_generation_logits": ("generation logits outputs", (False,)),
+}
+
+# Read by TensorRT-LLM only for beam search, draft tokens or prompt tables: with beam_width 1 and no drafts or
+# table it ignores them whatever their value, and so do we.
+IGNORED = ("len_penalty", "early_stopping", "beam_search_diversity_rate", "draft_acceptance_threshold",
+           "prompt_vocab_size", "pad_id")
+
+
+def check_unsupported(row: dict[str, np.ndarray]) -> None:
+    """Refuse, naming the input, any input of a feature we lack that asks for more than its neutral value."""
+    for name, (feature, neutral) in UNSUPPORTED.items():
+        if name not in row:
+            continue
+        value = np.asarray(row[name])
+        if value.size == 0 or (neutral and all(v in neutral for v in value.reshape(-1).tolist())):
+            continue
+        accepted = "absent or empty" if neutral is EMPTY else " or ".join(map(str, neutral))
+        raise RequestError(name, f"{feature} is not supported by this server; {name} must be {accepted}")

@@ -1,0 +1,153 @@
+"""TensorRT-LLM's request contract in process: batch rows, inputs of features we lack, embedding bias, top-p
+decay, the perf metrics, num_return_sequences sharing their prompt's KV blocks."""
+import numpy as np
+import pytest
+
+from backend import LLMEngine
+from backend.contract import IGNORED, UNSUPPORTED
+from backend.protocol import parse_request
+from backend.request import RequestError, RequestLimits, SamplingParams
+from tests.helpers import random_prompts
+
+LIMITS = RequestLimits(max_input_len=511)
+BASE = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32), "request_output_len": np.array([[4]], dtype=np.int32)}
+
+# a value that asks for the feature, per input of UNSUPPORTED
+NON_NEUTRAL = {name: np.array([[1]], dtype=np.int32) for name in UNSUPPORTED} | {
+    "draft_logits": np.ones((1, 2, 8), dtype=np.float32),
+    "prompt_embedding_table": np.ones((1, 2, 8), dtype=np.float16),
+    "encoder_input_features": np.ones((1, 2, 8), dtype=np.float16),
+    "cross_attention_mask": np.ones((1, 2, 2), dtype=bool),
+    "mrope_rotary_cos_sin": np.ones((1, 8), dtype=np.float32),
+    "retention_decode_priority": np.array([[80]], dtype=np.int32),
+    "retention_decode_duration_ms": np.array([[1000]], dtype=np.int32),
+    "return_context_logits": np.array([[True]]),
+    "return_generation_logits": np.array([[True]]),
+    "guided_decoding_guide_type": np.array([[b"json"]], dtype=object),
+    "guided_decoding_guide": np.array([[b"{}"]], dtype=object),
+    "skip_cross_attn_blocks": np.array([[True]]),
+}
+
+
+def neutral(name: str) -> np.ndarray:
+    accepted = UNSUPPORTED[name][1]
+    return np.array([[accepted[0]]]) if accepted else np.zeros((1, 0), dtype=np.int32)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_an_input_of_a_feature_we_lack_accepts_its_neutral_value_and_refuses_others(name):
+    [row] = parse_request(BASE | {name: neutral(name)}, LIMITS)
+    assert row.prompt_ids == [5, 6, 7]
+    with pytest.raises(RequestError, match=f"^{name}: .* is not supported by this server; {name} must be"):
+        parse_request(BASE | {name: NON_NEUTRAL[name]}, LIMITS)
+
+
+@pytest.mark.parametrize("name", IGNORED)
+def test_beam_search_and_draft_knobs_are_ignored_at_beam_width_1_as_tensorrt_llm_does(name):
+    [row] = parse_request(BASE | {name: np.array([[3]], dtype=np.int32)}, LIMITS)
+    assert row.params == parse_request(BASE, LIMITS)[0].params
+
+
+def test_a_batch_of_rows_becomes_one_request_per_row_trimmed_to_its_length():
+    arrays = {"input_ids": np.array([[5, 6, 7, 0], [8, 9, 10, 11]], dtype=np.int32),
+              "input_lengths": np.array([3, 4], dtype=np.int32),
+              "request_output_len": np.array([[2], [6]], dtype=np.int32),
+              "temperature": np.array([[0.5], [1.0]], dtype=np.float32)}
+    rows = parse_request(arrays, LIMITS)
+    assert [r.prompt_ids for r in rows] == [[5, 6, 7], [8, 9, 10, 11]]
+    assert [r.params.max_new_tokens for r in rows] == [2, 6]
+    with pytest.raises(RequestError, match=r"^request_output_len: batch size 1 differs from input_ids' 2"):
+        parse_request(arrays | {"request_output_len": np.array([[2]], dtype=np.int32)}, LIMITS)
+    with pytest.raises(RequestError, match=r"^input_lengths: 5 does not fit .* \(batch index 1\)"):
+        parse_request(arrays | {"input_lengths": np.array([3, 5], dtype=np.int32)}, LIMITS)
+
+
+def test_contract_inputs_reach_the_sampling_params():
+    bias = np.zeros((1, 512), dtype=np.float32)
+    [row] = parse_request(BASE | {"num_return_sequences": np.array([[3]], dtype=np.int32),
+                                  "runtime_top_p_min": np.array([[0.1]], dtype=np.float32),
+                                  "runtime_top_p_decay": np.array([[0.5]], dtype=np.float32),
+                                  "runtime_top_p_reset_ids": np.array([[-1]], dtype=np.int32),
+                                  "embedding_bias": bias, "return_perf_metrics": np.array([[True]])}, LIMITS)
+    p = row.params
+    assert (p.num_return_sequences, p.top_p_decay, p.top_p_reset_id) == (3, 0.5, None)
+    assert p.top_p_min == pytest.approx(0.1) and p.embedding_bias.shape == (512,) and row.return_perf_metrics
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
+                     kv_cache_memory_bytes=1 << 20)
+
+
+def run(engine, prompt, **params) -> dict[int, list[int]]:
+    """Tokens per sequence index, and the engine's blocks all free again at the end."""
+    request_id = engine.add_request(prompt, SamplingParams(**params))
+    tokens, finished = {}, False
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == request_id and not out.error and not finished
+            tokens.setdefault(out.sequence_index, []).extend(out.new_token_ids)
+            finished = out.request_finished
+    assert finished and engine.blocks.num_used_blocks == 0
+    return tokens
+
+
+def test_embedding_bias_moves_the_greedy_choice(engine):
+    prompt = random_prompts([9], 512, seed=3)[0]
+    [first] = run(engine, prompt, max_new_tokens=1).values()
+    bias = np.zeros(512, dtype=np.float32)
+    bias[first[0]] = -1e4                                      # as if banned
+    assert run(engine, prompt, max_new_tokens=1, embedding_bias=bias) == run(
+        engine, prompt, max_new_tokens=1, bad_words=[first])
+    bias[:] = 0
+    bias[77] = 1e4
+    assert run(engine, prompt, max_new_tokens=5, embedding_bias=bias) == {0: [77] * 5}
+    with pytest.raises(RequestError, match=r"embedding_bias: must hold one value per vocabulary entry \(512\)"):
+        engine.add_request(prompt, SamplingParams(embedding_bias=np.zeros(3, dtype=np.float32)))
+
+
+def test_top_p_decay_narrows_sampling_to_greedy_after_the_first_token(engine):
+    prompt = random_prompts([11], 512, seed=4)[0]
+    sampled = dict(temperature=1.0, top_p=0.95, seed=7, max_new_tokens=8)
+    [tokens] = run(engine, prompt, **sampled, top_p_decay=1e-6, top_p_min=1e-6).values()
+    assert run(engine, prompt + tokens[:1], max_new_tokens=7) == {0: tokens[1:]}    # greedy after the first
+    [plain] = run(engine, prompt, **sampled).values()
+    assert plain[0] == tokens[0] and plain != tokens                 # same first draw, then no decay
+    [reset] = run(engine, prompt, **sampled, top_p_decay=1e-6, top_p_min=1e-6, top_p_reset_id=tokens[1]).values()
+    assert reset[:2] == tokens[:2]                  # then the reset token restores top_p 0.95 for one draw
+    assert reset[2] != tokens[2] and run(engine, prompt + reset[:3], max_new_tokens=5) == {0: reset[3:]}
+
+
+@pytest.mark.parametrize("prompt_len", [8, 9, 11])                 # the last prompt block full, or not
+def test_return_sequences_share_the_prompt_blocks_and_sample_as_separate_seeds(engine, prompt_len):
+    prompt = random_prompts([prompt_len], 512, seed=prompt_len)[0]
+    greedy = run(engine, prompt, max_new_tokens=6, num_return_sequences=3)
+    assert greedy == {i: run(engine, prompt, max_new_tokens=6)[0] for i in range(3)}
+    sampled = dict(temperature=1.0, top_k=20, max_new_tokens=6)
+    together = run(engine, prompt, **sampled, seed=11, num_return_sequences=3)
+    alone = {i: run(engine, prompt, **sampled, seed=11 + (i << 32))[0] for i in range(3)}
+    assert together == alone and len({tuple(t) for t in together.values()}) > 1
+
+
+def test_forks_reuse_the_prompt_blocks_and_report_them(engine):
+    prompt = random_prompts([10], 512, seed=5)[0]
+    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=3, num_return_sequences=2))
+    engine.step()                                             # the prompt, and the fork
+    first, second = engine.seqs[request_id]
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] != first.block_table[2]
+    assert [engine.blocks.ref_counts[b] for b in first.block_table[:2]] == [2, 2]
+    assert (second.metrics.num_reused_blocks, second.metrics.num_new_blocks) == (2, 1)
+    while engine.has_unfinished:
+        engine.step()
+    m = first.metrics
+    assert 0 < m.arrival_time_ns <= m.first_scheduled_time_ns <= m.first_token_time_ns <= m.last_token_time_ns
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_aborting_a_request_ends_every_sequence_and_frees_their_blocks(engine):
+    request_id = engine.add_request(random_prompts([10], 512, seed=6)[0],
+                                    SamplingParams(max_new_tokens=20, num_return_sequences=4))
+    engine.step()
+    engine.step()
+    assert engine.abort(request_id) and not engine.has_unfinished and engine.blocks.num_used_blocks == 0
