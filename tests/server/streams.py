@@ -6,7 +6,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 TRITON_DTYPES = {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16", np.bool_: "BOOL",
-                 np.object_: "BYTES", np.int64: "INT64"}
+                 np.object_: "BYTES", np.int64: "INT64", np.uint8: "UINT8"}
 
 
 def make_inputs(**arrays) -> list[grpcclient.InferInput]:
@@ -65,6 +65,17 @@ class Stream:
             if response.get_response().parameters["triton_final_response"].bool_param:
                 result.num_final += 1
                 return result
+
+    def results(self, timeout_s: float = 120) -> list:
+        """Every response (InferResult) up to the final one; an error response raises."""
+        out = []
+        while True:
+            response, error = self.seen.pop(0) if self.seen else self.responses.get(timeout=timeout_s)
+            if error is not None:
+                raise RuntimeError(str(error))
+            out.append(response)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                return out
 
     def wait_first(self, timeout_s: float = 60) -> None:
         """Block until the first response has arrived (collect still sees it)."""
