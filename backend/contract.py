@@ -46,9 +46,17 @@ IGNORED = ("len_penalty", "early_stopping", "beam_search_diversity_rate", "draft
            "prompt_vocab_size", "pad_id")
 
 
-def check_unsupported(row: dict[str, np.ndarray]) -> None:
+# the same for the inputs only the text models (`ensemble`, `tensorrt_llm_bls`) declare
+TEXT_UNSUPPORTED: dict[str, tuple[str, tuple]] = {
+    "num_draft_tokens": ("speculative decoding with a draft model", (0,)),
+    "use_draft_logits": ("speculative decoding with a draft model", (False,)),
+    "decoder_text_input": ("encoder-decoder models", EMPTY),
+}
+
+
+def check_unsupported(row: dict[str, np.ndarray], table: dict[str, tuple[str, tuple]] = UNSUPPORTED) -> None:
     """Refuse, naming the input, any input of a feature we lack that asks for more than its neutral value."""
-    for name, (feature, neutral) in UNSUPPORTED.items():
+    for name, (feature, neutral) in table.items():
         if name not in row:
             continue
         value = np.asarray(row[name])

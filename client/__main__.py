@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from client.detokenize import IncrementalDetokenizer   # noqa: E402
-from client.grpc_client import LoraLLMClient            # noqa: E402
+from backend.text import IncrementalDetokenizer   # noqa: E402
+from client.grpc_client import LoraLLMClient      # noqa: E402
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
                                      exclude_input_in_output=True, **scalars):
             print(detok.add(chunk) if detok else " ".join(map(str, chunk)), end="" if detok else "\n", flush=True)
         if detok:
-            print(detok.flush())
+            print()
     finally:
         client.close()
 

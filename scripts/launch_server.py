@@ -2,6 +2,7 @@
 
     python scripts/launch_server.py [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--model-dir DIR]
         [--lora-prefetch-dir DIR] [--model-repository DIR] [--models lora_llm,...] [--no-restart]
+        [--decoupled_mode true|false] [--tensorrt_llm_model_name NAME]
 When tritonserver dies it is logged (exit code or signal) and started again with backoff.
 """
 import argparse
@@ -15,6 +16,8 @@ import sysconfig
 import time
 import urllib.request
 from pathlib import Path
+
+from render_repository import CORE, parse_bool, repository
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,7 +166,14 @@ def main() -> None:
     parser.add_argument("--models", help="load only these models of the repository (comma list)")
     parser.add_argument("--no-restart", dest="restart", action="store_false",
                         help="exit when tritonserver dies instead of starting it again")
+    parser.add_argument("--decoupled_mode", type=parse_bool, default=True,
+                        help="false: one response per request (unary ModelInfer, HTTP generate), no streaming")
+    parser.add_argument("--tensorrt_llm_model_name", default=CORE,
+                        help="the core model's name (tensorrt_llm for clients that hard-code it)")
     args = parser.parse_args()
+    if args.model_repository == ROOT / "model_repository":
+        args.model_repository = repository(ROOT / ".run" / "model_repository", args.decoupled_mode,
+                                           args.tensorrt_llm_model_name)
     env = {}
     if args.model_dir:
         env["LORA_LLM_MODEL_DIR"] = str(Path(args.model_dir).resolve())

@@ -39,11 +39,12 @@ class Server:
         raise KeyError(f"{name}{labels} not in metrics")
 
 
-def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None = None):
+def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None = None,
+               model_repository: Path = ROOT / "model_repository"):
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp(name) / "tritonserver.log"
     with open(log, "w") as log_file:
-        process = start_server(http, grpc, metrics, env=env, log_file=log_file, models=models)
+        process = start_server(http, grpc, metrics, model_repository, env=env, log_file=log_file, models=models)
     try:
         wait_ready(process, http)
     except Exception:

@@ -7,7 +7,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from client.text import load_tokenizer   # noqa: E402
+from backend.text import load_tokenizer   # noqa: E402
 
 
 class TritonPythonModel:

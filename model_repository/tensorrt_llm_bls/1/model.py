@@ -1,0 +1,1 @@
+../../ensemble/1/model.py

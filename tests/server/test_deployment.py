@@ -1,0 +1,105 @@
+"""TensorRT-LLM's deployment choices: decoupled mode off (unary ModelInfer, HTTP generate) and the core model
+under the name `tensorrt_llm`, on SmolLM2 with the text models, against the in-process engine."""
+import json
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend import LLMEngine
+from tests.helpers import ROOT
+from tests.server.conftest import run_server
+from tests.server.streams import make_inputs, run
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from render_repository import render  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def unary_server(tmp_path_factory, smollm2_dir):
+    repository = render(tmp_path_factory.mktemp("repo") / "model_repository", decoupled=False,
+                        core_name="tensorrt_llm")
+    env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(64 << 20)}
+    yield from run_server(tmp_path_factory, "unary-server", env, model_repository=repository)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    """The in-process engine's greedy completion of PROMPT, and its text."""
+    from backend.text import load_tokenizer
+    tokenizer = load_tokenizer(str(smollm2_dir))
+    ids = tokenizer(PROMPT)["input_ids"]
+    engine = LLMEngine(smollm2_dir, kv_cache_memory_bytes=64 << 20)
+    tokens = engine.generate([ids], max_new_tokens=MAX_NEW, end_id=tokenizer.eos_token_id)[0]
+    return ids, tokens, tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_unary_infer_on_the_core_model_named_tensorrt_llm(unary_server, reference):
+    ids, tokens, _ = reference
+    client = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    inputs = make_inputs(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                         request_output_len=np.array([[MAX_NEW]], np.int32),
+                         end_id=np.array([[2]], np.int32), exclude_input_in_output=np.array([[True]]))
+    result = client.infer("tensorrt_llm", inputs)
+    assert result.as_numpy("output_ids").reshape(-1).tolist() == tokens
+    assert result.as_numpy("sequence_length").tolist() == [[len(tokens)]]
+    with pytest.raises(Exception, match="streaming: streaming is only supported in decoupled mode"):
+        client.infer("tensorrt_llm", inputs + make_inputs(streaming=np.array([[True]])))
+    assert "lora_llm" not in json.dumps(client.get_model_repository_index(as_json=True))
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_http_generate_on_the_text_models(unary_server, reference, model):
+    _, _, text = reference
+    body = json.dumps({"text_input": PROMPT, "max_tokens": MAX_NEW, "exclude_input_in_output": True}).encode()
+    url = f"http://127.0.0.1:{unary_server.http_port}/v2/models/{model}/generate"
+    with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=120) as response:
+        answer = json.loads(response.read())
+    assert answer["text_output"] == text
+
+
+def test_the_text_models_refuse_streaming_when_not_decoupled(unary_server):
+    client = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    inputs = make_inputs(text_input=np.array([[PROMPT]], object), max_tokens=np.array([[4]], np.int32),
+                         stream=np.array([[True]]))
+    with pytest.raises(Exception, match="stream: streaming is only supported in decoupled mode"):
+        client.infer("ensemble", inputs)
+
+
+def test_the_decoupled_bls_answers_as_tensorrt_llm_end_to_end_client_reads_it(smollm2_server):
+    """text_output [1] per response (the client reads output[0].decode()), sequence_index per sample."""
+    inputs = {"text_input": np.array([[PROMPT]], object), "max_tokens": np.array([[MAX_NEW]], np.int32),
+              "stream": np.array([[False]]), "num_return_sequences": np.array([[2]], np.int32),
+              "top_k": np.array([[20]], np.int32), "temperature": np.array([[1.0]], np.float32),
+              "random_seed": np.array([[3]], np.uint64), "exclude_input_in_output": np.array([[True]])}
+    from tests.server.streams import Stream
+    stream = Stream(smollm2_server.grpc_url).send(inputs, model="tensorrt_llm_bls")
+    texts = {}
+    for result in stream.results():
+        output = result.as_numpy("text_output")
+        if output is not None:
+            assert output.shape == (1,)
+            texts[int(result.as_numpy("sequence_index")[0][0])] = output[0].decode("utf-8")
+    stream.close()
+    assert sorted(texts) == [0, 1] and all(texts.values())
+
+
+def test_embedding_bias_words_steer_the_text(smollm2_server):
+    base = run(smollm2_server.grpc_url, {"text_input": np.array([[PROMPT]], object),
+                                         "max_tokens": np.array([[MAX_NEW]], np.int32),
+                                         "exclude_input_in_output": np.array([[True]])},
+               model="ensemble", output="text_output")
+    biased = run(smollm2_server.grpc_url, {"text_input": np.array([[PROMPT]], object),
+                                           "max_tokens": np.array([[MAX_NEW]], np.int32),
+                                           "exclude_input_in_output": np.array([[True]]),
+                                           "embedding_bias_words": np.array([[" banana"]], object),
+                                           "embedding_bias_weights": np.array([[30.0]], np.float32)},
+                 model="ensemble", output="text_output")
+    base_text, biased_text = (r.chunks[0][0].decode() for r in (base, biased))
+    assert "banana" not in base_text and biased_text.count("banana") >= MAX_NEW // 2
