@@ -31,9 +31,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, kv_cache_free_gpu_mem_fraction on CUDA
     kv_cache_free_gpu_mem_fraction: float = 0.9   # of the memory free after the weights and a warm-up forward
     kv_watermark: float = 0.01                # share of blocks kept free when admitting new sequences
+    enable_kv_cache_reuse: bool = False       # full blocks named by content and adapter, reused across requests
     max_queue_size: int = 1024                # requests waiting to start; past it, a retryable "queue full" error
     max_words: int = 1024                     # stop words, and bad words, per request
     max_word_len: int = 64                    # tokens per stop or bad word
+    guided_decoding_backend: str = ""         # "xgrammar": guided decoding on (needs the model's tokenizer)
+    tokenizer_dir: str | None = None          # for guided decoding; default: model_dir
     kernel_backend: str = "auto"
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
@@ -42,6 +45,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.guided_decoding_backend not in ("", "xgrammar"):
+            raise ValueError(f"guided_decoding_backend must be xgrammar (or empty: off), got "
+                             f"{self.guided_decoding_backend!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if not DEVICE_RE.fullmatch(self.device):

@@ -34,8 +34,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "lookahead_ngram_size": ("lookahead decoding", EMPTY),
     "lookahead_verification_set_size": ("lookahead decoding", EMPTY),
     "context_phase_params": ("disaggregated serving", EMPTY),
-    "guided_decoding_guide_type": ("guided decoding", EMPTY),
-    "guided_decoding_guide": ("guided decoding", EMPTY),
     "return_context_logits": ("context logits outputs", (False,)),
     "return_generation_logits": ("generation logits outputs", (False,)),
 }

@@ -54,8 +54,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_config)
         self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype, self.runner.device)
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
-        self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark)
+        self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,
+                                   self.config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
+        self.guided = None
+        if self.config.guided_decoding_backend == "xgrammar":
+            from backend.guided import GuidedDecoding
+            self.guided = GuidedDecoding(self.config.tokenizer_dir or model_dir, self.model_config.vocab_size)
         self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
                                     self.config.max_word_len)
         self.seqs: dict[Hashable, list[Sequence]] = {}     # a request's sequences, by sequence index
@@ -75,6 +80,7 @@ class LLMEngine:
         lora = self.lora_cache.stats
         return {"seqs_running": len(self.scheduler.running), "seqs_waiting": len(self.scheduler.waiting),
                 "kv_used": self.blocks.num_used_blocks, "kv_free": self.blocks.num_free_blocks,
+                "kv_reuse_lookups": self.blocks.num_lookups, "kv_reuse_hits": self.blocks.num_hits,
                 "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
 
     def add_lora(self, task_id: int, weights, config) -> None:
@@ -124,15 +130,28 @@ class LLMEngine:
         if lora_adapter is not None:
             self.lora_cache.insert(int(lora_task_id), lora_adapter)
         lora_task_id = None if lora_task_id is None else int(lora_task_id)
-        members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i)
+        if params.guide_type is not None:
+            params.grammar = params.grammar or self.compile_guide(params)
+        for _ in range(params.num_return_sequences):
+            self.lora_cache.ref(lora_task_id)                # raises for an adapter the cache lacks
+        adapter_key = self.lora_cache.key(lora_task_id)
+        members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i, adapter_key=adapter_key)
                    for i in range(params.num_return_sequences)]
-        for seq in members:
-            self.lora_cache.ref(lora_task_id)
+        if params.grammar is not None:
+            for seq in members:
+                seq.matcher = self.guided.matcher(params.grammar)
         self.seqs[request_id] = members
         self.scheduler.add(members[0])
         if len(members) > 1:
             self.forks[members[0]] = members[1:]
         return request_id
+
+    def compile_guide(self, params: SamplingParams):
+        """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
+        if self.guided is None:
+            raise RequestError("guided_decoding_guide_type", "guided decoding is off: set the model parameter "
+                                                             "guided_decoding_backend to xgrammar")
+        return self.guided.compile(params.guide_type, params.guide)
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request (every sequence of it) and free what it holds. False if it is not in flight."""
@@ -159,6 +178,7 @@ class LLMEngine:
         sampled = [item for item in batch.items if item.samples]
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.commit(item.seq)
             if not item.seq.metrics.first_scheduled_time_ns:
                 item.seq.metrics.first_scheduled_time_ns = time.time_ns()
         return [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
@@ -172,6 +192,8 @@ class LLMEngine:
         seq.output_log_probs += log_probs
         if p.top_p_decay != 1.0 or p.top_p_reset_id is not None:
             seq.top_p = p.top_p if token == p.top_p_reset_id else max(seq.top_p * p.top_p_decay, p.top_p_min)
+        if seq.matcher is not None:
+            seq.matcher.accept_token(token)
         if seq in self.forks:
             self._fork(seq, self.forks.pop(seq))
         out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
@@ -196,6 +218,8 @@ class LLMEngine:
     @staticmethod
     def _finish_reason(seq: Sequence) -> str | None:
         p, out = seq.params, seq.output_ids
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"                      # the guide is complete
         if len(out) >= p.min_tokens:
             if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
                 return "stop"

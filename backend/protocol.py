@@ -148,6 +148,8 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
         top_p_decay=_scalar(arrays, "runtime_top_p_decay", float, 1.0),
         top_p_reset_id=_reset_id(_scalar(arrays, "runtime_top_p_reset_ids", int)),
         embedding_bias=_embedding_bias(arrays),
+        guide_type=_string(arrays, "guided_decoding_guide_type") or None,
+        guide=_string(arrays, "guided_decoding_guide"),
     )
     if params.temperature == 0.0 and sampling:
         params.top_k = 1                           # temperature 0 with sampling asked for: greedy
@@ -166,6 +168,16 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
         return_num_input_tokens=_scalar(arrays, "return_num_input_tokens", bool, False),
         return_num_output_tokens=_scalar(arrays, "return_num_output_tokens", bool, False),
     )
+
+
+def _string(arrays: dict, name: str) -> str:
+    if name not in arrays:
+        return ""
+    value = _unbatch(name, arrays[name]).reshape(-1)
+    if value.size != 1:
+        raise RequestError(name, f"must hold one string, got {value.size}")
+    text = value[0]
+    return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
 
 
 def _reset_id(value: int | None) -> int | None:

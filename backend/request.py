@@ -54,6 +54,9 @@ class SamplingParams:
     top_p_decay: float = 1.0                  # max(top_p * decay, top_p_min), and the initial top_p again
     top_p_reset_id: int | None = None         # when the token is top_p_reset_id
     embedding_bias: object | None = None      # [vocab] float32 added to the logits (numpy or torch)
+    guide_type: str | None = None             # guided decoding: json, json_schema, regex, ebnf_grammar
+    guide: str = ""
+    grammar: object | None = None             # the guide compiled (backend/guided.py), before the engine sees it
 
     @property
     def greedy(self) -> bool:
@@ -164,6 +167,9 @@ class Sequence:
     sequence_index: int = 0                   # which of the request's num_return_sequences this is
     seed_key: int = 0                         # 31 bits of the request's seed (a random one if none was given)
     top_p: float = 1.0                        # this step's top_p (decays with runtime_top_p_decay)
+    adapter_key: bytes = b""                  # the adapter (task id and version) in the names of its KV blocks
+    block_digests: list[bytes] = field(default_factory=list)    # names of its full blocks, when reuse is on
+    matcher: object | None = None             # its grammar's state, under guided decoding
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ class SamplingPlan:
     num_presence: int
     num_bans: int
     num_biased: int
+    num_guided: int
     any_log_probs: bool
     t: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -47,11 +48,15 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
         ban_rows += [row] * len(banned)
         ban_tokens += banned
     biased = [i for i, p in enumerate(params) if p.embedding_bias is not None]
+    guided = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    bitmask = torch.zeros(len(guided), -(-vocab_size // 32), dtype=torch.int32)
+    for row, i in enumerate(guided):
+        seqs[i].matcher.fill_next_token_bitmask(bitmask, row)
     top_k = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0 for p in params]
     plan = SamplingPlan(
         num_rows=len(seqs), any_sampled=any(not p.greedy for p in params), max_top_k=max(top_k, default=0),
         any_top_p=any(seq.top_p < 1.0 and not seq.params.greedy for seq in seqs), num_repetition=len(rep),
-        num_presence=len(pres), num_bans=len(ban_rows), num_biased=len(biased),
+        num_presence=len(pres), num_bans=len(ban_rows), num_biased=len(biased), num_guided=len(guided),
         any_log_probs=any(p.return_log_probs for p in params))
     plan.t = {
         "s_greedy": torch.tensor([p.greedy for p in params], dtype=torch.int32),
@@ -72,6 +77,8 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
         "s_bias_rows": torch.tensor(biased, dtype=torch.int32),
         "s_bias": torch.stack([torch.as_tensor(params[i].embedding_bias, dtype=torch.float32) for i in biased])
         if biased else torch.zeros(0, vocab_size, dtype=torch.float32),
+        "s_guided_rows": torch.tensor(guided, dtype=torch.int32),
+        "s_bitmask": bitmask,
     }
     return plan
 
@@ -117,10 +124,22 @@ def apply_bias(logits: torch.Tensor, plan: SamplingPlan) -> None:
 
 
 def apply_bans(logits: torch.Tensor, plan: SamplingPlan) -> None:
+    """Banned tokens (end_id before min_tokens, bad words), and under guided decoding every token the grammar
+    does not allow next."""
+    t = plan.t
     if plan.num_bans:
-        t = plan.t
         rows = t["s_ban_rows"].long()
         logits.index_put_((rows, t["s_ban_tokens"].long()), logits.new_full(rows.shape, float("-inf")))
+    if plan.num_guided:
+        rows = t["s_guided_rows"].long()
+        allowed = guided_tokens(t["s_bitmask"], logits.shape[1])
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+
+
+def guided_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit t: token t allowed) -> [rows, vocab] bool."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[:, :, None] >> bits) & 1).reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

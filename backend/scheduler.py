@@ -80,16 +80,22 @@ class Scheduler:
         waiting_for_slot: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            num_reused = self.blocks.match_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_allocate(seq, num_new, keep_watermark=True):
+                if num_reused:
+                    self.blocks.free(seq)            # back to evictable, matched again next time
                 break
             self.waiting.popleft()
             if self.adapters is not None:
                 if not self.adapters.can_acquire(seq.lora_task_id):
+                    if num_reused:
+                        self.blocks.free(seq)
                     waiting_for_slot.append(seq)     # later requests on resident adapters (or none) may still run
                     continue
                 self.adapters.acquire(seq.lora_task_id)
             seq.status = Status.RUNNING
+            self.blocks.count_reuse(seq, num_reused)
             self.blocks.allocate(seq, num_new)
             items.append(ScheduledSeq(seq, num_new))
             self.running.append(seq)

@@ -56,18 +56,23 @@ class EngineLoop:
 
     def submit(self, stream: Stream, name: str = "") -> None:
         """Queue a request for the loop. Runs on the caller's thread, which also parses the adapter weights the
-        request brings, so that a large adapter never stalls the streams in flight."""
+        request brings and compiles its grammar, so that neither ever stalls the streams in flight."""
         if not self.alive:
             stream.fail(f"engine unavailable: {self.broken or 'the engine loop has stopped'}")
             return
         try:
             for r in stream.requests:
+                self._compile_guide(r)
                 self._parse_adapter(r)
         except RequestError as err:
             self._uncount(stream)
             stream.fail(str(err))
             return
         self.inbox.put(("add", stream, name))
+
+    def _compile_guide(self, r: ParsedRequest) -> None:
+        if r.params.guide_type is not None and r.params.grammar is None:
+            r.params.grammar = self.engine.compile_guide(r.params)
 
     def _parse_adapter(self, r: ParsedRequest) -> None:
         if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:

@@ -30,32 +30,34 @@ from backend.model.config import ModelConfig                   # noqa: E402
 QUICK_REQUESTS = 32                           # --quick caps every workload at this many requests
 
 
-def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dict) -> dict:
+def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dict, kv_reuse: bool | None = None) -> dict:
     workload = WORKLOADS[name]
     cap = args.requests or (QUICK_REQUESTS if args.quick else workload.num_requests)
     requests = make_requests(workload, cfg.vocab_size, min(cap, workload.num_requests))
     if workload.server:
         res = run_server_workload(args.model_dir, requests, workload, args.dtype)
     else:
-        engine = make_engine(args.model_dir, args.dtype, workload)
+        engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse)
         res = run_engine(engine, requests, name)
         if args.plot and name in ("W1", "W2"):
             res["sweep"] = sweep_concurrency(engine, requests, name)
         del engine
-    samples[name] = {"TTFT": res.pop("ttfts_s"), "ITL": res.pop("itls_s")}
+    samples[name if kv_reuse is not False else f"{name}_no_reuse"] = {"TTFT": res.pop("ttfts_s"),
+                                                                      "ITL": res.pop("itls_s")}
     res["requests"] = len(requests)
     res["roofline_frac"] = workload_flops(cfg, requests) / res["seconds"] / 1e9 / roofline["roofline_gflops"]
     if name == "W3":
         res["bandwidth_bound_tok_s"] = roofline["memory_gbps"] * 1e9 / weight_bytes(cfg, args.dtype)
         res["bandwidth_frac"] = res["tok_s"] / res["bandwidth_bound_tok_s"]
-    print(f"{name}: {res['tok_s']:.1f} tok/s ({res['output_tokens']} tokens in {res['seconds']:.1f} s), "
-          f"{100 * res['roofline_frac']:.1f}% of roofline", flush=True)
+    label = name if kv_reuse is not False else f"{name} without KV reuse"
+    print(f"{label}: {res['tok_s']:.1f} tok/s ({res['output_tokens']} tokens in {res['seconds']:.1f} s), "
+          f"TTFT p50 {res['ttft_p50_s']:.2f} s, {100 * res['roofline_frac']:.1f}% of roofline", flush=True)
     return res
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="W2,W3", help="W1..W5, a comma list, or all")
+    parser.add_argument("--workload", default="W2,W3", help="W1..W6, a comma list, or all")
     parser.add_argument("--requests", type=int, help="scale every workload down to at most N requests")
     parser.add_argument("--quick", action="store_true", help=f"at most {QUICK_REQUESTS} requests per workload")
     parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
@@ -81,12 +83,14 @@ def main() -> None:
     samples: dict = {}
     for name in names:
         results[name] = run_workload(name, args, cfg, roofline, samples)
+        if WORKLOADS[name].kv_reuse:
+            results[f"{name}_no_reuse"] = run_workload(name, args, cfg, roofline, samples, kv_reuse=False)
         if args.baseline == "hf" and WORKLOADS[name].hf_baseline:
             requests = make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"])
             results[f"{name}_hf"] = run_hf(args.model_dir, requests, args.dtype, WORKLOADS[name])
             print(f"{name}_hf: {results[f'{name}_hf']['tok_s']:.1f} tok/s", flush=True)
     results["ratios"] = ratios(results)
-    print_table(results, names)
+    print_table(results, [n for name in names for n in (name, f"{name}_no_reuse") if n in results])
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     if args.plot:

@@ -13,11 +13,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu") -> LLMEngine:
+def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_reuse: bool | None = None) -> LLMEngine:
     """The engine as the workload wants it (kernels: torch on CPU, Triton on CUDA)."""
     engine = LLMEngine(model_dir, dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
                        max_num_batched_tokens=2048, max_loras=workload.max_loras,
-                       max_lora_rank=workload.max_lora_rank)
+                       max_lora_rank=workload.max_lora_rank,
+                       enable_kv_cache_reuse=workload.kv_reuse if kv_reuse is None else kv_reuse)
     workload.setup(engine)
     return engine
 
@@ -53,6 +54,7 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
     bar.close()
     ttfts = list(first.values())
     return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens, "steps": num_steps,
+            "kv_reuse_hit_rate": engine.blocks.num_hits / max(1, engine.blocks.num_lookups),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
             "ttfts_s": ttfts, "itls_s": gaps}

@@ -15,6 +15,9 @@ def ratios(results: dict) -> dict:
             out[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
     if "W3" in results:
         out["W3_bandwidth_frac"] = results["W3"]["bandwidth_frac"]
+    if "W6" in results and "W6_no_reuse" in results:
+        out["W6_ttft_p50_gain"] = results["W6_no_reuse"]["ttft_p50_s"] / results["W6"]["ttft_p50_s"]
+        out["W6_kv_reuse_hit_rate"] = results["W6"]["kv_reuse_hit_rate"]
     for name in ("W1", "W2"):
         if name in results:
             out[f"{name}_roofline_frac"] = results[name]["roofline_frac"]
@@ -28,12 +31,12 @@ def _ms(value: float | None) -> str:
 def print_table(results: dict, names: list[str]) -> None:
     print(f"\n{results['machine']}; matmul {results['roofline_gflops']:.0f} GFLOP/s, "
           f"copy {results['memory_gbps']:.1f} GB/s")
-    print(f"{'':4} {'reqs':>4} {'tok/s':>8} {'HF tok/s':>9} {'x HF':>6} {'roofline':>8} "
+    print(f"{'':12} {'reqs':>4} {'tok/s':>8} {'HF tok/s':>9} {'x HF':>6} {'roofline':>8} "
           f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
     for name in names:
         res, base = results[name], results.get(f"{name}_hf")
         vs = f"{res['tok_s'] / base['tok_s']:.2f}" if base else "-"
-        print(f"{name:4} {res['requests']:4d} {res['tok_s']:8.1f} {base['tok_s'] if base else float('nan'):9.1f} "
+        print(f"{name:12} {res['requests']:4d} {res['tok_s']:8.1f} {base['tok_s'] if base else float('nan'):9.1f} "
               f"{vs:>6} {100 * res['roofline_frac']:7.1f}% "
               f"{_ms(res.get('ttft_p50_s')) + '/' + _ms(res.get('ttft_p99_s')):>16} "
               f"{_ms(res.get('itl_p50_s')) + '/' + _ms(res.get('itl_p99_s')):>15}")

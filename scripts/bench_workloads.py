@@ -16,6 +16,8 @@ class Workload:
     max_loras: int = 8
     max_lora_rank: int = 64
     server: bool = False                      # through tritonserver (gRPC streaming, concurrency 32)
+    system_prompt: int = 0                    # tokens of a system prompt per adapter (and one for the base)
+    kv_reuse: bool = False                    # run with enable_kv_cache_reuse (and once without, for the gain)
 
     def setup(self, engine) -> None:
         """Register the workload's adapters with the engine (none for base-only workloads)."""
@@ -31,6 +33,8 @@ WORKLOADS = {
     "W4": Workload("W4", 128, (32, 256), 64, adapter_ranks=(8, 16, 32, 64) * 4, base_every=8, max_loras=16,
                    hf_baseline=False, server=True),
     "W5": Workload("W5", 256, (64, 64), 32, adapter_ranks=(8,) * 128, max_loras=8, max_lora_rank=8),
+    "W6": Workload("W6", 64, (16, 48), 16, max_num_seqs=16, hf_baseline=False, adapter_ranks=(16,) * 4,
+                   base_every=5, system_prompt=256, kv_reuse=True),
 }
 
 
@@ -38,6 +42,8 @@ def make_requests(workload: Workload, vocab_size: int, num_requests: int | None 
     """Seeded prompts (random token ids) and the adapter of each request."""
     rng = random.Random(seed)
     n = num_requests or workload.num_requests
+    system = {task: [rng.randrange(3, vocab_size) for _ in range(workload.system_prompt)]
+              for task in [None, *range(1, 1 + len(workload.adapter_ranks))]}
     requests = []
     num_with_adapter = 0
     for i in range(n):
@@ -47,5 +53,6 @@ def make_requests(workload: Workload, vocab_size: int, num_requests: int | None 
         if workload.adapter_ranks and not (workload.base_every and i % workload.base_every == workload.base_every - 1):
             request["lora_task_id"] = 1 + num_with_adapter % len(workload.adapter_ranks)     # every adapter in turn
             num_with_adapter += 1
+        request["prompt"] = system[request["lora_task_id"]] + request["prompt"]
         requests.append(request)
     return requests

@@ -40,6 +40,7 @@ class LoraCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()      # least recently used first
+        self.versions: dict[int, int] = {}                            # adapters inserted under each task id
         self.in_use: Counter[int] = Counter()                          # waiting + running requests per task
         self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype, self.device)
         self.slot_of: dict[int, int] = {}
@@ -76,6 +77,11 @@ class LoraCache:
             self._evict_host(victim)
         self.host[task_id] = adapter.pinned(self.device)
         self.stats.host_bytes += size
+        self.versions[task_id] = self.versions.get(task_id, 0) + 1
+
+    def key(self, task_id: int | None) -> bytes:
+        """The identity of the adapter a task id names now (its weights may change after an eviction)."""
+        return b"" if task_id is None else f"{task_id}.{self.versions[task_id]}".encode()
 
     def contains(self, task_id: int) -> bool:
         return task_id in self.host

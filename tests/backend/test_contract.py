@@ -23,8 +23,6 @@ NON_NEUTRAL = {name: np.array([[1]], dtype=np.int32) for name in UNSUPPORTED} | 
     "retention_decode_duration_ms": np.array([[1000]], dtype=np.int32),
     "return_context_logits": np.array([[True]]),
     "return_generation_logits": np.array([[True]]),
-    "guided_decoding_guide_type": np.array([[b"json"]], dtype=object),
-    "guided_decoding_guide": np.array([[b"{}"]], dtype=object),
     "skip_cross_attn_blocks": np.array([[True]]),
 }
 

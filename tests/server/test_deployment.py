@@ -103,3 +103,28 @@ def test_embedding_bias_words_steer_the_text(smollm2_server):
                  model="ensemble", output="text_output")
     base_text, biased_text = (r.chunks[0][0].decode() for r in (base, biased))
     assert "banana" not in base_text and biased_text.count("banana") >= MAX_NEW // 2
+
+
+@pytest.mark.parametrize("guide_type, guide, check", [
+    ("json_schema", json.dumps({"type": "object", "properties": {"colour": {"type": "string", "maxLength": 10}},
+                                "required": ["colour"], "additionalProperties": False}),
+     lambda text: set(json.loads(text)) == {"colour"}),
+    ("regex", "(red|green|blue), (red|green|blue)", lambda text: text.count(", ") == 1 and len(text) <= 12),
+])
+def test_guided_decoding_through_the_text_model(smollm2_server, guide_type, guide, check):
+    result = run(smollm2_server.grpc_url, {"text_input": np.array([[PROMPT]], object),
+                                           "max_tokens": np.array([[40]], np.int32),
+                                           "exclude_input_in_output": np.array([[True]]),
+                                           "guided_decoding_guide_type": np.array([[guide_type]], object),
+                                           "guided_decoding_guide": np.array([[guide]], object)},
+                 model="ensemble", output="text_output")
+    assert result.error is None and check(result.chunks[0][0].decode())
+
+
+def test_a_guide_that_does_not_compile_is_an_error_naming_the_input(smollm2_server):
+    result = run(smollm2_server.grpc_url, {"text_input": np.array([[PROMPT]], object),
+                                           "max_tokens": np.array([[8]], np.int32),
+                                           "guided_decoding_guide_type": np.array([["json_schema"]], object),
+                                           "guided_decoding_guide": np.array([["{oops"]], object)},
+                 model="ensemble", output="text_output")
+    assert result.error and "guided_decoding_guide: does not compile as json_schema" in result.error

@@ -26,8 +26,9 @@ INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len")
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
+BOOL_PARAMS = ("enable_kv_cache_reuse",)
 INT_LIST_PARAMS = ("inject_fault_steps",)
-PATH_PARAMS = ("model_dir", "lora_prefetch_dir")
+PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir")
 LORA_STATS = LoraCacheStats.__slots__
 
 
@@ -42,6 +43,8 @@ def engine_kwargs(model_config: dict) -> dict:
             value = int(value)
         elif name in FLOAT_PARAMS:
             value = float(value)
+        elif name in BOOL_PARAMS:
+            value = value.lower() in ("true", "1")
         elif name in INT_LIST_PARAMS:
             value = tuple(int(v) for v in value.split(","))
         elif name in PATH_PARAMS and not os.path.isabs(value):
@@ -133,6 +136,8 @@ class Metrics:
             step := fam("lora_llm_step_seconds", "Engine step latency", fam.HISTOGRAM),
             alive := fam("lora_llm_engine_alive", "1 while the engine loop serves requests, 0 once it cannot",
                          fam.GAUGE),
+            reuse := fam("lora_llm_kv_cache_reuse", "KV cache reuse: prompt blocks looked up, found, and the hit rate",
+                         fam.GAUGE),
         ]
         buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         self.counters = {s: requests.Metric(labels={"status": s}) for s in ("success", "failure", "cancelled")}
@@ -140,6 +145,7 @@ class Metrics:
         self.gauges = {f"seqs_{s}": seqs.Metric(labels={"state": s}) for s in ("running", "waiting")}
         self.gauges |= {f"kv_{s}": blocks.Metric(labels={"state": s}) for s in ("used", "free")}
         self.alive = alive.Metric(labels={})
+        self.reuse = {s: reuse.Metric(labels={"stat": s}) for s in ("lookups", "hits", "hit_rate")}
         self.lora_gauges = {name: lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
                             for name in LORA_STATS}
         self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets),
@@ -163,6 +169,10 @@ class Metrics:
                 gauge.set(stats[name])
             for name, gauge in self.lora_gauges.items():
                 gauge.set(stats["lora"][name])
+            lookups, hits = stats["kv_reuse_lookups"], stats["kv_reuse_hits"]
+            self.reuse["lookups"].set(lookups)
+            self.reuse["hits"].set(hits)
+            self.reuse["hit_rate"].set(hits / lookups if lookups else 0.0)
 
 
 def check_unary(rows) -> None:
