@@ -57,10 +57,14 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,
                                    self.config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
-        self.guided = None
+        self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if self.config.guided_decoding_backend == "xgrammar":
             from backend.guided import GuidedDecoding
-            self.guided = GuidedDecoding(self.config.tokenizer_dir or model_dir, self.model_config.vocab_size)
+            tokenizer_dir = self.config.tokenizer_dir or model_dir
+            try:
+                self.guided = GuidedDecoding(tokenizer_dir, self.model_config.vocab_size)
+            except (OSError, ValueError) as err:      # a token-ids-only deployment: no tokenizer, no grammars
+                self.guided_off = f"no tokenizer in {tokenizer_dir} ({type(err).__name__})"
         self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
                                     self.config.max_word_len)
         self.seqs: dict[Hashable, list[Sequence]] = {}     # a request's sequences, by sequence index
@@ -149,8 +153,7 @@ class LLMEngine:
     def compile_guide(self, params: SamplingParams):
         """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
         if self.guided is None:
-            raise RequestError("guided_decoding_guide_type", "guided decoding is off: set the model parameter "
-                                                             "guided_decoding_backend to xgrammar")
+            raise RequestError("guided_decoding_guide_type", f"guided decoding is off: {self.guided_off}")
         return self.guided.compile(params.guide_type, params.guide)
 
     def abort(self, request_id: Hashable) -> bool:

@@ -73,5 +73,9 @@ def test_a_guide_that_does_not_compile_is_refused(engine):
 
 def test_guided_decoding_off_refuses_a_guide(tiny_model_dir):
     engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
-    with pytest.raises(RequestError, match="guided_decoding_guide_type: guided decoding is off"):
+    with pytest.raises(RequestError, match="guided_decoding_guide_type: guided decoding is off: set the model"):
         engine.add_request([1, 2], SamplingParams(guide_type="json"))
+    no_tokenizer = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20,
+                             guided_decoding_backend="xgrammar")
+    with pytest.raises(RequestError, match="guided decoding is off: no tokenizer in"):
+        no_tokenizer.add_request([1, 2], SamplingParams(guide_type="json"))

@@ -60,7 +60,7 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
     assert "Segmentation fault" not in log.read_text() and "signal 11" not in log.read_text()
 
 
-TINY_ENV = {"LORA_LLM_GUIDED_DECODING_BACKEND": "", "LORA_LLM_DTYPE": "float32", "LORA_LLM_KERNEL_BACKEND": "torch", "LORA_LLM_KV_BLOCK_SIZE": "16",
+TINY_ENV = {"LORA_LLM_DTYPE": "float32", "LORA_LLM_KERNEL_BACKEND": "torch", "LORA_LLM_KV_BLOCK_SIZE": "16",
             "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(4 << 20), "LORA_LLM_MAX_LORAS": "4", "LORA_LLM_MAX_NUM_SEQS": "32"}
 
 
