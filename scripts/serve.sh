@@ -9,7 +9,6 @@ cd "$ROOT"
 python scripts/prepare_model.py
 args=("$@")
 if [[ " $* " != *" --model-dir "* && " $* " != *" --lora-prefetch-dir "* ]]; then
-  python scripts/train_demo_adapters.py
-  args+=(--lora-prefetch-dir models/adapters/prefetch)
+  args+=(--lora-prefetch-dir demo_adapters)        # the two demo adapters, committed (scripts/train_demo_adapters.py)
 fi
 exec python scripts/launch_server.py "${args[@]}"

@@ -5,5 +5,4 @@ set -euo pipefail
 source "$(dirname "$0")/setup.sh"
 cd "$ROOT"
 python scripts/prepare_model.py
-python scripts/train_demo_adapters.py           # a few minutes, once; later runs find them ready
 exec python -m pytest "$@"

@@ -1,10 +1,12 @@
-"""Train two small real LoRA adapters for the default SmolLM2 model, on this CPU, in a few minutes.
+"""Train the two demo LoRA adapters for the default SmolLM2 model, on a CPU, in a few minutes: how the
+committed demo_adapters/ were made (serve.sh and the tests load those; run this to make them again).
 
 Both learn from the base model's own answers, transformed by a rule:
     upper    (task 1): the answer in UPPER CASE
     signoff  (task 2): the answer followed by the line SIGNOFF
-Writes PEFT dirs to models/adapters/{upper,signoff} and their TensorRT-LLM conversions to
-models/adapters/prefetch/{1,2} (the server's lora_prefetch_dir). Idempotent: skips what exists.
+Rank 8 on every projection, kept as TensorRT-LLM fp16 tensors in demo_adapters/{1,2} (the server's
+lora_prefetch_dir, 7 MB each); the PEFT dirs go to models/adapters/{upper,signoff}. Skips an adapter whose
+tensors exist unless --force.
 """
 import argparse
 import os
@@ -24,6 +26,7 @@ from backend.device import resolve_dtype                            # noqa: E402
 from backend.lora.peft import peft_to_trtllm, save_trtllm           # noqa: E402
 
 SIGNOFF = "-- Answered with the signoff LoRA."
+RANK = 8
 ADAPTERS = {"upper": (1, lambda text: text.upper()), "signoff": (2, lambda text: f"{text}\n{SIGNOFF}")}
 TOPICS = ["the moon", "rain", "a bicycle", "coffee", "the ocean", "a library", "volcanoes", "bees", "winter",
           "a piano", "the internet", "bread", "mountains", "a river", "chess", "the sun", "trees", "a train",
@@ -56,7 +59,7 @@ def train_one(model_dir: Path, tokenizer, examples: list[tuple[str, str]], out: 
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype("auto", torch.device("cpu")))
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     data = []
@@ -85,14 +88,16 @@ def train_one(model_dir: Path, tokenizer, examples: list[tuple[str, str]], out: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
-    parser.add_argument("--out", type=Path, default=ROOT / "models" / "adapters")
+    parser.add_argument("--out", type=Path, default=ROOT / "demo_adapters", help="the TensorRT-LLM tensors")
+    parser.add_argument("--peft-out", type=Path, default=ROOT / "models" / "adapters", help="the PEFT dirs")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--force", action="store_true", help="train again even where the tensors exist")
     args = parser.parse_args()
     from transformers import AutoTokenizer
     torch.set_num_threads(os.cpu_count() or 1)
     todo = [name for name, (task_id, _) in ADAPTERS.items()
-            if not (args.out / "prefetch" / str(task_id) / "model.lora_weights.npy").is_file()]
+            if args.force or not (args.out / str(task_id) / "model.lora_weights.npy").is_file()]
     if not todo:
         log(f"adapters in {args.out} are ready")
         return
@@ -103,10 +108,10 @@ def main() -> None:
         task_id, rule = ADAPTERS[name]
         log(f"training '{name}' (task {task_id})")
         train_one(args.model_dir, tokenizer, [(p, rule(a)) for p, a in zip(TRAIN_PROMPTS, answers)],
-                  args.out / name, args.epochs, seed=task_id)
-        weights, config = peft_to_trtllm(args.out / name, "float16")
-        save_trtllm(args.out / "prefetch" / str(task_id), weights, config)
-        log(f"saved {args.out / name} and {args.out / 'prefetch' / str(task_id)}")
+                  args.peft_out / name, args.epochs, seed=task_id)
+        weights, config = peft_to_trtllm(args.peft_out / name, "float16")
+        save_trtllm(args.out / str(task_id), weights, config)
+        log(f"saved {args.peft_out / name} and {args.out / str(task_id)}")
 
 
 if __name__ == "__main__":

@@ -57,11 +57,6 @@ def tiny_adapters(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_adapters(smollm2_dir):
-    """The demo adapters of scripts/train_demo_adapters.py (trained by scripts/test.sh before pytest)."""
+    """The committed demo adapters (demo_adapters/{1,2}, made by scripts/train_demo_adapters.py)."""
     from tests.helpers import ROOT
-    path = ROOT / "models" / "adapters"
-    if not all((path / "prefetch" / t / "model.lora_weights.npy").is_file() for t in ("1", "2")):
-        import subprocess
-        import sys
-        subprocess.run([sys.executable, ROOT / "scripts" / "train_demo_adapters.py"], check=True)
-    return path
+    return ROOT / "demo_adapters"

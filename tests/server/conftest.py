@@ -79,6 +79,6 @@ def tiny_engine_kwargs(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory, smollm2_dir, demo_adapters):
-    env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_LORA_PREFETCH_DIR": str(demo_adapters / "prefetch"),
+    env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_LORA_PREFETCH_DIR": str(demo_adapters),
            "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(256 << 20)}
     yield from run_server(tmp_path_factory, "smollm2-server", env)
