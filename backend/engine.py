@@ -31,6 +31,7 @@ class StepOutput:
     sequence_index: int = 0                   # which of the request's num_return_sequences
     request_finished: bool = False            # every sequence of the request is done: its last output
     metrics: SeqMetrics | None = None
+    generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
 
 
 # the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
@@ -174,7 +175,8 @@ class LLMEngine:
             if self.num_steps in self.config.inject_fault_steps:
                 raise RuntimeError(f"injected fault at step {self.num_steps}")
             waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
-            tokens, log_probs = self.runner.run(batch, self.lora_cache, prefetch=[seq.lora_task_id for seq in waiting])
+            tokens, log_probs, logits = self.runner.run(batch, self.lora_cache,
+                                                        prefetch=[seq.lora_task_id for seq in waiting])
         except Exception as exc:             # a failed step fails its batch, never the engine
             failed = dict.fromkeys(item.seq.request_id for item in batch.items)
             return [self._finish_request(request_id, "error", error=f"engine failure: {exc}") for request_id in failed]
@@ -184,7 +186,10 @@ class LLMEngine:
             self.blocks.commit(item.seq)
             if not item.seq.metrics.first_scheduled_time_ns:
                 item.seq.metrics.first_scheduled_time_ns = time.time_ns()
-        return [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
+        outputs = [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
+        for row, row_logits in logits.items():
+            outputs[row].generation_logits = row_logits
+        return outputs
 
     def _append(self, seq: Sequence, token: int, log_prob: float) -> StepOutput:
         seq.output_ids.append(token)

@@ -48,6 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_log_probs: bool = False
+    return_generation_logits: bool = False    # each sampled token's [vocab] logits, as the model gave them
     beam_width: int = 1
     num_return_sequences: int = 1             # samples of the prompt, sharing its KV blocks
     top_p_min: float = 1e-6                   # top-p decay (TensorRT-LLM): after each token top_p becomes

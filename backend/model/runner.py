@@ -87,10 +87,11 @@ class ModelRunner:
                 v.index_copy_(1, dst, v.index_select(1, src))
 
     def run(self, batch: Batch, lora_cache: LoraCache | None = None,
-            prefetch: list[int | None] = ()) -> tuple[list[int], list[float]]:
+            prefetch: list[int | None] = ()) -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
         """The next token and its log prob for each sequence whose chunk reaches its last token, in the order of
-        batch.items (which this sorts by adapter slot, so that each adapter is one segment). The adapters in
-        `prefetch` start uploading while the step computes."""
+        batch.items (which this sorts by adapter slot, so that each adapter is one segment), and the raw logits
+        [vocab] (host, fp32) of the rows whose request asked for them, by row. The adapters in `prefetch` start
+        uploading while the step computes."""
         with on(self.device):
             return self._run(batch, lora_cache, prefetch)
 
@@ -111,8 +112,12 @@ class ModelRunner:
             lora_cache.wait_for_slots(segments.slots_list)
             ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
         logits = self.model.forward(ctx, self.kv_caches)
+        wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
+                  if seq.params.return_generation_logits]
+        raw = logits[wanted].clone() if wanted else None          # before sampling changes them in place
         tokens, log_probs = sampler.sample(logits, plan)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
         host = self.staging.download(torch.stack([tokens.double(), log_probs.double()]))
-        return host[0].long().tolist(), host[1].tolist()
+        raw = {} if raw is None else dict(zip(wanted, raw.cpu()))     # a second copy, only when asked for
+        return host[0].long().tolist(), host[1].tolist(), raw

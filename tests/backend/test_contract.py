@@ -22,7 +22,6 @@ NON_NEUTRAL = {name: np.array([[1]], dtype=np.int32) for name in UNSUPPORTED} | 
     "retention_decode_priority": np.array([[80]], dtype=np.int32),
     "retention_decode_duration_ms": np.array([[1000]], dtype=np.int32),
     "return_context_logits": np.array([[True]]),
-    "return_generation_logits": np.array([[True]]),
     "skip_cross_attn_blocks": np.array([[True]]),
 }
 
@@ -149,3 +148,19 @@ def test_aborting_a_request_ends_every_sequence_and_frees_their_blocks(engine):
     engine.step()
     engine.step()
     assert engine.abort(request_id) and not engine.has_unfinished and engine.blocks.num_used_blocks == 0
+
+
+def test_generation_logits_are_the_models_logits_of_each_new_token(engine, hf_tiny):
+    import torch
+    prompt = random_prompts([9], 512, seed=8)[0]
+    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=4, return_generation_logits=True,
+                                                           repetition_penalty=1.5))
+    tokens, rows = [], []
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == request_id
+            tokens += out.new_token_ids
+            rows += [out.generation_logits] if out.new_token_ids else []
+    with torch.no_grad():
+        hf = hf_tiny(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    assert torch.allclose(torch.stack(rows), hf.float(), atol=1e-4)   # raw: before the repetition penalty

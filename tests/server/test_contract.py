@@ -145,6 +145,20 @@ def test_return_sequences_stream_with_their_sequence_index(tiny_server, engine):
     assert tokens == want
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_generation_logits_come_with_each_token(tiny_server, engine, streaming):
+    prompt = random_prompts([7], 512, seed=63)[0]
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs(prompt, MAX_NEW, streaming,
+                                                             return_generation_logits=np.array([[True]]),
+                                                             exclude_input_in_output=np.array([[True]])))
+    results = [r for r in stream.results() if r.as_numpy("output_ids") is not None]
+    stream.close()
+    logits = np.concatenate([r.as_numpy("generation_logits") for r in results], axis=2)
+    tokens = [t for r in results for t in r.as_numpy("output_ids").reshape(-1).tolist()]
+    assert logits.shape == (1, 1, MAX_NEW, 512) and tokens == one(engine, prompt, max_new_tokens=MAX_NEW)
+    assert logits[0, 0].argmax(-1).tolist() == tokens                          # greedy: the top logit
+
+
 def test_perf_metrics_and_token_counts_come_with_the_response(tiny_server):
     inputs = trtllm_inputs([5] * 20, MAX_NEW, False, return_perf_metrics=np.array([[True]]),
                            return_num_input_tokens=np.array([[True]]), return_num_output_tokens=np.array([[True]]))

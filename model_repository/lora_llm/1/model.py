@@ -71,6 +71,7 @@ class TritonStream:
         self.metrics = metrics
         self.start = time.perf_counter()
         self.outputs: dict[tuple[int, int], tuple[list[int], list[float]]] = {}   # (batch, sequence) -> so far
+        self.logits: dict[tuple[int, int], list[np.ndarray]] = {}                # generation logits, if asked
         self.done = False
 
     def is_cancelled(self) -> bool:
@@ -85,13 +86,18 @@ class TritonStream:
         tokens, log_probs = self.outputs.setdefault((batch_index, out.sequence_index), ([], []))
         tokens += out.new_token_ids
         log_probs += out.log_probs
+        logits = self.logits.setdefault((batch_index, out.sequence_index), [])
+        if out.generation_logits is not None:
+            logits.append(out.generation_logits.numpy())
         self.metrics.count("tokens", len(out.new_token_ids))
         if row.streaming and (out.new_token_ids or last):
-            self._send(output_arrays(out.new_token_ids, out.log_probs), last, row, batch_index, out, len(tokens))
+            arrays = output_arrays(out.new_token_ids, out.log_probs)
+            self._send(arrays | generation_logits(logits[-len(out.new_token_ids):] if out.new_token_ids else [],
+                                                  row), last, row, batch_index, out, len(tokens))
         elif not row.streaming and out.finished:
             prompt = [] if row.exclude_input_in_output else row.prompt_ids
-            self._send(output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs), last, row, batch_index,
-                       out, len(tokens))
+            arrays = output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs)
+            self._send(arrays | generation_logits(logits, row), last, row, batch_index, out, len(tokens))
         if last:
             self.metrics.count("success")
 
@@ -173,6 +179,13 @@ class Metrics:
             self.reuse["lookups"].set(lookups)
             self.reuse["hits"].set(hits)
             self.reuse["hit_rate"].set(hits / lookups if lookups else 0.0)
+
+
+def generation_logits(rows: list[np.ndarray], request) -> dict[str, np.ndarray]:
+    """generation_logits [1, beam=1, tokens, vocab], when the request asked for them."""
+    if not request.params.return_generation_logits or not rows:
+        return {}
+    return {"generation_logits": np.stack(rows)[None, None].astype(np.float32)}
 
 
 def check_unary(rows) -> None:
