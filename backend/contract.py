@@ -34,7 +34,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "lookahead_ngram_size": ("lookahead decoding", EMPTY),
     "lookahead_verification_set_size": ("lookahead decoding", EMPTY),
     "context_phase_params": ("disaggregated serving", EMPTY),
-    "return_context_logits": ("context logits outputs", (False,)),
 }
 
 # Read by TensorRT-LLM only for beam search, draft tokens or prompt tables: with beam_width 1 and no drafts or

@@ -18,6 +18,7 @@ from backend.request import (RequestError, RequestLimits, SamplingParams, SeqMet
 from backend.scheduler import Scheduler
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class StepOutput:
     request_finished: bool = False            # every sequence of the request is done: its last output
     metrics: SeqMetrics | None = None
     generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
+    context_logits: torch.Tensor | None = None      # [prompt_len, vocab] fp32, with the first token, when asked for
 
 
 # the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
@@ -118,6 +120,9 @@ class LLMEngine:
         params.validate(cfg.vocab_size, self.limits)
         prompt_ids = [int(t) for t in prompt_ids]
         validate_prompt(prompt_ids, params.max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
+        if params.return_context_logits and len(prompt_ids) * cfg.vocab_size * 4 > MAX_CONTEXT_LOGITS_BYTES:
+            raise RequestError("return_context_logits", f"{len(prompt_ids)} prompt tokens x vocabulary "
+                                                        f"{cfg.vocab_size} logits exceed {MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
         needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
         if needed > self.blocks.num_blocks:
             raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "
@@ -206,6 +211,9 @@ class LLMEngine:
             self._fork(seq, self.forks.pop(seq))
         out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
                          metrics=m)
+        if seq.context_logits and len(seq.output_ids) == 1:
+            out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
+            seq.context_logits = {}
         reason = self._finish_reason(seq)
         if reason is not None:
             out = self._finish(seq, reason, out)

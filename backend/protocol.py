@@ -143,6 +143,7 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
         frequency_penalty=_scalar(arrays, "frequency_penalty", float, 0.0),
         return_log_probs=_scalar(arrays, "return_log_probs", bool, False),
         return_generation_logits=_scalar(arrays, "return_generation_logits", bool, False),
+        return_context_logits=_scalar(arrays, "return_context_logits", bool, False),
         beam_width=_scalar(arrays, "beam_width", int, 1),
         num_return_sequences=_scalar(arrays, "num_return_sequences", int, 1),
         top_p_min=_scalar(arrays, "runtime_top_p_min", float, 1e-6),

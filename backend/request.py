@@ -49,6 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     return_log_probs: bool = False
     return_generation_logits: bool = False    # each sampled token's [vocab] logits, as the model gave them
+    return_context_logits: bool = False       # the prompt's [prompt_len, vocab] logits, with the first token
     beam_width: int = 1
     num_return_sequences: int = 1             # samples of the prompt, sharing its KV blocks
     top_p_min: float = 1e-6                   # top-p decay (TensorRT-LLM): after each token top_p becomes
@@ -171,6 +172,7 @@ class Sequence:
     adapter_key: bytes = b""                  # the adapter (task id and version) in the names of its KV blocks
     block_digests: list[bytes] = field(default_factory=list)    # names of its full blocks, when reuse is on
     matcher: object | None = None             # its grammar's state, under guided decoding
+    context_logits: dict[int, object] = field(default_factory=dict)   # prompt chunk start -> [n, vocab] (host)
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ class StepContext:
     positions: torch.Tensor                   # [num_tokens] int32
     attn: AttentionMetadata
     logits_indices: torch.Tensor              # [num_sampled] int32: last token of each sequence that samples
+    context_indices: torch.Tensor             # [num_context] int32: prompt tokens whose logits were asked for
     lora: object | None = None                # per-step adapter segments (backend/lora/batch.py)
 
 
@@ -27,7 +28,9 @@ class StepInputs:
         query_starts = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        for item in batch.items:
+        context_indices: list[int] = []
+        self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
+        for index, item in enumerate(batch.items):
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids += seq.token_ids[start:end]
@@ -38,6 +41,11 @@ class StepInputs:
             seq_lens.append(end)
             if item.samples:
                 logits_indices.append(query_starts[-1] - 1)
+            prompt_end = min(end, len(seq.prompt_ids))
+            if seq.params.return_context_logits and start < prompt_end and not seq.output_ids \
+                    and seq.sequence_index == 0:
+                self.context_chunks.append((index, start, prompt_end - start))
+                context_indices += range(query_starts[-2], query_starts[-2] + prompt_end - start)
         max_blocks = max(len(item.seq.block_table) for item in batch.items)
         block_tables = torch.zeros(len(batch.items), max_blocks, dtype=torch.int32)
         for i, item in enumerate(batch.items):
@@ -53,6 +61,7 @@ class StepInputs:
             "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
             "block_tables": block_tables,
             "logits_indices": torch.tensor(logits_indices, dtype=torch.int32),
+            "context_indices": torch.tensor(context_indices, dtype=torch.int32),
         }
 
     def context(self, t: dict[str, torch.Tensor]) -> StepContext:
@@ -61,5 +70,5 @@ class StepInputs:
             query_starts=t["query_starts"], seq_lens=t["seq_lens"], block_tables=t["block_tables"],
             slot_mapping=t["slot_mapping"], query_starts_list=self.query_starts, seq_lens_list=self.seq_lens,
             max_query_len=self.max_query_len, max_seq_len=max(self.seq_lens))
-        return StepContext(t["input_ids"], t["positions"], attn, t["logits_indices"])
+        return StepContext(t["input_ids"], t["positions"], attn, t["logits_indices"], t["context_indices"])
 

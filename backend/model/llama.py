@@ -17,8 +17,10 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin(cfg).to(weights["embed_tokens"].device)   # [max_positions, head_dim] fp32
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step."""
+    def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                with_context: bool = False) -> torch.Tensor:
+        """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step, then
+        (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]."""
         cfg, w = self.cfg, self.w
         h = F.embedding(ctx.input_ids, w["embed_tokens"])          # [num_tokens, hidden]
         for i in range(cfg.num_layers):
@@ -26,7 +28,8 @@ class LlamaModel:
             x = rms_norm(h, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
             gate_up = linear(x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
             h = h + linear(silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
-        last = rms_norm(h[ctx.logits_indices], w["norm"], cfg.rms_norm_eps)
+        rows = torch.cat([ctx.logits_indices, ctx.context_indices]) if with_context else ctx.logits_indices
+        last = rms_norm(h[rows], w["norm"], cfg.rms_norm_eps)
         return F.linear(last, w["lm_head"]).float()
 
     def _attention(self, i: int, x: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:

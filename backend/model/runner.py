@@ -90,7 +90,8 @@ class ModelRunner:
             prefetch: list[int | None] = ()) -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
         """The next token and its log prob for each sequence whose chunk reaches its last token, in the order of
         batch.items (which this sorts by adapter slot, so that each adapter is one segment), and the raw logits
-        [vocab] (host, fp32) of the rows whose request asked for them, by row. The adapters in `prefetch` start
+        [vocab] (host, fp32) of the rows whose request asked for them, by row. Prompt logits asked for
+        (return_context_logits) go to each sequence's context_logits, by chunk. The adapters in `prefetch` start
         uploading while the step computes."""
         with on(self.device):
             return self._run(batch, lora_cache, prefetch)
@@ -111,7 +112,13 @@ class ModelRunner:
             segments.use(t)
             lora_cache.wait_for_slots(segments.slots_list)
             ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
-        logits = self.model.forward(ctx, self.kv_caches)
+        logits = self.model.forward(ctx, self.kv_caches, with_context=bool(inputs.context_chunks))
+        context = logits[plan.num_rows:].cpu() if inputs.context_chunks else None    # asked for: copied once
+        logits = logits[:plan.num_rows]
+        offset = 0
+        for index, first, num_rows in inputs.context_chunks:
+            batch.items[index].seq.context_logits[first] = context[offset:offset + num_rows]
+            offset += num_rows
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
                   if seq.params.return_generation_logits]
         raw = logits[wanted].clone() if wanted else None          # before sampling changes them in place

@@ -21,7 +21,6 @@ NON_NEUTRAL = {name: np.array([[1]], dtype=np.int32) for name in UNSUPPORTED} | 
     "mrope_rotary_cos_sin": np.ones((1, 8), dtype=np.float32),
     "retention_decode_priority": np.array([[80]], dtype=np.int32),
     "retention_decode_duration_ms": np.array([[1000]], dtype=np.int32),
-    "return_context_logits": np.array([[True]]),
     "skip_cross_attn_blocks": np.array([[True]]),
 }
 
@@ -164,3 +163,25 @@ def test_generation_logits_are_the_models_logits_of_each_new_token(engine, hf_ti
     with torch.no_grad():
         hf = hf_tiny(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert torch.allclose(torch.stack(rows), hf.float(), atol=1e-4)   # raw: before the repetition penalty
+
+
+def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_model_dir, hf_tiny, monkeypatch):
+    import torch
+
+    import backend.engine
+    chunked = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
+                        kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=8, enable_kv_cache_reuse=True)
+    prompt = random_prompts([23], 512, seed=9)[0]
+    for _ in range(2):                              # the second time its blocks are cached, but not reused
+        chunked.add_request(prompt, SamplingParams(max_new_tokens=2, return_context_logits=True))
+        [context] = [out.context_logits for out in iter_outputs(chunked) if out.context_logits is not None]
+        with torch.no_grad():
+            assert torch.allclose(context, hf_tiny(torch.tensor([prompt])).logits[0].float(), atol=1e-4)
+    monkeypatch.setattr(backend.engine, "MAX_CONTEXT_LOGITS_BYTES", 8 << 10)
+    with pytest.raises(RequestError, match=r"return_context_logits: 23 prompt tokens x vocabulary 512 logits exceed"):
+        chunked.add_request(prompt, SamplingParams(return_context_logits=True))
+
+
+def iter_outputs(engine):
+    while engine.has_unfinished:
+        yield from engine.step()

@@ -159,6 +159,18 @@ def test_generation_logits_come_with_each_token(tiny_server, engine, streaming):
     assert logits[0, 0].argmax(-1).tolist() == tokens                          # greedy: the top logit
 
 
+def test_context_logits_come_with_the_response(tiny_server, hf_tiny):
+    import torch
+    prompt = random_prompts([12], 512, seed=64)[0]
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs(prompt, 2, False,
+                                                             return_context_logits=np.array([[True]])))
+    [result] = stream.results()
+    stream.close()
+    with torch.no_grad():
+        want = hf_tiny(torch.tensor([prompt])).logits.float().numpy()
+    assert np.allclose(result.as_numpy("context_logits"), want, atol=1e-4)
+
+
 def test_perf_metrics_and_token_counts_come_with_the_response(tiny_server):
     inputs = trtllm_inputs([5] * 20, MAX_NEW, False, return_perf_metrics=np.array([[True]]),
                            return_num_input_tokens=np.array([[True]]), return_num_output_tokens=np.array([[True]]))

@@ -72,6 +72,7 @@ class TritonStream:
         self.start = time.perf_counter()
         self.outputs: dict[tuple[int, int], tuple[list[int], list[float]]] = {}   # (batch, sequence) -> so far
         self.logits: dict[tuple[int, int], list[np.ndarray]] = {}                # generation logits, if asked
+        self.context_logits: dict[int, np.ndarray] = {}                           # batch index -> [prompt, vocab]
         self.done = False
 
     def is_cancelled(self) -> bool:
@@ -86,17 +87,21 @@ class TritonStream:
         tokens, log_probs = self.outputs.setdefault((batch_index, out.sequence_index), ([], []))
         tokens += out.new_token_ids
         log_probs += out.log_probs
+        if out.context_logits is not None:
+            self.context_logits[batch_index] = out.context_logits.numpy()[None]     # [1, prompt_len, vocab]
         logits = self.logits.setdefault((batch_index, out.sequence_index), [])
         if out.generation_logits is not None:
             logits.append(out.generation_logits.numpy())
         self.metrics.count("tokens", len(out.new_token_ids))
+        context = {"context_logits": self.context_logits.pop(batch_index)} if out.sequence_index == 0 and \
+            batch_index in self.context_logits and (row.streaming or out.finished) else {}
         if row.streaming and (out.new_token_ids or last):
-            arrays = output_arrays(out.new_token_ids, out.log_probs)
+            arrays = output_arrays(out.new_token_ids, out.log_probs) | context
             self._send(arrays | generation_logits(logits[-len(out.new_token_ids):] if out.new_token_ids else [],
                                                   row), last, row, batch_index, out, len(tokens))
         elif not row.streaming and out.finished:
             prompt = [] if row.exclude_input_in_output else row.prompt_ids
-            arrays = output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs)
+            arrays = output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs) | context
             self._send(arrays | generation_logits(logits, row), last, row, batch_index, out, len(tokens))
         if last:
             self.metrics.count("success")
