@@ -128,3 +128,22 @@ def test_a_guide_that_does_not_compile_is_an_error_naming_the_input(smollm2_serv
                                            "guided_decoding_guide": np.array([["{oops"]], object)},
                  model="ensemble", output="text_output")
     assert result.error and "guided_decoding_guide: does not compile as json_schema" in result.error
+
+
+def test_a_batch_of_prompts_through_the_text_model_answers_each_with_its_batch_index(smollm2_server):
+    """end_to_end_grpc_client.py --batch-inputs: prompts stacked in one request."""
+    prompts = [PROMPT, "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"]
+    alone = [run(smollm2_server.grpc_url, {"text_input": np.array([[p]], object),
+                                           "max_tokens": np.array([[MAX_NEW]], np.int32),
+                                           "exclude_input_in_output": np.array([[True]]),
+                                           "stop_words": np.array([["Paris"]], object)},
+                 model="ensemble", output="text_output").chunks[0][0].decode() for p in prompts]
+    from tests.server.streams import Stream
+    stream = Stream(smollm2_server.grpc_url).send(
+        {"text_input": np.array([[p] for p in prompts], object), "max_tokens": np.array([[MAX_NEW]] * 2, np.int32),
+         "exclude_input_in_output": np.array([[True]] * 2), "stop_words": np.array([["Paris"]] * 2, object)},
+        model="tensorrt_llm_bls")
+    texts = {int(r.as_numpy("batch_index")[0][0]): r.as_numpy("text_output")[0].decode()
+             for r in stream.results() if r.as_numpy("text_output") is not None}
+    stream.close()
+    assert texts == dict(enumerate(alone))
