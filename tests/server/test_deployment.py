@@ -147,3 +147,20 @@ def test_a_batch_of_prompts_through_the_text_model_answers_each_with_its_batch_i
              for r in stream.results() if r.as_numpy("text_output") is not None}
     stream.close()
     assert texts == dict(enumerate(alone))
+
+
+def test_unary_infer_of_a_batch_answers_every_row_in_one_response(unary_server, reference, smollm2_dir):
+    ids, tokens, _ = reference
+    short = ids[:-3]
+    client = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    inputs = make_inputs(input_ids=np.array([ids, short + [0, 0, 0]], np.int32),
+                         input_lengths=np.array([[len(ids)], [len(short)]], np.int32),
+                         request_output_len=np.array([[MAX_NEW], [3]], np.int32),
+                         end_id=np.array([[2], [2]], np.int32), exclude_input_in_output=np.array([[True], [True]]))
+    result = client.infer("tensorrt_llm", inputs)
+    engine = LLMEngine(smollm2_dir, kv_cache_memory_bytes=64 << 20)
+    second = engine.generate([short], max_new_tokens=3, end_id=2)[0]
+    output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+    assert output_ids.shape == (2, 1, len(tokens)) and lengths.tolist() == [[len(tokens)], [len(second)]]
+    assert output_ids[0, 0].tolist() == tokens and output_ids[1, 0, :len(second)].tolist() == second
+    assert (output_ids[1, 0, len(second):] == -1).all()

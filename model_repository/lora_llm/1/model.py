@@ -65,8 +65,10 @@ class TritonStream:
     """One Triton request's response sender, for all its rows and sequences; never touched after its final
     response. Streaming rows answer each step's new tokens, the others each sequence's whole output."""
 
-    def __init__(self, request, rows, metrics: "Metrics"):
+    def __init__(self, request, rows, metrics: "Metrics", unary: bool = False):
         self.requests = rows
+        self.unary = unary                         # not decoupled: every row's output in one response
+        self.held: dict[int, dict[str, np.ndarray]] = {}                          # unary rows done so far
         self.sender = request.get_response_sender()
         self.metrics = metrics
         self.start = time.perf_counter()
@@ -126,6 +128,11 @@ class TritonStream:
     def _send(self, arrays: dict, final: bool, row=None, batch_index: int = 0, out=None, num_tokens: int = 0):
         if row is not None:
             arrays |= extra_arrays(row, len(self.requests), batch_index, out.sequence_index, out.metrics, num_tokens)
+        if self.unary and len(self.requests) > 1:
+            self.held[batch_index] = arrays
+            if not final:
+                return
+            arrays = merge_rows([self.held[b] for b in sorted(self.held)])
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self.done = final
         self.sender.send(response, flags=FINAL if final else 0)
@@ -194,12 +201,27 @@ def generation_logits(rows: list[np.ndarray], request) -> dict[str, np.ndarray]:
 
 
 def check_unary(rows) -> None:
-    """Without decoupled mode a request gets exactly one response: one sequence, not streamed."""
+    """Without decoupled mode a request gets exactly one response: its rows' outputs together, not streamed."""
     if any(row.streaming for row in rows):
         raise RequestError("streaming", "streaming is only supported in decoupled mode")
-    if len(rows) > 1 or rows[0].params.num_return_sequences > 1:
-        raise RequestError("num_return_sequences" if len(rows) == 1 else "input_ids",
-                           "several sequences in one request need decoupled mode (one response each)")
+    if any(row.params.num_return_sequences > 1 for row in rows):
+        raise RequestError("num_return_sequences", "several sequences of a prompt need decoupled mode (one "
+                                                   "response each)")
+
+
+def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One response for a batch of rows: each output stacked along the batch dim, padded with -1 (ids) or 0."""
+    merged = {}
+    for name in rows[0]:
+        arrays = [r[name] for r in rows if name in r]
+        if len(arrays) < len(rows):
+            continue
+        width = max(a.shape[-1] for a in arrays)
+        pad = -1 if name == "output_ids" else 0
+        merged[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
+                                              constant_values=pad) for a in arrays])
+    merged.pop("batch_index", None)                # the position in the response says it
+    return merged
 
 
 class TritonPythonModel:
@@ -228,7 +250,7 @@ class TritonPythonModel:
         rows = parse_request({t.name(): as_array(t) for t in request.inputs()}, self.engine.limits)
         if not self.decoupled:
             check_unary(rows)
-        stream = TritonStream(request, rows, self.metrics)
+        stream = TritonStream(request, rows, self.metrics, unary=not self.decoupled)
         if rows[0].stop:
             self._stop(request.request_id(), stream)
         else:
