@@ -80,10 +80,10 @@ class EngineLoop:
         if self.engine.lora_cache.contains(r.lora_task_id):          # cached already: the id is enough
             r.lora_weights = r.lora_config = None
             return
-        if self.pending_adapter_bytes + r.lora_weights.nbytes > self.engine.config.lora.host_memory_bytes:
-            raise RequestError("lora_weights", "adapter uploads waiting for the engine exceed "
-                                               f"lora_cache_host_memory_bytes {self.engine.config.lora.host_memory_bytes}; "
-                                               "retry later")
+        budget = self.engine.config.lora.host_memory_bytes
+        if self.pending_adapter_bytes + r.lora_weights.nbytes > budget:
+            raise RequestError("lora_weights", f"adapter uploads waiting for the engine exceed "
+                                               f"lora_cache_host_memory_bytes {budget}; retry later")
         r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
         r.lora_weights = r.lora_config = None
         self._count_pending(r.lora_adapter.num_bytes)
