@@ -236,3 +236,25 @@ def extra_arrays(row: ParsedRequest, batch_size: int, batch_index: int, sequence
     if row.return_num_output_tokens:
         out["num_output_tokens"] = np.array([[num_output_tokens]], dtype=np.int32)
     return out
+
+
+def generation_logits(rows: list[np.ndarray], request: ParsedRequest) -> dict[str, np.ndarray]:
+    """generation_logits [1, beam=1, tokens, vocab], when the request asked for them."""
+    if not request.params.return_generation_logits or not rows:
+        return {}
+    return {"generation_logits": np.stack(rows)[None, None].astype(np.float32)}
+
+
+def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One response for a batch of rows: each output stacked along the batch dim, padded with -1 (ids) or 0."""
+    merged = {}
+    for name in rows[0]:
+        arrays = [r[name] for r in rows if name in r]
+        if len(arrays) < len(rows):
+            continue
+        width = max(a.shape[-1] for a in arrays)
+        pad = -1 if name == "output_ids" else 0
+        merged[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
+                                              constant_values=pad) for a in arrays])
+    merged.pop("batch_index", None)                # the position in the response says it
+    return merged

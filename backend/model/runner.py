@@ -117,7 +117,10 @@ class ModelRunner:
         logits = logits[:plan.num_rows]
         offset = 0
         for index, first, num_rows in inputs.context_chunks:
-            batch.items[index].seq.context_logits[first] = context[offset:offset + num_rows]
+            chunks = batch.items[index].seq.context_logits
+            if first == 0:
+                chunks.clear()                                    # from the start again, after a preemption
+            chunks[first] = context[offset:offset + num_rows]
             offset += num_rows
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
                   if seq.params.return_generation_logits]

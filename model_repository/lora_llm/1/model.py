@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from backend import LLMEngine, RequestError                    # noqa: E402
-from backend.protocol import extra_arrays, output_arrays, parse_request   # noqa: E402
+from backend.protocol import (extra_arrays, generation_logits, merge_rows, output_arrays,   # noqa: E402
+                              parse_request)
 from backend.lora.cache import LoraCacheStats                 # noqa: E402
 from backend.serving import EngineLoop                         # noqa: E402
 
@@ -193,13 +194,6 @@ class Metrics:
             self.reuse["hit_rate"].set(hits / lookups if lookups else 0.0)
 
 
-def generation_logits(rows: list[np.ndarray], request) -> dict[str, np.ndarray]:
-    """generation_logits [1, beam=1, tokens, vocab], when the request asked for them."""
-    if not request.params.return_generation_logits or not rows:
-        return {}
-    return {"generation_logits": np.stack(rows)[None, None].astype(np.float32)}
-
-
 def check_unary(rows) -> None:
     """Without decoupled mode a request gets exactly one response: its rows' outputs together, not streamed."""
     if any(row.streaming for row in rows):
@@ -207,21 +201,6 @@ def check_unary(rows) -> None:
     if any(row.params.num_return_sequences > 1 for row in rows):
         raise RequestError("num_return_sequences", "several sequences of a prompt need decoupled mode (one "
                                                    "response each)")
-
-
-def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One response for a batch of rows: each output stacked along the batch dim, padded with -1 (ids) or 0."""
-    merged = {}
-    for name in rows[0]:
-        arrays = [r[name] for r in rows if name in r]
-        if len(arrays) < len(rows):
-            continue
-        width = max(a.shape[-1] for a in arrays)
-        pad = -1 if name == "output_ids" else 0
-        merged[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
-                                              constant_values=pad) for a in arrays])
-    merged.pop("batch_index", None)                # the position in the response says it
-    return merged
 
 
 class TritonPythonModel:
