@@ -110,9 +110,10 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Name the sequence's blocks that its computed tokens now fill."""
-        if not self.enable_reuse:
-            return
-        digests = self._digests(seq, seq.num_computed_tokens // self.block_size)
+        num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_reuse or num_full == len(seq.block_digests):
+            return                                  # (every step: most steps fill no block)
+        digests = self._digests(seq, num_full)
         for index in range(len(seq.block_digests), len(digests)):
             block_id = seq.block_table[index]
             if digests[index] not in self.named and block_id not in self.name_of:
@@ -122,6 +123,8 @@ class BlockManager:
 
     def _digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         digests = list(seq.block_digests[:num_blocks])
+        if len(digests) == num_blocks:
+            return digests
         tokens, size = seq.token_ids, self.block_size
         for i in range(len(digests), num_blocks):
             digests.append(block_digest(digests[-1] if digests else b"", seq.adapter_key,
