@@ -2,6 +2,7 @@
 under the name `tensorrt_llm`, on SmolLM2 with the text models, against the in-process engine."""
 import json
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -164,3 +165,22 @@ def test_unary_infer_of_a_batch_answers_every_row_in_one_response(unary_server, 
     assert output_ids.shape == (2, 1, len(tokens)) and lengths.tolist() == [[len(tokens)], [len(second)]]
     assert output_ids[0, 0].tolist() == tokens and output_ids[1, 0, :len(second)].tolist() == second
     assert (output_ids[1, 0, len(second):] == -1).all()
+
+
+def test_a_cancelled_unary_text_request_stops_its_core_request(unary_server):
+    """A client's gRPC cancel of a unary `ensemble` call reaches the core (as a `stop` from the ensemble)."""
+    before = unary_server.metric("lora_llm_requests_total", status="cancelled")
+    client = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    inputs = make_inputs(text_input=np.array([[PROMPT]], dtype=object), max_tokens=np.array([[400]], np.int32),
+                         min_length=np.array([[400]], np.int32))
+    call = client.async_infer("ensemble", inputs, callback=lambda result, error: None)
+    deadline = time.monotonic() + 20
+    while unary_server.metric("lora_llm_kv_blocks", state="used") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)                                     # the core request runs
+    call.cancel()
+    while unary_server.metric("lora_llm_requests_total", status="cancelled") == before and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert unary_server.metric("lora_llm_requests_total", status="cancelled") == before + 1
+    assert unary_server.metric("lora_llm_kv_blocks", state="used") == 0
+    client.close()

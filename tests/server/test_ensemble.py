@@ -1,8 +1,10 @@
 """Text in, text out through the ensemble on SmolLM2, streamed with incremental detokenization, LoRA included."""
+import time
+
 import numpy as np
 import pytest
 
-from tests.server.streams import run
+from tests.server.streams import Stream, run
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +51,25 @@ def test_unknown_adapter_error_reaches_the_text_client(smollm2_server):
     result = run(smollm2_server.grpc_url, text_request("Hi", 4, True, lora_task_id=np.array([[4242]], np.uint64)),
                  model="ensemble", output="text_output")
     assert result.error and "LoRA task 4242 not found in cache" in result.error
+
+
+def test_a_cancelled_text_stream_stops_its_core_request(smollm2_server):
+    """The client's cancel reaches lora_llm (as a `stop` from the ensemble): the core request ends cancelled,
+    long before its 400 tokens, and its KV blocks and adapter pin return."""
+    def count(status: str) -> float:
+        return smollm2_server.metric("lora_llm_requests_total", status=status)
+    before = {status: count(status) for status in ("cancelled", "success")}
+    stream = Stream(smollm2_server.grpc_url).send(
+        text_request("Tell me a very long story.", 400, True, lora_task_id=np.array([[1]], np.uint64),
+                     min_length=np.array([[400]], np.int32)),
+        model="ensemble")
+    stream.wait_first()
+    stream.close(cancel=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and count("cancelled") == before["cancelled"]:
+        time.sleep(0.1)
+    assert count("cancelled") == before["cancelled"] + 1 and count("success") == before["success"]
+    assert smollm2_server.metric("lora_llm_kv_blocks", state="used") == 0
+    assert smollm2_server.metric("lora_llm_lora_cache", tier="device", stat="pins") == 0
+    assert "Paris" in "".join(texts(run(smollm2_server.grpc_url, text_request("The capital of France is", 12, True),
+                                        model="ensemble", output="text_output")))

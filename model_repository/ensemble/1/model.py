@@ -1,8 +1,10 @@
 """text_input -> preprocessing -> the core model (streamed) -> text_output, detokenized incrementally per
-sequence. Serves tensorrtllm_backend's text models, `ensemble` and `tensorrt_llm_bls`, decoupled or not."""
+sequence. Serves tensorrtllm_backend's text models, `ensemble` and `tensorrt_llm_bls`, decoupled or not.
+A client's cancellation does not reach a BLS call in Triton 2.51, so a watcher sends the core a `stop`."""
 import json
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,55 @@ def tensor(name: str, array) -> "pb_utils.Tensor":
     return pb_utils.Tensor(name, np.asarray(array))
 
 
+class CancelWatcher:
+    """Polls the senders of the requests in flight; when a client cancels one, sends the core model a `stop`
+    with the request id the core request was given. A sender is never touched after its final response."""
+
+    INTERVAL_S = 0.2
+
+    def __init__(self, core: str, decoupled: bool):
+        self.core, self.decoupled = core, decoupled
+        self.lock = threading.Lock()
+        self.watched: dict[str, object] = {}                  # core request id -> sender
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def watch(self, core_id: str, sender) -> None:
+        with self.lock:
+            self.watched[core_id] = sender
+
+    def unwatch(self, core_id: str) -> None:
+        """Called before the final response is sent."""
+        with self.lock:
+            self.watched.pop(core_id, None)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.INTERVAL_S):
+            with self.lock:
+                cancelled = [i for i, sender in self.watched.items() if sender.is_cancelled()]
+                for core_id in cancelled:
+                    del self.watched[core_id]
+            for core_id in cancelled:
+                self._stop(core_id)
+
+    def _stop(self, core_id: str) -> None:
+        """TensorRT-LLM's stop request: the id and `stop`, with placeholders for the required inputs."""
+        inputs = [tensor("input_ids", np.zeros((1, 1), np.int32)), tensor("input_lengths", np.ones((1, 1), np.int32)),
+                  tensor("request_output_len", np.ones((1, 1), np.int32)), tensor("stop", np.ones((1, 1), bool))]
+        request = pb_utils.InferenceRequest(model_name=self.core, request_id=core_id, inputs=inputs,
+                                            requested_output_names=["output_ids"])
+        try:
+            for _ in request.exec(decoupled=True) if self.decoupled else [request.exec()]:
+                pass
+        except Exception as err:                            # the core may have finished meanwhile
+            pb_utils.Logger.log_warn(f"stopping {core_id}: {err}")
+
+
 def index(arrays: dict, name: str) -> int:
     return int(arrays[name].reshape(-1)[0]) if name in arrays else 0
 
@@ -54,6 +105,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(params["tokenizer_dir"])
         self.core = params.get("tensorrt_llm_model_name") or "lora_llm"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.watcher = CancelWatcher(self.core, self.decoupled)
         model_config = Path(tokenizer_dir(params["tokenizer_dir"])) / "config.json"
         self.vocab_size = json.loads(model_config.read_text())["vocab_size"] if model_config.exists() \
             else len(self.tokenizer)
@@ -66,18 +118,21 @@ class TritonPythonModel:
         return None
 
     def _serve(self, inputs: dict, sender) -> None:
+        core_id = f"text-{uuid.uuid4().hex}"
         try:
-            self._generate(inputs, sender)
+            self._generate(inputs, sender, core_id)
         except Exception as err:                            # answer, never leave the stream open
+            self.watcher.unwatch(core_id)
             message = str(err) if isinstance(err, RequestError) else f"{type(err).__name__}: {err}"
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
 
-    def _generate(self, inputs: dict, sender) -> None:
+    def _generate(self, inputs: dict, sender, core_id: str) -> None:
         streaming = bool(inputs["stream"].any()) if "stream" in inputs else False
         if streaming and not self.decoupled:
             raise RequestError("stream", "streaming is only supported in decoupled mode")
-        llm = pb_utils.InferenceRequest(model_name=self.core, inputs=self._core_inputs(inputs),
+        llm = pb_utils.InferenceRequest(model_name=self.core, inputs=self._core_inputs(inputs), request_id=core_id,
                                         requested_output_names=["output_ids", *PASSED_OUTPUTS])
+        self.watcher.watch(core_id, sender)
         detokenizers: dict[tuple[int, int], IncrementalDetokenizer] = {}
         last = None
         for response in llm.exec(decoupled=True) if self.decoupled else [llm.exec()]:
@@ -96,10 +151,14 @@ class TritonPythonModel:
                                               [tensor(name, value) for name, value in arrays.items()])
             if self.decoupled:
                 sender.send(last)
+        self.watcher.unwatch(core_id)
         if self.decoupled:
             sender.send(flags=FINAL)
         else:
             sender.send(last, flags=FINAL)
+
+    def finalize(self):
+        self.watcher.stop()
 
     def _core_inputs(self, inputs: dict) -> list:
         check_unsupported(inputs, TEXT_UNSUPPORTED)

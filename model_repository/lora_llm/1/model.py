@@ -3,6 +3,7 @@
 No scheduling, model math or LoRA parsing here: `execute` parses and enqueues, then returns at once; the
 engine loop thread (backend/serving.py) steps the engine and answers through each request's sender.
 """
+import gc
 import json
 import os
 import sys
@@ -172,15 +173,27 @@ class Metrics:
 
     def count(self, name: str, value: int = 1) -> None:
         with self.lock:
-            self.counters[name].increment(value)
+            if self.families:
+                self.counters[name].increment(value)
 
     def observe(self, name: str, value: float) -> None:
         with self.lock:
-            self.histograms[name].observe(value)
+            if self.families:
+                self.histograms[name].observe(value)
+
+    def close(self) -> None:
+        """Frees every metric while the stub still talks to the server: freed at interpreter exit, they crash it."""
+        with self.lock:
+            self.families, self.counters, self.gauges, self.lora_gauges, self.reuse, self.histograms = [], {}, {}, {}, \
+                {}, {}
+            self.alive = None
+            gc.collect()
 
     def on_step(self, engine: LLMEngine, seconds: float | None, alive: bool = True) -> None:
         stats = engine.stats()
         with self.lock:
+            if not self.families:
+                return
             self.alive.set(1 if alive else 0)
             if seconds is not None:
                 self.histograms["step"].observe(seconds)
@@ -244,3 +257,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.stop()
+        self.metrics.close()
