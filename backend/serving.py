@@ -77,8 +77,8 @@ class EngineLoop:
     def _parse_adapter(self, r: ParsedRequest) -> None:
         if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:
             return
-        if self.engine.lora_cache.contains(r.lora_task_id):          # cached already: the id is enough
-            r.lora_weights = r.lora_config = None
+        if self.engine.lora_cache.holds(r.lora_task_id, r.lora_weights, r.lora_config):
+            r.lora_weights = r.lora_config = None                   # the same adapter is cached: the id is enough
             return
         budget = self.engine.config.lora.host_memory_bytes
         if self.pending_adapter_bytes + r.lora_weights.nbytes > budget:

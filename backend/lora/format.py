@@ -4,6 +4,7 @@ lora_config rows are [module_id, layer_idx, rank]; the matching lora_weights row
 flattened row-major, then B [out_dim, rank] flattened row-major, then zero padding. The scale is already
 folded into B.
 """
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +37,10 @@ def module_columns(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class LoraAdapter:
-    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the model's dtype."""
+    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the model's dtype;
+    `digest` names the TensorRT-LLM tensors it was parsed from."""
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+    digest: bytes = b""
 
     @property
     def num_bytes(self) -> int:
@@ -47,7 +50,8 @@ class LoraAdapter:
         """The adapter in page-locked memory when it will be uploaded to a GPU (asynchronous copies need it)."""
         if device.type != "cuda":
             return self
-        return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()})
+        return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()},
+                           self.digest)
 
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(
@@ -71,10 +75,19 @@ def max_row_width(cfg: ModelConfig, max_rank: int) -> int:
     return max_rank * max(sum(module_shape(cfg, m)) for m in MODULE_NAMES)
 
 
-def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
-               max_adapter_bytes: int) -> LoraAdapter:
-    """Validate TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3] (or [1, N, 3]). Shapes, the
-    config rows and the adapter's size are checked before any weight is read."""
+def payload_digest(weights: torch.Tensor, config: torch.Tensor) -> bytes:
+    """A digest of checked lora_weights and lora_config as sent (dtype, shape, bytes): names a re-sent adapter."""
+    digest = hashlib.blake2b(digest_size=16)
+    for t in (weights.contiguous(), config.contiguous()):
+        digest.update(f"{t.dtype}{list(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def check_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
+               max_adapter_bytes: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]:
+    """TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3] (or [1, N, 3]) checked without reading a
+    weight: shapes, dtypes, the config rows and the adapter's size. -> (weights, config, rows)."""
     weights, config = _as_tensor("lora_weights", weights), _as_tensor("lora_config", config)
     if weights.dim() == 3 and weights.shape[0] == 1:
         weights = weights[0]
@@ -96,12 +109,18 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
         raise RequestError("lora_weights", f"dtype must be FP16, BF16 or FP32, got {weights.dtype}")
     if config.dtype.is_floating_point:
         raise RequestError("lora_config", f"dtype must be INT32, got {config.dtype}")
-
     rows = _check_config(config.tolist(), cfg, max_rank, weights.shape[1])
     num_bytes = sum(need for _, _, _, need in rows) * dtype.itemsize
     if num_bytes > max_adapter_bytes:
         raise RequestError("lora_weights", f"adapter of {num_bytes} bytes exceeds lora_cache_max_adapter_size "
                                            f"{max_adapter_bytes}")
+    return weights, config, rows
+
+
+def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
+               max_adapter_bytes: int) -> LoraAdapter:
+    """Validate (`check_lora`, then finite values) and convert TRT-LLM lora_weights and lora_config."""
+    weights, config, rows = check_lora(weights, config, cfg, dtype, max_rank, max_adapter_bytes)
     if not torch.isfinite(weights).all():
         raise RequestError("lora_weights", "contains NaN or Inf values")
     parsed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -111,7 +130,7 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
         a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype)
         b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype)
         parsed[(layer, module_id)] = (a.contiguous(), b.contiguous())
-    return LoraAdapter(parsed)
+    return LoraAdapter(parsed, payload_digest(weights, config))
 
 
 def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int,

@@ -165,3 +165,7 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
                        lora_weights=weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(again)                              # cached already: its weights are not parsed again
     assert again.requests[0].lora_adapter is None and again.wait().answers == ["finish"]
+    other = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
+                       lora_weights=2 * weights[None].astype(np.float32), lora_config=config[None])
+    loop.submit(other)                              # other weights under a cached id: refused, as the engine API does
+    assert other.wait().answers == ["fail: lora_task_id: LoRA task 3 is already cached with different weights"]
