@@ -3,7 +3,7 @@ import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 

@@ -4,18 +4,25 @@ from types import SimpleNamespace
 
 import torch
 
-OP_NAMES = ("write_kv_cache", "rotary", "paged_attention", "lora_shrink", "lora_expand")
+OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
+            "lora_shrink", "lora_expand")
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
-    """"auto" means Triton on CUDA and torch on CPU; "triton" on CPU runs the kernels in Triton's interpreter
+    """"auto" means Triton on CUDA, and on CPU the compiled CPU kernels ("cpu", kernels/cpu_ext.py) when they
+    build here, else the torch reference ("torch"). "triton" on CPU runs the kernels in Triton's interpreter
     (TRITON_INTERPRET=1, for tests: far too slow to serve)."""
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        return "triton" if on_cuda else "torch"
+        if on_cuda:
+            return "triton"
+        from kernels import cpu_ext
+        return "cpu" if cpu_ext.available() else "torch"
     if name == "triton" and not (on_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError("kernel_backend 'triton' on CPU needs TRITON_INTERPRET=1 set before start (a test mode)")
-    if name not in ("torch", "triton"):
+    if name == "cpu" and on_cuda:
+        raise RuntimeError("kernel_backend 'cpu' (the compiled CPU kernels) cannot run on CUDA")
+    if name not in ("torch", "cpu", "triton"):
         raise ValueError(f"unknown kernel backend {name!r}")
     return name
 
@@ -25,6 +32,8 @@ def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
     backend = resolve_backend(name, device)
     if backend == "torch":
         from kernels import reference as module
+    elif backend == "cpu":
+        from kernels import cpu_ops as module
     else:
         from kernels import triton_ops as module
     ops = SimpleNamespace(**{op: getattr(module, op) for op in OP_NAMES if hasattr(module, op)})

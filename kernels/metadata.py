@@ -9,7 +9,7 @@ class AttentionMetadata:
     query_starts: torch.Tensor                # [num_seqs + 1] int32: sequence s owns queries [starts[s], starts[s+1])
     seq_lens: torch.Tensor                    # [num_seqs] int32: context length including this step's tokens
     block_tables: torch.Tensor                # [num_seqs, max_blocks] int32
-    slot_mapping: torch.Tensor                # [num_tokens] int64: cache slot of each new token
+    slot_mapping: torch.Tensor                # [num_tokens] int32: cache slot of each new token
     query_starts_list: list[int]              # the same on the host, for loops that need Python ints
     seq_lens_list: list[int]
     max_query_len: int

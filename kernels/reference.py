@@ -15,6 +15,16 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 
 
+def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights as `linear` takes them (here: as they are)."""
+    return weights
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias); weight: [out_dim, in_dim]."""
+    return F.linear(x, weight, bias)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens]."""
@@ -36,6 +46,32 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     return rotate(q), rotate(k)
+
+
+def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE of q and k, then k and v into the cache; returns the rotated q."""
+    q, k = rotary(q, k, positions, cos_sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x), the sum written into residual (None: x alone). The variance in fp32,
+    as Llama computes it. x, residual: [num_tokens, hidden]."""
+    if residual is not None:
+        residual += x
+        x = residual
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> silu(gate) * up [num_tokens, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -60,29 +96,38 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
 
 @dataclass(slots=True)
 class TorchPlan:
-    """How the torch path splits a step, built once and reused by every layer: prefill sequences one by one,
-    decode sequences (one query each) batched over a padded context."""
+    """How the CPU paths split a step, built once and reused by every layer: prefill sequences one by one,
+    decode sequences (one query each) batched."""
     prefill_ids: list[int]
     decode_token_ids: torch.Tensor            # [num_decode] int64: each decode sequence's query row
     decode_block_tables: torch.Tensor         # [num_decode, num_blocks] int32, trimmed to the longest context
     decode_seq_lens: torch.Tensor             # [num_decode] int64
-    decode_valid: torch.Tensor                # [num_decode, num_blocks * block_size] bool: positions in the context
-    decode_padding: torch.Tensor              # [num_padding] int64: flat (sequence, position) indices past seq_len
+    all_decode: bool                          # every query row is a decode row, in order
+    decode_valid: torch.Tensor | None = None  # [num_decode, num_blocks * block_size] bool: positions in the context
+    decode_padding: torch.Tensor | None = None   # [num_padding] int64: flat (sequence, position) past seq_len
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> "TorchPlan":
         starts, seq_lens, device = meta.query_starts_list, meta.seq_lens_list, meta.block_tables.device
         decode_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] == 1]
         prefill_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] > 1]
-        lens = [seq_lens[s] for s in decode_ids]
-        num_blocks = -(-max(lens, default=0) // block_size)
-        context = num_blocks * block_size
-        padding = [i * context + p for i, n in enumerate(lens) for p in range(n, context)]
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+        num_blocks = -(-max((seq_lens[s] for s in decode_ids), default=0) // block_size)
         tables = meta.block_tables[torch.tensor(decode_ids, dtype=torch.int64, device=device), :num_blocks]
-        valid = torch.arange(context, device=device)[None, :] < lens_t[:, None]
         return cls(prefill_ids, torch.tensor([starts[s] for s in decode_ids], dtype=torch.int64, device=device),
-                   tables, lens_t, valid, torch.tensor(padding, dtype=torch.int64, device=device))
+                   tables, meta.seq_lens[decode_ids].long(), not prefill_ids)
+
+    def build_masks(self, block_size: int) -> None:
+        """The padded decode batch's validity mask and padding positions (the torch decode path's)."""
+        context = self.decode_block_tables.shape[1] * block_size
+        self.decode_valid = torch.arange(context, device=self.decode_seq_lens.device)[None, :] < \
+            self.decode_seq_lens[:, None]
+        self.decode_padding = (~self.decode_valid).flatten().nonzero().flatten()
+
+
+def step_plan(meta: AttentionMetadata, block_size: int) -> TorchPlan:
+    if meta.torch_plan is None:
+        meta.torch_plan = TorchPlan.build(meta, block_size)
+    return meta.torch_plan
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -92,10 +137,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Sequence s owns queries
     query_starts[s]:query_starts[s+1], the last tokens of its seq_lens[s] context tokens.
     """
-    if meta.torch_plan is None:
-        meta.torch_plan = TorchPlan.build(meta, k_cache.shape[2])
-    plan = meta.torch_plan
+    plan = step_plan(meta, k_cache.shape[2])
     out = torch.empty_like(q)
+    prefill_attention(q, k_cache, v_cache, meta, plan, scale, sliding_window, out)
+    if len(plan.decode_token_ids):
+        if plan.decode_valid is None:
+            plan.build_masks(k_cache.shape[2])
+        out[plan.decode_token_ids] = _decode_attention(q[plan.decode_token_ids], k_cache, v_cache, plan, scale,
+                                                       sliding_window)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      plan: TorchPlan, scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """paged_attention's rows of the plan's prefill sequences, written into out, one sequence at a time."""
     for s in plan.prefill_ids:
         start, end, length = meta.query_starts_list[s], meta.query_starts_list[s + 1], meta.seq_lens_list[s]
         k = _gather_context(k_cache, meta.block_tables[s], length)[None]
@@ -105,10 +160,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
-    if len(plan.decode_token_ids):
-        out[plan.decode_token_ids] = _decode_attention(q[plan.decode_token_ids], k_cache, v_cache, plan, scale,
-                                                       sliding_window)
-    return out
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan, scale: float,

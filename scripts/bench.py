@@ -3,6 +3,7 @@
     python scripts/bench.py --workload all --out results.json --plot plots/     # the whole suite (~30 min)
     python scripts/bench.py --workload all --quick                             # every workload scaled down (<10 min)
     python scripts/bench.py --workload W2,W3 --requests 16 --baseline none     # a quick look at two of them
+    python scripts/bench.py --workload W1,W2,W3 --requests 32 --baseline vllm  # against vLLM's CPU build
 """
 import argparse
 import json
@@ -23,6 +24,7 @@ from bench_engine import make_engine, run_engine, sweep_concurrency   # noqa: E4
 from bench_report import print_table, ratios                   # noqa: E402
 from bench_roofline import cpu_name, measure_roofline, workload_flops, weight_bytes   # noqa: E402
 from bench_server import run_server_workload                   # noqa: E402
+from bench_vllm import run_vllm                                # noqa: E402
 from bench_workloads import WORKLOADS, make_requests           # noqa: E402
 from backend.device import resolve_dtype                       # noqa: E402
 from backend.model.config import ModelConfig                   # noqa: E402
@@ -37,7 +39,8 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     if workload.server:
         res = run_server_workload(args.model_dir, requests, workload, args.dtype)
     else:
-        engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse)
+        engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
+                             kernel_backend=args.kernel_backend)
         res = run_engine(engine, requests, name)
         if args.plot and name in ("W1", "W2"):
             res["sweep"] = sweep_concurrency(engine, requests, name)
@@ -60,7 +63,10 @@ def main() -> None:
     parser.add_argument("--workload", default="W2,W3", help="W1..W6, a comma list, or all")
     parser.add_argument("--requests", type=int, help="scale every workload down to at most N requests")
     parser.add_argument("--quick", action="store_true", help=f"at most {QUICK_REQUESTS} requests per workload")
-    parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
+    parser.add_argument("--baseline", choices=("hf", "vllm", "both", "none"), default="hf",
+                        help="HF transformers + PEFT, vLLM's CPU build (installed into .venv-vllm on first use), both")
+    parser.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "cpu"),
+                        help="auto: the compiled CPU kernels where they build, else torch")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
@@ -76,7 +82,8 @@ def main() -> None:
     cfg = ModelConfig.from_dir(args.model_dir)
     roofline = measure_roofline(args.dtype)
     results: dict = {"machine": f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
-                                f"torch {torch.__version__}, {args.dtype}", **roofline,
+                                f"torch {torch.__version__}, {args.dtype}, kernels {args.kernel_backend}",
+                     **roofline,
                      "model": Path(args.model_dir).name, "quick": args.quick}
     print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
           f"{roofline['memory_gbps']:.1f} GB/s; model weights {weight_bytes(cfg, args.dtype) / 1e6:.0f} MB", flush=True)
@@ -85,10 +92,14 @@ def main() -> None:
         results[name] = run_workload(name, args, cfg, roofline, samples)
         if WORKLOADS[name].kv_reuse:
             results[f"{name}_no_reuse"] = run_workload(name, args, cfg, roofline, samples, kv_reuse=False)
-        if args.baseline == "hf" and WORKLOADS[name].hf_baseline:
+        if args.baseline in ("hf", "both") and WORKLOADS[name].hf_baseline:
             requests = make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"])
             results[f"{name}_hf"] = run_hf(args.model_dir, requests, args.dtype, WORKLOADS[name])
             print(f"{name}_hf: {results[f'{name}_hf']['tok_s']:.1f} tok/s", flush=True)
+    if args.baseline in ("vllm", "both"):
+        runs = {name: (make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"]), WORKLOADS[name])
+                for name in names if not WORKLOADS[name].server}
+        results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.dtype).items()}
     results["ratios"] = ratios(results)
     print_table(results, [n for name in names for n in (name, f"{name}_no_reuse") if n in results])
     if args.out:

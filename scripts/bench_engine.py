@@ -13,9 +13,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_reuse: bool | None = None) -> LLMEngine:
-    """The engine as the workload wants it (kernels: torch on CPU, Triton on CUDA)."""
-    engine = LLMEngine(model_dir, dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
+def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_reuse: bool | None = None,
+                kernel_backend: str = "auto") -> LLMEngine:
+    """The engine as the workload wants it (kernels: auto picks the compiled CPU ones or Triton on CUDA)."""
+    engine = LLMEngine(model_dir, dtype=dtype, device=device, kernel_backend=kernel_backend,
+                       max_num_seqs=workload.max_num_seqs,
                        max_num_batched_tokens=2048, max_loras=workload.max_loras,
                        max_lora_rank=workload.max_lora_rank,
                        enable_kv_cache_reuse=workload.kv_reuse if kv_reuse is None else kv_reuse)

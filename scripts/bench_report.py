@@ -1,15 +1,16 @@
 """The ratios a benchmark run reports (with the targets of issue 6 beside them) and its one printed table."""
 import math
 
-TARGETS = {"W1_over_hf": 20.0, "W2_over_hf": 8.0, "W1_over_W2": 0.85, "W4_over_W1": 0.9, "W3_bandwidth_frac": 0.5,
-           "W1_roofline_frac": 0.10}
+TARGETS = {"W1_over_hf": 20.0, "W2_over_hf": 8.0, "W1_over_W2": 0.8, "W4_over_W1": 0.9, "W3_bandwidth_frac": 0.5,
+           "W1_roofline_frac": 0.10, "W1_over_vllm": 5.0, "W2_over_vllm": 1.0, "W3_over_vllm": 1.0}
 
 
 def ratios(results: dict) -> dict:
     out = {}
-    for name in ("W1", "W2", "W3", "W5"):
-        if name in results and f"{name}_hf" in results:
-            out[f"{name}_over_hf"] = results[name]["tok_s"] / results[f"{name}_hf"]["tok_s"]
+    for name in ("W1", "W2", "W3", "W5", "W6"):
+        for base in ("hf", "vllm"):
+            if name in results and f"{name}_{base}" in results:
+                out[f"{name}_over_{base}"] = results[name]["tok_s"] / results[f"{name}_{base}"]["tok_s"]
     for a, b in (("W1", "W2"), ("W4", "W1")):
         if a in results and b in results:
             out[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
@@ -24,6 +25,14 @@ def ratios(results: dict) -> dict:
     return out
 
 
+def _tok_s(base: dict | None) -> str:
+    return f"{base['tok_s']:.1f}" if base else "-"
+
+
+def _times(res: dict, base: dict | None) -> str:
+    return f"{res['tok_s'] / base['tok_s']:.2f}" if base else "-"
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{1000 * value:.0f}"
 
@@ -31,13 +40,12 @@ def _ms(value: float | None) -> str:
 def print_table(results: dict, names: list[str]) -> None:
     print(f"\n{results['machine']}; matmul {results['roofline_gflops']:.0f} GFLOP/s, "
           f"copy {results['memory_gbps']:.1f} GB/s")
-    print(f"{'':12} {'reqs':>4} {'tok/s':>8} {'HF tok/s':>9} {'x HF':>6} {'roofline':>8} "
-          f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
+    print(f"{'':12} {'reqs':>4} {'tok/s':>8} {'HF tok/s':>9} {'x HF':>6} {'vLLM tok/s':>10} {'x vLLM':>6} "
+          f"{'roofline':>8} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15}")
     for name in names:
-        res, base = results[name], results.get(f"{name}_hf")
-        vs = f"{res['tok_s'] / base['tok_s']:.2f}" if base else "-"
-        print(f"{name:12} {res['requests']:4d} {res['tok_s']:8.1f} {base['tok_s'] if base else float('nan'):9.1f} "
-              f"{vs:>6} {100 * res['roofline_frac']:7.1f}% "
+        res, hf, vllm = results[name], results.get(f"{name}_hf"), results.get(f"{name}_vllm")
+        print(f"{name:12} {res['requests']:4d} {res['tok_s']:8.1f} {_tok_s(hf):>9} {_times(res, hf):>6} "
+              f"{_tok_s(vllm):>10} {_times(res, vllm):>6} {100 * res['roofline_frac']:7.1f}% "
               f"{_ms(res.get('ttft_p50_s')) + '/' + _ms(res.get('ttft_p99_s')):>16} "
               f"{_ms(res.get('itl_p50_s')) + '/' + _ms(res.get('itl_p99_s')):>15}")
     for key, value in results["ratios"].items():

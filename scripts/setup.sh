@@ -23,3 +23,15 @@ fi
 export PATH="$VENV/bin:$PATH"
 export HF_HUB_OFFLINE=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# The compiled CPU kernels, built from source with this machine's g++ (again when a source changed).
+KERNELS_STAMP="$ROOT/.build/.sources.sha256"
+want="$(cat "$ROOT"/kernels/cpu/*.cpp "$ROOT/kernels/cpu_ext.py" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$KERNELS_STAMP" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] building the compiled CPU kernels (about a minute)"
+  if (cd "$ROOT" && "$VENV/bin/python" -m kernels.cpu_ext); then
+    echo "$want" > "$KERNELS_STAMP"
+  else
+    echo "[setup] ERROR: the compiled CPU kernels did not build (above); kernel_backend auto serves with torch" >&2
+  fi
+fi

@@ -20,6 +20,16 @@ INTERPRETER_MARK = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 KERNEL_DEVICES = [pytest.param("cpu", marks=INTERPRETER_MARK), pytest.param("cuda", marks=CUDA_MARKS)]
 
 
+def _cpu_kernels_build() -> bool:
+    from kernels import cpu_ext
+    return cpu_ext.available()
+
+
+# The CPU serving paths: the torch reference and the compiled kernels (kernels/cpu_ops.py)
+CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    not _cpu_kernels_build(), reason="the compiled CPU kernels do not build here (python -m kernels.cpu_ext)"))]
+
+
 def needs_cuda(test):
     for mark in CUDA_MARKS:
         test = mark(test)

@@ -1,17 +1,10 @@
-"""The building blocks of a Llama-family layer: norms, rotary tables, linear with LoRA, the MLP activation."""
+"""The building blocks of a Llama-family layer: rotary tables and linear with LoRA (the fused elementwise ops are
+kernels, see kernels/dispatch.py)."""
 import math
 
 import torch
-import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with the variance in fp32, as Llama computes it."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -39,14 +32,11 @@ def rope_cos_sin(cfg: ModelConfig) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora, layer: int, proj: str) -> torch.Tensor:
-    """x @ weight^T (+ bias), plus each token's adapter delta for this projection."""
-    out = F.linear(x, weight, bias)
+def linear(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora, layer: int,
+           proj: str) -> torch.Tensor:
+    """x @ weight^T (+ bias) by the kernel backend's GEMM, plus each token's adapter delta for this projection."""
+    out = ops.linear(x, weight, bias)
     if lora is not None:
         lora.apply(x, out, layer, proj)
     return out
 
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
 from backend.model.context import StepContext
-from backend.model.layers import linear, rms_norm, rope_cos_sin, silu_and_mul
+from backend.model.layers import linear, rope_cos_sin
 
 
 class LlamaModel:
@@ -21,26 +21,27 @@ class LlamaModel:
                 with_context: bool = False) -> torch.Tensor:
         """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step, then
         (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]."""
-        cfg, w = self.cfg, self.w
+        cfg, w, ops = self.cfg, self.w, self.ops
         h = F.embedding(ctx.input_ids, w["embed_tokens"])          # [num_tokens, hidden]
+        residual = None                                             # the stream the layers add to
         for i in range(cfg.num_layers):
-            h = h + self._attention(i, rms_norm(h, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps), ctx, kv_caches[i])
-            x = rms_norm(h, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
-            gate_up = linear(x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
-            h = h + linear(silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
+            x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
+            h = self._attention(i, x, ctx, kv_caches[i])
+            x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
+            gate_up = linear(ops, x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
+            h = linear(ops, ops.silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
         rows = torch.cat([ctx.logits_indices, ctx.context_indices]) if with_context else ctx.logits_indices
-        last = rms_norm(h[rows], w["norm"], cfg.rms_norm_eps)
-        return F.linear(last, w["lm_head"]).float()
+        last, _ = ops.add_rms_norm(h[rows], residual[rows], w["norm"], cfg.rms_norm_eps)
+        return ops.linear(last, w["lm_head"], None).float()
 
     def _attention(self, i: int, x: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:
         cfg, w, ops = self.cfg, self.w, self.ops
-        qkv = linear(x, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"), ctx.lora, i, "qkv")
+        qkv = linear(ops, x, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"), ctx.lora, i, "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                 # [num_tokens, num_heads, head_dim]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)              # [num_tokens, num_kv_heads, head_dim]
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.rotary(q, k, ctx.positions, self.cos_sin)
         k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        q = ops.rotary_and_cache(q, k, v, ctx.positions, self.cos_sin, k_cache, v_cache, ctx.attn.slot_mapping)
         o = ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, cfg.sliding_window)
-        return linear(o.flatten(1), w[f"layers.{i}.o_proj"], None, ctx.lora, i, "o")
+        return linear(ops, o.flatten(1), w[f"layers.{i}.o_proj"], None, ctx.lora, i, "o")

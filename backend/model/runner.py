@@ -26,7 +26,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.ops = load_ops(config.kernel_backend, self.device)
-        self.model = LlamaModel(cfg, load_weights(config.model_dir, cfg, self.dtype, self.device), self.ops)
+        weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device))
+        self.model = LlamaModel(cfg, weights, self.ops)
         self.block_size = config.kv_block_size
         self.staging = StepStaging(self.device)
         self.num_blocks = 0

@@ -38,7 +38,9 @@ def test_weights_cache_slots_and_host_tier_live_where_they_should(tiny_model_dir
                       *(t for layer in runner.kv_caches for t in layer),
                       *(t for layer in slots.a + slots.b for t in layer.values())]
     assert {t.device.type for t in device_tensors} == {device}
-    assert runner.ops.name == ("triton" if device == "cuda" else "torch")      # kernel_backend auto
+    from kernels import cpu_ext
+    want = "triton" if device == "cuda" else "cpu" if cpu_ext.available() else "torch"
+    assert runner.ops.name == want                                               # kernel_backend auto
     a, b = next(iter(engine.lora_cache.host[1].weights.values()))
     assert a.device.type == b.device.type == "cpu"
     assert a.is_pinned() == b.is_pinned() == (device == "cuda")               # page-locked for async uploads
@@ -140,7 +142,7 @@ def test_kv_cache_takes_its_share_of_free_gpu_memory(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kernel_backend,device", [
-    ("torch", "cpu"), pytest.param("torch", "cuda", marks=CUDA_MARKS),
+    ("torch", "cpu"), ("cpu", "cpu"), pytest.param("torch", "cuda", marks=CUDA_MARKS),
     pytest.param("triton", "cpu", marks=INTERPRETER_MARK), pytest.param("triton", "cuda", marks=CUDA_MARKS)])
 def test_a_cache_full_of_nan_before_the_run_changes_no_token(tiny_model_dir, kernel_backend, device):
     """Positions past each sequence's length and unused block-table entries are never read into a result: stale

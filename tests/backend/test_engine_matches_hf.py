@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from tests.helpers import hf_greedy, kv_bytes_for_blocks, random_prompts
+from tests.helpers import CPU_BACKENDS, hf_greedy, kv_bytes_for_blocks, random_prompts
 
 PROMPT_LENGTHS = [5, 40, 17, 3, 29, 11, 52, 23, 8, 36]
 MAX_NEW = 12
@@ -32,12 +32,14 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], end_id: int, join
     return [outputs[i] for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_staggered_batch_with_preemption_and_chunked_prefill_matches_hf(tiny_model_dir, hf_tiny, block_size):
+def test_staggered_batch_with_preemption_and_chunked_prefill_matches_hf(tiny_model_dir, hf_tiny, block_size,
+                                                                        kernel_backend):
     probe = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
     cfg = probe.model_config
     num_blocks = -(-(max(PROMPT_LENGTHS) + MAX_NEW) // block_size) + 3     # room for one long sequence and a bit
-    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=block_size,
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, kv_block_size=block_size,
                        kv_cache_memory_bytes=kv_bytes_for_blocks(num_blocks, block_size, cfg),
                        max_num_batched_tokens=16, max_num_seqs=6)
     prompts = random_prompts(PROMPT_LENGTHS, cfg.vocab_size)
@@ -50,18 +52,20 @@ def test_staggered_batch_with_preemption_and_chunked_prefill_matches_hf(tiny_mod
         assert out == hf_greedy(hf_tiny, prompt, MAX_NEW)
 
 
-def test_qwen2_with_qkv_bias_matches_hf(tiny_qwen2_dir):
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_qwen2_with_qkv_bias_matches_hf(tiny_qwen2_dir, kernel_backend):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
-    engine = LLMEngine(tiny_qwen2_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+    engine = LLMEngine(tiny_qwen2_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20)
     prompts = random_prompts([7, 19, 30], engine.model_config.vocab_size, seed=3)
     outputs = engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id)
     assert outputs == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 
 
 @pytest.mark.slow
-def test_smollm2_matches_hf(smollm2_dir, hf_smollm2):
-    engine = LLMEngine(smollm2_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=64 << 20,
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_smollm2_matches_hf(smollm2_dir, hf_smollm2, kernel_backend):
+    engine = LLMEngine(smollm2_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=64 << 20,
                        max_num_batched_tokens=32)
     prompts = random_prompts([6, 45, 21], engine.model_config.vocab_size, seed=7)
     outputs = engine.generate(prompts, max_new_tokens=16, end_id=engine.model_config.eos_token_id)

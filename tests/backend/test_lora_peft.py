@@ -5,7 +5,7 @@ import torch
 
 from backend import LLMEngine
 from backend.lora.peft import load_lora_dir, peft_to_trtllm
-from tests.helpers import make_peft_adapters, peft_greedy, peft_model_with, random_prompts
+from tests.helpers import CPU_BACKENDS, make_peft_adapters, peft_greedy, peft_model_with, random_prompts
 
 MAX_NEW = 10
 # request i uses adapter TASKS[i] (None: base only); several requests share an adapter
@@ -49,9 +49,10 @@ def test_adapters_change_the_output(tiny_expected):
     assert len({tuple(e) for e in expected}) == len(expected) and base
 
 
-def test_mixed_batch_from_peft_dirs_matches_peft(tiny_model_dir, tiny_adapters, tiny_expected):
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_mixed_batch_from_peft_dirs_matches_peft(tiny_model_dir, tiny_adapters, tiny_expected, kernel_backend):
     prompts, expected = tiny_expected
-    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20,
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20,
                        max_num_batched_tokens=24)
     for task_id, path in enumerate(tiny_adapters, start=1):
         engine.add_lora_dir(task_id, path)
@@ -130,13 +131,14 @@ def test_bf16_engine_stays_close_to_bf16_peft(tiny_model_dir, tiny_adapters, tin
 
 
 @pytest.mark.slow
-def test_smollm2_mixed_batch_matches_peft(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_smollm2_mixed_batch_matches_peft(smollm2_dir, tmp_path, kernel_backend):
     adapters = make_peft_adapters(smollm2_dir, tmp_path, scale=0.05)
     peft = peft_model_with(smollm2_dir, adapters)
     tasks = [1, 2, None, 3, 4, 2]
     prompts = random_prompts([12, 30, 7, 22, 16, 9], 49152, seed=5)
     expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", 8) for p, t in zip(prompts, tasks)]
-    engine = LLMEngine(smollm2_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=64 << 20,
+    engine = LLMEngine(smollm2_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=64 << 20,
                        max_loras=4)
     for task_id, path in enumerate(adapters, start=1):
         engine.add_lora_dir(task_id, path)

@@ -1,0 +1,77 @@
+"""The compiled CPU kernels (kernels/cpu/*.cpp): built from source with the machine's g++ and Python headers by
+`python -m kernels.cpu_ext` (scripts/setup.sh runs it), loaded from that build afterwards.
+
+The build goes to .build/ in the repository (not kept in git); -march=native tunes it to the machine that builds
+it, which is the one that runs it."""
+import sys
+from pathlib import Path
+
+import torch
+
+NAME = "lora_llm_cpu"
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp")]
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+_module = None
+
+
+def load(verbose: bool = False):
+    """The extension module; built (or rebuilt when a source changed) on first use. A clear error when the
+    toolchain is missing."""
+    global _module
+    if _module is None:
+        from torch.utils import cpp_extension
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        try:
+            _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
+                                         build_directory=str(BUILD_DIR), verbose=verbose)
+        except Exception as err:
+            raise RuntimeError(f"cannot build the compiled CPU kernels ({err}); they need g++ and the Python "
+                               "headers (apt-get install g++ python3-dev) and the ninja package. "
+                               "kernel_backend 'torch' runs without them") from err
+    return _module
+
+
+def available() -> bool:
+    try:
+        load()
+        return True
+    except RuntimeError:
+        return False
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Semantics: for each sequence s, with L = seq_lens[s] and its context positions p < L,
+        k[p], v[p] = cache[kv_head, block_tables[s, p // block_size], p % block_size]
+        out[s, h] = softmax(q[s, h] @ k[window].T * scale) @ v[window]     (window: the last sliding_window
+    positions, or all), h's KV head = h // (num_heads // num_kv_heads). q: [num_seqs, num_heads, head_dim]."""
+    return load().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: if residual is not None: residual += x (in place), x = residual
+        return weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), x
+    x, residual: [num_tokens, hidden]."""
+    return load().add_rms_norm(x, residual, weight, eps), x if residual is None else residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: gate, up = gate_up.chunk(2, -1); return silu(gate) * up. gate_up: [num_tokens, 2 * inter]."""
+    return load().silu_and_mul(gate_up)
+
+
+def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Semantics: q, k = rotary(q, k, positions, cos_sin) (in place); write_kv_cache(k, v, k_cache, v_cache,
+    slot_mapping); return q. q: [num_tokens, num_heads, head_dim], k, v: [num_tokens, num_kv_heads, head_dim]."""
+    load().rotary_and_cache(q, k, v, positions.int(), cos_sin, k_cache, v_cache, slot_mapping.int())
+    return q
+
+
+if __name__ == "__main__":
+    load(verbose="-v" in sys.argv)
+    print(f"[setup] compiled CPU kernels ready in {BUILD_DIR}")

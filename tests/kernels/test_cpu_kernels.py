@@ -1,0 +1,94 @@
+"""The compiled CPU kernels (kernels/cpu_ext.py, through kernels/cpu_ops.py) against the torch reference."""
+import pytest
+import torch
+
+from kernels import cpu_ext, cpu_ops, reference
+from tests.kernels.test_paged_attention import TOL, check_ignores_stale_cache, make_batch
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the compiled CPU kernels do not build here "
+                                                                "(python -m kernels.cpu_ext says why)")
+
+
+def check(q, k_cache, v_cache, meta, dtype, sliding_window=None):
+    scale = q.shape[-1] ** -0.5
+    want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, sliding_window)
+    meta.torch_plan = None
+    got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_matches_reference(dtype, head_dim, group, block_size):
+    seq_lens = [1, 17, 45, 70, 300]
+    check(*make_batch(seq_lens, [1] * 5, 2 * group, 2, head_dim, block_size, dtype), dtype)
+
+
+@pytest.mark.parametrize("query_lens", [[37, 18, 1, 1], [1, 1, 1, 30]])
+def test_decode_rows_beside_prefill_chunks_match_reference(query_lens):
+    seq_lens = [37, 50, 21, 40]
+    check(*make_batch(seq_lens, query_lens, 6, 2, 64, 16, torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 12, 100])
+def test_sliding_window_matches_reference(window):
+    seq_lens = [40, 29, 5]
+    check(*make_batch(seq_lens, [1, 1, 1], 4, 2, 64, 16, torch.float32), torch.float32, sliding_window=window)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 1]])
+def test_compiled_path_never_lets_stale_cache_values_reach_a_result(query_lens):
+    check_ignores_stale_cache(cpu_ops.paged_attention, query_lens, "cpu")
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ELEMENTWISE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (7, 64), (40, 960)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_reference(dtype, num_tokens, hidden, with_residual):
+    x, weight = torch.randn(num_tokens, hidden).to(dtype), (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    residual = torch.randn(num_tokens, hidden).to(dtype) if with_residual else None
+    want, want_sum = reference.add_rms_norm(x, None if residual is None else residual.clone(), weight, 1e-5)
+    got, got_sum = cpu_ops.add_rms_norm(x, residual, weight, 1e-5)
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert torch.equal(got_sum, want_sum) and (residual is None or got_sum is residual)   # the sum, in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,width", [(1, 1536), (9, 64)])
+def test_silu_and_mul_matches_reference(dtype, num_tokens, width):
+    gate_up = (3 * torch.randn(num_tokens, 2 * width)).to(dtype)
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 1), (80, 4, 4)])
+def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
+    from backend.model.config import ModelConfig
+    from backend.model.layers import rope_cos_sin
+    cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
+                      1e-5, 10000.0, None, False, False, None, None, None)
+    cos_sin = rope_cos_sin(cfg)
+    positions = torch.tensor([0, 1, 2, 7, 100, 255, 3, 40], dtype=torch.int32)
+    slots = torch.randperm(6 * 16)[:len(positions)].int()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(len(positions), q_size + 2 * kv_size).to(dtype)     # q, k, v are views of one row, as in the model
+    caches = [torch.zeros(num_kv_heads, 6, 16, head_dim, dtype=dtype) for _ in range(4)]
+
+    def views(t):
+        q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
+        return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.reshape(-1, num_kv_heads, head_dim)
+    want_q = reference.rotary_and_cache(*views(qkv.clone()), positions, cos_sin, caches[0], caches[1], slots)
+    got_q = cpu_ops.rotary_and_cache(*views(qkv), positions, cos_sin, caches[2], caches[3], slots)
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
+    assert torch.equal(caches[3], caches[1])                              # v is copied as it is
