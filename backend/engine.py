@@ -55,7 +55,8 @@ class LLMEngine:
         self.config = EngineConfig(model_dir=str(model_dir), lora=LoraCacheConfig(**lora_kwargs), **engine_kwargs)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(self.config, self.model_config)
-        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype, self.runner.device)
+        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype, self.runner.device,
+                                    rank_major_a=self.runner.lora_rank_major_a)
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,
                                    self.config.enable_kv_cache_reuse)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 NAME = "lora_llm_cpu"
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
@@ -70,6 +70,15 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     slot_mapping); return q. q: [num_tokens, num_heads, head_dim], k, v: [num_tokens, num_kv_heads, head_dim]."""
     load().rotary_and_cache(q, k, v, positions.int(), cos_sin, k_cache, v_cache, slot_mapping.int())
     return q
+
+
+def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
+               ranks_list: list[int], out: torch.Tensor) -> None:
+    """Semantics: for each segment s of tokens [starts[s], starts[s+1]) with slot = segments.slots[s] >= 0 and
+    r = ranks_list[slot]:  out[tokens] += (x[tokens] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
+    x: [num_tokens, in_dim], lora_a: [num_slots, band_rank, in_dim], lora_b: [num_slots, out_dim, band_rank] (CPU
+    slots, stored rank-major), out: [num_tokens, out_dim] (a column range of the projection's output)."""
+    load().lora_apply(x, lora_a, lora_b, segments.starts_list, segments.slots_list, ranks_list, out)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
 """The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for decode attention, which reads the paged cache
 in place instead of gathering each context into a padded copy, and the elementwise work of a layer fused into
-single passes; GEMMs on weights prepacked for oneDNN; the torch reference for prefill attention and LoRA."""
+single passes, LoRA shrink + expand per module band; GEMMs on weights prepacked for oneDNN; the torch reference
+for prefill attention."""
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext
-from kernels.cpu_ext import add_rms_norm, rotary_and_cache, silu_and_mul
+from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
 from kernels.metadata import AttentionMetadata
-from kernels.reference import lora_expand, lora_shrink, prefill_attention, step_plan
+from kernels.reference import prefill_attention, step_plan
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-           "lora_shrink", "lora_expand"]
+           "lora_apply"]
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 

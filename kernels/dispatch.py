@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-            "lora_shrink", "lora_expand")
+            "lora_apply")
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:

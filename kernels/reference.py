@@ -182,6 +182,12 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
+def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
+               ranks_list: list[int], out: torch.Tensor) -> None:
+    """One module band: out += lora_expand(lora_shrink(x)) (see both)."""
+    lora_expand(lora_shrink(x, lora_a, segments, ranks, ranks_list), lora_b, segments, ranks, ranks_list, out)
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Tensor,
                 ranks_list: list[int]) -> torch.Tensor:
     """h[start:end, :rank[slot]] = x[start:end] @ lora_a[slot, :rank[slot]].T for each segment with a slot.

@@ -9,7 +9,7 @@ from kernels.reference import add_rms_norm, linear, prepare_weights, silu_and_mu
 from kernels.rotary import rotary
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-           "lora_shrink", "lora_expand"]
+           "lora_apply"]
 
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -19,3 +19,9 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     q, k = rotary(q, k, positions, cos_sin)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
+               ranks_list: list[int], out: torch.Tensor) -> None:
+    """Semantics: kernels.reference.lora_apply (two launches: shrink, then expand)."""
+    lora_expand(lora_shrink(x, lora_a, segments, ranks, ranks_list), lora_b, segments, ranks, ranks_list, out)

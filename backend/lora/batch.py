@@ -87,6 +87,5 @@ class LoraBatch:
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, proj: str) -> None:
         for band in self.slots.bands[layer][proj]:
             if any(band.ranks_list[slot] for slot in self.slot_ids):
-                h = self.ops.lora_shrink(x, band.a, self.segments, band.ranks, band.ranks_list)
-                self.ops.lora_expand(h, band.b, self.segments, band.ranks, band.ranks_list,
-                                     out[:, band.columns[0]:band.columns[1]])
+                self.ops.lora_apply(x, band.a, band.b, self.segments, band.ranks, band.ranks_list,
+                                    out[:, band.columns[0]:band.columns[1]])

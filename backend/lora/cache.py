@@ -34,7 +34,8 @@ class LoraCacheStats:
 
 
 class LoraCache:
-    def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device="cpu"):
+    def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device="cpu",
+                 rank_major_a: bool | None = None):
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.dtype = dtype
@@ -42,7 +43,7 @@ class LoraCache:
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()      # least recently used first
         self.versions: dict[int, int] = {}                            # adapters inserted under each task id
         self.in_use: Counter[int] = Counter()                          # waiting + running requests per task
-        self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype, self.device)
+        self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype, self.device, rank_major_a)
         self.slot_of: dict[int, int] = {}
         self.pins = [0] * cfg.max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict((s, None) for s in range(cfg.max_loras))  # unpinned, LRU first

@@ -5,10 +5,11 @@ Per layer and projection (qkv, o, gate_up, down) a slot holds one band of max_ra
     A [cap, in_dim]: module m's A in rows [m * max_rank, m * max_rank + rank_m)
     B [out_dim, cap]: module m's B in its output columns and its band's rank columns (zeros elsewhere)
 so one shrink and one expand per band serve every slot at once, each at that slot's own rank, and an expand
-reads only its module's columns: the zeros between modules are never touched. On CPU both are stored
-rank-major (A^T [in_dim, cap], B^T [cap, out_dim]) and exposed transposed, so the torch path's batched matmuls
-read plain row-major operands; on GPU they are stored as shown, for the Triton kernels' coalesced loads. A fused
-qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
+reads only its module's columns: the zeros between modules are never touched. On CPU B is stored rank-major
+(B^T [cap, out_dim]) and exposed transposed, so expands run along contiguous output rows, and so is A for the
+torch path (A^T [in_dim, cap]: its batched matmuls read plain row-major operands) but not for the compiled one,
+whose shrink runs along contiguous input rows; on GPU both are stored as shown, for the Triton kernels' coalesced
+loads. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
 """
 from dataclasses import dataclass
 
@@ -30,9 +31,9 @@ def proj_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}[proj]
 
 
-def _zeros(num_slots: int, rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[num_slots, rows, cols], stored column-major per slot on CPU (see the module docstring)."""
-    if torch.device(device).type == "cpu":
+def _zeros(num_slots: int, rows: int, cols: int, dtype: torch.dtype, device, column_major: bool) -> torch.Tensor:
+    """[num_slots, rows, cols], stored column-major per slot when asked (see the module docstring)."""
+    if column_major:
         return torch.zeros(num_slots, cols, rows, dtype=dtype, device=device).transpose(1, 2)
     return torch.zeros(num_slots, rows, cols, dtype=dtype, device=device)
 
@@ -48,9 +49,13 @@ class Band:
 
 
 class DeviceSlots:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu"):
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu",
+                 rank_major_a: bool | None = None):
+        """rank_major_a: store A as A^T (default: on CPU, for the torch path)."""
         self.cfg = cfg
         self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        rank_major_a = on_cpu if rank_major_a is None else rank_major_a
         self.copies = SideCopies(self.device)
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -62,8 +67,8 @@ class DeviceSlots:
             for proj in PROJS:
                 in_dim, out_dim = proj_shape(cfg, proj)
                 cap = len(BANDS[proj]) * max_rank
-                self.a[-1][proj] = _zeros(num_slots, cap, in_dim, dtype, device)
-                self.b[-1][proj] = _zeros(num_slots, out_dim, cap, dtype, device)
+                self.a[-1][proj] = _zeros(num_slots, cap, in_dim, dtype, device, rank_major_a)
+                self.b[-1][proj] = _zeros(num_slots, out_dim, cap, dtype, device, on_cpu)
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
         # the same on the host: [layer][proj][band][slot]
         self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()

@@ -26,6 +26,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.ops = load_ops(config.kernel_backend, self.device)
+        self.lora_rank_major_a = self.device.type == "cpu" and self.ops.name != "cpu"   # the LoRA A layout it reads
         weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device))
         self.model = LlamaModel(cfg, weights, self.ops)
         self.block_size = config.kv_block_size

@@ -96,10 +96,13 @@ torch::Tensor add_rms_norm_op(torch::Tensor x, std::optional<torch::Tensor> resi
 torch::Tensor silu_and_mul_op(torch::Tensor gate_up);
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std::vector<int64_t> starts,
+                std::vector<int64_t> slots, std::vector<int64_t> ranks, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Paged decode attention read in place");
   m.def("add_rms_norm", &add_rms_norm_op, "Residual add (in place) + RMSNorm");
   m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up");
   m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache");
+  m.def("lora_apply", &lora_apply, "LoRA shrink and expand of one module band, in place");
 }

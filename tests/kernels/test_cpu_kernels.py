@@ -92,3 +92,29 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
     torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
     assert torch.equal(caches[3], caches[1])                              # v is copied as it is
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (576, 1536)])
+@pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,)])
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_lora_apply_matches_reference(dtype, in_dim, out_dim, ranks, layout):
+    """Slots as DeviceSlots stores them for this path (A row-major, B rank-major), viewed as one band of a wider
+    projection."""
+    from tests.kernels.test_lora import segments_for
+    num_slots, cap = 4, 64
+    ranks_list = list(ranks) + [0] * (num_slots - len(ranks))
+    a = (torch.randn(num_slots, 2 * cap, in_dim) * 0.2).to(dtype)[:, cap:]                        # the second band
+    b = (torch.randn(num_slots, 2 * cap, out_dim + 8) * 0.2).to(dtype).transpose(1, 2)[:, 8:, cap:]
+    last = len(ranks) - 1
+    tokens = {"decode": [(1, 0), (2, -1), (1, last), (1, 3)],            # slot 3 has rank 0 (or is unused)
+              "mixed": [(5, 0), (3, -1), (19, last), (1, min(1, last)), (7, -1), (2, 0)]}[layout]
+    segments = segments_for(tokens)
+    x = torch.randn(sum(n for n, _ in tokens), in_dim).to(dtype)
+    out = torch.randn(x.shape[0], out_dim + 5).to(dtype)[:, 5:]                           # a column range
+    want = out.clone()
+    reference.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, want)
+    got = out.clone()
+    cpu_ops.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, got)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
