@@ -37,7 +37,8 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     cap = args.requests or (QUICK_REQUESTS if args.quick else workload.num_requests)
     requests = make_requests(workload, cfg.vocab_size, min(cap, workload.num_requests))
     if workload.server:
-        res = run_server_workload(args.model_dir, requests, workload, args.dtype)
+        res = run_server_workload(args.model_dir, requests, workload, args.dtype, workload.concurrency,
+                                  kernel_backend=args.kernel_backend)
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
                              kernel_backend=args.kernel_backend)

@@ -2,7 +2,8 @@
 import math
 
 TARGETS = {"W1_over_hf": 20.0, "W2_over_hf": 8.0, "W1_over_W2": 0.8, "W4_over_W1": 0.9, "W3_bandwidth_frac": 0.5,
-           "W1_roofline_frac": 0.10, "W1_over_vllm": 5.0, "W2_over_vllm": 1.0, "W3_over_vllm": 1.0}
+           "W1_roofline_frac": 0.10, "W1_over_vllm": 5.0, "W2_over_vllm": 1.0, "W3_over_vllm": 1.0,
+           "W3_itl_over_W7": 0.9}
 
 
 def ratios(results: dict) -> dict:
@@ -16,6 +17,8 @@ def ratios(results: dict) -> dict:
             out[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
     if "W3" in results:
         out["W3_bandwidth_frac"] = results["W3"]["bandwidth_frac"]
+    if "W3" in results and "W7" in results:             # single-stream ITL in process over through the server
+        out["W3_itl_over_W7"] = results["W3"]["itl_p50_s"] / results["W7"]["itl_p50_s"]
     if "W6" in results and "W6_no_reuse" in results:
         out["W6_ttft_p50_gain"] = results["W6_no_reuse"]["ttft_p50_s"] / results["W6"]["ttft_p50_s"]
         out["W6_kv_reuse_hit_rate"] = results["W6"]["kv_reuse_hit_rate"]

@@ -8,7 +8,8 @@ import urllib.request
 from tqdm import tqdm
 
 
-def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32) -> dict:
+def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32,
+                        kernel_backend: str = "auto") -> dict:
     from bench_adapters import adapter_dirs
     from bench_engine import percentile
     from launch_server import free_ports, start_server, wait_ready
@@ -20,7 +21,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
     adapters = {task_id: peft_to_trtllm(path, "float16")
                 for task_id, path in enumerate(adapter_dirs(model_dir, workload.adapter_ranks), start=1)}
     http, grpc, metrics = free_ports(3)
-    env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": "torch",
+    env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": kernel_backend,
            "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),
            "LORA_LLM_MAX_NUM_SEQS": str(workload.max_num_seqs), "LORA_LLM_MAX_NUM_BATCHED_TOKENS": "2048"}
     server = start_server(http, grpc, metrics, env=env, log_file=open("/tmp/bench_w4_server.log", "w"),

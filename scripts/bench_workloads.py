@@ -15,7 +15,8 @@ class Workload:
     base_every: int = 0                       # every n-th request is base-only (0: none)
     max_loras: int = 8
     max_lora_rank: int = 64
-    server: bool = False                      # through tritonserver (gRPC streaming, concurrency 32)
+    server: bool = False                      # through tritonserver (gRPC streaming)
+    concurrency: int = 32                     # streams at once, for server workloads
     system_prompt: int = 0                    # tokens of a system prompt per adapter (and one for the base)
     kv_reuse: bool = False                    # run with enable_kv_cache_reuse (and once without, for the gain)
 
@@ -35,6 +36,7 @@ WORKLOADS = {
     "W5": Workload("W5", 256, (64, 64), 32, adapter_ranks=(8,) * 128, max_loras=8, max_lora_rank=8),
     "W6": Workload("W6", 64, (16, 48), 16, max_num_seqs=16, hf_baseline=False, adapter_ranks=(16,) * 4,
                    base_every=5, system_prompt=256, kv_reuse=True),
+    "W7": Workload("W7", 1, (128, 128), 128, max_num_seqs=1, hf_baseline=False, server=True, concurrency=1),
 }
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench.py end to end in a tiny form (every workload, the HF baselines, a real tritonserver for W4,
+"""scripts/bench.py end to end in a tiny form (every workload, the HF baselines, a real tritonserver for W4 and W7,
 the plots), so that the one trusted way to measure the project cannot rot. Shapes only: speed lives in the figures."""
 import json
 import subprocess
@@ -15,16 +15,16 @@ def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["roofline_gflops"] > 0 and results["memory_gbps"] > 0 and results["machine"]
-    for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W6_no_reuse"):
+    for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W6_no_reuse", "W7"):
         res = results[name]
         assert res["tok_s"] > 0 and res["output_tokens"] > 0 and res["roofline_frac"] > 0, name
         for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
             assert res[key] > 0, (name, key)
-        if name not in ("W4", "W6", "W6_no_reuse"):
+        if name not in ("W4", "W6", "W6_no_reuse", "W7"):
             assert results[f"{name}_hf"]["tok_s"] > 0
     assert [p["concurrency"] for p in results["W1"]["sweep"]] == [1, 2]
     assert set(results["ratios"]) >= {"W1_over_hf", "W2_over_hf", "W1_over_W2", "W4_over_W1", "W3_bandwidth_frac",
-                                      "W1_roofline_frac", "W6_ttft_p50_gain", "W6_kv_reuse_hit_rate"}
+                                      "W1_roofline_frac", "W6_ttft_p50_gain", "W6_kv_reuse_hit_rate", "W3_itl_over_W7"}
     assert all(value > 0 for key, value in results["ratios"].items() if key != "W6_kv_reuse_hit_rate")
     assert 0 <= results["ratios"]["W6_kv_reuse_hit_rate"] <= 1      # 3 requests: 3 adapters, nothing shared yet
     for png in ("throughput_vs_concurrency.png", "w4_latency_cdf.png", "w1_latency_cdf.png"):
