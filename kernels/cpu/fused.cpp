@@ -10,6 +10,8 @@
 
 namespace {
 
+constexpr int64_t kAtenSiluTokens = 64;
+
 template <typename T>
 inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
@@ -20,21 +22,19 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t num_
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xt = x + t * hidden;
-      T* rt = residual ? residual + t * hidden : nullptr;
       T* ot = out + t * hidden;
-      float sum = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        float v = static_cast<float>(xt[i]);
-        if (rt) {
-          v = round_to<T>(v + static_cast<float>(rt[i]));
-          rt[i] = static_cast<T>(v);
-        }
-        ot[i] = static_cast<T>(v);
-        sum += v * v;
+      if (residual) {                                             // residual += x; the sum is what is normed
+        T* rt = residual + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) rt[i] = static_cast<T>(static_cast<float>(xt[i]) + static_cast<float>(rt[i]));
+        xt = rt;
       }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; ++i) sum += static_cast<float>(xt[i]) * static_cast<float>(xt[i]);
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
       for (int64_t i = 0; i < hidden; ++i)
-        ot[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(static_cast<float>(ot[i]) * inv));
+        ot[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(static_cast<float>(xt[i]) * inv));
     }
   });
 }
@@ -118,6 +118,10 @@ torch::Tensor add_rms_norm_op(torch::Tensor x, std::optional<torch::Tensor> resi
 torch::Tensor silu_and_mul_op(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t width = gate_up.size(1) / 2;
+  if (gate_up.size(0) >= kAtenSiluTokens) {                     // prompt chunks: ATen's vectorized exp
+    auto halves = gate_up.chunk(2, 1);
+    return at::silu(halves[0]) * halves[1];
+  }
   auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), width);

@@ -1,60 +1,81 @@
 // Decode attention over the paged KV cache, read in place: one query per sequence, the GQA group of a KV head
-// together, so each page of K and V is read once per group. Parallel over (sequence, KV head) on ATen's pool.
+// together, so each page of K and V is read once per group. Parallel over (sequence, KV head) on ATen's pool;
+// nothing at or past a sequence's length is read.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+// A K or V row as fp32: the cache row itself for fp32 caches, else converted into `buffer`.
+template <typename T>
+inline const float* as_float(const T* row, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
+    return buffer;
+  }
+}
+
+// Three passes: the scores of every (sequence, KV head) item into one [items, group, max_len] buffer (-inf past
+// each context), one vectorized softmax over it, then the weighted sums of V.
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int64_t* seq_lens,
             T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
             int64_t cache_head_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
-  const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores, kf(head_dim);
+  const int64_t group = num_heads / num_kv_heads, num_items = num_seqs * num_kv_heads;
+  auto first_of = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0; };
+  int64_t max_len = 1;
+  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, seq_lens[s] - first_of(s));
+  auto scores = torch::full({num_items, group, max_len}, -std::numeric_limits<float>::infinity());
+  float* score_data = scores.data_ptr<float>();
+  auto row_of = [&](const T* head, const int32_t* table, int64_t p) {
+    return head + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * head_dim;
+  };
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), buffer(head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = seq_lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
+      const int64_t s = item / num_kv_heads, h = item % num_kv_heads, first = first_of(s);
       const T* q_group = q + (s * num_heads + h * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
-      scores.assign(group * n, 0.f);
       const T* k_head = k_cache + h * cache_head_stride;
-      const T* v_head = v_cache + h * cache_head_stride;
       const int32_t* table = block_tables + s * max_blocks;
-      for (int64_t p = first; p < len; ++p) {
-        const T* k = k_head + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) kf[d] = static_cast<float>(k[d]);
+      float* item_scores = score_data + item * group * max_len;
+      for (int64_t p = first; p < seq_lens[s]; ++p) {
+        const float* k = as_float(row_of(k_head, table, p), buffer.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
-          scores[g * n + (p - first)] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+          item_scores[g * max_len + (p - first)] = dot;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * n;
-        const float top = *std::max_element(row, row + n);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) sum += (row[i] = std::exp(row[i] - top));
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) row[i] *= inv;
-      }
+    }
+  });
+  scores = scores.softmax(-1);
+  score_data = scores.data_ptr<float>();
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * head_dim), buffer(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, h = item % num_kv_heads, first = first_of(s);
+      const T* v_head = v_cache + h * cache_head_stride;
+      const int32_t* table = block_tables + s * max_blocks;
+      const float* item_scores = score_data + item * group * max_len;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p < len; ++p) {
-        const T* v = v_head + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) kf[d] = static_cast<float>(v[d]);
+      for (int64_t p = first; p < seq_lens[s]; ++p) {
+        const float* v = as_float(row_of(v_head, table, p), buffer.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * n + (p - first)];
+          const float w = item_scores[g * max_len + (p - first)];
           float* a = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * kf[d];
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
         }
       }
       T* o = out + (s * num_heads + h * group) * head_dim;
