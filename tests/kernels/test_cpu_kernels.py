@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-from kernels import cpu_ext, cpu_ops, reference
+from kernels import cpu_ops, reference
+from tests.helpers import cpu_kernels_build
 from tests.kernels.test_paged_attention import TOL, check_ignores_stale_cache, make_batch
 
-pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the compiled CPU kernels do not build here "
+pytestmark = pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here "
                                                                 "(python -m kernels.cpu_ext says why)")
 
 
