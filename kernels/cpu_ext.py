@@ -11,7 +11,7 @@ import torch
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _module = None
 
@@ -24,7 +24,7 @@ def load(verbose: bool = False):
         from torch.utils import cpp_extension
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         try:
-            _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
+            _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                          build_directory=str(BUILD_DIR), verbose=verbose)
         except Exception as err:
             raise RuntimeError(f"cannot build the compiled CPU kernels ({err}); they need g++ and the Python "
