@@ -2,7 +2,9 @@
 `python -m kernels.cpu_ext` (scripts/setup.sh runs it), loaded from that build afterwards.
 
 The build goes to .build/ in the repository (not kept in git); -march=native tunes it to the machine that builds
-it, which is the one that runs it."""
+it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C). -fopenmp is what makes at::parallel_for
+parallel (without it the loops run on one thread); the extension then shares torch's own libgomp, already loaded
+under the same soname."""
 import sys
 from pathlib import Path
 
@@ -24,8 +26,8 @@ def load(verbose: bool = False):
         from torch.utils import cpp_extension
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         try:
-            _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                         build_directory=str(BUILD_DIR), verbose=verbose)
+            _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
+                                         extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR), verbose=verbose)
         except Exception as err:
             raise RuntimeError(f"cannot build the compiled CPU kernels ({err}); they need g++ and the Python "
                                "headers (apt-get install g++ python3-dev) and the ninja package. "

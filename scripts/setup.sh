@@ -26,7 +26,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # The compiled CPU kernels, built from source with this machine's g++ (again when a source changed).
 KERNELS_STAMP="$ROOT/.build/.sources.sha256"
-want="$(cat "$ROOT"/kernels/cpu/*.cpp "$ROOT/kernels/cpu_ext.py" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT"/kernels/cpu/*.cpp "$ROOT"/kernels/cpu/*.h "$ROOT/kernels/cpu_ext.py" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$KERNELS_STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] building the compiled CPU kernels (about a minute)"
   if (cd "$ROOT" && "$VENV/bin/python" -m kernels.cpu_ext); then

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t kGemmMinTokens = 16;
@@ -96,7 +98,7 @@ void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std
     }
   }
   if (short_segments.empty()) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_apply", [&] {
+  DISPATCH_KERNEL_TYPES(x.scalar_type(), "lora_apply", [&] {
     lora_segments<scalar_t>(x.data_ptr<scalar_t>(), lora_a.data_ptr<scalar_t>(), lora_b.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), short_segments, x.size(0), lora_a.size(2), lora_b.size(1),
                             lora_a.size(1), x.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1),

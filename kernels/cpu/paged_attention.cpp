@@ -4,59 +4,36 @@
 // converted on load); K dots run 8 positions at once so the sums do not wait on each other.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
-#include <immintrin.h>
-
-#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-#error "the compiled CPU kernels need AVX2, FMA and F16C (x86-64-v3)"
-#endif
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
+
+#include "vec.h"
 
 namespace {
 
-using vec8 = float __attribute__((vector_size(32), aligned(4)));   // 8 floats, unaligned loads and stores
-
-template <typename T>
-inline vec8 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return *reinterpret_cast<const vec8*>(p);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return reinterpret_cast<vec8>(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-  } else {
-    return reinterpret_cast<vec8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-}
-
-// [sum(a[0]), ..., sum(a[7])]
-inline vec8 sum8(const vec8* a) {
-  auto m = [](vec8 x) { return reinterpret_cast<__m256>(x); };
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(m(a[0]), m(a[1])), _mm256_hadd_ps(m(a[2]), m(a[3])));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(m(a[4]), m(a[5])), _mm256_hadd_ps(m(a[6]), m(a[7])));
-  return reinterpret_cast<vec8>(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                              _mm256_permute2f128_ps(u0, u1, 0x31)));
-}
-
-inline float sum1(vec8 a) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += a[i];
-  return s;
-}
-
-// The page after this one, into the cache while this one is read: the hardware prefetcher stops at page edges.
-template <typename T>
-inline void prefetch_page(const T* page, int64_t count) {
-  const char* bytes = reinterpret_cast<const char*>(page);
-  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
-}
+using vec::load8;
+using vec::vec8;
 
 struct Shape {
   int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks, max_len;
 };
+
+// The page of a KV head that holds positions [start, start + block_size).
+template <typename T>
+inline const T* page_at(const T* head, const int32_t* table, int64_t start, const Shape& s) {
+  return head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim;
+}
+
+// The page after this one, into the cache while this one is read: the hardware prefetcher stops at page edges.
+template <typename T>
+inline void prefetch_page(const T* page, const Shape& s) {
+  const char* bytes = reinterpret_cast<const char*>(page);
+  for (int64_t i = 0; i < s.block_size * s.head_dim * static_cast<int64_t>(sizeof(T)); i += 64)
+    __builtin_prefetch(bytes + i);
+}
 
 // scores[g, p - first] = q[g] . k[p] for positions [first, len) of one (sequence, KV head); q already scaled.
 template <typename T>
@@ -64,9 +41,8 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
                  float* scores) {
   const int64_t chunks = s.head_dim / 8;
   for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
-    const int64_t page_size = s.block_size * s.head_dim;
-    const T* page = k_head + static_cast<int64_t>(table[start / s.block_size]) * page_size;
-    if (start + s.block_size < len) prefetch_page(k_head + static_cast<int64_t>(table[start / s.block_size + 1]) * page_size, page_size);
+    const T* page = page_at(k_head, table, start, s);
+    if (start + s.block_size < len) prefetch_page(page_at(k_head, table, start + s.block_size, s), s);
     int64_t p = std::max(first, start);
     const int64_t stop = std::min(len, start + s.block_size);
     for (; p + 8 <= stop; p += 8) {
@@ -78,7 +54,7 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
           const vec8 qc = *reinterpret_cast<const vec8*>(qg + 8 * c);
           for (int r = 0; r < 8; ++r) acc[r] += qc * load8(rows + r * s.head_dim + 8 * c);
         }
-        *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) = sum8(acc);
+        *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) = vec::sum8(acc);
       }
     }
     for (; p < stop; ++p) {
@@ -87,7 +63,7 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
         const float* qg = q + g * s.head_dim;
         vec8 acc = {};
         for (int64_t c = 0; c < chunks; ++c) acc += *reinterpret_cast<const vec8*>(qg + 8 * c) * load8(row + 8 * c);
-        scores[g * s.max_len + (p - first)] = sum1(acc);
+        scores[g * s.max_len + (p - first)] = vec::sum1(acc);
       }
     }
   }
@@ -105,10 +81,8 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
       const int64_t width = std::min(kWidth, chunks - c0);
       vec8 acc[kWidth] = {};
       for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
-        const int64_t page_size = s.block_size * s.head_dim;
-        const T* page = v_head + static_cast<int64_t>(table[start / s.block_size]) * page_size;
-        if (c0 == 0 && start + s.block_size < len)
-          prefetch_page(v_head + static_cast<int64_t>(table[start / s.block_size + 1]) * page_size, page_size);
+        const T* page = page_at(v_head, table, start, s);
+        if (c0 == 0 && start + s.block_size < len) prefetch_page(page_at(v_head, table, start + s.block_size, s), s);
         const int64_t stop = std::min(len, start + s.block_size);
         for (int64_t p = std::max(first, start); p < stop; ++p) {
           const T* row = page + (p - start) * s.head_dim + 8 * c0;
@@ -179,7 +153,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.stride(0), block_size,
                     block_tables.size(1), 0};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+  DISPATCH_KERNEL_TYPES(q.scalar_type(), "decode_attention", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                      num_seqs, shape, static_cast<float>(scale), window);

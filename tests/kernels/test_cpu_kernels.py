@@ -63,11 +63,19 @@ def test_add_rms_norm_matches_reference(dtype, num_tokens, hidden, with_residual
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,width", [(1, 1536), (9, 64), (100, 64)])   # the last: ATen's path
+@pytest.mark.parametrize("num_tokens,width", [(1, 1536), (9, 64), (300, 64), (3, 37)])   # the last: a tail
 def test_silu_and_mul_matches_reference(dtype, num_tokens, width):
     gate_up = (3 * torch.randn(num_tokens, 2 * width)).to(dtype)
     tol = ELEMENTWISE_TOL[dtype]
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=tol, rtol=tol)
+
+
+def test_silu_and_mul_holds_over_the_whole_float_range():
+    """The vectorized exp: tiny, huge, infinite and NaN gates as torch computes them."""
+    gate = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([-torch.inf, torch.inf, torch.nan, 0.0] * 2)])
+    gate_up = torch.cat([gate, torch.ones_like(gate)]).unsqueeze(0)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=1e-6,
+                               rtol=2e-7, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,69 @@
+// Eight floats at a time for the compiled CPU kernels (x86-64-v3: AVX2, FMA, F16C): loads that convert bf16 and
+// fp16 on the way in, a horizontal sum of eight vectors at once, and exp.
+#pragma once
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <type_traits>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the compiled CPU kernels need AVX2, FMA and F16C (x86-64-v3)"
+#endif
+
+// The dtypes the kernels take: fp32, bf16, fp16 (scalar_t inside, as with AT_DISPATCH_*).
+#define DISPATCH_KERNEL_TYPES(TYPE, NAME, ...)                                                                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                                    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace vec {
+
+using vec8 = float __attribute__((vector_size(32), aligned(4)));   // unaligned loads and stores
+
+inline __m256 m(vec8 x) { return reinterpret_cast<__m256>(x); }
+inline vec8 v(__m256 x) { return reinterpret_cast<vec8>(x); }
+
+template <typename T>
+inline vec8 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *reinterpret_cast<const vec8*>(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return v(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  } else {
+    static_assert(std::is_same_v<T, c10::Half>, "float, bf16 or fp16");
+    return v(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+}
+
+// [sum(a[0]), ..., sum(a[7])]
+inline vec8 sum8(const vec8* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(m(a[0]), m(a[1])), _mm256_hadd_ps(m(a[2]), m(a[3])));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(m(a[4]), m(a[5])), _mm256_hadd_ps(m(a[6]), m(a[7])));
+  return v(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+
+inline float sum1(vec8 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(m(a)), _mm256_extractf128_ps(m(a), 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// exp(x), within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 Taylor polynomial for exp(r), 2^n in the
+// exponent bits. Below -87.3 it gives exp(-87.3) (no denormals), past ln(FLT_MAX) inf; NaN stays NaN.
+inline vec8 exp8(vec8 x) {
+  const __m256 nan = _mm256_cmp_ps(m(x), m(x), _CMP_UNORD_Q);
+  __m256 t = _mm256_min_ps(_mm256_max_ps(m(x), _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  t = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);          // ln2, split in two for an exact r
+  t = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), t);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_or_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), nan);
+  const __m256 over = _mm256_cmp_ps(m(x), _mm256_set1_ps(88.7228f), _CMP_GT_OQ);      // past FLT_MAX: inf
+  return v(_mm256_blendv_ps(result, _mm256_set1_ps(__builtin_huge_valf()), over));
+}
+
+}  // namespace vec
