@@ -20,8 +20,56 @@ struct Segment {
   int64_t begin, end, slot, rank;
 };
 
-// Shrink per segment (each A row read once for all the segment's tokens), then expand per chunk of output columns
-// (each B row chunk read once per segment), both in parallel.
+// h[j] = x . A[j] for j < rank: eight rows at a time, so the eight sums run side by side; the columns past the
+// last multiple of 8 in scalar code.
+template <typename T>
+void shrink_row(const T* x, const T* a, int64_t a_row_stride, int64_t in_dim, int64_t rank, float* h) {
+  const int64_t vec_dim = in_dim / 8 * 8;
+  auto tail = [&](const T* row) {
+    float sum = 0.f;
+    for (int64_t k = vec_dim; k < in_dim; ++k) sum += static_cast<float>(x[k]) * static_cast<float>(row[k]);
+    return sum;
+  };
+  int64_t j = 0;
+  for (; j + 8 <= rank; j += 8) {
+    vec::vec8 acc[8] = {};
+    for (int64_t k = 0; k < vec_dim; k += 8) {
+      const vec::vec8 xv = vec::load8(x + k);
+      for (int r = 0; r < 8; ++r) acc[r] += xv * vec::load8(a + (j + r) * a_row_stride + k);
+    }
+    const vec::vec8 sums = vec::sum8(acc);
+    for (int r = 0; r < 8; ++r) h[j + r] = sums[r] + tail(a + (j + r) * a_row_stride);
+  }
+  for (; j < rank; ++j) {
+    const T* row = a + j * a_row_stride;
+    vec::vec8 acc = {};
+    for (int64_t k = 0; k < vec_dim; k += 8) acc += vec::load8(x + k) * vec::load8(row + k);
+    h[j] = vec::sum1(acc) + tail(row);
+  }
+}
+
+// out[o] += h @ B^T[:rank, o] for the columns o < width (<= kColumnChunk) of one chunk: the sums held in
+// registers while the rank rows stream by; columns past the last multiple of 8 in scalar code.
+template <typename T>
+void expand_chunk(const float* h, const T* b, int64_t b_row_stride, int64_t rank, int64_t width, T* out) {
+  constexpr int64_t kVecs = kColumnChunk / 8;
+  const int64_t num_vecs = width / 8;
+  vec::vec8 acc[kVecs] = {};
+  float tail[8] = {};
+  for (int64_t j = 0; j < rank; ++j) {
+    const T* row = b + j * b_row_stride;
+    for (int64_t c = 0; c < num_vecs; ++c) acc[c] += h[j] * vec::load8(row + 8 * c);
+    for (int64_t o = 8 * num_vecs; o < width; ++o) tail[o - 8 * num_vecs] += h[j] * static_cast<float>(row[o]);
+  }
+  auto add = [&](int64_t o, float sum) {
+    out[o] = static_cast<T>(static_cast<float>(out[o]) + static_cast<float>(static_cast<T>(sum)));
+  };
+  for (int64_t c = 0; c < num_vecs; ++c)
+    for (int i = 0; i < 8; ++i) add(8 * c + i, acc[c][i]);
+  for (int64_t o = 8 * num_vecs; o < width; ++o) add(o, tail[o - 8 * num_vecs]);
+}
+
+// Shrink per segment, then expand per (segment, chunk of output columns), both in parallel.
 template <typename T>
 void lora_segments(const T* x, const T* a, const T* b, T* out, const std::vector<Segment>& segments,
                    int64_t num_tokens, int64_t in_dim, int64_t out_dim, int64_t band_rank, int64_t x_stride,
@@ -32,42 +80,21 @@ void lora_segments(const T* x, const T* a, const T* b, T* out, const std::vector
     for (int64_t s = begin; s < end; ++s) {
       const Segment& seg = segments[s];
       const T* a_slot = a + seg.slot * a_slot_stride;
-      for (int64_t t = seg.begin; t < seg.end; ++t) {           // h[t, j] = x[t] . A[j]
-        const T* xt = x + t * x_stride;
-        float* ht = h.data() + t * band_rank;
-        for (int64_t j = 0; j < seg.rank; ++j) {
-          const T* row = a_slot + j * a_row_stride;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t k = 0; k < in_dim; ++k) dot += static_cast<float>(xt[k]) * static_cast<float>(row[k]);
-          ht[j] = dot;
-        }
-      }
+      for (int64_t t = seg.begin; t < seg.end; ++t)             // h[t, j] = x[t] . A[j]
+        shrink_row(x + t * x_stride, a_slot, a_row_stride, in_dim, seg.rank, h.data() + t * band_rank);
       for (int64_t t = seg.begin; t < seg.end; ++t)
         for (int64_t j = 0; j < seg.rank; ++j) h[t * band_rank + j] = static_cast<float>(static_cast<T>(h[t * band_rank + j]));
     }
   });
   const int64_t num_chunks = (out_dim + kColumnChunk - 1) / kColumnChunk;
-  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-    float acc[kColumnChunk];
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t o0 = c * kColumnChunk, width = std::min(kColumnChunk, out_dim - o0);
-      for (const Segment& seg : segments) {
-        const T* b_slot = b + seg.slot * b_slot_stride + o0;
-        for (int64_t t = seg.begin; t < seg.end; ++t) {         // out[t, chunk] += h[t] @ B^T[:rank, chunk]
-          std::fill(acc, acc + width, 0.f);
-          const float* ht = h.data() + t * band_rank;
-          for (int64_t j = 0; j < seg.rank; ++j) {
-            const float hj = ht[j];
-            const T* row = b_slot + j * b_row_stride;
-#pragma omp simd
-            for (int64_t o = 0; o < width; ++o) acc[o] += hj * static_cast<float>(row[o]);
-          }
-          T* ot = out + t * out_stride + o0;
-          for (int64_t o = 0; o < width; ++o)
-            ot[o] = static_cast<T>(static_cast<float>(ot[o]) + static_cast<float>(static_cast<T>(acc[o])));
-        }
-      }
+  const int64_t num_items = static_cast<int64_t>(segments.size()) * num_chunks;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Segment& seg = segments[item / num_chunks];
+      const int64_t o0 = item % num_chunks * kColumnChunk, width = std::min(kColumnChunk, out_dim - o0);
+      for (int64_t t = seg.begin; t < seg.end; ++t)             // out[t, chunk] += h[t] @ B^T[:rank, chunk]
+        expand_chunk(h.data() + t * band_rank, b + seg.slot * b_slot_stride + o0, b_row_stride, seg.rank, width,
+                     out + t * out_stride + o0);
     }
   });
 }

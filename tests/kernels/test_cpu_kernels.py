@@ -104,7 +104,7 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (576, 1536)])
+@pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (576, 1536), (70, 40)])
 @pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,)])
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
 def test_lora_apply_matches_reference(dtype, in_dim, out_dim, ranks, layout):
