@@ -26,7 +26,8 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t num_
       T* ot = out + t * hidden;
       if (residual) {                                             // residual += x; the sum is what is normed
         T* rt = residual + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) rt[i] = static_cast<T>(static_cast<float>(xt[i]) + static_cast<float>(rt[i]));
+        for (int64_t i = 0; i < hidden; ++i)
+          rt[i] = static_cast<T>(static_cast<float>(xt[i]) + static_cast<float>(rt[i]));
         xt = rt;
       }
       float sum = 0.f;

@@ -32,20 +32,10 @@ void shrink_row(const T* x, const T* a, int64_t a_row_stride, int64_t in_dim, in
   };
   int64_t j = 0;
   for (; j + 8 <= rank; j += 8) {
-    vec::vec8 acc[8] = {};
-    for (int64_t k = 0; k < vec_dim; k += 8) {
-      const vec::vec8 xv = vec::load8(x + k);
-      for (int r = 0; r < 8; ++r) acc[r] += xv * vec::load8(a + (j + r) * a_row_stride + k);
-    }
-    const vec::vec8 sums = vec::sum8(acc);
+    const vec::vec8 sums = vec::dot8(x, a + j * a_row_stride, a_row_stride, vec_dim);
     for (int r = 0; r < 8; ++r) h[j + r] = sums[r] + tail(a + (j + r) * a_row_stride);
   }
-  for (; j < rank; ++j) {
-    const T* row = a + j * a_row_stride;
-    vec::vec8 acc = {};
-    for (int64_t k = 0; k < vec_dim; k += 8) acc += vec::load8(x + k) * vec::load8(row + k);
-    h[j] = vec::sum1(acc) + tail(row);
-  }
+  for (; j < rank; ++j) h[j] = vec::dot1(x, a + j * a_row_stride, vec_dim) + tail(a + j * a_row_stride);
 }
 
 // out[o] += h @ B^T[:rank, o] for the columns o < width (<= kColumnChunk) of one chunk: the sums held in
@@ -83,7 +73,8 @@ void lora_segments(const T* x, const T* a, const T* b, T* out, const std::vector
       for (int64_t t = seg.begin; t < seg.end; ++t)             // h[t, j] = x[t] . A[j]
         shrink_row(x + t * x_stride, a_slot, a_row_stride, in_dim, seg.rank, h.data() + t * band_rank);
       for (int64_t t = seg.begin; t < seg.end; ++t)
-        for (int64_t j = 0; j < seg.rank; ++j) h[t * band_rank + j] = static_cast<float>(static_cast<T>(h[t * band_rank + j]));
+        for (int64_t j = 0; j < seg.rank; ++j)
+          h[t * band_rank + j] = static_cast<float>(static_cast<T>(h[t * band_rank + j]));
     }
   });
   const int64_t num_chunks = (out_dim + kColumnChunk - 1) / kColumnChunk;

@@ -14,7 +14,6 @@
 
 namespace {
 
-using vec::load8;
 using vec::vec8;
 
 struct Shape {
@@ -39,7 +38,6 @@ inline void prefetch_page(const T* page, const Shape& s) {
 template <typename T>
 void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
                  float* scores) {
-  const int64_t chunks = s.head_dim / 8;
   for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
     const T* page = page_at(k_head, table, start, s);
     if (start + s.block_size < len) prefetch_page(page_at(k_head, table, start + s.block_size, s), s);
@@ -47,24 +45,14 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
     const int64_t stop = std::min(len, start + s.block_size);
     for (; p + 8 <= stop; p += 8) {
       const T* rows = page + (p - start) * s.head_dim;
-      for (int64_t g = 0; g < s.group; ++g) {
-        const float* qg = q + g * s.head_dim;
-        vec8 acc[8] = {};
-        for (int64_t c = 0; c < chunks; ++c) {
-          const vec8 qc = *reinterpret_cast<const vec8*>(qg + 8 * c);
-          for (int r = 0; r < 8; ++r) acc[r] += qc * load8(rows + r * s.head_dim + 8 * c);
-        }
-        *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) = vec::sum8(acc);
-      }
+      for (int64_t g = 0; g < s.group; ++g)
+        *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) =
+            vec::dot8(q + g * s.head_dim, rows, s.head_dim, s.head_dim);
     }
     for (; p < stop; ++p) {
       const T* row = page + (p - start) * s.head_dim;
-      for (int64_t g = 0; g < s.group; ++g) {
-        const float* qg = q + g * s.head_dim;
-        vec8 acc = {};
-        for (int64_t c = 0; c < chunks; ++c) acc += *reinterpret_cast<const vec8*>(qg + 8 * c) * load8(row + 8 * c);
-        scores[g * s.max_len + (p - first)] = vec::sum1(acc);
-      }
+      for (int64_t g = 0; g < s.group; ++g)
+        scores[g * s.max_len + (p - first)] = vec::dot1(q + g * s.head_dim, row, s.head_dim);
     }
   }
 }
@@ -82,12 +70,13 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
       vec8 acc[kWidth] = {};
       for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
         const T* page = page_at(v_head, table, start, s);
-        if (c0 == 0 && start + s.block_size < len) prefetch_page(page_at(v_head, table, start + s.block_size, s), s);
+        if (g == 0 && c0 == 0 && start + s.block_size < len)    // later passes find the pages in the cache
+          prefetch_page(page_at(v_head, table, start + s.block_size, s), s);
         const int64_t stop = std::min(len, start + s.block_size);
         for (int64_t p = std::max(first, start); p < stop; ++p) {
           const T* row = page + (p - start) * s.head_dim + 8 * c0;
           const float wp = w[p - first];
-          for (int64_t c = 0; c < width; ++c) acc[c] += wp * load8(row + 8 * c);
+          for (int64_t c = 0; c < width; ++c) acc[c] += wp * vec::load8(row + 8 * c);
         }
       }
       T* o = out + g * s.head_dim + 8 * c0;
@@ -104,9 +93,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
             T* out, int64_t num_seqs, Shape s, float scale, int64_t window) {
   const int64_t num_items = num_seqs * s.num_kv_heads;
   auto first_of = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : 0; };
-  s.max_len = 8;
+  s.max_len = 1;
   for (int64_t seq = 0; seq < num_seqs; ++seq) s.max_len = std::max(s.max_len, seq_lens[seq] - first_of(seq));
-  s.max_len = (s.max_len + 7) / 8 * 8;
   auto scores = torch::full({num_items, s.group, s.max_len}, -std::numeric_limits<float>::infinity());
   float* score_data = scores.data_ptr<float>();
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {

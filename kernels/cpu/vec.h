@@ -48,6 +48,26 @@ inline float sum1(vec8 a) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+// [x . rows[0], ..., x . rows[7]] over n values (a multiple of 8), the rows row_stride apart: eight sums side by
+// side, so none waits on another.
+template <typename X, typename R>
+inline vec8 dot8(const X* x, const R* rows, int64_t row_stride, int64_t n) {
+  vec8 acc[8] = {};
+  for (int64_t k = 0; k < n; k += 8) {
+    const vec8 xv = load8(x + k);
+    for (int r = 0; r < 8; ++r) acc[r] += xv * load8(rows + r * row_stride + k);
+  }
+  return sum8(acc);
+}
+
+// x . row over n values (a multiple of 8).
+template <typename X, typename R>
+inline float dot1(const X* x, const R* row, int64_t n) {
+  vec8 acc = {};
+  for (int64_t k = 0; k < n; k += 8) acc += load8(x + k) * load8(row + k);
+  return sum1(acc);
+}
+
 // exp(x), within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 Taylor polynomial for exp(r), 2^n in the
 // exponent bits. Below -87.3 it gives exp(-87.3) (no denormals), past ln(FLT_MAX) inf; NaN stays NaN.
 inline vec8 exp8(vec8 x) {
