@@ -7,6 +7,7 @@ from typing import Hashable
 import torch
 
 from backend.config import EngineConfig, LoraCacheConfig
+from backend.device import resolve_lora_dtype
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
 from backend.lora.format import LoraAdapter
@@ -39,7 +40,7 @@ class StepOutput:
 # the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
 LORA_KWARGS = {"max_lora_rank": "max_lora_rank", "max_loras": "max_loras",
                "lora_cache_host_memory_bytes": "host_memory_bytes", "lora_cache_max_adapter_size": "max_adapter_bytes",
-               "lora_prefetch_dir": "prefetch_dir"}
+               "lora_prefetch_dir": "prefetch_dir", "lora_dtype": "dtype"}
 
 
 def split_engine_kwargs(kwargs: dict) -> tuple[dict, dict]:
@@ -55,7 +56,8 @@ class LLMEngine:
         self.config = EngineConfig(model_dir=str(model_dir), lora=LoraCacheConfig(**lora_kwargs), **engine_kwargs)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(self.config, self.model_config)
-        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.dtype, self.runner.device,
+        lora_dtype = resolve_lora_dtype(self.config.lora.dtype, self.runner.dtype, self.runner.ops.name)
+        self.lora_cache = LoraCache(self.config.lora, self.model_config, lora_dtype, self.runner.device,
                                     rank_major_a=self.runner.lora_rank_major_a)
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,

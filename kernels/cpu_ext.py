@@ -79,7 +79,8 @@ def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segm
     """Semantics: for each segment s of tokens [starts[s], starts[s+1]) with slot = segments.slots[s] >= 0 and
     r = ranks_list[slot]:  out[tokens] += (x[tokens] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
     x: [num_tokens, in_dim], lora_a: [num_slots, band_rank, in_dim], lora_b: [num_slots, out_dim, band_rank] (CPU
-    slots, stored rank-major), out: [num_tokens, out_dim] (a column range of the projection's output)."""
+    slots, stored rank-major; x's dtype or a narrower one, widened on load), out: [num_tokens, out_dim] (a column
+    range of the projection's output)."""
     load().lora_apply(x, lora_a, lora_b, segments.starts_list, segments.slots_list, ranks_list, out)
 
 

@@ -42,6 +42,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_K]
         a = tl.load(a_slot + offs_r[:, None] * stride_ar + (k0 + offs_k)[None, :] * stride_ak,
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_R, BLOCK_K]
+        a = a.to(x.dtype)                                                          # fp16 adapters, fp32 model
         if DOT_FP32:
             x = x.to(tl.float32)
             a = a.to(tl.float32)
@@ -78,6 +79,7 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_p
                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_R]
         b = tl.load(b_slot + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :] * stride_bk,
                     mask=n_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_N, BLOCK_R]
+        b = b.to(h.dtype)
         if DOT_FP32:
             h = h.to(tl.float32)
             b = b.to(tl.float32)
@@ -104,11 +106,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Te
             if slot >= 0:
                 t = range(starts[s], starts[s + 1]); r = ranks[slot]
                 h[t, :r] = x[t] @ lora_a[slot, :r].T
-    x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim]; ranks: [num_slots] int32 -> h: [num_tokens, cap]
+    x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim] (x's dtype, or a narrower one: widened on load);
+    ranks: [num_slots] int32 -> h: [num_tokens, cap]
     (entries no segment covers are left unset: expand never reads them).
     """
     num_tokens, in_dim = x.shape
-    assert x.stride(1) == 1 and lora_a.shape[2] == in_dim and x.dtype == lora_a.dtype
+    assert x.stride(1) == 1 and lora_a.shape[2] == in_dim and lora_a.dtype.itemsize <= x.dtype.itemsize
     h = torch.empty(num_tokens, lora_a.shape[1], dtype=x.dtype, device=x.device)
     cfg = shrink_config(in_dim)
     grid = (len(segments.slots_list), triton.cdiv(segments.max_len, cfg["BLOCK_M"]),

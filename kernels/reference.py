@@ -192,15 +192,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Te
                 ranks_list: list[int]) -> torch.Tensor:
     """h[start:end, :rank[slot]] = x[start:end] @ lora_a[slot, :rank[slot]].T for each segment with a slot.
 
-    x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim] -> h: [num_tokens, cap] (zeros where unused).
-    One batched matmul over the segments' padded grid when they have one, else one matmul per segment.
+    x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim], in x's dtype or a narrower one (widened to x's for
+    the matmul) -> h: [num_tokens, cap] in x's dtype (zeros where unused). One batched matmul over the segments' padded grid when they have one, else one matmul per segment.
     """
     h = x.new_zeros(x.shape[0], lora_a.shape[1])
     grid = segments.padded
     if grid is not None:
         rank = max(ranks_list[slot] for slot in grid.slot_ids)
         if rank:
-            a = lora_a[grid.slot_start:grid.slot_start + grid.num_slots, :rank].transpose(1, 2)
+            a = lora_a[grid.slot_start:grid.slot_start + grid.num_slots, :rank].transpose(1, 2).to(x.dtype)
             x_grid = _to_grid(x[grid.token_start:], grid)                    # [num_slots, max_len, in_dim]
             h_grid = torch.bmm(x_grid, a).masked_fill_(_past_rank(ranks, grid, rank), 0)   # [.., max_len, rank]
             h[grid.token_start:, :rank] = _from_grid(h_grid, grid)
@@ -209,7 +209,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Te
     for s, slot in enumerate(segments.slots_list):
         rank = ranks_list[slot] if slot >= 0 else 0
         if rank:
-            h[starts[s]:starts[s + 1], :rank] = x[starts[s]:starts[s + 1]] @ lora_a[slot, :rank].T
+            h[starts[s]:starts[s + 1], :rank] = x[starts[s]:starts[s + 1]] @ lora_a[slot, :rank].T.to(x.dtype)
     return h
 
 
@@ -223,7 +223,7 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Te
     if grid is not None:
         rank = max(ranks_list[slot] for slot in grid.slot_ids)
         if rank:
-            b = lora_b[grid.slot_start:grid.slot_start + grid.num_slots, :, :rank].transpose(1, 2)
+            b = lora_b[grid.slot_start:grid.slot_start + grid.num_slots, :, :rank].transpose(1, 2).to(h.dtype)
             h_grid = _to_grid(h[grid.token_start:, :rank], grid).masked_fill_(_past_rank(ranks, grid, rank), 0)
             out[grid.token_start:] += _from_grid(torch.bmm(h_grid, b), grid)
         return
@@ -231,7 +231,7 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Te
     for s, slot in enumerate(segments.slots_list):
         rank = ranks_list[slot] if slot >= 0 else 0
         if rank:
-            out[starts[s]:starts[s + 1]] += h[starts[s]:starts[s + 1], :rank] @ lora_b[slot, :, :rank].T
+            out[starts[s]:starts[s + 1]] += h[starts[s]:starts[s + 1], :rank] @ lora_b[slot, :, :rank].T.to(h.dtype)
 
 
 def _to_grid(rows: torch.Tensor, grid) -> torch.Tensor:

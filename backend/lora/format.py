@@ -37,7 +37,7 @@ def module_columns(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class LoraAdapter:
-    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the model's dtype;
+    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype;
     `digest` names the TensorRT-LLM tensors it was parsed from."""
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
     digest: bytes = b""
@@ -129,9 +129,9 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
     for i, (module_id, layer, rank, need) in enumerate(rows):
         in_dim, out_dim = shapes[module_id]
         row = weights[i]
-        a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype)
-        b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype)
-        parsed[(layer, module_id)] = (a.contiguous(), b.contiguous())
+        a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype, copy=True)      # never a view of the request's
+        b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype, copy=True)  # buffer, nor of its padding
+        parsed[(layer, module_id)] = (a, b)
     return LoraAdapter(parsed, payload_digest(weights, config))
 
 

@@ -1,12 +1,14 @@
 // LoRA for one module band, shrink and expand in one call: out[t] += (x[t] @ A[slot, :r].T) @ B[slot, :, :r].T for
 // the tokens of each segment with an adapter slot. The slots for this path store A row-major [cap, in_dim] and B
-// rank-major (B^T [cap, out_dim], see backend/lora/slots.py), so both loops run along contiguous rows. Short
-// segments (decode steps) run as loops that read each adapter row once per segment; long ones (prompt chunks) as
-// two GEMMs.
+// rank-major (B^T [cap, out_dim], see backend/lora/slots.py), so both loops run along contiguous rows. A and B may
+// be narrower than x (fp16 adapters beside an fp32 model): they are widened on load, sums run in fp32. Short
+// segments (decode steps) run as loops that read each adapter row once per pair of tokens; long ones (prompt
+// chunks) as two GEMMs.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -14,54 +16,95 @@
 namespace {
 
 constexpr int64_t kGemmMinTokens = 16;
-constexpr int64_t kColumnChunk = 64;
+constexpr int64_t kColumnChunk = 256;         // output columns per expand work item
+constexpr int kRowBlock = 4;                  // adapter rows per pass over them
+
+// Tokens are taken N = 2 at a time where a segment has two left (decode steps share an adapter among a few
+// sequences), so every adapter row is loaded and widened once per pair, not once per token.
+constexpr int kPair = 2;
 
 struct Segment {
   int64_t begin, end, slot, rank;
 };
 
-// h[j] = x . A[j] for j < rank: eight rows at a time, so the eight sums run side by side; the columns past the
-// last multiple of 8 in scalar code.
 template <typename T>
-void shrink_row(const T* x, const T* a, int64_t a_row_stride, int64_t in_dim, int64_t rank, float* h) {
+void accumulate(T* out, float sum) {                            // rounded to T as in the reference: out + T(sum)
+  *out = static_cast<T>(static_cast<float>(*out) + static_cast<float>(static_cast<T>(sum)));
+}
+
+// h_i[j] = x_i . A[j] for N tokens i (x_stride, h_stride apart) and j < rank: 8 / N rows at a time, so eight sums
+// run side by side; the columns past the last multiple of 8 in scalar code.
+template <int N, typename T, typename W>
+void shrink_tokens(const T* x, int64_t x_stride, const W* a, int64_t a_row_stride, int64_t in_dim, int64_t rank,
+                   float* h, int64_t h_stride) {
+  constexpr int kRows = 8 / N;
   const int64_t vec_dim = in_dim / 8 * 8;
-  auto tail = [&](const T* row) {
+  auto tail = [&](const T* xi, const W* row) {
     float sum = 0.f;
-    for (int64_t k = vec_dim; k < in_dim; ++k) sum += static_cast<float>(x[k]) * static_cast<float>(row[k]);
+    for (int64_t k = vec_dim; k < in_dim; ++k) sum += static_cast<float>(xi[k]) * static_cast<float>(row[k]);
     return sum;
   };
   int64_t j = 0;
-  for (; j + 8 <= rank; j += 8) {
-    const vec::vec8 sums = vec::dot8(x, a + j * a_row_stride, a_row_stride, vec_dim);
-    for (int r = 0; r < 8; ++r) h[j + r] = sums[r] + tail(a + (j + r) * a_row_stride);
+  for (; j + kRows <= rank; j += kRows) {
+    const vec::vec8 sums = vec::dot_tile<N>(x, x_stride, a + j * a_row_stride, a_row_stride, vec_dim);
+    for (int i = 0; i < N; ++i)
+      for (int r = 0; r < kRows; ++r)
+        h[i * h_stride + j + r] = sums[i * kRows + r] + tail(x + i * x_stride, a + (j + r) * a_row_stride);
   }
-  for (; j < rank; ++j) h[j] = vec::dot1(x, a + j * a_row_stride, vec_dim) + tail(a + j * a_row_stride);
+  for (; j < rank; ++j)
+    for (int i = 0; i < N; ++i)
+      h[i * h_stride + j] = vec::dot1(x + i * x_stride, a + j * a_row_stride, vec_dim) +
+                            tail(x + i * x_stride, a + j * a_row_stride);
 }
 
-// out[o] += h @ B^T[:rank, o] for the columns o < width (<= kColumnChunk) of one chunk: the sums held in
-// registers while the rank rows stream by; columns past the last multiple of 8 in scalar code.
-template <typename T>
-void expand_chunk(const float* h, const T* b, int64_t b_row_stride, int64_t rank, int64_t width, T* out) {
-  constexpr int64_t kVecs = kColumnChunk / 8;
-  const int64_t num_vecs = width / 8;
-  vec::vec8 acc[kVecs] = {};
-  float tail[8] = {};
-  for (int64_t j = 0; j < rank; ++j) {
-    const T* row = b + j * b_row_stride;
-    for (int64_t c = 0; c < num_vecs; ++c) acc[c] += h[j] * vec::load8(row + 8 * c);
-    for (int64_t o = 8 * num_vecs; o < width; ++o) tail[o - 8 * num_vecs] += h[j] * static_cast<float>(row[o]);
+// sums_i[o] += sum_r h_i[r] * rows[r][o] for N tokens i, R rows r and the columns o < width: the rows read along
+// their contiguous columns, the R products of a column summed in registers before one read-modify-write of sums.
+template <int N, int R, typename W>
+void expand_rows(const float* h, int64_t h_stride, const W* rows, int64_t row_stride, int64_t width,
+                 float (*sums)[kColumnChunk]) {
+  float hr[N][R];
+  for (int i = 0; i < N; ++i)
+    for (int r = 0; r < R; ++r) hr[i][r] = h[i * h_stride + r];
+  const int64_t vec_width = width / 8 * 8;
+  for (int64_t c = 0; c < vec_width; c += 8) {
+    vec::vec8 w[R];
+    for (int r = 0; r < R; ++r) w[r] = vec::load8(rows + r * row_stride + c);
+    for (int i = 0; i < N; ++i) {
+      vec::vec8 sum = *reinterpret_cast<const vec::vec8*>(sums[i] + c);
+      for (int r = 0; r < R; ++r) sum += hr[i][r] * w[r];
+      *reinterpret_cast<vec::vec8*>(sums[i] + c) = sum;
+    }
   }
-  auto add = [&](int64_t o, float sum) {
-    out[o] = static_cast<T>(static_cast<float>(out[o]) + static_cast<float>(static_cast<T>(sum)));
-  };
-  for (int64_t c = 0; c < num_vecs; ++c)
-    for (int i = 0; i < 8; ++i) add(8 * c + i, acc[c][i]);
-  for (int64_t o = 8 * num_vecs; o < width; ++o) add(o, tail[o - 8 * num_vecs]);
+  for (int64_t o = vec_width; o < width; ++o)
+    for (int i = 0; i < N; ++i)
+      for (int r = 0; r < R; ++r) sums[i][o] += hr[i][r] * static_cast<float>(rows[r * row_stride + o]);
+}
+
+// out_i[o] += h_i @ B^T[:rank, o] for N tokens i and the columns o < width (<= kColumnChunk) of one chunk: the
+// rank rows kRowBlock at a time, the sums in an fp32 row per token (in L1), added to out at the end.
+template <int N, typename T, typename W>
+void expand_tokens(const float* h, int64_t h_stride, const W* b, int64_t b_row_stride, int64_t rank, int64_t width,
+                   T* out, int64_t out_stride) {
+  alignas(32) float sums[N][kColumnChunk] = {};
+  int64_t j = 0;
+  for (; j + kRowBlock <= rank; j += kRowBlock)
+    expand_rows<N, kRowBlock>(h + j, h_stride, b + j * b_row_stride, b_row_stride, width, sums);
+  for (; j < rank; ++j) expand_rows<N, 1>(h + j, h_stride, b + j * b_row_stride, b_row_stride, width, sums);
+  for (int i = 0; i < N; ++i)
+    for (int64_t o = 0; o < width; ++o) accumulate(out + i * out_stride + o, sums[i][o]);
+}
+
+// fn<N>(t) for the tokens t of a segment, in pairs while two are left.
+template <typename Fn>
+void for_token_tiles(const Segment& seg, Fn&& fn) {
+  int64_t t = seg.begin;
+  for (; t + kPair <= seg.end; t += kPair) fn(std::integral_constant<int, kPair>(), t);
+  for (; t < seg.end; ++t) fn(std::integral_constant<int, 1>(), t);
 }
 
 // Shrink per segment, then expand per (segment, chunk of output columns), both in parallel.
-template <typename T>
-void lora_segments(const T* x, const T* a, const T* b, T* out, const std::vector<Segment>& segments,
+template <typename T, typename W>
+void lora_segments(const T* x, const W* a, const W* b, T* out, const std::vector<Segment>& segments,
                    int64_t num_tokens, int64_t in_dim, int64_t out_dim, int64_t band_rank, int64_t x_stride,
                    int64_t out_stride, int64_t a_slot_stride, int64_t a_row_stride, int64_t b_slot_stride,
                    int64_t b_row_stride) {
@@ -69,9 +112,10 @@ void lora_segments(const T* x, const T* a, const T* b, T* out, const std::vector
   at::parallel_for(0, static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const Segment& seg = segments[s];
-      const T* a_slot = a + seg.slot * a_slot_stride;
-      for (int64_t t = seg.begin; t < seg.end; ++t)             // h[t, j] = x[t] . A[j]
-        shrink_row(x + t * x_stride, a_slot, a_row_stride, in_dim, seg.rank, h.data() + t * band_rank);
+      for_token_tiles(seg, [&](auto n, int64_t t) {              // h[t, j] = x[t] . A[j]
+        shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, a + seg.slot * a_slot_stride, a_row_stride,
+                                          in_dim, seg.rank, h.data() + t * band_rank, band_rank);
+      });
       for (int64_t t = seg.begin; t < seg.end; ++t)
         for (int64_t j = 0; j < seg.rank; ++j)
           h[t * band_rank + j] = static_cast<float>(static_cast<T>(h[t * band_rank + j]));
@@ -83,9 +127,10 @@ void lora_segments(const T* x, const T* a, const T* b, T* out, const std::vector
     for (int64_t item = begin; item < end; ++item) {
       const Segment& seg = segments[item / num_chunks];
       const int64_t o0 = item % num_chunks * kColumnChunk, width = std::min(kColumnChunk, out_dim - o0);
-      for (int64_t t = seg.begin; t < seg.end; ++t)             // out[t, chunk] += h[t] @ B^T[:rank, chunk]
-        expand_chunk(h.data() + t * band_rank, b + seg.slot * b_slot_stride + o0, b_row_stride, seg.rank, width,
-                     out + t * out_stride + o0);
+      for_token_tiles(seg, [&](auto n, int64_t t) {              // out[t, chunk] += h[t] @ B^T[:rank, chunk]
+        expand_tokens<decltype(n)::value>(h.data() + t * band_rank, band_rank, b + seg.slot * b_slot_stride + o0,
+                                          b_row_stride, seg.rank, width, out + t * out_stride + o0, out_stride);
+      });
     }
   });
 }
@@ -100,8 +145,8 @@ void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3, "bad ranks of tensors");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
   TORCH_CHECK(lora_a.stride(2) == 1 && lora_b.stride(1) == 1, "A must be row-major, B rank-major");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && lora_a.scalar_type() == x.scalar_type() &&
-              lora_b.scalar_type() == x.scalar_type(), "one dtype");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && lora_a.scalar_type() == lora_b.scalar_type(),
+              "x and out share a dtype, and so do A and B");
   TORCH_CHECK(static_cast<int64_t>(starts.size()) == static_cast<int64_t>(slots.size()) + 1, "starts, slots");
   std::vector<Segment> short_segments;
   for (size_t s = 0; s < slots.size(); ++s) {
@@ -109,17 +154,20 @@ void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std
     if (slot < 0 || ranks[slot] == 0 || end == begin) continue;
     const int64_t rank = ranks[slot];
     if (end - begin >= kGemmMinTokens) {
-      auto h = x.slice(0, begin, end).mm(lora_a[slot].slice(0, 0, rank).t());
-      out.slice(0, begin, end).add_(h.mm(lora_b[slot].slice(1, 0, rank).t()));
+      auto h = x.slice(0, begin, end).mm(lora_a[slot].slice(0, 0, rank).to(x.scalar_type()).t());
+      out.slice(0, begin, end).add_(h.mm(lora_b[slot].slice(1, 0, rank).to(x.scalar_type()).t()));
     } else {
       short_segments.push_back({begin, end, slot, rank});
     }
   }
   if (short_segments.empty()) return;
   DISPATCH_KERNEL_TYPES(x.scalar_type(), "lora_apply", [&] {
-    lora_segments<scalar_t>(x.data_ptr<scalar_t>(), lora_a.data_ptr<scalar_t>(), lora_b.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), short_segments, x.size(0), lora_a.size(2), lora_b.size(1),
-                            lora_a.size(1), x.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1),
-                            lora_b.stride(0), lora_b.stride(2));
+    using T = scalar_t;
+    DISPATCH_KERNEL_TYPES(lora_a.scalar_type(), "lora_apply", [&] {
+      lora_segments<T, scalar_t>(x.data_ptr<T>(), lora_a.data_ptr<scalar_t>(), lora_b.data_ptr<scalar_t>(),
+                                 out.data_ptr<T>(), short_segments, x.size(0), lora_a.size(2), lora_b.size(1),
+                                 lora_a.size(1), x.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1),
+                                 lora_b.stride(0), lora_b.stride(2));
+    });
   });
 }

@@ -48,16 +48,29 @@ inline float sum1(vec8 a) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// [x . rows[0], ..., x . rows[7]] over n values (a multiple of 8), the rows row_stride apart: eight sums side by
-// side, so none waits on another.
-template <typename X, typename R>
-inline vec8 dot8(const X* x, const R* rows, int64_t row_stride, int64_t n) {
+// [x_i . rows[r] for i < N, r < 8 / N] (i major) over n values (a multiple of 8): N vectors x_i, x_stride apart,
+// against 8 / N rows, row_stride apart. Eight sums side by side, so none waits on another, and each row is loaded
+// (and converted) once for all N.
+template <int N, typename X, typename R>
+inline vec8 dot_tile(const X* x, int64_t x_stride, const R* rows, int64_t row_stride, int64_t n) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N divides 8");
+  constexpr int kRows = 8 / N;
   vec8 acc[8] = {};
   for (int64_t k = 0; k < n; k += 8) {
-    const vec8 xv = load8(x + k);
-    for (int r = 0; r < 8; ++r) acc[r] += xv * load8(rows + r * row_stride + k);
+    vec8 xv[N];
+    for (int i = 0; i < N; ++i) xv[i] = load8(x + i * x_stride + k);
+    for (int r = 0; r < kRows; ++r) {
+      const vec8 w = load8(rows + r * row_stride + k);
+      for (int i = 0; i < N; ++i) acc[i * kRows + r] += xv[i] * w;
+    }
   }
   return sum8(acc);
+}
+
+// [x . rows[0], ..., x . rows[7]]
+template <typename X, typename R>
+inline vec8 dot8(const X* x, const R* rows, int64_t row_stride, int64_t n) {
+  return dot_tile<1>(x, 0, rows, row_stride, n);
 }
 
 // x . row over n values (a multiple of 8).

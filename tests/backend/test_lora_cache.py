@@ -150,3 +150,29 @@ def test_prefetch_fills_idle_slots_ahead_and_never_evicts_what_is_pinned_or_want
     assert set(cache.slot_of) == {1, 2}
     cache.prefetch([4])
     assert set(cache.slot_of) == {1, 4} and cache.stats.device_evictions == 1
+
+
+def test_lora_dtype_auto_is_fp16_beside_fp32_only_where_the_kernels_read_it():
+    import torch
+    from backend.device import resolve_lora_dtype
+    assert resolve_lora_dtype("auto", torch.float32, "cpu") == torch.float16
+    assert resolve_lora_dtype("auto", torch.float32, "triton") == torch.float16
+    assert resolve_lora_dtype("auto", torch.float32, "torch") == torch.float32      # it would widen every step
+    assert resolve_lora_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    assert resolve_lora_dtype("float32", torch.float32, "cpu") == torch.float32
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        LoraCacheConfig(dtype="int8")
+
+
+def test_a_parsed_adapter_owns_its_weights(model_cfg):
+    """Never a view of the request's buffer (Triton may reuse it once the request is answered), even when the
+    dtype sent is the dtype stored."""
+    import torch
+    from backend.lora.format import module_shape
+    weights, config = make_adapter(model_cfg, 4, 0)
+    sent = torch.from_numpy(weights.astype(np.float16))
+    adapter = LoraCache(LoraCacheConfig(max_loras=1), model_cfg, torch.float16).parse(sent, config)
+    before = {key: (a.clone(), b.clone()) for key, (a, b) in adapter.weights.items()}
+    sent.fill_(7)
+    assert adapter.same_as(type(adapter)(before))
+    assert adapter.num_bytes == model_cfg.num_layers * sum(4 * sum(module_shape(model_cfg, m)) * 2 for m in (1, 4, 6))

@@ -143,3 +143,21 @@ def test_smollm2_mixed_batch_matches_peft(smollm2_dir, tmp_path, kernel_backend)
     for task_id, path in enumerate(adapters, start=1):
         engine.add_lora_dir(task_id, path)
     assert engine.generate(prompts, max_new_tokens=8, lora_task_ids=tasks, end_id=2) == expected
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_fp16_adapters_beside_an_fp32_model_lose_nothing_sent_as_fp16(tiny_model_dir, tiny_adapters, tiny_expected,
+                                                                      kernel_backend):
+    """lora_dtype float16 (auto's choice for an fp32 model on the compiled kernels) gives fp32 storage's tokens for
+    adapters sent as FP16, the TensorRT-LLM clients' dtype, in half the bytes."""
+    prompts, _ = tiny_expected
+    engines = {}
+    for lora_dtype in ("float16", "float32"):
+        engines[lora_dtype] = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend,
+                                        kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=24, lora_dtype=lora_dtype)
+        for task_id, path in enumerate(tiny_adapters, start=1):
+            engines[lora_dtype].add_lora(task_id, *peft_to_trtllm(path, "float16"))
+    half, full = engines["float16"].lora_cache, engines["float32"].lora_cache
+    assert half.slots.a[0]["qkv"].dtype == torch.float16 and half.host[1].weights[(0, 1)][0].dtype == torch.float16
+    assert 2 * half.stats.host_bytes == full.stats.host_bytes
+    assert run_mixed(engines["float16"], prompts, end_id=2) == run_mixed(engines["float32"], prompts, end_id=2)

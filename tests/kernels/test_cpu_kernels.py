@@ -103,18 +103,19 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     assert torch.equal(caches[3], caches[1])                              # v is copied as it is
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,weight_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.float16),
+                                                                         (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (576, 1536), (70, 40)])
-@pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,)])
+@pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,), (13, 6, 1)])      # rows left past 4s and 8s
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
-def test_lora_apply_matches_reference(dtype, in_dim, out_dim, ranks, layout):
+def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, out_dim, ranks, layout):
     """Slots as DeviceSlots stores them for this path (A row-major, B rank-major), viewed as one band of a wider
-    projection."""
+    projection; adapters in the model's dtype, or in 16 bits beside fp32 (the reference gets them widened)."""
     from tests.kernels.test_lora import segments_for
     num_slots, cap = 4, 64
     ranks_list = list(ranks) + [0] * (num_slots - len(ranks))
-    a = (torch.randn(num_slots, 2 * cap, in_dim) * 0.2).to(dtype)[:, cap:]                        # the second band
-    b = (torch.randn(num_slots, 2 * cap, out_dim + 8) * 0.2).to(dtype).transpose(1, 2)[:, 8:, cap:]
+    a = (torch.randn(num_slots, 2 * cap, in_dim) * 0.2).to(weight_dtype)[:, cap:]                 # the second band
+    b = (torch.randn(num_slots, 2 * cap, out_dim + 8) * 0.2).to(weight_dtype).transpose(1, 2)[:, 8:, cap:]
     last = len(ranks) - 1
     tokens = {"decode": [(1, 0), (2, -1), (1, last), (1, 3)],            # slot 3 has rank 0 (or is unused)
               "mixed": [(5, 0), (3, -1), (19, last), (1, min(1, last)), (7, -1), (2, 0)]}[layout]
@@ -122,7 +123,8 @@ def test_lora_apply_matches_reference(dtype, in_dim, out_dim, ranks, layout):
     x = torch.randn(sum(n for n, _ in tokens), in_dim).to(dtype)
     out = torch.randn(x.shape[0], out_dim + 5).to(dtype)[:, 5:]                           # a column range
     want = out.clone()
-    reference.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, want)
+    reference.lora_apply(x, a.to(dtype), b.to(dtype), segments, torch.tensor(ranks_list, dtype=torch.int32),
+                         ranks_list, want)
     got = out.clone()
     cpu_ops.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, got)
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]

@@ -26,17 +26,19 @@ def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool, dev
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
 @pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (96, 256)])
 @pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,)])
 @pytest.mark.parametrize("rank_major", [False, True])
-def test_shrink_then_expand_match_reference(dtype, in_dim, out_dim, ranks, rank_major, device):
+def test_shrink_then_expand_match_reference(dtype, weight_dtype, in_dim, out_dim, ranks, rank_major, device):
+    """Adapters in the activations' dtype, or fp16 beside fp32 activations (widened in the kernels)."""
     num_slots, cap = 4, 64
     rank_per_slot = torch.zeros(num_slots, dtype=torch.int32)
     rank_per_slot[:len(ranks)] = torch.tensor(ranks, dtype=torch.int32)
     ranks_list = rank_per_slot.tolist()
     rank_per_slot = rank_per_slot.to(device)
-    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major, device)
+    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, weight_dtype, rank_major, device)
     # ragged segments, one slot appearing twice, base-only tokens between them
     layout = [(5, 0), (3, -1), (19, len(ranks) - 1), (1, 0 if len(ranks) == 1 else 1), (7, -1), (2, 0)]
     segments = segments_for(layout, device)
