@@ -19,7 +19,7 @@ DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 HEAD_DIMS = (64, 80, 96, 128)                     # Llama/Mistral/Qwen2 128, SmolLM2 64, Phi-like 80/96
 BLOCK_SIZES = tuple(2 ** i for i in range(9))     # every kv_block_size EngineConfig accepts: 1 ... 256
 GROUPS = tuple(range(1, 9))                       # query heads per KV head
-SPLITS = (1, 2, 4, 8, 16)                         # decode split-K counts decode_config can choose
+SPLITS = (1, 2, 4, 8, 16)                         # split-K counts num_kv_splits can choose
 
 
 def runtime_signature(args: dict) -> tuple[dict, dict, dict]:
@@ -41,31 +41,28 @@ def runtime_signature(args: dict) -> tuple[dict, dict, dict]:
     return signature, attrs, constants
 
 
-def attention_args(p: str, head_dim: int, block_size: int, group: int, decode: bool) -> dict:
-    """Launch arguments of the attention kernels for a contiguous cache of 1000 blocks, 8 KV heads, q sliced
-    from a fused qkv projection (as the model passes it)."""
+def attention_args(p: str, head_dim: int, block_size: int, group: int) -> dict:
+    """Launch arguments of the attention kernel for a contiguous cache of 1000 blocks, 8 KV heads, q sliced from
+    a fused qkv projection (as the model passes it)."""
     num_kv_heads, num_blocks, max_blocks = 8, 1000, 37
     num_heads = num_kv_heads * group
     qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
-    args = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p)
-    if decode:
-        args |= dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32")
-    return args | dict(block_tables_ptr="*i32", query_starts_ptr="*i32", seq_lens_ptr="*i32", scale=0.125, window=0,
-                       stride_qt=qkv_width, stride_qh=head_dim, stride_ot=num_heads * head_dim, stride_oh=head_dim,
-                       stride_ch=num_blocks * block_size * head_dim, stride_cb=block_size * head_dim,
-                       stride_cs=head_dim, stride_bt=max_blocks)
+    return dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32",
+                block_tables_ptr="*i32", query_starts_ptr="*i32", seq_lens_ptr="*i32", num_seqs=7, scale=0.125,
+                window=0, stride_qt=qkv_width, stride_qh=head_dim, stride_ot=num_heads * head_dim, stride_oh=head_dim,
+                stride_ch=num_blocks * block_size * head_dim, stride_cb=block_size * head_dim, stride_cs=head_dim,
+                stride_bt=max_blocks)
 
 
 def attention_configurations(dtype: str, head_dim: int, block_size: int, group: int, splits=(1, 16)):
-    from kernels.paged_attention import decode_config, prefill_config
+    """The tiles a decode step and a step with prompt chunks choose, each unsplit and split."""
+    from kernels.paged_attention import attention_config
     p, tag = DTYPES[dtype], f"{dtype} d{head_dim} bs{block_size} g{group}"
-    yield (f"prefill {tag}", "kernels.paged_attention", "_prefill_kernel",
-           attention_args(p, head_dim, block_size, group, decode=False),
-           prefill_config(head_dim, block_size) | {"GROUP": group, "DOT_FP32": False})
-    for num_splits in splits:
-        cfg = decode_config(head_dim, block_size, group, 1, 1, 512) | {"NUM_SPLITS": num_splits}
-        yield (f"decode {tag} splits{num_splits}", "kernels.paged_attention", "_decode_kernel",
-               attention_args(p, head_dim, block_size, group, decode=True), cfg | {"DOT_FP32": False})
+    for step, max_query_len in (("decode", 1), ("prefill", 512)):
+        cfg = attention_config(head_dim, block_size, group, max_query_len) | {"DOT_FP32": False}
+        for num_splits in splits:
+            yield (f"attention {step} {tag} splits{num_splits}", "kernels.paged_attention", "_attention_kernel",
+                   attention_args(p, head_dim, block_size, group), cfg | {"NUM_SPLITS": num_splits})
 
 
 def configurations():
@@ -84,9 +81,8 @@ def configurations():
                dict(x_ptr=p, out_ptr=p, pos_ptr="*i32", cos_sin_ptr="*fp32", stride_xt=width, stride_xh=head_dim,
                     stride_ot=32 * head_dim, stride_oh=head_dim, stride_cs=head_dim), rotary_config(head_dim))
         yield from attention_configurations(dtype, head_dim, 16, 4)
-        yield (f"decode_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_decode_reduce_kernel",
-               dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", query_starts_ptr="*i32",
-                    stride_ot=32 * head_dim, stride_oh=head_dim),
+        yield (f"attention_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_reduce_kernel",
+               dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ot=32 * head_dim, stride_oh=head_dim),
                {"HEAD_DIM": head_dim, "BLOCK_D": 1 << (head_dim - 1).bit_length(), "NUM_SPLITS": 16})
     for block_size in BLOCK_SIZES:
         if block_size != 16:

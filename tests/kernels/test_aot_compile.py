@@ -12,7 +12,7 @@ def test_every_kernel_configuration_compiles_for_a100_and_h100():
                          capture_output=True, text=True, env=env, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert " 0 failed" in run.stdout
-    for label in ("sm_80 decode bf16 d128 bs32 g4 splits16", "sm_90 prefill fp32 d80 bs16 g4",
-                  "sm_90 prefill bf16 d128 bs4 g4", "sm_90 decode bf16 d128 bs16 g8 splits1",
-                  "sm_80 prefill bf16 d128 bs256 g4"):
+    for label in ("sm_80 attention decode bf16 d128 bs32 g4 splits16", "sm_90 attention prefill fp32 d80 bs16 g4 splits1",
+                  "sm_90 attention prefill bf16 d128 bs4 g4 splits16", "sm_90 attention decode bf16 d128 bs16 g8 splits1",
+                  "sm_80 attention prefill bf16 d128 bs256 g4 splits1", "sm_90 attention_reduce fp32 d64"):
         assert label in run.stdout

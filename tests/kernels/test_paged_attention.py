@@ -1,10 +1,10 @@
-"""Paged attention: Triton prefill and decode kernels against the torch reference (interpreter on CPU)."""
+"""Paged attention: the Triton kernel against the torch reference (interpreter on CPU)."""
 import pytest
 import torch
 
 from kernels import reference
 from kernels.metadata import AttentionMetadata
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import TILE_N, attention_config, num_kv_splits, num_query_blocks, paged_attention
 from tests.helpers import DEVICES, KERNEL_DEVICES
 
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -55,7 +55,7 @@ def test_prefill_with_cached_context_matches_reference(dtype, head_dim, group, b
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference(dtype, head_dim, group, block_size, device):
     seq_lens = [1, 17, 45, 70]
@@ -72,9 +72,40 @@ def test_pages_smaller_than_the_key_tile_match_reference(block_size, query_lens,
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("num_splits", [2, 4])
-def test_split_k_decode_matches_reference(num_splits, device):
-    seq_lens = [3, 33, 100]                     # some splits of the short sequences are empty
-    check(*make_batch(seq_lens, [1] * 3, 4, 1, 64, 16, torch.float32, device), torch.float32, num_splits=num_splits)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 70]])
+def test_split_k_matches_reference(num_splits, query_lens, device):
+    seq_lens = [3, 133, 200]                    # some splits of the short sequences are empty
+    check(*make_batch(seq_lens, query_lens, 4, 1, 64, 16, torch.float32, device), torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("group", [5, 8])
+def test_a_long_chunk_beside_decodes_at_8b_head_shapes_matches_reference(group, device):
+    # one 150-token chunk over 60 cached positions (64-row tiles, many query blocks) beside nine decodes
+    seq_lens, query_lens = [210] + [1 + 23 * i for i in range(9)], [150] + [1] * 9
+    check(*make_batch(seq_lens, query_lens, 2 * group, 2, 128, 16, torch.bfloat16, device), torch.bfloat16)
+
+
+def test_query_blocks_cover_every_split_of_the_tokens():
+    # each sequence starts a block of its own: query_starts[s] // block_q + s, and needs cdiv(len, block_q) blocks
+    for block_q in (1, 2, 4, 16):
+        for query_lens in ([1] * 7, [5, 1, 17, 3], [16, 16, 1], [33]):
+            starts = [sum(query_lens[:s]) for s in range(len(query_lens) + 1)]
+            firsts = [starts[s] // block_q + s for s in range(len(query_lens))]
+            ends = [first + -(-n // block_q) for first, n in zip(firsts, query_lens)]
+            assert all(end <= nxt for end, nxt in zip(ends, firsts[1:]))
+            assert ends[-1] <= num_query_blocks(starts[-1], len(query_lens), block_q)
+
+
+def test_tiles_and_splits_follow_the_step():
+    assert attention_config(128, 16, 4, 1)["BLOCK_M"] == 16 and attention_config(128, 16, 4, 1)["BLOCK_Q"] == 4
+    assert attention_config(128, 16, 4, 500)["BLOCK_M"] == 64
+    assert attention_config(128, 16, 32, 1)["BLOCK_Q"] == 1
+    assert attention_config(64, 1, 1, 1)["TILE_N"] == TILE_N          # the key tile does not follow the page
+    assert num_kv_splits(8, 1000, 132) == 8                           # one stream of an 8B model, 1000 tokens
+    assert num_kv_splits(8, 100_000, 132) == 16
+    assert num_kv_splits(256, 100_000, 132) == 1                       # the grid already fills the GPU
+    assert num_kv_splits(8, 100, 132) == 1                             # one key tile: nothing to split
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
