@@ -182,8 +182,20 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
-def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
-               ranks_list: list[int], out: torch.Tensor) -> None:
+def active_bands(proj, segments) -> list:
+    """The module bands of a projection (backend/lora/slots.Projection) that a slot of the step has a rank in."""
+    slot_ids = {slot for slot in segments.slots_list if slot >= 0}
+    return [band for band in proj.bands if any(band.ranks_list[slot] for slot in slot_ids)]
+
+
+def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
+    """Every band of a projection: out[:, band.columns] += lora_expand(lora_shrink(x, band.a), band.b)."""
+    for band in active_bands(proj, segments):
+        lora_apply_band(x, band.a, band.b, segments, band.ranks, band.ranks_list, out[:, slice(*band.columns)])
+
+
+def lora_apply_band(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
+                    ranks_list: list[int], out: torch.Tensor) -> None:
     """One module band: out += lora_expand(lora_shrink(x)) (see both)."""
     lora_expand(lora_shrink(x, lora_a, segments, ranks, ranks_list), lora_b, segments, ranks, ranks_list, out)
 

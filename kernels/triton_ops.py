@@ -21,7 +21,6 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return q
 
 
-def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
-               ranks_list: list[int], out: torch.Tensor) -> None:
-    """Semantics: kernels.reference.lora_apply (two launches: shrink, then expand)."""
-    lora_expand(lora_shrink(x, lora_a, segments, ranks, ranks_list), lora_b, segments, ranks, ranks_list, out)
+def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
+    """Semantics: kernels.reference.lora_apply (two launches for all the projection's bands: shrink, expand)."""
+    lora_expand(lora_shrink(x, proj, segments), proj, segments, out)

@@ -91,18 +91,24 @@ def configurations():
         if group != 4:
             yield from attention_configurations("bf16", 128, 16, group)
     yield from attention_configurations("fp32", 64, 16, 3, splits=SPLITS[1:-1])
-    for dtype in DTYPES:
-        p = DTYPES[dtype]
-        seg = dict(seg_starts_ptr="*i32", seg_slots_ptr="*i32", ranks_ptr="*i32")
-        in_dim, out_dim, cap = 4096, 6144, 192          # one band of an 8B qkv slot, A/B stored as on GPU
-        yield (f"lora_shrink {dtype}", "kernels.lora", "_shrink_kernel",
-               dict(x_ptr=p, a_ptr=p, h_ptr=p) | seg | dict(in_dim=in_dim, stride_xt=in_dim, stride_as=cap * in_dim,
-                                                             stride_ar=in_dim, stride_ak=1, stride_ht=cap),
-               shrink_config(in_dim) | {"DOT_FP32": False})
-        yield (f"lora_expand {dtype}", "kernels.lora", "_expand_kernel",
-               dict(h_ptr=p, b_ptr=p, out_ptr=p) | seg | dict(out_dim=4096, stride_ht=cap, stride_bs=out_dim * cap,
-                                                              stride_bn=cap, stride_bk=1, stride_ot=out_dim),
-               expand_config(4096) | {"DOT_FP32": False})
+    seg = dict(seg_starts_ptr="*i32", seg_slots_ptr="*i32", ranks_ptr="*i32")
+    in_dim, max_rank, bands, num_slots = 4096, 64, 3, 8                 # an 8B qkv projection, as stored on GPU
+    cap, out_dim = bands * max_rank, 6144
+    for dtype, weight_dtype in [("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "fp16")]:
+        p, w, tag = DTYPES[dtype], DTYPES[weight_dtype], f"{dtype} adapters {weight_dtype}"
+        for num_tokens in (8, 512):                                       # a decode step (split-K) and a prompt chunk
+            cfg = shrink_config(in_dim, num_tokens) | {"DOT_FP32": False}
+            yield (f"lora_shrink {tag} splitk{cfg['SPLIT_K']}", "kernels.lora", "_shrink_kernel",
+                   dict(x_ptr=p, a_ptr=w, h_ptr="*fp32") | seg | dict(
+                       in_dim=in_dim, cap=cap, max_rank=max_rank, stride_xt=in_dim, stride_as=cap * in_dim,
+                       stride_ar=in_dim, stride_ak=1, stride_rb=num_slots, stride_hs=num_tokens * cap, stride_ht=cap),
+                   cfg)
+            yield (f"lora_expand {tag} splitk{cfg['SPLIT_K']}", "kernels.lora", "_expand_kernel",
+                   dict(h_ptr="*fp32", b_ptr=w, out_ptr=p) | seg | dict(
+                       bounds_ptr="*i32", max_rank=max_rank, num_n_blocks=64, stride_hs=num_tokens * cap,
+                       stride_ht=cap, stride_bs=out_dim * cap, stride_bn=cap, stride_bk=1, stride_rb=num_slots,
+                       stride_ot=out_dim),
+                   expand_config() | {"SPLIT_K": cfg["SPLIT_K"], "DOT_FP32": False})
 
 
 def compile_one(job) -> tuple[str, int, int | None, str]:

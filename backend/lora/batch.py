@@ -76,16 +76,13 @@ def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
 
 
 class LoraBatch:
-    """What `linear` calls for each projection: out += expand(shrink(x)) per module band, from the device slots."""
+    """What `linear` calls for each projection: out += expand(shrink(x)) for every module band of it, from the
+    device slots."""
 
     def __init__(self, slots: DeviceSlots, segments: LoraSegments, ops):
         self.slots = slots
         self.segments = segments
         self.ops = ops
-        self.slot_ids = sorted({slot for slot in segments.slots_list if slot >= 0})
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, proj: str) -> None:
-        for band in self.slots.bands[layer][proj]:
-            if any(band.ranks_list[slot] for slot in self.slot_ids):
-                self.ops.lora_apply(x, band.a, band.b, self.segments, band.ranks, band.ranks_list,
-                                    out[:, band.columns[0]:band.columns[1]])
+        self.ops.lora_apply(x, self.slots.projections[layer][proj], self.segments, out)

@@ -4,8 +4,9 @@ Per layer and projection (qkv, o, gate_up, down) a slot holds one band of max_ra
 (qkv: q, k, v; gate_up: gate, up):
     A [cap, in_dim]: module m's A in rows [m * max_rank, m * max_rank + rank_m)
     B [out_dim, cap]: module m's B in its output columns and its band's rank columns (zeros elsewhere)
-so one shrink and one expand per band serve every slot at once, each at that slot's own rank, and an expand
-reads only its module's columns: the zeros between modules are never touched. On CPU B is stored rank-major
+so one shrink and one expand serve every slot at once, each at that slot's own rank (per band on CPU, per
+projection on GPU: `Projection`), and an expand reads only its module's columns: the zeros between modules are
+never touched. On CPU B is stored rank-major
 (B^T [cap, out_dim]) and exposed transposed, so expands run along contiguous output rows, and so is A for the
 torch path (A^T [in_dim, cap]: its batched matmuls read plain row-major operands) but not for the compiled one,
 whose shrink runs along contiguous input rows; on GPU both are stored as shown, for the Triton kernels' coalesced
@@ -48,6 +49,22 @@ class Band:
     columns: tuple[int, int]                  # the output columns [start, end) of the projection it writes
 
 
+@dataclass(slots=True)
+class Projection:
+    """Every band of one layer's projection, for kernels that take them in one launch (kernels/lora.py)."""
+    a: torch.Tensor                           # [num_slots, num_bands * max_rank, in_dim]
+    b: torch.Tensor                           # [num_slots, out_dim, num_bands * max_rank]
+    ranks: torch.Tensor                       # [num_bands, num_slots] int32
+    bounds: torch.Tensor                      # [num_bands + 1] int32: band i writes columns [bounds[i], bounds[i + 1])
+    max_rank: int
+    max_width: int                            # the widest band's number of columns
+    bands: list[Band]
+
+    @property
+    def num_bands(self) -> int:
+        return len(self.bands)
+
+
 class DeviceSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu",
                  rank_major_a: bool | None = None):
@@ -72,14 +89,19 @@ class DeviceSlots:
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
         # the same on the host: [layer][proj][band][slot]
         self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()
-        self.bands: list[dict[str, list[Band]]] = [{proj: self._bands(layer, proj) for proj in PROJS}
-                                                   for layer in range(cfg.num_layers)]
+        self.projections: list[dict[str, Projection]] = [{proj: self._projection(layer, proj) for proj in PROJS}
+                                                         for layer in range(cfg.num_layers)]
 
-    def _bands(self, layer: int, proj: str) -> list[Band]:
+    def _projection(self, layer: int, proj: str) -> Projection:
         p, r = PROJS.index(proj), self.max_rank
-        return [Band(self.a[layer][proj][:, i * r:(i + 1) * r], self.b[layer][proj][:, slice(*cols), i * r:(i + 1) * r],
-                     self.ranks[layer, p, i], self.ranks_list[layer][p][i], cols)
-                for i, cols in enumerate(module_columns(self.cfg, module) for module in BANDS[proj])]
+        columns = [module_columns(self.cfg, module) for module in BANDS[proj]]
+        assert all(end == start for (_, end), (start, _) in zip(columns, columns[1:])), "bands must be contiguous"
+        a, b = self.a[layer][proj], self.b[layer][proj]
+        bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*cols), i * r:(i + 1) * r], self.ranks[layer, p, i],
+                      self.ranks_list[layer][p][i], cols) for i, cols in enumerate(columns)]
+        bounds = torch.tensor([start for start, _ in columns] + [columns[-1][1]], dtype=torch.int32)
+        return Projection(a, b, self.ranks[layer, p, :len(columns)], bounds.to(self.device), r,
+                          max(end - start for start, end in columns), bands)
 
     @property
     def num_bytes_per_slot(self) -> int:

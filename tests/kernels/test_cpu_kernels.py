@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import cpu_ext, cpu_ops, reference
 from tests.helpers import cpu_kernels_build
 from tests.kernels.test_paged_attention import TOL, check_ignores_stale_cache, make_batch
 
@@ -123,9 +123,9 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, out_dim, rank
     x = torch.randn(sum(n for n, _ in tokens), in_dim).to(dtype)
     out = torch.randn(x.shape[0], out_dim + 5).to(dtype)[:, 5:]                           # a column range
     want = out.clone()
-    reference.lora_apply(x, a.to(dtype), b.to(dtype), segments, torch.tensor(ranks_list, dtype=torch.int32),
-                         ranks_list, want)
+    reference.lora_apply_band(x, a.to(dtype), b.to(dtype), segments, torch.tensor(ranks_list, dtype=torch.int32),
+                              ranks_list, want)
     got = out.clone()
-    cpu_ops.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, got)
+    cpu_ext.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, got)
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

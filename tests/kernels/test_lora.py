@@ -1,11 +1,13 @@
-"""LoRA shrink/expand: Triton kernels against the torch reference, mixed ranks and base-only tokens in one call."""
+"""LoRA shrink/expand: Triton kernels (one launch each per projection) against the torch reference, mixed ranks
+and base-only tokens in one call."""
 import pytest
 import torch
 
 from backend.lora.batch import LoraSegments
+from backend.lora.slots import Band, Projection
 from kernels import reference
-from kernels.lora import lora_expand, lora_shrink
-from tests.helpers import DEVICES, KERNEL_DEVICES
+from kernels.lora import lora_expand, lora_shrink, shrink_split_k
+from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
@@ -25,42 +27,93 @@ def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool, dev
             (torch.randn(num_slots, out_dim, cap) * 0.2).to(dtype).to(device))
 
 
+def random_projection(ranks: list[list[int]], max_rank: int, in_dim: int, widths: list[int], dtype,
+                      rank_major: bool, device="cpu", a_rank_major: bool | None = None) -> Projection:
+    """A projection of len(widths) bands over len(ranks[0]) slots, band i at ranks[i][slot], laid out as DeviceSlots
+    lays it out (rank_major: B, and A unless a_rank_major says otherwise, as on CPU); weights past each rank and
+    outside each band are random, not zero, so a kernel that reads them fails."""
+    num_bands, num_slots, cap = len(widths), len(ranks[0]), len(widths) * max_rank
+    a_rank_major = rank_major if a_rank_major is None else a_rank_major
+    a = random_weights(num_slots, cap, in_dim, 1, dtype, a_rank_major, device)[0]
+    b = random_weights(num_slots, cap, 1, sum(widths), dtype, rank_major, device)[1]
+    bounds = [sum(widths[:i]) for i in range(num_bands + 1)]
+    rank_table = torch.tensor(ranks, dtype=torch.int32, device=device)
+    r = max_rank
+    bands = [Band(a[:, i * r:(i + 1) * r], b[:, bounds[i]:bounds[i + 1], i * r:(i + 1) * r], rank_table[i], ranks[i],
+                  (bounds[i], bounds[i + 1])) for i in range(num_bands)]
+    return Projection(a, b, rank_table, torch.tensor(bounds, dtype=torch.int32, device=device), r, max(widths), bands)
+
+
+LAYOUTS = {
+    "decode": [(2, -1), (1, 0), (1, 1), (1, 2)],                      # one token per sequence, base rows first
+    "mixed": [(5, 0), (3, -1), (19, 2), (1, 1), (7, -1), (2, 0)],     # ragged chunks, a slot twice, base between
+}
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
-@pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (96, 256)])
-@pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,)])
+@pytest.mark.parametrize("widths,ranks", [
+    ([96], [[4, 64, 8, 0]]),                                          # o/down: one band
+    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]]),   # qkv: each (band, slot) at its own rank
+    ([80, 80], [[48, 1, 64, 0], [0, 32, 64, 0]]),                     # gate_up
+])
+@pytest.mark.parametrize("layout,split_k", [("decode", 4), ("mixed", 1), ("mixed", 3)])
 @pytest.mark.parametrize("rank_major", [False, True])
-def test_shrink_then_expand_match_reference(dtype, weight_dtype, in_dim, out_dim, ranks, rank_major, device):
-    """Adapters in the activations' dtype, or fp16 beside fp32 activations (widened in the kernels)."""
-    num_slots, cap = 4, 64
-    rank_per_slot = torch.zeros(num_slots, dtype=torch.int32)
-    rank_per_slot[:len(ranks)] = torch.tensor(ranks, dtype=torch.int32)
-    ranks_list = rank_per_slot.tolist()
-    rank_per_slot = rank_per_slot.to(device)
-    lora_a, lora_b = random_weights(num_slots, cap, in_dim, out_dim, weight_dtype, rank_major, device)
-    # ragged segments, one slot appearing twice, base-only tokens between them
-    layout = [(5, 0), (3, -1), (19, len(ranks) - 1), (1, 0 if len(ranks) == 1 else 1), (7, -1), (2, 0)]
-    segments = segments_for(layout, device)
-    num_tokens = sum(n for n, _ in layout)
+def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widths, ranks, layout, split_k,
+                                                       rank_major, device):
+    """One shrink and one expand launch for all bands of a projection == the reference band by band; adapters in
+    the activations' dtype, or fp16 beside fp32 activations (widened in the kernels); split-K partial sums."""
+    max_rank, in_dim = 64, 160
+    proj = random_projection(ranks, max_rank, in_dim, widths, weight_dtype, rank_major, device)
+    segments = segments_for(LAYOUTS[layout], device)
+    num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
-    base = torch.randn(num_tokens, out_dim).to(dtype).to(device)
+    base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
 
-    want_h = reference.lora_shrink(x.float(), lora_a.float(), segments, rank_per_slot, ranks_list)
-    got_h = lora_shrink(x, lora_a, segments, rank_per_slot, ranks_list)
-    for start, end, slot in zip(segments.starts_list, segments.starts_list[1:], segments.slots_list):
-        if slot >= 0:
-            r = ranks_list[slot]
-            torch.testing.assert_close(got_h[start:end, :r].float(), want_h[start:end, :r], atol=TOL[dtype],
-                                       rtol=TOL[dtype])
+    h = lora_shrink(x, proj, segments, split_k=split_k)
+    assert h.shape == (split_k, num_tokens, len(widths) * max_rank) and h.dtype == torch.float32
+    for band, band_ranks in enumerate(ranks):
+        want_h = reference.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band], band_ranks)
+        for start, end, slot in zip(segments.starts_list, segments.starts_list[1:], segments.slots_list):
+            if slot >= 0 and band_ranks[slot]:
+                rows = slice(band * max_rank, band * max_rank + band_ranks[slot])
+                torch.testing.assert_close(h[:, start:end, rows].sum(0), want_h[start:end, :band_ranks[slot]],
+                                           atol=TOL[dtype], rtol=TOL[dtype])
 
+    float_proj = random_projection(ranks, max_rank, in_dim, widths, torch.float32, rank_major, device)
+    float_proj.a.copy_(proj.a.float())
+    float_proj.b.copy_(proj.b.float())
     want = base.float().clone()
-    reference.lora_expand(got_h.float(), lora_b.float(), segments, rank_per_slot, ranks_list, want)
+    reference.lora_apply(x.float(), float_proj, segments, want)
     got = base.clone()
-    lora_expand(got_h, lora_b, segments, rank_per_slot, ranks_list, got)
+    lora_expand(h, proj, segments, got)
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
-    untouched = torch.tensor([slot < 0 for n, slot in layout for _ in range(n)], device=device)
+    untouched = torch.tensor([slot < 0 for n, slot in LAYOUTS[layout] for _ in range(n)], device=device)
     assert torch.equal(got[untouched], base[untouched])
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_compiled_cpu_path_per_projection_matches_reference(layout):
+    """kernels.cpu_ops.lora_apply runs the compiled kernels once per band with a rank: same sums as the reference."""
+    if not cpu_kernels_build():
+        pytest.skip("the compiled CPU kernels do not build here")
+    from kernels import cpu_ops
+    proj = random_projection([[8, 16, 0, 4], [0, 0, 0, 0], [8, 13, 16, 0]], 16, 96, [64, 16, 16], torch.float32,
+                             rank_major=True, a_rank_major=False)        # as DeviceSlots stores them for this path
+    segments = segments_for(LAYOUTS[layout])
+    x = torch.randn(segments.starts_list[-1], 96)
+    base = torch.randn(x.shape[0], 96)
+    want, got = base.clone(), base.clone()
+    reference.lora_apply(x, proj, segments, want)
+    cpu_ops.lora_apply(x, proj, segments, got)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[:, 64:80], base[:, 64:80])                   # the band no slot has a rank in
+
+
+def test_split_k_only_for_few_tokens():
+    assert shrink_split_k(8, 4096) == 8 and shrink_split_k(64, 2048) == 4
+    assert shrink_split_k(8, 576) == 1 and shrink_split_k(65, 4096) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
