@@ -68,18 +68,24 @@ def attention_configurations(dtype: str, head_dim: int, block_size: int, group: 
 def configurations():
     """(label, module, kernel name, runtime arguments, constexprs) for every choice the launchers make: each
     dtype x head dim at the default page, then every page size, GQA group and split count."""
-    from kernels.kv_cache import write_kv_config
+    from kernels.fused import norm_config, rotary_config, silu_config
     from kernels.lora import expand_config, shrink_config
-    from kernels.rotary import rotary_config
+    for dtype in DTYPES:
+        p = DTYPES[dtype]
+        for hidden in (576, 4096, 8192):
+            yield (f"add_rms_norm {dtype} h{hidden}", "kernels.fused", "_add_rms_norm_kernel",
+                   dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, hidden=hidden, eps=1e-5, stride_xt=hidden,
+                        stride_rt=hidden, stride_ot=hidden), norm_config(hidden) | {"HAS_RESIDUAL": True})
+        yield (f"silu_and_mul {dtype}", "kernels.fused", "_silu_and_mul_kernel",
+               dict(gate_up_ptr=p, out_ptr=p, inter=14336, stride_gt=2 * 14336, stride_ot=14336), silu_config())
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS):
         p, width = DTYPES[dtype], 48 * head_dim
-        yield (f"write_kv {dtype} d{head_dim}", "kernels.kv_cache", "_write_kv_kernel",
-               dict(k_ptr=p, v_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i32", stride_kt=width,
-                    stride_kh=head_dim, stride_vt=width, stride_vh=head_dim, stride_ch=16000 * head_dim,
-                    stride_cs=head_dim), write_kv_config(head_dim))
-        yield (f"rotary {dtype} d{head_dim}", "kernels.rotary", "_rotary_kernel",
-               dict(x_ptr=p, out_ptr=p, pos_ptr="*i32", cos_sin_ptr="*fp32", stride_xt=width, stride_xh=head_dim,
-                    stride_ot=32 * head_dim, stride_oh=head_dim, stride_cs=head_dim), rotary_config(head_dim))
+        yield (f"rotary_and_cache {dtype} d{head_dim}", "kernels.fused", "_rotary_and_cache_kernel",
+               dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, pos_ptr="*i32",
+                    slot_ptr="*i32", cos_sin_ptr="*fp32", num_heads=32, stride_qt=width, stride_qh=head_dim,
+                    stride_kt=width, stride_kh=head_dim, stride_vt=width, stride_vh=head_dim,
+                    stride_ot=32 * head_dim, stride_oh=head_dim, stride_ch=16000 * head_dim, stride_cs=head_dim,
+                    stride_cos=head_dim), rotary_config(head_dim))
         yield from attention_configurations(dtype, head_dim, 16, 4)
         yield (f"attention_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_reduce_kernel",
                dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ot=32 * head_dim, stride_oh=head_dim),

@@ -1,0 +1,137 @@
+"""The elementwise work of a layer, each step in one launch: residual add + RMSNorm, RoPE + the KV-cache write,
+SiLU-and-mul. Math in fp32, rounded to the activations' dtype where the torch reference rounds."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps, stride_xt, stride_rt, stride_ot,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(residual_ptr + token * stride_rt + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)                             # the sum as the residual stream keeps it
+        tl.store(residual_ptr + token * stride_rt + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_gt, stride_ot, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(gate_up_ptr + token * stride_gt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + token * stride_gt + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_head(src, dst, cos, sin, d, mask, HALF: tl.constexpr):
+    x1 = tl.load(src + d, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=mask).to(tl.float32)
+    tl.store(dst + d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
+                             cos_sin_ptr, num_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                             stride_vh, stride_ot, stride_oh, stride_ch, stride_cs, stride_cos,
+                             HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Program (token, head): heads [0, num_heads) rotate a query head; the next num_kv_heads rotate a key head
+    into the cache and copy its value head beside it (tokens with slot -1, padding, write nothing)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=mask)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=mask)
+    if head < num_heads:
+        _rotate_head(q_ptr + token * stride_qt + head * stride_qh,
+                     q_out_ptr + token * stride_ot + head * stride_oh, cos, sin, d, mask, HALF)
+    else:
+        kv_head = (head - num_heads).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            cache_row = kv_head * stride_ch + slot * stride_cs
+            _rotate_head(k_ptr + token * stride_kt + kv_head * stride_kh, k_cache_ptr + cache_row, cos, sin, d,
+                         mask, HALF)
+            v_src = v_ptr + token * stride_vt + kv_head * stride_vh
+            tl.store(v_cache_ptr + cache_row + d, tl.load(v_src + d, mask=mask), mask=mask)
+            tl.store(v_cache_ptr + cache_row + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
+
+
+def norm_config(hidden: int) -> dict:
+    return {"BLOCK": triton.next_power_of_2(hidden)}
+
+
+def silu_config() -> dict:
+    return {"BLOCK": 1024}
+
+
+def rotary_config(head_dim: int) -> dict:
+    return {"HALF": head_dim // 2, "BLOCK_HALF": triton.next_power_of_2(head_dim // 2)}
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics:
+        if residual is not None: residual += x; x = residual
+        return weight * (x * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype), x
+    x, residual: [num_tokens, hidden] (residual updated in place)."""
+    num_tokens, hidden = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty_like(x)
+    stream = x if residual is None else residual
+    if num_tokens:
+        _add_rms_norm_kernel[(num_tokens,)](x, stream, weight, out, hidden, eps, x.stride(0), stream.stride(0),
+                                            out.stride(0), HAS_RESIDUAL=residual is not None, **norm_config(hidden))
+    return out, stream
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: gate, up = gate_up.chunk(2, -1); return silu(gate) * up.   [num_tokens, 2 * inter] -> [.., inter]"""
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    cfg = silu_config()
+    if num_tokens:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, cfg["BLOCK"]))](gate_up, out, inter, gate_up.stride(0),
+                                                                              out.stride(0), **cfg)
+    return out
+
+
+def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Semantics (RoPE in fp32, neox layout; one launch):
+        cos, sin = cos_sin[positions, :half], cos_sin[positions, half:]
+        rotate(x) = cat(x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin)
+        for t, slot in enumerate(slot_mapping): if slot >= 0:
+            k_cache[:, slot // block_size, slot % block_size] = rotate(k)[t]; v_cache[...same] = v[t]
+        return rotate(q)
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+    caches: [num_kv_heads, num_blocks, block_size, head_dim]; cos_sin: [max_positions, head_dim] fp32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and head_dim % 2 == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.shape[0] == num_kv_heads and k_cache.shape[3] == head_dim and k.dtype == k_cache.dtype == v.dtype
+    assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        _rotary_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
+            k_cache.stride(2), cos_sin.stride(0), **rotary_config(head_dim))
+    return q_out
