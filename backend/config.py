@@ -41,6 +41,7 @@ class EngineConfig:
     guided_decoding_backend: str = ""         # "xgrammar": guided decoding on (needs the model's tokenizer)
     tokenizer_dir: str | None = None          # for guided decoding; default: model_dir
     kernel_backend: str = "auto"
+    cuda_graph_mode: bool = True              # decode steps replay CUDA graphs (CUDA, Triton kernels); False: eager
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
     inject_fault_steps: tuple[int, ...] = ()  # test hook: these steps (counted from 1) fail as a broken forward would

@@ -15,3 +15,4 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     torch_plan: object | None = None          # kernels/reference.py's per-step split, built by its first layer
+    num_splits: int | None = None             # attention's context splits, fixed (CUDA graphs); None: per step

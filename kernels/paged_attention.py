@@ -162,6 +162,15 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_graph_splits(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        max_seq_len: int, device: torch.device) -> int:
+    """The split count of a decode step of num_seqs sequences whose contexts may reach max_seq_len, fixed once for
+    a CUDA graph (splits that find no keys cost one early exit)."""
+    cfg = attention_config(head_dim, block_size, num_heads // num_kv_heads, 1)
+    return num_kv_splits(num_query_blocks(num_seqs, num_seqs, cfg["BLOCK_Q"]) * num_kv_heads, max_seq_len,
+                         sm_count(device))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Semantics:
@@ -171,7 +180,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[tokens] = softmax(q[tokens] @ K^T * scale, causal: query i sits at position L - len(tokens) + i,
                                   and sees keys within sliding_window of it) @ V
     q: [num_tokens, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim] -> like q.
-    One launch (two with split-K); num_splits fixes the split count (CUDA graphs), else it follows the SM count.
+    One launch (two with split-K); num_splits (or meta.num_splits, CUDA graphs) fixes the split count, else it
+    follows the SM count.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -183,6 +193,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     cfg = attention_config(head_dim, block_size, group, meta.max_query_len)
     num_blocks = num_query_blocks(num_tokens, num_seqs, cfg["BLOCK_Q"])
+    num_splits = num_splits or meta.num_splits
     if num_splits is None:
         num_splits = num_kv_splits(num_blocks * num_kv_heads, meta.max_seq_len, sm_count(q.device))
         while num_splits > 1 and num_tokens * num_heads * num_splits * cfg["BLOCK_D"] * 4 > MAX_PARTIAL_BYTES:

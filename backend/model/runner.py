@@ -10,6 +10,7 @@ from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
+from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.request import SamplingParams, Sequence
@@ -33,6 +34,7 @@ class ModelRunner:
         self.staging = StepStaging(self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
 
     def allocate_kv_cache(self) -> int:
         """Create the KV cache (after everything else that lives on the device); returns its number of blocks.
@@ -79,6 +81,14 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    def capture_graphs(self, lora_cache: LoraCache) -> None:
+        """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache: on CUDA with the Triton
+        kernels, unless cuda_graph_mode is off."""
+        if self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton":
+            with on(self.device), torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
+                                           self.block_size, self.device)
+
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination) in every layer's K and V cache, in stream order."""
         with on(self.device):
@@ -99,31 +109,18 @@ class ModelRunner:
             return self._run(batch, lora_cache, prefetch)
 
     def _run(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None]):
+        token_slots: list[int] = []
         if lora_cache is not None:
             batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
+            token_slots = [lora_cache.slot(item.seq.lora_task_id) for item in batch.items
+                           for _ in range(item.num_new_tokens)]
         inputs = StepInputs(batch, self.block_size)
         plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
-        segments = None
-        if lora_cache is not None and any(item.seq.lora_task_id is not None for item in batch.items):
-            segments = LoraSegments.from_token_slots([lora_cache.slot(item.seq.lora_task_id)
-                                                      for item in batch.items for _ in range(item.num_new_tokens)])
-        t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
-        ctx = inputs.context(t)
-        plan.t = {name: t[name] for name in plan.t}
-        if segments is not None:
-            segments.use(t)
-            lora_cache.wait_for_slots(segments.slots_list)
-            ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
-        logits = self.model.forward(ctx, self.kv_caches, with_context=bool(inputs.context_chunks))
-        context = logits[plan.num_rows:].cpu() if inputs.context_chunks else None    # asked for: copied once
-        logits = logits[:plan.num_rows]
-        offset = 0
-        for index, first, num_rows in inputs.context_chunks:
-            chunks = batch.items[index].seq.context_logits
-            if first == 0:
-                chunks.clear()                                    # from the start again, after a preemption
-            chunks[first] = context[offset:offset + num_rows]
-            offset += num_rows
+        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        if bucket is not None:
+            logits = self.graphs.run(bucket, inputs, token_slots, self.staging, plan, lora_cache)
+        else:
+            logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
                   if seq.params.return_generation_logits]
         raw = logits[wanted].clone() if wanted else None          # before sampling changes them in place
@@ -133,3 +130,27 @@ class ModelRunner:
         host = self.staging.download(torch.stack([tokens.double(), log_probs.double()]))
         raw = {} if raw is None else dict(zip(wanted, raw.cpu()))     # a second copy, only when asked for
         return host[0].long().tolist(), host[1].tolist(), raw
+
+    def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
+                 lora_cache: LoraCache | None) -> torch.Tensor:
+        """The eager step: logits [num_sampled, vocab]; prompt logits asked for go to their sequences."""
+        segments = None
+        if any(slot >= 0 for slot in token_slots):
+            segments = LoraSegments.from_token_slots(token_slots)
+        t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
+        ctx = inputs.context(t)
+        plan.t = {name: t[name] for name in plan.t}
+        if segments is not None:
+            segments.use(t)
+            lora_cache.wait_for_slots(segments.slots_list)
+            ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
+        logits = self.model.forward(ctx, self.kv_caches, with_context=bool(inputs.context_chunks))
+        context = logits[plan.num_rows:].cpu() if inputs.context_chunks else None    # asked for: copied once
+        offset = 0
+        for index, first, num_rows in inputs.context_chunks:
+            chunks = batch.items[index].seq.context_logits
+            if first == 0:
+                chunks.clear()                                    # from the start again, after a preemption
+            chunks[first] = context[offset:offset + num_rows]
+            offset += num_rows
+        return logits[:plan.num_rows]

@@ -28,7 +28,7 @@ INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len")
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
-BOOL_PARAMS = ("enable_kv_cache_reuse",)
+BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
 INT_LIST_PARAMS = ("inject_fault_steps",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir")
 LORA_STATS = LoraCacheStats.__slots__

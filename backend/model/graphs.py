@@ -1,0 +1,129 @@
+"""CUDA graphs of decode steps: one per batch-size bucket (1, 2, 4, ... max_num_seqs), with and without adapters,
+captured at start over fixed device buffers and replayed for every step whose sequences all decode one token.
+
+A step of n sequences runs the graph of the smallest bucket B >= n: its inputs are padded to B rows (token 0 at
+position 0, cache slot -1 so nothing is written, an empty context so nothing is read) and copied into the buffers;
+the logits of the first n rows come out. Everything a kernel launch depends on is fixed per bucket: the grids, the
+attention's split count and the LoRA segment count (max_loras + 2: base rows, one per adapter slot, padding).
+Steps with prompt chunks, or asking for prompt logits, run eagerly. capture=False runs the same padded steps
+eagerly: how the CPU tests check everything but the capture itself.
+"""
+import torch
+
+from backend.lora.batch import LoraBatch, LoraSegments
+from backend.model.context import StepContext, StepInputs
+from kernels.metadata import AttentionMetadata
+from kernels.paged_attention import decode_graph_splits
+
+INPUTS = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens")
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two below max_num_seqs, and max_num_seqs itself."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int,
+                  num_segments: int) -> dict[str, torch.Tensor]:
+    """A decode step's host tensors padded to `bucket` rows, and its LoRA segments (adapter slot per token, -1 for
+    none) padded to num_segments (empty ones at the end)."""
+    t, num_pad = inputs.tensors, bucket - len(inputs.seq_lens)
+    zeros = torch.zeros(num_pad, dtype=torch.int32)
+    segments = LoraSegments.from_token_slots(token_slots + [-1] * num_pad)
+    num_empty = num_segments - len(segments.slots_list)
+    assert num_empty >= 0, "more LoRA segments than a decode step can have"
+    return {
+        "input_ids": torch.cat([t["input_ids"], zeros]),
+        "positions": torch.cat([t["positions"], zeros]),
+        "slot_mapping": torch.cat([t["slot_mapping"], zeros - 1]),
+        "query_starts": torch.arange(bucket + 1, dtype=torch.int32),
+        "seq_lens": torch.cat([t["seq_lens"], zeros]),
+        "block_tables": torch.cat([t["block_tables"], zeros[:, None].expand(-1, t["block_tables"].shape[1])]),
+        "lora_starts": torch.cat([segments.starts, torch.full((num_empty,), bucket, dtype=torch.int32)]),
+        "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
+    }
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches: list, lora_slots, max_num_seqs: int, block_size: int,
+                 device: torch.device, capture: bool = True):
+        cfg = model.cfg
+        self.model = model
+        self.kv_caches = kv_caches
+        self.lora_slots = lora_slots
+        self.device = device
+        self.buckets = bucket_sizes(max_num_seqs)
+        self.num_segments = lora_slots.num_slots + 2
+        max_len = self.buckets[-1]
+        max_blocks = -(-cfg.max_position_embeddings // block_size)
+        self.max_seq_len = cfg.max_position_embeddings
+        self.buffers = {name: torch.zeros(max_len, dtype=torch.int32, device=device) for name in INPUTS}
+        self.buffers["query_starts"] = torch.arange(max_len + 1, dtype=torch.int32, device=device)
+        self.buffers["slot_mapping"].fill_(-1)                         # as padding: captures write nothing
+        self.buffers["block_tables"] = torch.zeros(max_len, max_blocks, dtype=torch.int32, device=device)
+        self.buffers["lora_starts"] = torch.zeros(self.num_segments + 1, dtype=torch.int32, device=device)
+        self.buffers["lora_slots"] = torch.full((self.num_segments,), -1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(max_len, dtype=torch.int32, device=device)
+        self.splits = {bucket: decode_graph_splits(bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                                   self.max_seq_len, device) for bucket in self.buckets}
+        self.capture = capture
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def bucket_for(self, inputs: StepInputs) -> int | None:
+        """The bucket of a step that can replay a graph (every sequence decodes one token and samples it)."""
+        num_seqs = len(inputs.seq_lens)
+        if inputs.max_query_len != 1 or inputs.context_chunks or num_seqs > self.buckets[-1] \
+                or inputs.tensors["logits_indices"].shape[0] != num_seqs:
+            return None
+        return next(bucket for bucket in self.buckets if bucket >= num_seqs)
+
+    def run(self, bucket: int, inputs: StepInputs, token_slots: list[int], staging, plan, lora_cache) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode step (plan.t goes up with the inputs, in the same copy)."""
+        host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), bucket, self.num_segments)
+        t = staging.upload(host | plan.t)
+        plan.t = {name: t[name] for name in plan.t}
+        for name in INPUTS + ("lora_starts", "lora_slots"):
+            self.buffers[name][:t[name].shape[0]].copy_(t[name])
+        self.buffers["block_tables"][:bucket, :t["block_tables"].shape[1]].copy_(t["block_tables"])
+        with_lora = any(slot >= 0 for slot in token_slots)
+        if with_lora:
+            lora_cache.wait_for_slots(token_slots)
+        key = (bucket, with_lora)
+        if self.capture:
+            self.graphs[key].replay()
+            logits = self.outputs[key]
+        else:
+            logits = self._forward(*key)
+        return logits[:len(inputs.seq_lens)]
+
+    def _forward(self, bucket: int, with_lora: bool) -> torch.Tensor:
+        """The model over the first `bucket` rows of the buffers: what a graph records."""
+        b = self.buffers
+        attn = AttentionMetadata(b["query_starts"][:bucket + 1], b["seq_lens"][:bucket], b["block_tables"][:bucket],
+                                 b["slot_mapping"][:bucket], list(range(bucket + 1)), [0] * bucket, 1,
+                                 self.max_seq_len, num_splits=self.splits[bucket])
+        ctx = StepContext(b["input_ids"][:bucket], b["positions"][:bucket], attn, self.logits_indices[:bucket],
+                          self.logits_indices[:0])
+        if with_lora:
+            segments = LoraSegments(b["lora_starts"], b["lora_slots"], [0] * (self.num_segments + 1),
+                                    [-1] * self.num_segments, bucket)
+            ctx.lora = LoraBatch(self.lora_slots, segments, self.model.ops)
+        return self.model.forward(ctx, self.kv_caches)
+
+    def _capture_all(self) -> None:
+        """Each bucket, largest first, over buffers that make every row padding; the graphs share one memory pool
+        (they never run at once)."""
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):
+            for with_lora in (False, True):
+                self._forward(bucket, with_lora)                        # compiles the kernels, outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bucket, with_lora] = self._forward(bucket, with_lora)
+                self.graphs[bucket, with_lora] = graph
+        torch.cuda.synchronize(self.device)

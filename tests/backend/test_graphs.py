@@ -1,0 +1,97 @@
+"""CUDA graphs of decode steps (backend/model/graphs.py): the padded fixed-buffer steps a graph records give the
+eager steps' tokens (run eagerly on CPU, through the Triton interpreter; captured and replayed on CUDA), and a
+decode step launches a fixed, small number of kernels."""
+import pytest
+import torch
+
+from backend import LLMEngine
+from backend.model.graphs import DecodeGraphs, bucket_sizes
+from tests.helpers import INTERPRETER_MARK, needs_cuda, random_prompts
+
+TASKS = [1, None, 2, 1, None]
+MAX_NEW_TOKENS = [9, 3, 6, 2, 7]                      # sequences leave one by one: steps of 5, 4, 3, 2, 1
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    ids = [engine.add_request(prompt, lora_task_id=task, max_new_tokens=n)
+           for prompt, task, n in zip(prompts, TASKS, MAX_NEW_TOKENS)]
+    outputs = {request_id: [] for request_id in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert not out.error, out.error
+            outputs[out.request_id] += out.new_token_ids
+    return [outputs[request_id] for request_id in ids]
+
+
+def make_engine(model_dir, adapters, device: str, **kwargs) -> LLMEngine:
+    engine = LLMEngine(model_dir, dtype="float32", kernel_backend="triton", device=device, max_num_seqs=6,
+                       kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=80, **kwargs)
+    engine.add_lora_dir(1, adapters[0])
+    engine.add_lora_dir(2, adapters[1])
+    return engine
+
+
+def count_graph_steps(graphs: DecodeGraphs) -> list[int]:
+    """Wrap graphs.run: the buckets of the steps that went through it."""
+    buckets, run_graph = [], graphs.run
+    def counted(bucket, *args):
+        buckets.append(bucket)
+        return run_graph(bucket, *args)
+    graphs.run = counted
+    return buckets
+
+
+def test_buckets_are_powers_of_two_up_to_max_num_seqs():
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert bucket_sizes(1) == [1]
+
+
+@INTERPRETER_MARK
+def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters):
+    """Every decode step padded to its bucket (padding rows write no cache slot and read no context), with the
+    attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps."""
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
+    want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), prompts)
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
+                                 runner.device, capture=False)
+    buckets = count_graph_steps(runner.graphs)
+    assert run(engine, prompts) == want
+    assert {6, 4, 2, 1} <= set(buckets), buckets
+
+
+@INTERPRETER_MARK
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters):
+    """Per layer: two add + RMSNorm, RoPE with the cache write, attention, SiLU-and-mul and, with adapters, one
+    shrink and one expand per projection (4 x 2); then the final norm. GEMMs are torch's (not counted)."""
+    from triton.runtime.interpreter import GridExecutor
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    task = 1 if with_adapters else None
+    for prompt in random_prompts([5, 9, 4], 512, seed=52):
+        engine.add_request(prompt, lora_task_id=task, max_new_tokens=4)
+    engine.step()                                     # the prompts
+    launches, call = [], GridExecutor.__call__
+    def counted(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return call(self, *args, **kwargs)
+    GridExecutor.__call__ = counted
+    try:
+        engine.step()                                 # a decode step of three sequences
+    finally:
+        GridExecutor.__call__ = call
+    per_layer = 5 + (8 if with_adapters else 0)
+    assert len(launches) == engine.model_config.num_layers * per_layer + 1, launches
+
+
+@needs_cuda
+def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters):
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
+    want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    assert len(engine.runner.graphs.graphs) == 2 * len(bucket_sizes(6))    # each bucket, with and without adapters
+    buckets = count_graph_steps(engine.runner.graphs)
+    assert run(engine, prompts) == want
+    assert {6, 4, 2, 1} <= set(buckets), buckets
