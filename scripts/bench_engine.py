@@ -14,9 +14,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_reuse: bool | None = None,
-                kernel_backend: str = "auto") -> LLMEngine:
+                kernel_backend: str = "auto", cuda_graph_mode: bool = True) -> LLMEngine:
     """The engine as the workload wants it (kernels: auto picks the compiled CPU ones or Triton on CUDA)."""
     engine = LLMEngine(model_dir, dtype=dtype, device=device, kernel_backend=kernel_backend,
+                       cuda_graph_mode=cuda_graph_mode,
                        max_num_seqs=workload.max_num_seqs,
                        max_num_batched_tokens=2048, max_loras=workload.max_loras,
                        max_lora_rank=workload.max_lora_rank,

@@ -21,6 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from backend.model.config import ModelConfig                      # noqa: E402
 from bench_baselines import run_hf                                 # noqa: E402
 from bench_engine import make_engine, run_engine                   # noqa: E402
+from bench_profile import decode_step_profile                      # noqa: E402
 from bench_roofline import weight_bytes                            # noqa: E402
 from bench_workloads import WORKLOADS, make_requests               # noqa: E402
 
@@ -88,7 +89,7 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
     model_dir = str(build_model(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")), args.device))
     cfg = ModelConfig.from_dir(model_dir)
     results = {}
-    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device)
+    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device, cuda_graph_mode=args.cuda_graphs == "on")
     for name in ("W1", "W2", "W3"):
         workload = WORKLOADS[name]
         requests = make_requests(workload, cfg.vocab_size, args.requests and min(args.requests, workload.num_requests))
@@ -97,6 +98,15 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         results[name] = {k: v for k, v in run.items() if not isinstance(v, list)}     # figures, not samples
         sync(args.device)
         print(f"  {shape} {name}: {results[name]['tok_s']:.1f} tok/s", flush=True)
+    for label, task_ids in (("decode_profile_base", [None] * 16), ("decode_profile_lora", list(range(1, 17)))):
+        requests = make_requests(WORKLOADS["W1"], cfg.vocab_size, 16)
+        for r, task in zip(requests, task_ids):
+            r["lora_task_id"] = task
+        try:
+            results[label] = decode_step_profile(engine, requests)
+        except Exception as err:                                  # a measurement, not worth the run
+            results[label] = {"error": f"{type(err).__name__}: {err}"}
+        print(f"  {shape} {label}: {results[label]}", flush=True)
     del engine
     free_memory(args.device)
     context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
@@ -123,7 +133,15 @@ def table(report: dict) -> str:
         lines.append(f"{shape:22s} {r['W1']['tok_s']:10.1f} {r['W2']['tok_s']:10.1f} {r['W3']['tok_s']:9.1f} "
                      f"{r['W3']['itl_p50_s'] * 1e3:10.2f} {r['W3']['bandwidth_frac']:9.1%} {ratio('W1', 'W1_hf'):>7s} "
                      f"{ratio('W2', 'W2_hf'):>7s} {ratio('W1', 'W2'):>7s}")
-    lines.append("targets (issue 10): W3 8B >= 60% of the bound, W1 >= 5x HF + PEFT, W1/W2 >= 0.8")
+    lines.append("targets (issue 13): W3 8B >= 80% of the bound, W1/W2 >= 0.9, W1 >= 10x HF + PEFT")
+    for shape, r in report["models"].items():
+        for label in ("decode_profile_base", "decode_profile_lora"):
+            p = r.get(label, {})
+            if "launches_per_step" in p:
+                shares = ", ".join(f"{kind} {share:.0%}" for kind, share in p["gpu_time_share"].items())
+                lines.append(f"{shape} {label[15:]} decode step of {p['num_seqs']}: {p['launches_per_layer']:.1f} "
+                             f"launches/layer, eager {p['step_ms_eager']:.2f} ms, graph "
+                             f"{p.get('step_ms_graph', float('nan')):.2f} ms; GPU time {shares}")
     return "\n".join(lines)
 
 
@@ -133,6 +151,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="scale W1/W2 down to N requests (0: as specified)")
     parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="off: every step eager (before/after)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gpu.json")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():

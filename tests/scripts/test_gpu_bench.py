@@ -19,3 +19,5 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     assert r["W1"]["output_tokens"] == 3 * 64 and r["W3"]["output_tokens"] == 128
     assert 0 < r["W3"]["bandwidth_frac"] and r["W3"]["itl_p50_s"] > 0
     assert "W1/HF" in run.stdout and "tiny-shape" in run.stdout
+    for label in ("decode_profile_base", "decode_profile_lora"):             # kernels are counted on CUDA only
+        assert r[label]["num_seqs"] == 16 and r[label]["step_ms_eager"] > 0, r[label]
