@@ -151,3 +151,24 @@ def test_padded_grid_only_where_it_pays():
     assert segments_for([(1, 0), (30, 2)]).padded is None               # 90 grid rows for 31 tokens
     assert segments_for([(40, 0), (40, 1)]).padded is None              # long segments
     assert segments_for([(4, 0), (3, 1), (4, 2)]).padded.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_llama_8b_qkv_projection_in_a_decode_step_matches_reference(device):
+    """in_dim 4096, bands q/k/v of 4096/1024/1024 columns, four adapters of ranks 8-64 (64 = max_rank), bf16,
+    split-K as chosen for 5 tokens."""
+    ranks = [[8, 16, 64, 32]] * 3
+    proj = random_projection(ranks, 64, 4096, [4096, 1024, 1024], torch.bfloat16, rank_major=False, device=device)
+    segments = segments_for([(1, -1), (1, 0), (1, 1), (1, 2), (1, 3)], device)
+    x = torch.randn(5, 4096).to(torch.bfloat16).to(device)
+    base = torch.randn(5, 6144).to(torch.bfloat16).to(device)
+    want = base.float().clone()
+    float_proj = random_projection(ranks, 64, 4096, [4096, 1024, 1024], torch.float32, False, device)
+    float_proj.a.copy_(proj.a.float())
+    float_proj.b.copy_(proj.b.float())
+    reference.lora_apply(x.float(), float_proj, segments, want)
+    got = base.clone()
+    h = lora_shrink(x, proj, segments)
+    assert h.shape[0] == shrink_split_k(5, 4096) == 8
+    lora_expand(h, proj, segments, got)
+    torch.testing.assert_close(got.float(), want, atol=0.25, rtol=TOL[torch.bfloat16])

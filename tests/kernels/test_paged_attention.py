@@ -143,3 +143,11 @@ def test_torch_path_never_lets_stale_cache_values_reach_a_result(query_lens, dev
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 1]])
 def test_kernels_never_let_stale_cache_values_reach_a_result(query_lens, device):
     check_ignores_stale_cache(paged_attention, query_lens, device)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_llama_8b_decode_with_a_graphs_fixed_split_count_matches_reference(device):
+    # 32 query heads on 8 KV heads, head dim 128, bf16; contexts of 3 to 1000 tokens over 8 fixed splits (most
+    # splits of the short ones find no key)
+    seq_lens = [1000, 517, 64, 3]
+    check(*make_batch(seq_lens, [1] * 4, 32, 8, 128, 16, torch.bfloat16, device), torch.bfloat16, num_splits=8)
