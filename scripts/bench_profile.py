@@ -60,3 +60,35 @@ def _step_ms(engine, num_steps: int, sync) -> float:
         engine.step()
     sync()
     return (time.perf_counter() - start) / num_steps * 1e3
+
+
+def decode_attention_vs_bound(cfg, bandwidth: float, num_seqs: int = 64, context: int = 1000,
+                              num_iters: int = 50, device: str = "cuda") -> dict:
+    """The Triton decode attention over num_seqs contexts of `context` tokens (bf16, 16-token pages, scattered
+    through the pool) against the time to read their K and V once at the measured copy bandwidth."""
+    from kernels.metadata import AttentionMetadata
+    from kernels.paged_attention import paged_attention
+    block_size = 16
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(num_seqs, blocks_per_seq)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(starts, seq_lens, tables, torch.zeros(num_seqs, dtype=torch.int32, device=device),
+                             list(range(num_seqs + 1)), [context] * num_seqs, 1, context)
+    q = torch.randn(num_seqs, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
+    paged_attention(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+    sync()
+    start = time.perf_counter()
+    for _ in range(num_iters):
+        paged_attention(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+    sync()
+    seconds = (time.perf_counter() - start) / num_iters
+    kv_bytes = 2 * num_seqs * context * cfg.num_kv_heads * cfg.head_dim * 2
+    bound = kv_bytes / (bandwidth / 2)                                 # the copy bandwidth counts read + write
+    return {"num_seqs": num_seqs, "context": context, "us": seconds * 1e6, "bound_us": bound * 1e6,
+            "vs_bound": seconds / bound}

@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from backend.model.config import ModelConfig                      # noqa: E402
 from bench_baselines import run_hf                                 # noqa: E402
 from bench_engine import make_engine, run_engine                   # noqa: E402
-from bench_profile import decode_step_profile                      # noqa: E402
+from bench_profile import decode_attention_vs_bound, decode_step_profile   # noqa: E402
 from bench_roofline import weight_bytes                            # noqa: E402
 from bench_workloads import WORKLOADS, make_requests               # noqa: E402
 
@@ -109,6 +109,13 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         print(f"  {shape} {label}: {results[label]}", flush=True)
     del engine
     free_memory(args.device)
+    if args.device != "cpu":
+        try:
+            results["decode_attention"] = decode_attention_vs_bound(cfg, bandwidth)
+        except Exception as err:                                      # a measurement, not worth the run
+            results["decode_attention"] = {"error": f"{type(err).__name__}: {err}"}
+        print(f"  {shape} decode attention: {results['decode_attention']}", flush=True)
+        free_memory(args.device)
     context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * 2
     bound = bandwidth / (weight_bytes(cfg, "bfloat16") + kv_bytes)
@@ -142,6 +149,10 @@ def table(report: dict) -> str:
                 lines.append(f"{shape} {label[15:]} decode step of {p['num_seqs']}: {p['launches_per_layer']:.1f} "
                              f"launches/layer, eager {p['step_ms_eager']:.2f} ms, graph "
                              f"{p.get('step_ms_graph', float('nan')):.2f} ms; GPU time {shares}")
+        a = r.get("decode_attention", {})
+        if "vs_bound" in a:
+            lines.append(f"{shape} decode attention, {a['num_seqs']} x {a['context']} tokens: {a['us']:.0f} us, "
+                         f"{a['vs_bound']:.2f}x the K/V read time (target <= 1.2x)")
     return "\n".join(lines)
 
 
