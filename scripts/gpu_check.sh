@@ -39,7 +39,7 @@ step() {                                  # step LABEL TITLE COMMAND...: a failu
   echo "== $title"
   "$@" || failed+=("$label")
 }
-compile_all() {                           # print the failures and the summary, not the 254 "ok" lines
+compile_all() {                           # print the failures and the summary, not the "ok" lines
   "$PYTHON" scripts/compile_kernels.py --targets 80,90 --jobs "$(nproc)" | grep -v "^ok "
 }
 if [ "$part" != bench ]; then
