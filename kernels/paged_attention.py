@@ -7,6 +7,7 @@ through its own block-table entry, so the tile does not depend on the page size.
 the GPU's SMs, the context is split over NUM_SPLITS programs and a reduce kernel merges their partial softmaxes.
 Loads past a sequence's length return 0 and never touch its unused block-table entries; cache offsets are int64.
 """
+import functools
 import os
 
 import torch
@@ -155,6 +156,7 @@ def num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     return splits
 
 
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device; 1 elsewhere (the interpreter gains nothing from splits)."""
     if device.type != "cuda":
