@@ -154,6 +154,12 @@ def main() -> None:
         threads = [threading.Thread(target=soak.worker, args=(i, start + args.duration)) for i in range(args.streams)]
         for t in threads:
             t.start()
+        timeline = []                                                 # is memory growth the host tier filling up?
+        while any(t.is_alive() for t in threads):
+            if not timeline or time.monotonic() - start >= timeline[-1][0] + 30:
+                timeline.append([round(time.monotonic() - start), round(server.rss_bytes() / 2**20),
+                                 round(server.metric("lora_llm_lora_cache", tier="host", stat="bytes") / 2**20)])
+            time.sleep(1)
         for t in threads:
             t.join()
         elapsed = time.monotonic() - start
@@ -162,7 +168,7 @@ def main() -> None:
                   "requests_answered": sum(n for k, n in soak.outcomes.items() if k != "unanswered"),
                   "outcomes": dict(soak.outcomes), "tokens_per_s": soak.num_tokens / elapsed,
                   "server_rss_start_mb": start_rss / 2**20, "server_rss_end_mb": server.rss_bytes() / 2**20,
-                  "restarts": server.restarts(), **end}
+                  "restarts": server.restarts(), "seconds_rss_mb_host_adapter_mb": timeline, **end}
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
