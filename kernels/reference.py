@@ -205,7 +205,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments, ranks: torch.Te
     """h[start:end, :rank[slot]] = x[start:end] @ lora_a[slot, :rank[slot]].T for each segment with a slot.
 
     x: [num_tokens, in_dim]; lora_a: [num_slots, cap, in_dim], in x's dtype or a narrower one (widened to x's for
-    the matmul) -> h: [num_tokens, cap] in x's dtype (zeros where unused). One batched matmul over the segments' padded grid when they have one, else one matmul per segment.
+    the matmul) -> h: [num_tokens, cap] in x's dtype (zeros where unused). One batched matmul over the segments'
+    padded grid when they have one, else one matmul per segment.
     """
     h = x.new_zeros(x.shape[0], lora_a.shape[1])
     grid = segments.padded

@@ -9,6 +9,12 @@ KINDS = {"attention": ("_attention_kernel", "_reduce_kernel"), "lora": ("_shrink
          "gemm": ("gemm", "gemv", "cutlass", "xmma", "splitk", "sm80_", "sm90_")}
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def kind_of(kernel_name: str) -> str:
     name = kernel_name.lower()
     return next((kind for kind, marks in KINDS.items() if any(mark.lower() in name for mark in marks)), "other")
@@ -18,7 +24,7 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
     """Start `requests` (all decoding once their prompts are in), then profile one eager decode step and time
     num_timed steps each way (eager, graph replay when the engine has graphs). On CPU (a dry run) no kernel is
     counted."""
-    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    device = engine.runner.device
     for r in requests:
         engine.add_request(r["prompt"], lora_task_id=r.get("lora_task_id"), max_new_tokens=4 * num_timed + 8,
                            ignore_end_id=True)
@@ -28,10 +34,10 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
     runner.graphs = None                                               # eager steps first
     try:
         engine.step()
-        sync()
+        sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.step()
-            sync()
+            sync(device)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.startswith(("Memcpy", "Memset"))]
         busy = {}
@@ -41,11 +47,11 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
         result = {"num_seqs": len(requests), "launches_per_step": len(kernels),
                   "launches_per_layer": len(kernels) / engine.model_config.num_layers,
                   "gpu_time_share": {kind: t / total for kind, t in sorted(busy.items())},
-                  "step_ms_eager": _step_ms(engine, num_timed, sync)}
+                  "step_ms_eager": _step_ms(engine, num_timed, device)}
     finally:
         runner.graphs = graphs
     if graphs is not None:
-        result["step_ms_graph"] = _step_ms(engine, num_timed, sync)
+        result["step_ms_graph"] = _step_ms(engine, num_timed, device)
     for request_id in list(engine.seqs):
         engine.abort(request_id)
     while engine.has_unfinished:
@@ -53,12 +59,12 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
     return result
 
 
-def _step_ms(engine, num_steps: int, sync) -> float:
-    sync()
+def _step_ms(engine, num_steps: int, device) -> float:
+    sync(device)
     start = time.perf_counter()
     for _ in range(num_steps):
         engine.step()
-    sync()
+    sync(device)
     return (time.perf_counter() - start) / num_steps * 1e3
 
 
@@ -69,7 +75,6 @@ def decode_attention_vs_bound(cfg, bandwidth: float, num_seqs: int = 64, context
     from kernels.metadata import AttentionMetadata
     from kernels.paged_attention import paged_attention
     block_size = 16
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
@@ -82,11 +87,11 @@ def decode_attention_vs_bound(cfg, bandwidth: float, num_seqs: int = 64, context
                              list(range(num_seqs + 1)), [context] * num_seqs, 1, context)
     q = torch.randn(num_seqs, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
     paged_attention(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
-    sync()
+    sync(device)
     start = time.perf_counter()
     for _ in range(num_iters):
         paged_attention(q, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
-    sync()
+    sync(device)
     seconds = (time.perf_counter() - start) / num_iters
     kv_bytes = 2 * num_seqs * context * cfg.num_kv_heads * cfg.head_dim * 2
     bound = kv_bytes / (bandwidth / 2)                                 # the copy bandwidth counts read + write

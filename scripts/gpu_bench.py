@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from backend.model.config import ModelConfig                      # noqa: E402
 from bench_baselines import run_hf                                 # noqa: E402
 from bench_engine import make_engine, run_engine                   # noqa: E402
-from bench_profile import decode_attention_vs_bound, decode_step_profile   # noqa: E402
+from bench_profile import decode_attention_vs_bound, decode_step_profile, sync   # noqa: E402
 from bench_roofline import weight_bytes                            # noqa: E402
 from bench_workloads import WORKLOADS, make_requests               # noqa: E402
 
@@ -78,11 +78,6 @@ def copy_bandwidth(device: str) -> float:
         dst.copy_(src)
     sync(device)
     return 10 * 2 * src.numel() / (time.perf_counter() - start)
-
-
-def sync(device: str) -> None:
-    if device != "cpu":
-        torch.cuda.synchronize()
 
 
 def bench_model(shape: str, args, bandwidth: float) -> dict:
