@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import LoraCacheConfig
-from backend.lora.format import LoraAdapter, check_lora, parse_lora, payload_digest
+from backend.lora.format import LoraAdapter, check_lora, parse_lora
 from backend.lora.slots import DeviceSlots
 from backend.model.config import ModelConfig
 from backend.request import RequestError
@@ -88,10 +88,13 @@ class LoraCache:
         return task_id in self.host
 
     def holds(self, task_id: int, weights, config) -> bool:
-        """The host tier has this task id parsed from these very lora_weights and lora_config (checked first)."""
+        """The host tier has this task id with the adapter these lora_weights and lora_config give (checked first)."""
         adapter = self.host.get(task_id)
-        return adapter is not None and adapter.digest == payload_digest(*check_lora(
-            weights, config, self.model_cfg, self.dtype, self.cfg.max_lora_rank, self.cfg.max_adapter_bytes)[:2])
+        if adapter is None:
+            return False
+        weights, _, rows = check_lora(weights, config, self.model_cfg, self.dtype, self.cfg.max_lora_rank,
+                                      self.cfg.max_adapter_bytes)
+        return adapter.matches(weights, rows, self.model_cfg)
 
     def ref(self, task_id: int | None) -> None:
         """A request that uses the adapter entered the engine: keep the adapter on the host."""

@@ -4,7 +4,6 @@ lora_config rows are [module_id, layer_idx, rank]; the matching lora_weights row
 flattened row-major, then B [out_dim, rank] flattened row-major, then zero padding. The scale is already
 folded into B.
 """
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,10 +36,8 @@ def module_columns(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class LoraAdapter:
-    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype;
-    `digest` names the TensorRT-LLM tensors it was parsed from."""
+    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype."""
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
-    digest: bytes = b""
 
     @property
     def num_bytes(self) -> int:
@@ -50,13 +47,19 @@ class LoraAdapter:
         """The adapter in page-locked memory when it will be uploaded to a GPU (asynchronous copies need it)."""
         if device.type != "cuda":
             return self
-        return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()},
-                           self.digest)
+        return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()})
 
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(
             torch.equal(a, other.weights[k][0]) and torch.equal(b, other.weights[k][1])
             for k, (a, b) in self.weights.items())
+
+    def matches(self, weights: torch.Tensor, rows: list[tuple[int, int, int, int]], cfg: ModelConfig) -> bool:
+        """These checked lora_weights rows parse to this very adapter: a re-sent adapter needs no second parse.
+        Reads only on a re-send, which costs less than hashing every upload would."""
+        return len(rows) == len(self.weights) and all(
+            key in self.weights and _equal(a, self.weights[key][0]) and _equal(b, self.weights[key][1])
+            for key, a, b in _row_views(weights, rows, cfg))
 
 
 def _as_tensor(name: str, value) -> torch.Tensor:
@@ -73,16 +76,6 @@ def _as_tensor(name: str, value) -> torch.Tensor:
 def max_row_width(cfg: ModelConfig, max_rank: int) -> int:
     """The widest lora_weights row any valid config row needs: max_lora_rank x (in + out) of the widest module."""
     return max_rank * max(sum(module_shape(cfg, m)) for m in MODULE_NAMES)
-
-
-def payload_digest(weights: torch.Tensor, config: torch.Tensor) -> bytes:
-    """A digest of checked lora_weights and lora_config as sent (dtype, shape, bytes): names a re-sent adapter.
-    SHA-256, as CPUs hash it in hardware (about twice BLAKE2's speed on this project's machines)."""
-    digest = hashlib.sha256()
-    for t in (weights.contiguous(), config.contiguous()):
-        digest.update(f"{t.dtype}{list(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    return digest.digest()
 
 
 def check_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
@@ -122,17 +115,30 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
                max_adapter_bytes: int) -> LoraAdapter:
     """Validate (`check_lora`, then finite values) and convert TRT-LLM lora_weights and lora_config."""
     weights, config, rows = check_lora(weights, config, cfg, dtype, max_rank, max_adapter_bytes)
-    if not _all_finite(weights):
-        raise RequestError("lora_weights", "contains NaN or Inf values")
-    shapes = {module_id: module_shape(cfg, module_id) for module_id in MODULE_NAMES}
-    parsed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for i, (module_id, layer, rank, need) in enumerate(rows):
-        in_dim, out_dim = shapes[module_id]
-        row = weights[i]
-        a = row[:rank * in_dim].reshape(rank, in_dim).to(dtype, copy=True)      # never a view of the request's
-        b = row[rank * in_dim:need].reshape(out_dim, rank).to(dtype, copy=True)  # buffer, nor of its padding
-        parsed[(layer, module_id)] = (a, b)
-    return LoraAdapter(parsed, payload_digest(weights, config))
+    kept = torch.empty(sum(need for *_, need in rows), dtype=dtype)   # one buffer of our own, without the padding
+    parsed, offset = {}, 0
+    for key, *sent in _row_views(weights, rows, cfg):
+        pair = []
+        for t in sent:
+            pair.append(kept[offset:offset + t.numel()].view(t.shape).copy_(t))
+            offset += t.numel()
+        parsed[key] = tuple(pair)
+    if not _all_finite(kept):
+        raise RequestError("lora_weights", f"contains NaN or Inf values, or values beyond {dtype}'s range")
+    return LoraAdapter(parsed)
+
+
+def _row_views(weights: torch.Tensor, rows: list[tuple[int, int, int, int]], cfg: ModelConfig):
+    """((layer, module_id), A [rank, in_dim], B [out_dim, rank]) per checked row: views of lora_weights."""
+    for row, (module_id, layer, rank, need) in zip(weights, rows):
+        in_dim, out_dim = module_shape(cfg, module_id)
+        a, b = row[:rank * in_dim], row[rank * in_dim:need]
+        yield (layer, module_id), a.reshape(rank, in_dim), b.reshape(out_dim, rank)
+
+
+def _equal(sent: torch.Tensor, kept: torch.Tensor) -> bool:
+    """A sent matrix equals a kept one once stored in the kept dtype (an fp32 upload kept in fp16 is rounded)."""
+    return sent.shape == kept.shape and torch.equal(sent.to(kept.dtype), kept)
 
 
 def _all_finite(t: torch.Tensor) -> bool:

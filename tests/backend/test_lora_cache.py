@@ -176,3 +176,30 @@ def test_a_parsed_adapter_owns_its_weights(model_cfg):
     sent.fill_(7)
     assert adapter.same_as(type(adapter)(before))
     assert adapter.num_bytes == model_cfg.num_layers * sum(4 * sum(module_shape(model_cfg, m)) * 2 for m in (1, 4, 6))
+
+
+def test_a_re_sent_adapter_is_known_by_its_values_not_its_padding_nor_row_order(model_cfg):
+    import torch
+    cache = LoraCache(LoraCacheConfig(max_loras=1), model_cfg, torch.float16)
+    weights, config = make_adapter(model_cfg, 4, 7)
+    cache.add(7, weights, config)
+    other_padding = weights.copy()
+    other_padding[0, -1] = 9.0                    # row 0 (attn_q) is narrower than the widest row (mlp_4h_to_h)
+    assert cache.holds(7, weights, config) and cache.holds(7, np.pad(weights, [(0, 0), (0, 16)]), config)
+    assert cache.holds(7, other_padding, config) and cache.holds(7, weights[::-1], config[::-1])
+    assert cache.holds(7, weights.astype(np.float16), config)        # the values the cache keeps, sent as fp16
+    changed = weights.copy()
+    changed[-1, 5] += 0.5                         # inside the last row's A
+    assert not cache.holds(7, changed, config) and not cache.holds(7, weights[:-1], config[:-1])
+    assert not cache.holds(8, weights, config)
+    with pytest.raises(RequestError, match="already cached with different weights"):
+        cache.add(7, changed, config)
+
+
+def test_values_beyond_the_kept_dtype_are_refused_like_nan(model_cfg):
+    import torch
+    weights, config = make_adapter(model_cfg, 4, 3)
+    weights[1, 2] = 1e6                           # finite in fp32, inf in fp16
+    LoraCache(LoraCacheConfig(max_loras=1), model_cfg, torch.float32).add(3, weights, config)
+    with pytest.raises(RequestError, match="NaN or Inf values, or values beyond torch.float16's range"):
+        LoraCache(LoraCacheConfig(max_loras=1), model_cfg, torch.float16).add(3, weights, config)
