@@ -77,6 +77,7 @@ class LLMEngine:
         self.seqs: dict[Hashable, list[Sequence]] = {}     # a request's sequences, by sequence index
         self.forks: dict[Sequence, list[Sequence]] = {}    # sequences that start once their first has its prompt
         self.num_steps = 0
+        self.last_step_kind = "decode"                      # or "prefill": the last step held prompt tokens
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
             for task_id, path in prefetch_dirs(self.config.lora.prefetch_dir):
@@ -180,6 +181,7 @@ class LLMEngine:
         if not batch.items:
             return []
         self.num_steps += 1
+        self.last_step_kind = "decode" if batch.is_decode else "prefill"
         try:
             if self.num_steps in self.config.inject_fault_steps:
                 raise RuntimeError(f"injected fault at step {self.num_steps}")

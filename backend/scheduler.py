@@ -36,6 +36,12 @@ class ScheduledSeq:
 class Batch:
     items: list[ScheduledSeq]
 
+    @property
+    def is_decode(self) -> bool:
+        """Each sequence feeds in one generated token: no prompt chunk in the step."""
+        return all(item.num_new_tokens == 1 and item.seq.num_computed_tokens >= len(item.seq.prompt_ids)
+                   for item in self.items)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterSlots | None = None):

@@ -39,10 +39,13 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
         engine.add_request(r["prompt"], lora_task_id=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
                            ignore_end_id=True)
     num_steps = 0
+    step_seconds = {"decode": [], "prefill": []}
     while engine.has_unfinished:
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
         num_steps += 1
+        step_seconds[engine.last_step_kind].append(now - before)
         for out in outputs:
             if out.error:
                 raise RuntimeError(out.error)
@@ -60,7 +63,15 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
             "kv_reuse_hit_rate": engine.blocks.num_hits / max(1, engine.blocks.num_lookups),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
-            "ttfts_s": ttfts, "itls_s": gaps}
+            "ttfts_s": ttfts, "itls_s": gaps, **step_figures(step_seconds)}
+
+
+def step_figures(step_seconds: dict[str, list[float]]) -> dict:
+    """Where the engine's time went: decode steps (their mean) and steps with prompt tokens (their sum)."""
+    decode = step_seconds["decode"]
+    return {"decode_step_mean_s": sum(decode) / len(decode) if decode else float("nan"),
+            "num_decode_steps": len(decode), "prefill_step_seconds": sum(step_seconds["prefill"]),
+            "num_prefill_steps": len(step_seconds["prefill"])}
 
 
 def sweep_concurrency(engine: LLMEngine, requests: list[dict], label: str) -> list[dict]:

@@ -15,6 +15,9 @@ def ratios(results: dict) -> dict:
     for a, b in (("W1", "W2"), ("W4", "W1")):
         if a in results and b in results:
             out[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
+    if "W4" in results and "W1" in results:             # where the server's time goes: decode steps, prefill steps
+        out["W4_over_W1_decode_step"] = results["W1"]["decode_step_mean_s"] / results["W4"]["decode_step_mean_s"]
+        out["W4_over_W1_prefill_s"] = results["W1"]["prefill_step_seconds"] / results["W4"]["prefill_step_seconds"]
     if "W3" in results:
         out["W3_bandwidth_frac"] = results["W3"]["bandwidth_frac"]
     if "W3" in results and "W7" in results:             # single-stream ITL in process over through the server

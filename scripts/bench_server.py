@@ -102,13 +102,24 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         client_cpu = usage.ru_utime + usage.ru_stime - cpu0.ru_utime - cpu0.ru_stime
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
         steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                 if line.startswith("lora_llm_step_seconds_")}
+                 if line.startswith(("lora_llm_step_seconds_sum", "lora_llm_step_seconds_count"))}
     finally:
         server.terminate()
         server.wait(timeout=60)
     return {"tok_s": counts[0] / elapsed, "seconds": elapsed, "output_tokens": counts[0], "concurrency": concurrency,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
-            "steps": steps.get("lora_llm_step_seconds_count"),
-            "step_seconds": steps.get("lora_llm_step_seconds_sum"), "client_cpu_seconds": client_cpu,
+            "steps": sum(v for k, v in steps.items() if "_count" in k),
+            "step_seconds": sum(v for k, v in steps.items() if "_sum" in k), **server_step_figures(steps),
+            "client_cpu_seconds": client_cpu,
             "adapter_resends": resends[0]}
+
+
+def server_step_figures(steps: dict[str, float]) -> dict:
+    """bench_engine.step_figures from the server's lora_llm_step_seconds histogram (sums and counts by kind)."""
+    def get(stat: str, kind: str) -> float:
+        return steps.get(f'lora_llm_step_seconds_{stat}{{kind="{kind}"}}', 0.0)
+    num_decode = get("count", "decode")
+    return {"decode_step_mean_s": get("sum", "decode") / num_decode if num_decode else float("nan"),
+            "num_decode_steps": int(num_decode), "prefill_step_seconds": get("sum", "prefill"),
+            "num_prefill_steps": int(get("count", "prefill"))}

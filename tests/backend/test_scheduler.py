@@ -42,6 +42,21 @@ def test_decodes_go_first_and_new_prefills_fill_the_rest():
     assert [(i.seq.request_id, i.num_new_tokens) for i in items] == [(0, 1), (1, 7)]
 
 
+def test_a_step_is_a_decode_step_only_without_prompt_tokens():
+    sched = make_scheduler(num_blocks=16, max_tokens=8)
+    one = Sequence(0, [4], SamplingParams())                     # a one-token prompt is still a prefill
+    sched.add(one)
+    batch = sched.schedule()
+    assert [i.num_new_tokens for i in batch.items] == [1] and not batch.is_decode
+    one.num_computed_tokens = 1
+    one.output_ids.append(9)
+    assert sched.schedule().is_decode
+    one.num_computed_tokens = 2
+    one.output_ids.append(5)
+    sched.add(Sequence(1, list(range(3)), SamplingParams()))
+    assert not sched.schedule().is_decode                        # a decode beside a prompt chunk
+
+
 def test_newest_running_sequence_is_preempted_when_blocks_run_out():
     sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
     a, b = Sequence(0, list(range(8)), SamplingParams()), Sequence(1, list(range(8)), SamplingParams())

@@ -24,7 +24,12 @@ def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
             assert results[f"{name}_hf"]["tok_s"] > 0
     assert [p["concurrency"] for p in results["W1"]["sweep"]] == [1, 2]
     assert set(results["ratios"]) >= {"W1_over_hf", "W2_over_hf", "W1_over_W2", "W4_over_W1", "W3_bandwidth_frac",
-                                      "W1_roofline_frac", "W6_ttft_p50_gain", "W6_kv_reuse_hit_rate", "W3_itl_over_W7"}
+                                      "W1_roofline_frac", "W6_ttft_p50_gain", "W6_kv_reuse_hit_rate", "W3_itl_over_W7",
+                                      "W4_over_W1_decode_step", "W4_over_W1_prefill_s"}
+    for name in ("W1", "W4"):                      # in process, and from the server's step histogram by kind
+        res = results[name]
+        assert res["num_decode_steps"] > 0 and res["num_prefill_steps"] > 0 and res["decode_step_mean_s"] > 0
+        assert res["num_decode_steps"] + res["num_prefill_steps"] == res["steps"] and res["prefill_step_seconds"] > 0
     assert all(value > 0 for key, value in results["ratios"].items() if key != "W6_kv_reuse_hit_rate")
     assert 0 <= results["ratios"]["W6_kv_reuse_hit_rate"] <= 1      # 3 requests: 3 adapters, nothing shared yet
     for png in ("throughput_vs_concurrency.png", "w4_latency_cdf.png", "w1_latency_cdf.png"):

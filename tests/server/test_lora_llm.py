@@ -135,6 +135,14 @@ def test_client_cancel_mid_stream_frees_the_kv_blocks(tiny_server):
     assert run(tiny_server.grpc_url, trtllm_inputs([5, 6], 3, True)).tokens.__len__() == 3
 
 
+def test_step_latency_is_exported_by_kind(tiny_server):
+    before = {kind: tiny_server.metric("lora_llm_step_seconds_count", kind=kind) for kind in ("decode", "prefill")}
+    assert len(run(tiny_server.grpc_url, trtllm_inputs([5] * 10, 6, True)).tokens) == 6
+    after = {kind: tiny_server.metric("lora_llm_step_seconds_count", kind=kind) for kind in ("decode", "prefill")}
+    assert after["prefill"] >= before["prefill"] + 1 and after["decode"] >= before["decode"] + 5
+    assert tiny_server.metric("lora_llm_step_seconds_sum", kind="decode") > 0
+
+
 def test_stop_request_with_the_same_id_cancels_it(tiny_server):
     stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([7] * 30, 400, True), request_id="victim-1")
     stream.wait_first()

@@ -153,7 +153,8 @@ class Metrics:
             blocks := fam("lora_llm_kv_blocks", "Paged KV cache blocks by state", fam.GAUGE),
             lora := fam("lora_llm_lora_cache", "LoRA cache counters and bytes per tier", fam.GAUGE),
             ttft := fam("lora_llm_time_to_first_token_seconds", "Time to first token", fam.HISTOGRAM),
-            step := fam("lora_llm_step_seconds", "Engine step latency", fam.HISTOGRAM),
+            step := fam("lora_llm_step_seconds", "Engine step latency, by kind: decode, or prefill (the step holds "
+                        "prompt tokens)", fam.HISTOGRAM),
             alive := fam("lora_llm_engine_alive", "1 while the engine loop serves requests, 0 once it cannot",
                          fam.GAUGE),
             reuse := fam("lora_llm_kv_cache_reuse", "KV cache reuse: prompt blocks looked up, found, and the hit rate",
@@ -168,8 +169,9 @@ class Metrics:
         self.reuse = {s: reuse.Metric(labels={"stat": s}) for s in ("lookups", "hits", "hit_rate")}
         self.lora_gauges = {name: lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
                             for name in LORA_STATS}
-        self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets),
-                           "step": step.Metric(labels={}, buckets=buckets)}
+        self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets)}
+        self.histograms |= {f"step_{kind}": step.Metric(labels={"kind": kind}, buckets=buckets)
+                            for kind in ("decode", "prefill")}
 
     def count(self, name: str, value: int = 1) -> None:
         with self.lock:
@@ -196,7 +198,7 @@ class Metrics:
                 return
             self.alive.set(1 if alive else 0)
             if seconds is not None:
-                self.histograms["step"].observe(seconds)
+                self.histograms[f"step_{engine.last_step_kind}"].observe(seconds)
             for name, gauge in self.gauges.items():
                 gauge.set(stats[name])
             for name, gauge in self.lora_gauges.items():
