@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_baselines import run_hf                             # noqa: E402
 from bench_engine import make_engine, run_engine, sweep_concurrency   # noqa: E402
-from bench_report import print_table, ratios                   # noqa: E402
+from bench_report import print_drift, print_table, ratios      # noqa: E402
 from bench_roofline import cpu_name, measure_roofline, workload_flops, weight_bytes   # noqa: E402
 from bench_server import run_server_workload                   # noqa: E402
 from bench_vllm import run_vllm                                # noqa: E402
@@ -102,7 +102,9 @@ def main() -> None:
                 for name in names if not WORKLOADS[name].server}
         results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.dtype).items()}
     results["ratios"] = ratios(results)
+    results["roofline_after"] = measure_roofline(args.dtype)
     print_table(results, [n for name in names for n in (name, f"{name}_no_reuse") if n in results])
+    print_drift(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     if args.plot:

@@ -58,3 +58,14 @@ def print_table(results: dict, names: list[str]) -> None:
         target = TARGETS.get(key)
         print(f"  {key:18} {value:7.2f}" + (f"   (target >= {target}, {'met' if value >= target else 'missed'})"
                                             if target else ""))
+
+
+def print_drift(results: dict, tolerance: float = 0.15) -> None:
+    """Warn when the machine itself got faster or slower during the run (a shared host): the probes, measured
+    again at the end, moved by more than `tolerance`, so figures from different workloads compare badly."""
+    after = results["roofline_after"]
+    moved = {key: after[key] / results[key] for key in ("roofline_gflops", "memory_gbps")}
+    if any(abs(ratio - 1) > tolerance for ratio in moved.values()):
+        print(f"WARNING: this machine's speed changed during the run (matmul {results['roofline_gflops']:.0f} -> "
+              f"{after['roofline_gflops']:.0f} GFLOP/s, copy {results['memory_gbps']:.1f} -> "
+              f"{after['memory_gbps']:.1f} GB/s): ratios between workloads of this run are unreliable")

@@ -15,6 +15,7 @@ def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["roofline_gflops"] > 0 and results["memory_gbps"] > 0 and results["machine"]
+    assert results["roofline_after"]["roofline_gflops"] > 0 and results["roofline_after"]["memory_gbps"] > 0
     for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W6_no_reuse", "W7"):
         res = results[name]
         assert res["tok_s"] > 0 and res["output_tokens"] > 0 and res["roofline_frac"] > 0, name
