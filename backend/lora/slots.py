@@ -74,6 +74,7 @@ class DeviceSlots:
         on_cpu = self.device.type == "cpu"
         rank_major_a = on_cpu if rank_major_a is None else rank_major_a
         self.copies = SideCopies(self.device)
+        self.band_columns = {proj: [module_columns(cfg, module) for module in BANDS[proj]] for proj in PROJS}
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.a: list[dict[str, torch.Tensor]] = []                 # [num_slots, cap, in_dim] per projection
@@ -94,7 +95,7 @@ class DeviceSlots:
 
     def _projection(self, layer: int, proj: str) -> Projection:
         p, r = PROJS.index(proj), self.max_rank
-        columns = [module_columns(self.cfg, module) for module in BANDS[proj]]
+        columns = self.band_columns[proj]
         assert all(end == start for (_, end), (start, _) in zip(columns, columns[1:])), "bands must be contiguous"
         a, b = self.a[layer][proj], self.b[layer][proj]
         bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*cols), i * r:(i + 1) * r], self.ranks[layer, p, i],
@@ -108,14 +109,11 @@ class DeviceSlots:
         return sum(t[0].nbytes for layer in self.a + self.b for t in layer.values())
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy an adapter into a slot, replacing whatever was there. On CUDA the copies run on a side stream;
-        `copies.wait([slot])` orders a step after them."""
+        """Copy an adapter into a slot, replacing whatever was there. A slot is zero wherever no adapter row lies,
+        so only the rank rows the old adapter used past the new one's ranks are cleared. On CUDA the copies run on
+        a side stream; `copies.wait([slot])` orders a step after them."""
         ranks = torch.zeros(self.cfg.num_layers, len(PROJS), MAX_BANDS, dtype=torch.int32)
         with self.copies.copying():
-            for layer in range(self.cfg.num_layers):
-                for proj in PROJS:
-                    self.a[layer][proj][slot].zero_()
-                    self.b[layer][proj][slot].zero_()
             for (layer, module_id), (a, b) in adapter.weights.items():
                 for module, b_part in self._split_fused(module_id, b):
                     proj, band = BAND_OF_MODULE[module]
@@ -124,12 +122,25 @@ class DeviceSlots:
                     self.a[layer][proj][slot, start:start + rank].copy_(a, non_blocking=True)
                     self.b[layer][proj][slot, col_start:col_end, start:start + rank].copy_(b_part, non_blocking=True)
                     ranks[layer, PROJS.index(proj), band] = rank
+            new_ranks = ranks.tolist()
+            self._clear_past(slot, new_ranks)
             self.ranks[:, :, :, slot].copy_(pin(ranks, self.device), non_blocking=True)
         self.copies.done(slot)
-        for layer, per_proj in enumerate(ranks.tolist()):
+        for layer, per_proj in enumerate(new_ranks):
             for p, per_band in enumerate(per_proj):
                 for band, rank in enumerate(per_band):
                     self.ranks_list[layer][p][band][slot] = rank
+
+    def _clear_past(self, slot: int, new_ranks: list[list[list[int]]]) -> None:
+        """Zero each band's rank rows [new rank, old rank) of a slot: what the old adapter left past the new one."""
+        for layer, per_proj in enumerate(new_ranks):
+            for p, proj in enumerate(PROJS):
+                for band, columns in enumerate(self.band_columns[proj]):
+                    new, old = per_proj[p][band], self.ranks_list[layer][p][band][slot]
+                    if old > new:
+                        rows = slice(band * self.max_rank + new, band * self.max_rank + old)
+                        self.a[layer][proj][slot, rows].zero_()
+                        self.b[layer][proj][slot, slice(*columns), rows].zero_()
 
     def _split_fused(self, module_id: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         if module_id != FUSED_QKV:
