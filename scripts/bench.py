@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_baselines import run_hf                             # noqa: E402
 from bench_engine import make_engine, run_engine, sweep_concurrency   # noqa: E402
-from bench_report import print_drift, print_table, ratios      # noqa: E402
+from bench_report import combine_rounds, median_ratios, print_drift, print_table   # noqa: E402
 from bench_roofline import cpu_name, measure_roofline, workload_flops, weight_bytes   # noqa: E402
 from bench_server import run_server_workload                   # noqa: E402
 from bench_vllm import run_vllm                                # noqa: E402
@@ -32,7 +32,8 @@ from backend.model.config import ModelConfig                   # noqa: E402
 QUICK_REQUESTS = 32                           # --quick caps every workload at this many requests
 
 
-def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dict, kv_reuse: bool | None = None) -> dict:
+def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dict, kv_reuse: bool | None = None,
+                 sweep: bool = False) -> dict:
     workload = WORKLOADS[name]
     cap = args.requests or (QUICK_REQUESTS if args.quick else workload.num_requests)
     requests = make_requests(workload, cfg.vocab_size, min(cap, workload.num_requests))
@@ -43,7 +44,7 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
                              kernel_backend=args.kernel_backend)
         res = run_engine(engine, requests, name)
-        if args.plot and name in ("W1", "W2"):
+        if sweep and name in ("W1", "W2"):
             res["sweep"] = sweep_concurrency(engine, requests, name)
         del engine
     samples[name if kv_reuse is not False else f"{name}_no_reuse"] = {"TTFT": res.pop("ttfts_s"),
@@ -70,6 +71,9 @@ def main() -> None:
                         help="auto: the compiled CPU kernels where they build, else torch")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the workloads N times in turn; report each one's median run and the median of "
+                             "each ratio between them (baselines run once)")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     args = parser.parse_args()
@@ -78,6 +82,8 @@ def main() -> None:
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; available: {', '.join(WORKLOADS)}")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
 
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = ModelConfig.from_dir(args.model_dir)
@@ -89,10 +95,19 @@ def main() -> None:
     print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
           f"{roofline['memory_gbps']:.1f} GB/s; model weights {weight_bytes(cfg, args.dtype) / 1e6:.0f} MB", flush=True)
     samples: dict = {}
+    rounds = []
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"round {i + 1} of {args.repeat}", flush=True)
+        rounds.append({})
+        for name in names:
+            kept = samples if i == 0 else {}                  # latency samples (plots) from the first round
+            rounds[-1][name] = run_workload(name, args, cfg, roofline, kept, sweep=bool(args.plot) and i == 0)
+            if WORKLOADS[name].kv_reuse:
+                rounds[-1][f"{name}_no_reuse"] = run_workload(name, args, cfg, roofline, kept, kv_reuse=False)
+    chosen, ratio_rounds = combine_rounds(rounds)
+    results |= chosen
     for name in names:
-        results[name] = run_workload(name, args, cfg, roofline, samples)
-        if WORKLOADS[name].kv_reuse:
-            results[f"{name}_no_reuse"] = run_workload(name, args, cfg, roofline, samples, kv_reuse=False)
         if args.baseline in ("hf", "both") and WORKLOADS[name].hf_baseline:
             requests = make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"])
             results[f"{name}_hf"] = run_hf(args.model_dir, requests, args.dtype, WORKLOADS[name])
@@ -101,7 +116,9 @@ def main() -> None:
         runs = {name: (make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"]), WORKLOADS[name])
                 for name in names if not WORKLOADS[name].server}
         results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.dtype).items()}
-    results["ratios"] = ratios(results)
+    results["ratios"] = median_ratios(results, ratio_rounds)
+    if args.repeat > 1:
+        results["ratio_rounds"] = ratio_rounds
     results["roofline_after"] = measure_roofline(args.dtype)
     print_table(results, [n for name in names for n in (name, f"{name}_no_reuse") if n in results])
     print_drift(results)

@@ -36,3 +36,18 @@ def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
     for png in ("throughput_vs_concurrency.png", "w4_latency_cdf.png", "w1_latency_cdf.png"):
         assert (plots / png).read_bytes()[:4] == b"\x89PNG"
     assert "W4_over_W1" in run.stdout
+
+
+def test_bench_rounds_report_medians(tiny_model_dir, tmp_path):
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "W1,W2", "--requests", "2", "--repeat", "3",
+           "--baseline", "none", "--model-dir", str(tiny_model_dir), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for name in ("W1", "W2"):
+        assert len(results[name]["tok_s_rounds"]) == 3
+        assert results[name]["tok_s"] == sorted(results[name]["tok_s_rounds"])[1]
+    values = results["ratio_rounds"]["W1_over_W2"]
+    assert len(values) == 3 and results["ratios"]["W1_over_W2"] == sorted(values)[1]
+    assert "median of 3 rounds" in run.stdout
