@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable, Protocol
 
+from backend.device import release_openmp_pool
 from backend.engine import LLMEngine, StepOutput
 from backend.protocol import ParsedRequest
 from backend.request import RequestError
@@ -49,6 +50,7 @@ class EngineLoop:
         self._aborted_while_idle = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
+        release_openmp_pool()                               # the loop thread's CPU ops are the only ones that last
 
     @property
     def alive(self) -> bool:
@@ -68,6 +70,8 @@ class EngineLoop:
             self._uncount(stream)
             stream.fail(str(err))
             return
+        finally:
+            release_openmp_pool()                           # what parsing started (see release_openmp_pool)
         self.inbox.put(("add", stream, name))
 
     def _compile_guide(self, r: ParsedRequest) -> None:

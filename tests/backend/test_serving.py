@@ -4,11 +4,13 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from backend import LLMEngine
 from backend.protocol import parse_request
 from backend.request import RequestLimits
 from backend.serving import EngineLoop
+from tests.backend.test_device import openmp_pool_of_two  # noqa: F401 (a fixture)
 from tests.helpers import random_prompts
 
 TIMEOUT_S = 60
@@ -169,3 +171,18 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
                        lora_weights=2 * weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(other)                              # other weights under a cached id: refused, as the engine API does
     assert other.wait().answers == ["fail: lora_task_id: LoRA task 3 is already cached with different weights"]
+
+
+def test_the_submitting_thread_keeps_no_openmp_workers_beside_the_loops(engine, loop, openmp_pool_of_two):
+    """Its pool (a parse's parallel ops, or the model load's) would put the loop thread's workers to sleep between
+    parallel ops (backend.device.release_openmp_pool)."""
+    from tests.backend.test_device import num_threads, settled_num_threads
+    first = FakeStream(prompts(engine, 1)[0])
+    loop.submit(first)
+    first.wait()                                   # the loop thread has its own pool now
+    torch.ones(1 << 22).sum()                      # and this thread one again
+    with_pool = num_threads()
+    stream = FakeStream(prompts(engine, 1)[0])
+    loop.submit(stream)
+    assert settled_num_threads(with_pool - 1) == with_pool - 1
+    assert stream.wait().answers == ["finish"]
