@@ -143,6 +143,20 @@ def test_step_latency_is_exported_by_kind(tiny_server):
     assert tiny_server.metric("lora_llm_step_seconds_sum", kind="decode") > 0
 
 
+def test_generated_tokens_and_gauges_follow_the_requests(tiny_server):
+    """Tokens are counted once a step and gauges sent only when they change: the figures still add up."""
+    tokens = tiny_server.metric("lora_llm_generated_tokens_total")
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([6] * 20, 400, True))
+    stream.wait_first()
+    assert wait_for(lambda: tiny_server.metric("lora_llm_sequences", state="running") == 1)
+    stream.close(cancel=True)
+    assert wait_for(lambda: tiny_server.metric("lora_llm_sequences", state="running") == 0)
+    streamed = tiny_server.metric("lora_llm_generated_tokens_total") - tokens
+    assert 1 <= streamed < 400
+    assert len(run(tiny_server.grpc_url, trtllm_inputs([5] * 10, 7, True)).tokens) == 7
+    assert wait_for(lambda: tiny_server.metric("lora_llm_generated_tokens_total") == tokens + streamed + 7)
+
+
 def test_stop_request_with_the_same_id_cancels_it(tiny_server):
     stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([7] * 30, 400, True), request_id="victim-1")
     stream.wait_first()

@@ -96,7 +96,7 @@ class TritonStream:
         logits = self.logits.setdefault((batch_index, out.sequence_index), [])
         if out.generation_logits is not None:
             logits.append(out.generation_logits.numpy())
-        self.metrics.count("tokens", len(out.new_token_ids))
+        self.metrics.count_tokens(len(out.new_token_ids))
         context = {"context_logits": self.context_logits.pop(batch_index)} if out.sequence_index == 0 and \
             batch_index in self.context_logits and (row.streaming or out.finished) else {}
         if row.streaming and (out.new_token_ids or last):
@@ -141,7 +141,9 @@ class TritonStream:
 
 
 class Metrics:
-    """pb_utils metric families, updated under one lock (concurrent updates crash tritonserver 2.51)."""
+    """pb_utils metric families, updated under one lock (concurrent updates crash tritonserver 2.51). Each update is
+    a round trip to tritonserver (~45 us on 2 busy cores), so a step sends only the gauges that changed, and the
+    generated tokens once per step: 18 updates a step were 0.8 ms of a 33 ms single-stream decode step."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -165,10 +167,12 @@ class Metrics:
         self.counters["tokens"] = tokens.Metric(labels={})
         self.gauges = {f"seqs_{s}": seqs.Metric(labels={"state": s}) for s in ("running", "waiting")}
         self.gauges |= {f"kv_{s}": blocks.Metric(labels={"state": s}) for s in ("used", "free")}
-        self.alive = alive.Metric(labels={})
-        self.reuse = {s: reuse.Metric(labels={"stat": s}) for s in ("lookups", "hits", "hit_rate")}
-        self.lora_gauges = {name: lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
-                            for name in LORA_STATS}
+        self.gauges |= {f"reuse_{s}": reuse.Metric(labels={"stat": s}) for s in ("lookups", "hits", "hit_rate")}
+        self.gauges |= {f"lora_{name}": lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
+                        for name in LORA_STATS}
+        self.gauges["alive"] = alive.Metric(labels={})
+        self.shown: dict[str, float] = {}                  # what each gauge was last set to
+        self.num_new_tokens = 0                            # generated since the last step's update
         self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets)}
         self.histograms |= {f"step_{kind}": step.Metric(labels={"kind": kind}, buckets=buckets)
                             for kind in ("decode", "prefill")}
@@ -178,6 +182,10 @@ class Metrics:
             if self.families:
                 self.counters[name].increment(value)
 
+    def count_tokens(self, num_tokens: int) -> None:
+        with self.lock:
+            self.num_new_tokens += num_tokens
+
     def observe(self, name: str, value: float) -> None:
         with self.lock:
             if self.families:
@@ -186,27 +194,28 @@ class Metrics:
     def close(self) -> None:
         """Frees every metric while the stub still talks to the server: freed at interpreter exit, they crash it."""
         with self.lock:
-            self.families, self.counters, self.gauges, self.lora_gauges, self.reuse, self.histograms = [], {}, {}, {}, \
-                {}, {}
-            self.alive = None
+            self.families, self.counters, self.gauges, self.histograms = [], {}, {}, {}
             gc.collect()
 
     def on_step(self, engine: LLMEngine, seconds: float | None, alive: bool = True) -> None:
+        """After a step and its responses (seconds: its latency), or after a change without one (None)."""
         stats = engine.stats()
+        lookups, hits = stats["kv_reuse_lookups"], stats["kv_reuse_hits"]
+        values = {name: stats[name] for name in ("seqs_running", "seqs_waiting", "kv_used", "kv_free")}
+        values |= {"reuse_lookups": lookups, "reuse_hits": hits, "reuse_hit_rate": hits / lookups if lookups else 0.0}
+        values |= {f"lora_{name}": stats["lora"][name] for name in LORA_STATS} | {"alive": 1 if alive else 0}
         with self.lock:
             if not self.families:
                 return
-            self.alive.set(1 if alive else 0)
             if seconds is not None:
                 self.histograms[f"step_{engine.last_step_kind}"].observe(seconds)
-            for name, gauge in self.gauges.items():
-                gauge.set(stats[name])
-            for name, gauge in self.lora_gauges.items():
-                gauge.set(stats["lora"][name])
-            lookups, hits = stats["kv_reuse_lookups"], stats["kv_reuse_hits"]
-            self.reuse["lookups"].set(lookups)
-            self.reuse["hits"].set(hits)
-            self.reuse["hit_rate"].set(hits / lookups if lookups else 0.0)
+            if self.num_new_tokens:
+                self.counters["tokens"].increment(self.num_new_tokens)
+                self.num_new_tokens = 0
+            for name, value in values.items():
+                if self.shown.get(name) != value:
+                    self.gauges[name].set(value)
+                    self.shown[name] = value
 
 
 def check_unary(rows) -> None:
