@@ -77,6 +77,7 @@ class LLMEngine:
         self.seqs: dict[Hashable, list[Sequence]] = {}     # a request's sequences, by sequence index
         self.forks: dict[Sequence, list[Sequence]] = {}    # sequences that start once their first has its prompt
         self.num_steps = 0
+        self.num_generated_tokens = 0
         self.last_step_kind = "decode"                      # or "prefill": the last step held prompt tokens
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
@@ -88,12 +89,13 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> dict:
-        """Figures a server exports: sequences, KV blocks, adapter cache counters (cumulative) and bytes."""
+        """Figures a server exports: sequences, KV blocks, generated tokens and adapter cache counters (cumulative),
+        adapter bytes."""
         lora = self.lora_cache.stats
         return {"seqs_running": len(self.scheduler.running), "seqs_waiting": len(self.scheduler.waiting),
                 "kv_used": self.blocks.num_used_blocks, "kv_free": self.blocks.num_free_blocks,
                 "kv_reuse_lookups": self.blocks.num_lookups, "kv_reuse_hits": self.blocks.num_hits,
-                "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
+                "tokens_generated": self.num_generated_tokens, "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
 
     def add_lora(self, task_id: int, weights, config) -> None:
         """Cache an adapter given as TensorRT-LLM tensors (numpy or torch): lora_weights [N, R], lora_config [N, 3]."""
@@ -204,6 +206,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, log_prob: float) -> StepOutput:
         seq.output_ids.append(token)
+        self.num_generated_tokens += 1
         p, m = seq.params, seq.metrics
         m.last_token_time_ns = time.time_ns()
         m.first_token_time_ns = m.first_token_time_ns or m.last_token_time_ns

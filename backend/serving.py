@@ -132,11 +132,10 @@ class EngineLoop:
         start = time.perf_counter()
         self._aborted_while_idle = False
         outputs = self.engine.step()
-        seconds = time.perf_counter() - start
         self.num_step_failures = 0
+        self._hook(time.perf_counter() - start)
         for out in outputs:
             self._deliver(out)
-        self._hook(seconds)
 
     def _step_failed(self, exc: Exception) -> None:
         """A failure outside any one request's input: fail every request in flight; break after several in a row."""
