@@ -95,7 +95,8 @@ class LLMEngine:
         return {"seqs_running": len(self.scheduler.running), "seqs_waiting": len(self.scheduler.waiting),
                 "kv_used": self.blocks.num_used_blocks, "kv_free": self.blocks.num_free_blocks,
                 "kv_reuse_lookups": self.blocks.num_lookups, "kv_reuse_hits": self.blocks.num_hits,
-                "tokens_generated": self.num_generated_tokens, "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
+                "tokens_generated": self.num_generated_tokens,
+                "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
 
     def add_lora(self, task_id: int, weights, config) -> None:
         """Cache an adapter given as TensorRT-LLM tensors (numpy or torch): lora_weights [N, R], lora_config [N, 3]."""

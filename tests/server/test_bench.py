@@ -40,8 +40,8 @@ def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
 
 def test_bench_rounds_report_medians(tiny_model_dir, tmp_path):
     out = tmp_path / "results.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "W1,W2", "--requests", "2", "--repeat", "3",
-           "--baseline", "none", "--model-dir", str(tiny_model_dir), "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "W1,W2", "--requests", "2",
+           "--repeat", "3", "--baseline", "none", "--model-dir", str(tiny_model_dir), "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
