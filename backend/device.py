@@ -55,7 +55,9 @@ def resolve_lora_dtype(name: str, model_dtype: torch.dtype, kernel_backend: str)
 
 @cache
 def _libgomp():
-    """The GNU OpenMP runtime torch runs its CPU ops on, or None (another runtime, or too old to pause)."""
+    """The GNU OpenMP runtime torch runs its CPU ops on, or None (no OpenMP, another runtime, or too old to pause)."""
+    if not torch.backends.openmp.is_available():
+        return None
     try:
         gomp = ctypes.CDLL("libgomp.so.1")
         return gomp if hasattr(gomp, "omp_pause_resource_all") else None
@@ -69,7 +71,7 @@ def release_openmp_pool() -> None:
     main thread, after it loaded the model or parsed an adapter) puts every worker to sleep after ~100 spins, and
     then each parallel op of the engine's steps waits for a wake-up: a single-stream decode step on 2 cores took
     38 ms on the loop thread with the main thread's pool alive, 33 ms without it (100k context switches fewer)."""
-    gomp = _libgomp() if torch.backends.openmp.is_available() else None
+    gomp = _libgomp()
     if gomp is not None:
         gomp.omp_pause_resource_all(1)                   # omp_pause_soft: this thread's pool only, in libgomp
 

@@ -60,3 +60,16 @@ def demo_adapters(smollm2_dir):
     """The committed demo adapters (demo_adapters/{1,2}, made by scripts/train_demo_adapters.py)."""
     from tests.helpers import ROOT
     return ROOT / "demo_adapters"
+
+
+@pytest.fixture()
+def openmp_pool_of_two():
+    """This thread runs a parallel op on two OpenMP threads, so that it holds a pool of one worker."""
+    from backend.device import _libgomp
+    if _libgomp() is None:
+        pytest.skip("torch does not run its CPU ops on GNU OpenMP here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ones(1 << 22).sum()
+    yield
+    torch.set_num_threads(before)

@@ -102,3 +102,16 @@ def peft_greedy(model, prompt: list[int], adapter: str, max_new_tokens: int) -> 
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=0, adapter_names=[adapter])
     return out[0, len(prompt):].tolist()
+
+
+def num_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def settled_num_threads(expected: int, timeout_s: float = 5.0) -> int:
+    """The process's thread count once it reaches `expected` (exiting workers take a moment), or after timeout_s."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while num_threads() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return num_threads()

@@ -122,17 +122,13 @@ class DeviceSlots:
                     self.a[layer][proj][slot, start:start + rank].copy_(a, non_blocking=True)
                     self.b[layer][proj][slot, col_start:col_end, start:start + rank].copy_(b_part, non_blocking=True)
                     ranks[layer, PROJS.index(proj), band] = rank
-            new_ranks = ranks.tolist()
-            self._clear_past(slot, new_ranks)
+            self._replace_ranks(slot, ranks.tolist())
             self.ranks[:, :, :, slot].copy_(pin(ranks, self.device), non_blocking=True)
         self.copies.done(slot)
-        for layer, per_proj in enumerate(new_ranks):
-            for p, per_band in enumerate(per_proj):
-                for band, rank in enumerate(per_band):
-                    self.ranks_list[layer][p][band][slot] = rank
 
-    def _clear_past(self, slot: int, new_ranks: list[list[list[int]]]) -> None:
-        """Zero each band's rank rows [new rank, old rank) of a slot: what the old adapter left past the new one."""
+    def _replace_ranks(self, slot: int, new_ranks: list[list[list[int]]]) -> None:
+        """Zero each band's rank rows [new rank, old rank) of a slot (what the old adapter left past the new one),
+        then record the new ranks."""
         for layer, per_proj in enumerate(new_ranks):
             for p, proj in enumerate(PROJS):
                 for band, columns in enumerate(self.band_columns[proj]):
@@ -141,6 +137,7 @@ class DeviceSlots:
                         rows = slice(band * self.max_rank + new, band * self.max_rank + old)
                         self.a[layer][proj][slot, rows].zero_()
                         self.b[layer][proj][slot, slice(*columns), rows].zero_()
+                    self.ranks_list[layer][p][band][slot] = new
 
     def _split_fused(self, module_id: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         if module_id != FUSED_QKV:

@@ -174,35 +174,9 @@ def test_an_adversarial_adapter_changes_no_other_requests_tokens(tiny_model_dir)
     assert engine.generate(prompts, max_new_tokens=8, lora_task_ids=[None, 7, None, 7, None]) == clean
 
 
-def num_threads() -> int:
-    import os
-    return len(os.listdir("/proc/self/task"))
-
-
-def settled_num_threads(expected: int, timeout_s: float = 5.0) -> int:
-    """The process's thread count once it reaches `expected` (exiting workers take a moment), or after timeout_s."""
-    import time
-    deadline = time.monotonic() + timeout_s
-    while num_threads() != expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return num_threads()
-
-
-@pytest.fixture()
-def openmp_pool_of_two():
-    """This thread runs a parallel op on two OpenMP threads, so that it holds a pool of one worker."""
-    from backend.device import _libgomp
-    if not torch.backends.openmp.is_available() or _libgomp() is None:
-        pytest.skip("torch does not run its CPU ops on GNU OpenMP here")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    torch.ones(1 << 22).sum()
-    yield
-    torch.set_num_threads(before)
-
-
 def test_releasing_the_openmp_pool_ends_this_threads_workers_until_its_next_parallel_op(openmp_pool_of_two):
     from backend.device import release_openmp_pool
+    from tests.helpers import num_threads, settled_num_threads
     with_pool = num_threads()
     release_openmp_pool()
     assert settled_num_threads(with_pool - 1) == with_pool - 1

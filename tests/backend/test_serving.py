@@ -10,7 +10,6 @@ from backend import LLMEngine
 from backend.protocol import parse_request
 from backend.request import RequestLimits
 from backend.serving import EngineLoop
-from tests.backend.test_device import openmp_pool_of_two  # noqa: F401 (a fixture)
 from tests.helpers import random_prompts
 
 TIMEOUT_S = 60
@@ -176,7 +175,7 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
 def test_the_submitting_thread_keeps_no_openmp_workers_beside_the_loops(engine, loop, openmp_pool_of_two):
     """Its pool (a parse's parallel ops, or the model load's) would put the loop thread's workers to sleep between
     parallel ops (backend.device.release_openmp_pool)."""
-    from tests.backend.test_device import num_threads, settled_num_threads
+    from tests.helpers import num_threads, settled_num_threads
     first = FakeStream(prompts(engine, 1)[0])
     loop.submit(first)
     first.wait()                                   # the loop thread has its own pool now
