@@ -1,7 +1,7 @@
 """LLMEngine: add requests, step the batch, stream each request's new tokens until it finishes."""
 import itertools
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Hashable
 
 import torch
@@ -32,7 +32,7 @@ class StepOutput:
     error: str | None = None
     sequence_index: int = 0                   # which of the request's num_return_sequences
     request_finished: bool = False            # every sequence of the request is done: its last output
-    metrics: SeqMetrics | None = None
+    metrics: SeqMetrics | None = None         # a copy: the sequence's figures as of this output
     generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
     context_logits: torch.Tensor | None = None      # [prompt_len, vocab] fp32, with the first token, when asked for
 
@@ -220,7 +220,7 @@ class LLMEngine:
         if seq in self.forks:
             self._fork(seq, self.forks.pop(seq))
         out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
-                         metrics=m)
+                         metrics=replace(m))
         if seq.context_logits and len(seq.output_ids) == 1:
             out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
             seq.context_logits = {}
@@ -262,7 +262,7 @@ class LLMEngine:
                 self.blocks.free(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, reason
             self.lora_cache.unref(seq.lora_task_id)
-        out = out or StepOutput(seq.request_id, [], sequence_index=seq.sequence_index, metrics=seq.metrics)
+        out = out or StepOutput(seq.request_id, [], sequence_index=seq.sequence_index, metrics=replace(seq.metrics))
         out.finished, out.finish_reason = True, reason
         members = self.seqs.get(seq.request_id, [])
         if all(member.status is Status.FINISHED for member in members):

@@ -1,7 +1,8 @@
 """The engine loop a server runs: one background thread steps the engine; requests arrive from other threads.
 
 Framework-free: a server hands in `Stream` objects (its own response channel per request) and gets each
-request's outputs back through them. Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
+request's outputs back through them, called on the responder thread (backend/responder.py) while the engine steps
+on. Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
 """
 import queue
 import threading
@@ -12,6 +13,7 @@ from backend.device import release_openmp_pool
 from backend.engine import LLMEngine, StepOutput
 from backend.protocol import ParsedRequest
 from backend.request import RequestError
+from backend.responder import Responder
 
 
 class Stream(Protocol):
@@ -48,6 +50,7 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._running = True
         self._aborted_while_idle = False
+        self.responder = Responder(on_broken=lambda stream: self.inbox.put(("broken", stream, "")))
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
         release_openmp_pool()                               # the loop thread's CPU ops are the only ones that last
@@ -113,6 +116,7 @@ class EngineLoop:
         self.inbox.put(("wake", None, ""))
         self.thread.join(timeout=30)
         self._fail_everything(message)
+        self.responder.stop()
 
     def _run(self) -> None:
         while self._running:
@@ -134,6 +138,7 @@ class EngineLoop:
         outputs = self.engine.step()
         self.num_step_failures = 0
         self._hook(time.perf_counter() - start)
+        self.responder.wait_idle()                           # the last step's answers: at most one step queued
         for out in outputs:
             self._deliver(out)
 
@@ -156,7 +161,7 @@ class EngineLoop:
                 except Exception:                            # the engine is failing already: still answer
                     pass
             self._close(stream)
-            _quietly(stream.fail, message)
+            self.responder.fail(stream, message)
 
     def _fail_everything(self, message: str) -> None:
         self._fail_in_flight(message)
@@ -167,7 +172,9 @@ class EngineLoop:
                 return
             if op == "add":
                 self._uncount(stream)
-                _quietly(stream.fail, message)
+                self.responder.fail(stream, message)
+            elif op == "broken":
+                self.responder.forget(stream)
 
     def _hook(self, seconds: float | None) -> None:
         if self.on_step is not None:
@@ -192,11 +199,16 @@ class EngineLoop:
         if op == "cancel":
             if name in self.names:
                 self._abort(self.names[name])
+        elif op == "broken":                                 # its sender failed: stop its rows (answered already)
+            for request_id in self.streams.get(stream, []):
+                self.engine.abort(request_id)
+            self._close(stream)
+            self.responder.forget(stream)
         elif op == "add":
             self._uncount(stream)
             if name and name in self.names:
-                _quietly(stream.fail, f"request_id: {name!r} is already in flight; send a stop request first or "
-                                      "use another id")
+                self.responder.fail(stream, f"request_id: {name!r} is already in flight; send a stop request "
+                                            "first or use another id")
                 return
             request_ids = []
             try:
@@ -209,7 +221,7 @@ class EngineLoop:
                     self.engine.abort(request_id)
                 prefix = f"batch index {len(request_ids)}: " if len(stream.requests) > 1 else ""
                 detail = str(err) if isinstance(err, RequestError) else f"engine failure: {err}"
-                _quietly(stream.fail, prefix + detail)
+                self.responder.fail(stream, prefix + detail)
                 return
             self.streams[stream] = request_ids
             for batch_index, request_id in enumerate(request_ids):
@@ -226,7 +238,7 @@ class EngineLoop:
         for request_id in self.streams[stream]:
             self.engine.abort(request_id)
         self._close(stream)
-        _quietly(stream.cancelled)
+        self.responder.cancelled(stream)
         self._aborted_while_idle = True
 
     def _deliver(self, out: StepOutput) -> None:
@@ -241,18 +253,11 @@ class EngineLoop:
             for request_id in self.streams[stream]:          # the other rows end with it
                 self.engine.abort(request_id)
             self._close(stream)
-            _quietly(stream.fail, out.error)
+            self.responder.fail(stream, out.error)
             return
         if last:
             self._close(stream)
-        try:
-            stream.emit(out, batch_index, last)
-        except Exception as exc:                             # a broken sender closes its own stream only
-            if not last:
-                for request_id in self.streams[stream]:
-                    self.engine.abort(request_id)
-                self._close(stream)
-            _quietly(stream.fail, f"response failed: {exc}")
+        self.responder.emit(stream, out, batch_index, last)
 
     def _close(self, stream: Stream) -> None:
         for request_id in self.streams.pop(stream, []):
@@ -268,10 +273,3 @@ def _cancelled(stream: Stream) -> bool:
     except Exception:                                        # a sender that cannot tell is treated as gone
         return True
 
-
-def _quietly(send: Callable, *args) -> None:
-    """Answer a stream that may be broken itself: its failure must not reach the loop."""
-    try:
-        send(*args)
-    except Exception:
-        pass

@@ -141,6 +141,15 @@ def test_forks_reuse_the_prompt_blocks_and_report_them(engine):
     assert engine.blocks.num_used_blocks == 0
 
 
+def test_each_output_reports_the_perf_metrics_as_of_its_own_step(engine):
+    """A server may send an output while the engine steps on (backend/responder.py)."""
+    request_id = engine.add_request(random_prompts([10], 512, seed=7)[0], SamplingParams(max_new_tokens=4))
+    outputs = [out for _ in range(4) for out in engine.step()]
+    token_times = [out.metrics.last_token_time_ns for out in outputs]
+    assert len(outputs) == 4 and token_times == sorted(set(token_times))
+    assert [out.metrics.num_new_blocks for out in outputs] == [3, 3, 3, 4] and request_id not in engine.seqs
+
+
 def test_aborting_a_request_ends_every_sequence_and_frees_their_blocks(engine):
     request_id = engine.add_request(random_prompts([10], 512, seed=6)[0],
                                     SamplingParams(max_new_tokens=20, num_return_sequences=4))

@@ -81,6 +81,37 @@ def test_a_failing_sender_closes_only_its_stream(engine):
     assert good.wait().tokens == want and good.answers == ["finish"]
     assert len(bad.wait().answers) == 1 and bad.answers[0].startswith("fail: response failed")
     assert engine.blocks.num_used_blocks == 0 and not loop.streams and loop.alive
+    loop.responder.wait_idle()
+    assert not loop.responder.broken                # the loop closed it and the responder forgot it
+    loop.stop()
+
+
+class SlowStream(FakeStream):
+    """A sender that blocks on its first token until released, as Triton's does while tritonserver is busy."""
+
+    def __init__(self, prompt: list[int], **kwargs):
+        super().__init__(prompt, **kwargs)
+        self.sending, self.release = threading.Event(), threading.Event()
+
+    def emit(self, out, batch_index: int, last: bool) -> None:
+        if not self.tokens:
+            self.sending.set()
+            assert self.release.wait(TIMEOUT_S)
+        super().emit(out, batch_index, last)
+
+
+def test_the_engine_steps_while_a_send_blocks_but_runs_at_most_one_step_ahead(engine):
+    slow, other = SlowStream(prompts(engine, 1)[0], max_new_tokens=20), FakeStream(prompts(engine, 2)[1], 20)
+    want = {id(s): engine.generate([s.requests[0].prompt_ids], max_new_tokens=20)[0] for s in (slow, other)}
+    loop = EngineLoop(engine, idle_wait_s=0.01)                    # after the references: it steps the engine
+    loop.submit(slow)
+    loop.submit(other)
+    assert slow.sending.wait(TIMEOUT_S)             # with its first token
+    threading.Event().wait(0.3)
+    (request_id,) = loop.streams[slow]
+    assert len(engine.seqs[request_id][0].output_ids) == 2 and not slow.done.is_set()   # one step on, no more
+    slow.release.set()
+    assert slow.wait().tokens == want[id(slow)] and other.wait().tokens == want[id(other)]
     loop.stop()
 
 
