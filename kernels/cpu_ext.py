@@ -6,6 +6,7 @@ it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C). -fopenm
 parallel (without it the loops run on one thread); the extension then shares torch's own libgomp, already loaded
 under the same soname."""
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+STALE_LOCK_S = 600                # a build takes 1-2 min; an older lock was left by a build that was killed
 
 _module = None
 
@@ -25,6 +27,7 @@ def load(verbose: bool = False):
     if _module is None:
         from torch.utils import cpp_extension
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock()
         try:
             _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
                                          extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR), verbose=verbose)
@@ -33,6 +36,16 @@ def load(verbose: bool = False):
                                "headers (apt-get install g++ python3-dev) and the ninja package. "
                                "kernel_backend 'torch' runs without them") from err
     return _module
+
+
+def remove_stale_lock() -> None:
+    """torch's build lock outlives a process killed while building, and every later load would wait for it forever."""
+    lock = BUILD_DIR / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def available() -> bool:

@@ -1,4 +1,7 @@
 """The compiled CPU kernels (kernels/cpu_ext.py, through kernels/cpu_ops.py) against the torch reference."""
+import os
+import time
+
 import pytest
 import torch
 
@@ -129,3 +132,12 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, out_dim, rank
     cpu_ext.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, got)
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(monkeypatch):
+    lock = cpu_ext.BUILD_DIR / "lock"
+    lock.touch()
+    an_hour_ago = time.time() - 3600
+    os.utime(lock, (an_hour_ago, an_hour_ago))
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    assert cpu_ext.load() is not None and not lock.exists()
