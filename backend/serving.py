@@ -30,14 +30,20 @@ class Stream(Protocol):
 class EngineLoop:
     """Steps the engine on its own thread and never lets an exception end that thread: a failed step fails the
     requests in flight, a failing sender closes only its stream, and after `max_step_failures` failed steps in
-    a row the engine is declared broken: every pending and new request is answered with an error at once."""
+    a row the engine is declared broken: every pending and new request is answered with an error at once.
+    Whether a client cancelled is asked every `cancellation_check_period_s` (a round trip per stream to the server
+    in Triton), as TensorRT-LLM's backend does with its `cancellation_check_period_ms`."""
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, float | None], None] | None = None,
-                 idle_wait_s: float = 0.05, max_step_failures: int = 3):
+                 idle_wait_s: float = 0.05, max_step_failures: int = 3, cancellation_check_period_s: float = 0.1):
+        if cancellation_check_period_s < 0:
+            raise ValueError(f"cancellation_check_period_ms must be >= 0, got {cancellation_check_period_s * 1e3:g}")
         self.engine = engine
         self.on_step = on_step                               # metrics hook: (engine, step seconds or None)
         self.idle_wait_s = idle_wait_s
         self.max_step_failures = max_step_failures
+        self.cancellation_check_period_s = cancellation_check_period_s
+        self._next_cancellation_check = 0.0                  # time.monotonic() of the next check
         self.inbox: queue.Queue = queue.Queue()
         self.rows: dict[int, tuple[Stream, int]] = {}       # engine request id -> its stream and batch index
         self.streams: dict[Stream, list[int]] = {}          # stream -> its engine requests still in flight
@@ -231,6 +237,10 @@ class EngineLoop:
                 self.name_of[stream] = name
 
     def _reap_cancelled(self) -> None:
+        now = time.monotonic()
+        if now < self._next_cancellation_check:
+            return
+        self._next_cancellation_check = now + self.cancellation_check_period_s
         for stream in [s for s in self.streams if _cancelled(s)]:
             self._abort(stream)
 

@@ -1,6 +1,7 @@
 """The engine loop a server runs: faults in a step, a sender or a metrics hook fail only what they touch, the loop
 thread lives on, and every request is answered exactly once."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -113,6 +114,35 @@ def test_the_engine_steps_while_a_send_blocks_but_runs_at_most_one_step_ahead(en
     slow.release.set()
     assert slow.wait().tokens == want[id(slow)] and other.wait().tokens == want[id(other)]
     loop.stop()
+
+
+class CancellableStream(FakeStream):
+    """A client that cancels after `after` tokens; counts how often the loop asks."""
+
+    def __init__(self, prompt: list[int], after: int, **kwargs):
+        super().__init__(prompt, **kwargs)
+        self.after, self.num_checks = after, 0
+
+    def is_cancelled(self) -> bool:
+        self.num_checks += 1
+        return len(self.tokens) >= self.after
+
+
+def test_cancellation_is_asked_once_a_period_not_every_step(engine):
+    period_s = 0.05
+    loop = EngineLoop(engine, idle_wait_s=0.01, cancellation_check_period_s=period_s)
+    stream = CancellableStream(prompts(engine, 1)[0], after=60, max_new_tokens=400)
+    start = time.monotonic()
+    loop.submit(stream)
+    assert stream.wait().answers == ["cancelled"] and 60 <= len(stream.tokens) < 400
+    assert stream.num_checks <= (time.monotonic() - start) / period_s + 2 < len(stream.tokens)
+    assert engine.blocks.num_used_blocks == 0
+    loop.stop()
+
+
+def test_a_negative_cancellation_period_is_refused(engine):
+    with pytest.raises(ValueError, match="cancellation_check_period_ms must be >= 0"):
+        EngineLoop(engine, cancellation_check_period_s=-0.001)
 
 
 def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(engine, loop, monkeypatch):

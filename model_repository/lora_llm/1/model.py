@@ -26,7 +26,7 @@ from backend.serving import EngineLoop                         # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
-              "max_words", "max_word_len")
+              "max_words", "max_word_len", "cancellation_check_period_ms")
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
 INT_LIST_PARAMS = ("inject_fault_steps",)
@@ -228,8 +228,10 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.metrics = Metrics()
-        self.engine = LLMEngine(**engine_kwargs(config))
-        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        kwargs = engine_kwargs(config)
+        check_period_ms = kwargs.pop("cancellation_check_period_ms", 100)
+        self.engine = LLMEngine(**kwargs)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, cancellation_check_period_s=check_period_ms / 1e3)
         self._on_step(self.engine, None)
 
     def _on_step(self, engine: LLMEngine, seconds: float | None) -> None:
