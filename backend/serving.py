@@ -206,9 +206,7 @@ class EngineLoop:
             if name in self.names:
                 self._abort(self.names[name])
         elif op == "broken":                                 # its sender failed: stop its rows (answered already)
-            for request_id in self.streams.get(stream, []):
-                self.engine.abort(request_id)
-            self._close(stream)
+            self._stop(stream)
             self.responder.forget(stream)
         elif op == "add":
             self._uncount(stream)
@@ -245,9 +243,7 @@ class EngineLoop:
             self._abort(stream)
 
     def _abort(self, stream: Stream) -> None:
-        for request_id in self.streams[stream]:
-            self.engine.abort(request_id)
-        self._close(stream)
+        self._stop(stream)
         self.responder.cancelled(stream)
         self._aborted_while_idle = True
 
@@ -260,14 +256,18 @@ class EngineLoop:
             self.streams[stream].remove(out.request_id)
         last = not self.streams[stream]
         if out.error:
-            for request_id in self.streams[stream]:          # the other rows end with it
-                self.engine.abort(request_id)
-            self._close(stream)
+            self._stop(stream)                               # the other rows end with it
             self.responder.fail(stream, out.error)
             return
         if last:
             self._close(stream)
         self.responder.emit(stream, out, batch_index, last)
+
+    def _stop(self, stream: Stream) -> None:
+        """Abort the stream's rows still in flight, and close it."""
+        for request_id in self.streams.get(stream, []):
+            self.engine.abort(request_id)
+        self._close(stream)
 
     def _close(self, stream: Stream) -> None:
         for request_id in self.streams.pop(stream, []):
