@@ -5,8 +5,10 @@ The build goes to .build/ in the repository (not kept in git); -march=native tun
 it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C). -fopenmp is what makes at::parallel_for
 parallel (without it the loops run on one thread); the extension then shares torch's own libgomp, already loaded
 under the same soname."""
+import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,8 +31,10 @@ def load(verbose: bool = False):
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         remove_stale_lock()
         try:
-            _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
-                                         extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR), verbose=verbose)
+            with pinned_ninja_first():
+                _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
+                                             extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR),
+                                             verbose=verbose)
         except Exception as err:
             raise RuntimeError(f"cannot build the compiled CPU kernels ({err}); they need g++ and the Python "
                                "headers (apt-get install g++ python3-dev) and the ninja package. "
@@ -46,6 +50,25 @@ def remove_stale_lock() -> None:
             lock.unlink()
     except FileNotFoundError:
         pass
+
+
+@contextmanager
+def pinned_ninja_first():
+    """torch runs the first `ninja` on PATH. Two ninja versions keep build logs ninja cannot share (a system 1.11
+    and the pinned 1.13 hash commands differently), so a process that finds the other one than the last builder
+    rebuilds everything (~1 min): the server's stub (venv first on PATH) and `.venv/bin/python` (system first)
+    took turns. The pinned one (the `ninja` package in requirements.txt) goes first while we build."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def available() -> bool:

@@ -1,6 +1,9 @@
 """The compiled CPU kernels (kernels/cpu_ext.py, through kernels/cpu_ops.py) against the torch reference."""
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +144,17 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(monkeyp
     os.utime(lock, (an_hour_ago, an_hour_ago))
     monkeypatch.setattr(cpu_ext, "_module", None)
     assert cpu_ext.load() is not None and not lock.exists()
+
+
+def test_a_process_that_finds_another_ninja_first_on_path_neither_uses_it_nor_rebuilds(tmp_path):
+    marker = tmp_path / "other_ninja_ran"
+    other = tmp_path / "ninja"
+    other.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo 1.11.1 && exit 0\ntouch {marker}\nexit 1\n')
+    other.chmod(0o755)
+    built = cpu_ext.BUILD_DIR / f"{cpu_ext.NAME}.so"
+    before = built.stat().st_mtime_ns
+    env = os.environ | {"PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    run = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; cpu_ext.load()"], env=env,
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert not marker.exists() and built.stat().st_mtime_ns == before
