@@ -2,8 +2,9 @@
 
     python scripts/launch_server.py [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--model-dir DIR]
         [--lora-prefetch-dir DIR] [--model-repository DIR] [--models lora_llm,...] [--no-restart]
-        [--decoupled_mode true|false] [--tensorrt_llm_model_name NAME]
-When tritonserver dies it is logged (exit code or signal) and started again with backoff.
+        [--decoupled_mode true|false] [--tensorrt_llm_model_name NAME] [--exit-timeout-s 30]
+When tritonserver dies it is logged (exit code or signal) and started again with backoff. Ctrl-C or SIGTERM
+stops it: in-flight requests get --exit-timeout-s to finish, then tritonserver is killed if it has not exited.
 """
 import argparse
 import importlib.util
@@ -20,6 +21,7 @@ from pathlib import Path
 from render_repository import CORE, parse_bool, repository
 
 ROOT = Path(__file__).resolve().parent.parent
+KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's own exit timeout, before SIGKILL
 
 
 def free_ports(n: int) -> list[int]:
@@ -69,13 +71,15 @@ def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
 
 def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  model_repository: Path = ROOT / "model_repository", env: dict[str, str] | None = None,
-                 log_file=None, models: list[str] | None = None) -> subprocess.Popen:
-    """Start tritonserver in the background; `models` loads only those (all of the repository by default)."""
+                 log_file=None, models: list[str] | None = None, exit_timeout_s: int = 30) -> subprocess.Popen:
+    """Start tritonserver in the background; `models` loads only those (all of the repository by default).
+    exit_timeout_s: how long a SIGTERM waits for in-flight requests (tritonserver's --exit-timeout-secs)."""
     binary = pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
     cmd = [str(binary), "--model-repository", str(model_repository), "--backend-directory", str(backend_dir()),
            "--disable-auto-complete-config", "--allow-gpu-metrics", "false", "--pinned-memory-pool-byte-size", "0",
            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
-           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+           "--exit-timeout-secs", str(exit_timeout_s)]
     if models:
         cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
     return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
@@ -105,12 +109,12 @@ def describe_exit(code: int) -> str:
 def supervise(args, env: dict[str, str]) -> int:
     """Run tritonserver and start it again whenever it dies (backoff 1, 2, 4 ... 30 s; back to 1 s after a
     minute up). Adapters in the prefetch dir come back with it; clients retry what was in flight."""
-    stopping = False
+    stopping_since: float | None = None
     process: subprocess.Popen | None = None
 
     def stop(*_):
-        nonlocal stopping
-        stopping = True
+        nonlocal stopping_since
+        stopping_since = stopping_since or time.monotonic()
         if process is not None:
             process.terminate()
 
@@ -119,7 +123,7 @@ def supervise(args, env: dict[str, str]) -> int:
     restarts, delay = 0, 1.0
     while True:
         process = start_server(args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
-                               models=args.models and args.models.split(","))
+                               models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s)
         started = time.monotonic()
         print(f"[launch_server] tritonserver pid {process.pid} (restarts so far: {restarts})", flush=True)
         try:
@@ -129,19 +133,35 @@ def supervise(args, env: dict[str, str]) -> int:
             else:
                 print(f"[launch_server] ready again after restart {restarts}", flush=True)
         except (RuntimeError, TimeoutError) as err:
-            if stopping:
+            if stopping_since is not None:
                 return 0
             process.terminate()
             if restarts == 0:                         # a server that never came up is a setup error, not a crash
                 sys.exit(str(err))
-        code = process.wait()
-        if stopping or not args.restart:
+        code = wait_exit(process, lambda: stopping_since, args.exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
+        if stopping_since is not None or not args.restart:
             return code
         delay = 1.0 if time.monotonic() - started > 60 else min(30.0, delay * 2 if restarts else delay)
         restarts += 1
         print(f"[launch_server] tritonserver died ({describe_exit(code)}); restart {restarts} in {delay:.0f} s",
               flush=True)
         time.sleep(delay)
+
+
+def wait_exit(process: subprocess.Popen, stopping_since, grace_s: float) -> int:
+    """process's exit code; killed once grace_s have passed since stopping_since() (None while not stopping).
+    tritonserver does not exit on SIGTERM while a client keeps a gRPC stream open, even with nothing in flight on
+    it ("Exiting immediately" after its exit timeout, and it runs on)."""
+    while True:
+        try:
+            return process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            since = stopping_since()
+            if since is not None and time.monotonic() - since > grace_s:
+                print(f"[launch_server] tritonserver still running {grace_s:.0f} s after SIGTERM (a client holds a "
+                      "gRPC stream open?); killing it", flush=True)
+                process.kill()
+                return process.wait()
 
 
 def print_ready(grpc_port: int, http_port: int, metrics_port: int) -> None:
@@ -168,6 +188,8 @@ def main() -> None:
                         help="exit when tritonserver dies instead of starting it again")
     parser.add_argument("--decoupled_mode", type=parse_bool, default=True,
                         help="false: one response per request (unary ModelInfer, HTTP generate), no streaming")
+    parser.add_argument("--exit-timeout-s", type=int, default=30,
+                        help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish (then it is killed)")
     parser.add_argument("--tensorrt_llm_model_name", default=CORE,
                         help="the core model's name (tensorrt_llm for clients that hard-code it)")
     args = parser.parse_args()
