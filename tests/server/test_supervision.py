@@ -12,6 +12,16 @@ from tests.server.conftest import TINY_ENV, free_ports
 from tests.server.streams import Stream, run, trtllm_inputs
 
 
+def start_launcher(tiny_model_dir, *args: str) -> tuple[subprocess.Popen, int]:
+    """launch_server.py on free ports with the tiny model, lora_llm only: the launcher and its gRPC port."""
+    http, grpc, metrics = free_ports(3)
+    env = os.environ | TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)}
+    launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
+                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
+                                 *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return launcher, grpc
+
+
 def read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> str:
     for line in process.stdout:
         lines.append(line)
@@ -21,11 +31,7 @@ def read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> str:
 
 
 def test_a_killed_tritonserver_is_restarted_and_serves_the_same_tokens(tiny_model_dir):
-    http, grpc, metrics = free_ports(3)
-    env = os.environ | TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)}
-    launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
-                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    launcher, grpc = start_launcher(tiny_model_dir)
     lines: list[str] = []
     try:
         pid = int(read_until(launcher, "tritonserver pid", lines).split("pid ")[1].split()[0])
@@ -43,12 +49,7 @@ def test_a_killed_tritonserver_is_restarted_and_serves_the_same_tokens(tiny_mode
 
 
 def test_a_stop_ends_tritonserver_even_while_a_client_holds_its_stream_open(tiny_model_dir):
-    http, grpc, metrics = free_ports(3)
-    env = os.environ | TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)}
-    launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
-                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
-                                 "--exit-timeout-s", "2"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    launcher, grpc = start_launcher(tiny_model_dir, "--exit-timeout-s", "2")
     lines: list[str] = []
     stream = None
     try:
