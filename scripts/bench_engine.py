@@ -1,4 +1,5 @@
 """The engine side of the benchmarks: one workload in process, and the throughput sweep over concurrency."""
+import resource
 import time
 
 from tqdm import tqdm
@@ -30,6 +31,7 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
     """All requests at t=0; tokens/s over the whole run, TTFT and inter-token latencies per request."""
     bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=label, unit="tok", leave=False,
                mininterval=2.0)
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     first: dict = {}
     last: dict = {}
@@ -57,9 +59,11 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
                 first.setdefault(out.request_id, now - start)
                 last[out.request_id] = now
     elapsed = time.perf_counter() - start
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
     bar.close()
     ttfts = list(first.values())
     return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens, "steps": num_steps,
+            "cpu_seconds": cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
             "kv_reuse_hit_rate": engine.blocks.num_hits / max(1, engine.blocks.num_lookups),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),

@@ -1,11 +1,14 @@
 """W4: the W1 requests through a real tritonserver, gRPC streaming, at a fixed concurrency. The client makes every
 request's tensors before the clock starts, as one holding its adapters in TensorRT-LLM form would; the uploads
 themselves (gRPC, tritonserver, parsing in the model) are inside the measured window."""
+import os
 import queue
 import resource
 import threading
 import time
 import urllib.request
+
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -49,6 +52,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
                    mininterval=2.0)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        server_cpu0 = tree_cpu_seconds(server.pid)
         start = time.perf_counter()
 
         def one(client, r: dict, with_weights: bool) -> str | None:
@@ -97,6 +101,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - start
+        server_cpu = tree_cpu_seconds(server.pid) - server_cpu0
         bar.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         client_cpu = usage.ru_utime + usage.ru_stime - cpu0.ru_utime - cpu0.ru_stime
@@ -111,8 +116,21 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
             "steps": sum(v for k, v in steps.items() if "_count" in k),
             "step_seconds": sum(v for k, v in steps.items() if "_sum" in k), **server_step_figures(steps),
-            "client_cpu_seconds": client_cpu,
+            "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu,
             "adapter_resends": resends[0]}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process and its children have used: tritonserver and the models' stubs."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()      # from field 3 (state) on; the name may hold spaces
+        except OSError:                                                 # gone meanwhile
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:
+            ticks += int(fields[11]) + int(fields[12])                  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def server_step_figures(steps: dict[str, float]) -> dict:
