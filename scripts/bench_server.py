@@ -7,7 +7,6 @@ import resource
 import threading
 import time
 import urllib.request
-
 from pathlib import Path
 
 from tqdm import tqdm
