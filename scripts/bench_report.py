@@ -19,9 +19,6 @@ def ratios(results: dict) -> dict:
     if "W4" in results and "W1" in results:             # where the server's time goes: decode steps, prefill steps
         out["W4_over_W1_decode_step"] = results["W1"]["decode_step_mean_s"] / results["W4"]["decode_step_mean_s"]
         out["W4_over_W1_prefill_s"] = results["W1"]["prefill_step_seconds"] / results["W4"]["prefill_step_seconds"]
-        if "server_cpu_seconds" in results["W4"] and "cpu_seconds" in results["W1"]:   # CPU a token costs, client aside
-            out["W4_over_W1_cpu_per_token"] = (results["W1"]["cpu_seconds"] / results["W1"]["output_tokens"]) / \
-                (results["W4"]["server_cpu_seconds"] / results["W4"]["output_tokens"])
     if "W3" in results:
         out["W3_bandwidth_frac"] = results["W3"]["bandwidth_frac"]
     if "W3" in results and "W7" in results:             # single-stream ITL in process over through the server
