@@ -121,7 +121,7 @@ def supervise(args, env: dict[str, str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     restarts, delay = 0, 1.0
-    while True:
+    while stopping_since is None:                     # a stop during a restart's backoff starts nothing
         process = start_server(args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
                                models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s)
         started = time.monotonic()
@@ -146,6 +146,7 @@ def supervise(args, env: dict[str, str]) -> int:
         print(f"[launch_server] tritonserver died ({describe_exit(code)}); restart {restarts} in {delay:.0f} s",
               flush=True)
         time.sleep(delay)
+    return 0
 
 
 def wait_exit(process: subprocess.Popen, stopping_since, grace_s: float) -> int:
