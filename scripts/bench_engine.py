@@ -14,6 +14,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def own_cpu_seconds() -> float:
+    """CPU seconds (user + system) this process has used so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_reuse: bool | None = None,
                 kernel_backend: str = "auto", cuda_graph_mode: bool = True) -> LLMEngine:
     """The engine as the workload wants it (kernels: auto picks the compiled CPU ones or Triton on CUDA)."""
@@ -31,7 +37,7 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
     """All requests at t=0; tokens/s over the whole run, TTFT and inter-token latencies per request."""
     bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=label, unit="tok", leave=False,
                mininterval=2.0)
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = own_cpu_seconds()
     start = time.perf_counter()
     first: dict = {}
     last: dict = {}
@@ -59,11 +65,11 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
                 first.setdefault(out.request_id, now - start)
                 last[out.request_id] = now
     elapsed = time.perf_counter() - start
-    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = own_cpu_seconds() - cpu0
     bar.close()
     ttfts = list(first.values())
     return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens, "steps": num_steps,
-            "cpu_seconds": cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
+            "cpu_seconds": cpu,
             "kv_reuse_hit_rate": engine.blocks.num_hits / max(1, engine.blocks.num_lookups),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),

@@ -3,7 +3,6 @@ request's tensors before the clock starts, as one holding its adapters in Tensor
 themselves (gRPC, tritonserver, parsing in the model) are inside the measured window."""
 import os
 import queue
-import resource
 import threading
 import time
 import urllib.request
@@ -15,7 +14,7 @@ from tqdm import tqdm
 def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32,
                         kernel_backend: str = "auto") -> dict:
     from bench_adapters import adapter_dirs
-    from bench_engine import percentile
+    from bench_engine import own_cpu_seconds, percentile
     from launch_server import free_ports, start_server, wait_ready
 
     from backend.lora.peft import peft_to_trtllm
@@ -50,7 +49,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         resends = [0]                                     # requests that raced their adapter's upload
         bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
                    mininterval=2.0)
-        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        client_cpu0 = own_cpu_seconds()
         server_cpu0 = tree_cpu_seconds(server.pid)
         start = time.perf_counter()
 
@@ -102,8 +101,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
         elapsed = time.perf_counter() - start
         server_cpu = tree_cpu_seconds(server.pid) - server_cpu0
         bar.close()
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        client_cpu = usage.ru_utime + usage.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+        client_cpu = own_cpu_seconds() - client_cpu0
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
         steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                  if line.startswith(("lora_llm_step_seconds_sum", "lora_llm_step_seconds_count"))}

@@ -34,4 +34,3 @@ def test_rounds_keep_each_workloads_median_run_and_each_ratio_per_round():
     assert combined["W1_over_hf"] == 4.0                            # baselines run once: against the median run
     two = combine_rounds(rounds[:2])[0]
     assert two["W1"]["tok_s"] == 10                                 # an even count keeps the lower median run
-
