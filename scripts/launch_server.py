@@ -21,7 +21,8 @@ from pathlib import Path
 from render_repository import CORE, parse_bool, repository
 
 ROOT = Path(__file__).resolve().parent.parent
-KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's own exit timeout, before SIGKILL
+EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
+KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL
 
 
 def free_ports(n: int) -> list[int]:
@@ -71,7 +72,8 @@ def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
 
 def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  model_repository: Path = ROOT / "model_repository", env: dict[str, str] | None = None,
-                 log_file=None, models: list[str] | None = None, exit_timeout_s: int = 30) -> subprocess.Popen:
+                 log_file=None, models: list[str] | None = None,
+                 exit_timeout_s: int = EXIT_TIMEOUT_S) -> subprocess.Popen:
     """Start tritonserver in the background; `models` loads only those (all of the repository by default).
     exit_timeout_s: how long a SIGTERM waits for in-flight requests (tritonserver's --exit-timeout-secs)."""
     binary = pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
@@ -189,7 +191,7 @@ def main() -> None:
                         help="exit when tritonserver dies instead of starting it again")
     parser.add_argument("--decoupled_mode", type=parse_bool, default=True,
                         help="false: one response per request (unary ModelInfer, HTTP generate), no streaming")
-    parser.add_argument("--exit-timeout-s", type=int, default=30,
+    parser.add_argument("--exit-timeout-s", type=int, default=EXIT_TIMEOUT_S,
                         help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish (then it is killed)")
     parser.add_argument("--tensorrt_llm_model_name", default=CORE,
                         help="the core model's name (tensorrt_llm for clients that hard-code it)")
