@@ -8,11 +8,12 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 NOT_FOUND = "not found in cache. Please send LoRA weights with request"
+DATATYPES = {np.bool_: "BOOL", np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16"}
 
 
-def build_inputs(input_ids: list[int], max_tokens: int, streaming: bool = True, lora_task_id: int | None = None,
+def input_arrays(input_ids: list[int], max_tokens: int, streaming: bool = True, lora_task_id: int | None = None,
                  lora_weights: np.ndarray | None = None, lora_config: np.ndarray | None = None,
-                 **scalars) -> list[grpcclient.InferInput]:
+                 **scalars) -> dict[str, np.ndarray]:
     """Inputs shaped as TensorRT-LLM backend clients shape them: [1, L], [1, 1], [1, N, R], [1, N, 3].
     scalars: end_id, temperature, runtime_top_k, runtime_top_p, seed, ... (None values are left out)."""
     dtypes = {"temperature": np.float32, "runtime_top_p": np.float32, "repetition_penalty": np.float32,
@@ -28,11 +29,17 @@ def build_inputs(input_ids: list[int], max_tokens: int, streaming: bool = True, 
     if lora_weights is not None:
         arrays["lora_weights"] = np.asarray(lora_weights, dtype=np.float16).reshape(1, *lora_weights.shape[-2:])
         arrays["lora_config"] = np.asarray(lora_config, dtype=np.int32).reshape(1, -1, 3)
+    return arrays
+
+
+def build_inputs(input_ids: list[int], max_tokens: int, streaming: bool = True, lora_task_id: int | None = None,
+                 lora_weights: np.ndarray | None = None, lora_config: np.ndarray | None = None,
+                 **scalars) -> list[grpcclient.InferInput]:
+    """input_arrays(...) as tritonclient InferInputs."""
     inputs = []
+    arrays = input_arrays(input_ids, max_tokens, streaming, lora_task_id, lora_weights, lora_config, **scalars)
     for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == np.bool_ else
-                                       {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32",
-                                        np.float16: "FP16"}[array.dtype.type])
+        tensor = grpcclient.InferInput(name, list(array.shape), DATATYPES[array.dtype.type])
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs

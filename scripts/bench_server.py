@@ -1,11 +1,11 @@
 """W4: the W1 requests through a real tritonserver, gRPC streaming, at a fixed concurrency. The client makes every
-request's tensors before the clock starts, as one holding its adapters in TensorRT-LLM form would; the uploads
+request before the clock starts (serialized, as one holding its adapters in TensorRT-LLM form would); the uploads
 themselves (gRPC, tritonserver, parsing in the model) are inside the measured window."""
+import asyncio
 import os
-import queue
-import threading
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -15,11 +15,11 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
                         kernel_backend: str = "auto") -> dict:
     from bench_adapters import adapter_dirs
     from bench_engine import own_cpu_seconds, percentile
+    from bench_stream import serialize_request, stream_requests
     from launch_server import free_ports, start_server, wait_ready
 
     from backend.lora.peft import peft_to_trtllm
-    from client.grpc_client import NOT_FOUND, build_inputs
-    import tritonclient.grpc as grpcclient
+    from client.grpc_client import input_arrays
 
     adapters = {task_id: peft_to_trtllm(path, "float16")
                 for task_id, path in enumerate(adapter_dirs(model_dir, workload.adapter_ranks), start=1)}
@@ -31,90 +31,44 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
                           models=["lora_llm"])
     try:
         wait_ready(server, http)
-        def inputs_for(r: dict, with_weights: bool) -> list:
+
+        def request_bytes(r: dict, with_weights: bool) -> bytes:
             task = r["lora_task_id"]
             weights, config = adapters[task] if with_weights else (None, None)
-            return build_inputs(r["prompt"], r["max_new_tokens"], True, task, weights, config)
+            return serialize_request("lora_llm", input_arrays(r["prompt"], r["max_new_tokens"], True, task, weights,
+                                                              config))
 
-        todo: queue.Queue = queue.Queue()                 # taken in order: an adapter's first request carries it
-        sent: set[int | None] = {None}
-        for r in requests:                                # the client's tensors made before the clock starts
+        prepared, sent = [], {None}                       # an adapter's first request carries it
+        for r in requests:                                # the client's requests made before the clock starts
             first = r["lora_task_id"] not in sent
             sent.add(r["lora_task_id"])
-            todo.put(r | {"with_weights": first, "inputs": inputs_for(r, first)})
-        lock = threading.Lock()
-        ttfts: list[float] = []
-        gaps: list[float] = []
-        counts = [0]
-        resends = [0]                                     # requests that raced their adapter's upload
+            prepared.append((request_bytes(r, first),
+                             None if first or r["lora_task_id"] is None else partial(request_bytes, r, True)))
         bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
                    mininterval=2.0)
         client_cpu0 = own_cpu_seconds()
         server_cpu0 = tree_cpu_seconds(server.pid)
         start = time.perf_counter()
-
-        def one(client, r: dict, with_weights: bool) -> str | None:
-            inputs = r["inputs"] if with_weights == r["with_weights"] else inputs_for(r, with_weights)
-            responses: queue.Queue = queue.Queue()
-            client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
-            t0 = time.perf_counter()
-            client.async_stream_infer("lora_llm", inputs, enable_empty_final_response=True)
-            last = None
-            try:
-                while True:
-                    result, error, now = responses.get()
-                    if error is not None:
-                        return str(error)
-                    ids = result.as_numpy("output_ids")
-                    if ids is not None and ids.size:
-                        with lock:
-                            counts[0] += ids.size
-                            bar.update(ids.size)
-                            (ttfts.append(now - t0) if last is None else gaps.append(now - last))
-                        last = now
-                    if result.get_response().parameters["triton_final_response"].bool_param:
-                        return None
-            finally:
-                client.stop_stream()
-
-        def worker() -> None:
-            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
-            while True:
-                try:
-                    r = todo.get_nowait()
-                except queue.Empty:
-                    break
-                error = one(client, r, r["with_weights"])
-                if error and NOT_FOUND in error:          # raced its adapter's first request: send the weights
-                    with lock:
-                        resends[0] += 1
-                    error = one(client, r, True)
-                if error:
-                    raise RuntimeError(error)
-            client.close()
-
-        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        stats = asyncio.run(stream_requests(f"127.0.0.1:{grpc}", prepared, concurrency,
+                                            lambda index, ids: bar.update(ids.size)))
         elapsed = time.perf_counter() - start
         server_cpu = tree_cpu_seconds(server.pid) - server_cpu0
-        bar.close()
         client_cpu = own_cpu_seconds() - client_cpu0
+        bar.close()
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
         steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                  if line.startswith(("lora_llm_step_seconds_sum", "lora_llm_step_seconds_count"))}
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return {"tok_s": counts[0] / elapsed, "seconds": elapsed, "output_tokens": counts[0], "concurrency": concurrency,
+    ttfts, gaps = stats.ttfts, stats.gaps
+    return {"tok_s": stats.num_tokens / elapsed, "seconds": elapsed, "output_tokens": stats.num_tokens,
+            "concurrency": concurrency,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
             "steps": sum(v for k, v in steps.items() if "_count" in k),
             "step_seconds": sum(v for k, v in steps.items() if "_sum" in k), **server_step_figures(steps),
-            "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu,
-            "adapter_resends": resends[0]}
+            "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu, "adapter_resends": stats.resends}
 
 
 def tree_cpu_seconds(pid: int) -> float:

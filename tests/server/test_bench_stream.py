@@ -1,0 +1,58 @@
+"""scripts/bench_stream.py, the benchmarks' lean gRPC client, against a real tritonserver: the tokens it counts are
+the engine's, an adapter's request that races its upload is sent again with the weights, and an error stops it."""
+import asyncio
+import sys
+from functools import partial
+
+import pytest
+
+from backend import LLMEngine
+from backend.lora.peft import peft_to_trtllm
+from client.grpc_client import input_arrays
+from tests.helpers import ROOT, random_prompts
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_stream import serialize_request, stream_requests   # noqa: E402
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_adapters):
+    return {task_id: peft_to_trtllm(path, "float16") for task_id, path in zip((301, 302), tiny_adapters)}
+
+
+def request(prompt: list[int], task_id: int | None = None, adapter=None) -> bytes:
+    weights, config = adapter or (None, None)
+    return serialize_request("lora_llm", input_arrays(prompt, MAX_NEW, True, task_id, weights, config))
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_streams_the_engine_tokens_and_resends_a_raced_adapter(tiny_server, tiny_engine_kwargs, adapters,
+                                                               concurrency):
+    task_ids = [None, 301, 301, 302, None]
+    prompts = random_prompts([5, 9, 14, 7, 20], 512, seed=50 + concurrency)
+    kwargs = dict(tiny_engine_kwargs)
+    engine = LLMEngine(kwargs.pop("model_dir"), **kwargs)
+    for task_id, (weights, config) in adapters.items():
+        engine.add_lora(task_id, weights, config)
+    want = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=task_ids)
+    offset = 10 * concurrency                        # task ids of this run only: the server keeps what it was sent
+    requests = [(request(prompts[0]), None),
+                (request(prompts[1], 301 + offset, adapters[301]), None),
+                (request(prompts[2], 301 + offset), partial(request, prompts[2], 301 + offset, adapters[301])),
+                (request(prompts[3], 302 + offset), partial(request, prompts[3], 302 + offset, adapters[302])),
+                (request(prompts[4]), None)]
+    got = [[] for _ in requests]
+    stats = asyncio.run(stream_requests(tiny_server.grpc_url, requests, concurrency,
+                                        lambda index, ids: got[index].extend(ids.tolist())))
+    assert got == want
+    assert stats.num_tokens == len(requests) * MAX_NEW
+    assert len(stats.ttfts) == len(requests) and len(stats.gaps) == len(requests) * (MAX_NEW - 1)
+    assert 1 <= stats.resends <= 2                  # 302 was never sent; 301 only if it raced its upload
+
+
+def test_an_error_response_stops_the_run_with_its_message(tiny_server):
+    bad = serialize_request("lora_llm", input_arrays([1, 2, 3], MAX_NEW, True, 999_001))
+    with pytest.raises(RuntimeError, match="LoRA task 999001 not found in cache"):
+        asyncio.run(stream_requests(tiny_server.grpc_url, [(bad, None)], 1))
