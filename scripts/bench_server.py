@@ -15,7 +15,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
                         kernel_backend: str = "auto") -> dict:
     from bench_adapters import adapter_dirs
     from bench_engine import own_cpu_seconds, percentile
-    from bench_stream import serialize_request, stream_requests
+    from bench_stream import Prepared, serialize_request, stream_requests
     from launch_server import free_ports, start_server, wait_ready
 
     from backend.lora.peft import peft_to_trtllm
@@ -40,10 +40,11 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
 
         prepared, sent = [], {None}                       # an adapter's first request carries it
         for r in requests:                                # the client's requests made before the clock starts
-            first = r["lora_task_id"] not in sent
-            sent.add(r["lora_task_id"])
-            prepared.append((request_bytes(r, first),
-                             None if first or r["lora_task_id"] is None else partial(request_bytes, r, True)))
+            task = r["lora_task_id"]
+            first = task not in sent
+            sent.add(task)
+            prepared.append(Prepared(request_bytes(r, first), task, uploads=first,
+                                     with_weights=None if first or task is None else partial(request_bytes, r, True)))
         bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
                    mininterval=2.0)
         client_cpu0 = own_cpu_seconds()

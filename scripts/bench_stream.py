@@ -28,19 +28,37 @@ def serialize_request(model: str, arrays: dict[str, np.ndarray]) -> bytes:
 
 
 @dataclass
+class Prepared:
+    """One request as sent: its bytes, its adapter, whether it carries the adapter's weights, and what makes it
+    again with the weights should the server not have them (evicted, or an upload that failed)."""
+    request: bytes
+    lora_task_id: int | None = None
+    uploads: bool = False
+    with_weights: Callable[[], bytes] | None = None
+
+
+@dataclass
 class StreamStats:
     """What the client saw: token counts and times, per request and overall."""
     num_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
-    resends: int = 0                               # requests that raced their adapter's upload
+    resends: int = 0                               # requests the server answered "not found": sent with weights
 
 
-async def _one(stub, index: int, request: bytes, stats: StreamStats, on_tokens) -> str | None:
-    """Request `index` on a stream of its own; its error message, or None once its final response came."""
-    call = stub(iter([request]))
+async def _one(stub, index: int, request: bytes, stats: StreamStats, on_tokens,
+               written: asyncio.Event | None = None) -> str | None:
+    """Request `index` on a stream of its own; its error message, or None once its final response came.
+    `written` is set once the request is on the wire (or failed)."""
+    call = stub()
     t0 = time.perf_counter()
     last = None
+    try:
+        await call.write(request)
+        await call.done_writing()
+    finally:
+        if written is not None:
+            written.set()
     async for response in call:
         if response.error_message:
             call.cancel()
@@ -62,24 +80,28 @@ async def _one(stub, index: int, request: bytes, stats: StreamStats, on_tokens) 
     return "stream closed before the final response"
 
 
-async def stream_requests(url: str, requests: list[tuple[bytes, Callable[[], bytes] | None]], concurrency: int,
+async def stream_requests(url: str, requests: list[Prepared], concurrency: int,
                           on_tokens: Callable[[int, np.ndarray], None] = lambda index, ids: None) -> StreamStats:
-    """Send `requests` (each: its bytes, and what makes it again with its adapter's weights, or None) over
-    `concurrency` streams at once, in order; a request whose adapter is not there yet (its upload still in
-    flight on another stream) is sent again with the weights, as TensorRT-LLM clients do. on_tokens(index, ids):
-    each response's new token ids."""
+    """Send `requests` over `concurrency` streams at once, in order. A request that uses an adapter another one
+    uploads waits until that upload has been written: on one channel a small request would overtake a 57 MB upload
+    and be answered "not found". One so answered anyway is sent again with the weights, as TensorRT-LLM clients
+    do. on_tokens(index, ids): each response's new token ids."""
     stats = StreamStats()
     todo = list(reversed(list(enumerate(requests))))
+    uploaded = {r.lora_task_id: asyncio.Event() for r in requests if r.uploads}
     async with grpc.aio.insecure_channel(url, options=UNLIMITED) as channel:
         stub = channel.stream_stream(METHOD, response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
 
         async def worker() -> None:
             while todo:
-                index, (request, with_weights) = todo.pop()
-                error = await _one(stub, index, request, stats, on_tokens)
-                if error and NOT_FOUND in error and with_weights is not None:
+                index, r = todo.pop()
+                if not r.uploads and r.lora_task_id in uploaded:
+                    await uploaded[r.lora_task_id].wait()
+                error = await _one(stub, index, r.request, stats, on_tokens,
+                                   uploaded[r.lora_task_id] if r.uploads else None)
+                if error and NOT_FOUND in error and r.with_weights is not None:
                     stats.resends += 1
-                    error = await _one(stub, index, with_weights(), stats, on_tokens)
+                    error = await _one(stub, index, r.with_weights(), stats, on_tokens)
                 if error:
                     raise RuntimeError(error)
 

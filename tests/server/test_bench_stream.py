@@ -1,5 +1,5 @@
 """scripts/bench_stream.py, the benchmarks' lean gRPC client, against a real tritonserver: the tokens it counts are
-the engine's, an adapter's request that races its upload is sent again with the weights, and an error stops it."""
+the engine's, a request the server answers "not found" is sent again with its adapter, and an error stops the run."""
 import asyncio
 import sys
 from functools import partial
@@ -12,7 +12,7 @@ from client.grpc_client import input_arrays
 from tests.helpers import ROOT, random_prompts
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_stream import serialize_request, stream_requests   # noqa: E402
+from bench_stream import Prepared, serialize_request, stream_requests   # noqa: E402
 
 MAX_NEW = 6
 
@@ -38,21 +38,24 @@ def test_streams_the_engine_tokens_and_resends_a_raced_adapter(tiny_server, tiny
         engine.add_lora(task_id, weights, config)
     want = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=task_ids)
     offset = 10 * concurrency                        # task ids of this run only: the server keeps what it was sent
-    requests = [(request(prompts[0]), None),
-                (request(prompts[1], 301 + offset, adapters[301]), None),
-                (request(prompts[2], 301 + offset), partial(request, prompts[2], 301 + offset, adapters[301])),
-                (request(prompts[3], 302 + offset), partial(request, prompts[3], 302 + offset, adapters[302])),
-                (request(prompts[4]), None)]
+    first, second = 301 + offset, 302 + offset
+    requests = [Prepared(request(prompts[0])),
+                Prepared(request(prompts[1], first, adapters[301]), first, uploads=True),
+                Prepared(request(prompts[2], first), first,
+                         with_weights=partial(request, prompts[2], first, adapters[301])),
+                Prepared(request(prompts[3], second), second,                # never sent: "not found", then again
+                         with_weights=partial(request, prompts[3], second, adapters[302])),
+                Prepared(request(prompts[4]))]
     got = [[] for _ in requests]
     stats = asyncio.run(stream_requests(tiny_server.grpc_url, requests, concurrency,
                                         lambda index, ids: got[index].extend(ids.tolist())))
     assert got == want
     assert stats.num_tokens == len(requests) * MAX_NEW
     assert len(stats.ttfts) == len(requests) and len(stats.gaps) == len(requests) * (MAX_NEW - 1)
-    assert 1 <= stats.resends <= 2                  # 302 was never sent; 301 only if it raced its upload
+    assert 1 <= stats.resends <= 2                  # the second adapter; the first only had it overtaken its upload
 
 
 def test_an_error_response_stops_the_run_with_its_message(tiny_server):
     bad = serialize_request("lora_llm", input_arrays([1, 2, 3], MAX_NEW, True, 999_001))
     with pytest.raises(RuntimeError, match="LoRA task 999001 not found in cache"):
-        asyncio.run(stream_requests(tiny_server.grpc_url, [(bad, None)], 1))
+        asyncio.run(stream_requests(tiny_server.grpc_url, [Prepared(bad, 999_001)], 1))
