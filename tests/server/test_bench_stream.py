@@ -28,8 +28,8 @@ def request(prompt: list[int], task_id: int | None = None, adapter=None) -> byte
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_streams_the_engine_tokens_and_resends_a_raced_adapter(tiny_server, tiny_engine_kwargs, adapters,
-                                                               concurrency):
+def test_streams_the_engine_tokens_and_resends_on_not_found(tiny_server, tiny_engine_kwargs, adapters,
+                                                            concurrency):
     task_ids = [None, 301, 301, 302, None]
     prompts = random_prompts([5, 9, 14, 7, 20], 512, seed=50 + concurrency)
     kwargs = dict(tiny_engine_kwargs)
