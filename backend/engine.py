@@ -129,8 +129,9 @@ class LLMEngine:
         prompt_ids = [int(t) for t in prompt_ids]
         validate_prompt(prompt_ids, params.max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
         if params.return_context_logits and len(prompt_ids) * cfg.vocab_size * 4 > MAX_CONTEXT_LOGITS_BYTES:
-            raise RequestError("return_context_logits", f"{len(prompt_ids)} prompt tokens x vocabulary {cfg.vocab_size} "
-                                                        f"logits exceed {MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
+            raise RequestError("return_context_logits",
+                               f"{len(prompt_ids)} prompt tokens x vocabulary {cfg.vocab_size} logits exceed "
+                               f"{MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
         needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
         if needed > self.blocks.num_blocks:
             raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "

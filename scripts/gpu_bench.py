@@ -157,7 +157,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="scale W1/W2 down to N requests (0: as specified)")
     parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="off: every step eager (before/after)")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                        help="off: every step eager (before/after)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gpu.json")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():

@@ -46,7 +46,8 @@ class LoraCache:
         self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype, self.device, rank_major_a)
         self.slot_of: dict[int, int] = {}
         self.pins = [0] * cfg.max_loras
-        self.idle_slots: OrderedDict[int, None] = OrderedDict((s, None) for s in range(cfg.max_loras))  # unpinned, LRU first
+        self.idle_slots: OrderedDict[int, None] = OrderedDict(     # unpinned, LRU first
+            (s, None) for s in range(cfg.max_loras))
         self.stats = LoraCacheStats()
 
     # host tier ------------------------------------------------------------------------------------------

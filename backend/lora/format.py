@@ -88,7 +88,8 @@ def check_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
     if config.dim() == 3 and config.shape[0] == 1:
         config = config[0]
     if weights.dim() != 2:
-        raise RequestError("lora_weights", f"must be [N, D*Hi + Ho*D] (or [1, N, ...]), got shape {list(weights.shape)}")
+        raise RequestError("lora_weights",
+                           f"must be [N, D*Hi + Ho*D] (or [1, N, ...]), got shape {list(weights.shape)}")
     if config.dim() != 2 or config.shape[1] != 3:
         raise RequestError("lora_config", f"must be [N, 3] (or [1, N, 3]), got shape {list(config.shape)}")
     if config.shape[0] == 0:

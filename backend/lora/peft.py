@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 MODULE_IDS = {"qkv_proj": 0, "q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4,
               "gate_proj": 5, "down_proj": 6, "up_proj": 7}
-KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+\.(?P<proj>\w+))\.lora_(?P<ab>[AB])\.weight$")
+KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+\.(?P<proj>\w+))"
+                    r"\.lora_(?P<ab>[AB])\.weight$")
 STORAGE_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -80,7 +80,8 @@ def test_unexpected_shape_is_named(tiny_model_dir, tmp_path):
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight has shape \[8, 64\], expected \[32, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"model.layers.0.self_attn.k_proj.weight has shape \[8, 64\], expected \[32, 64\]"):
         LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
 
 

@@ -95,12 +95,13 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     positions = torch.tensor([0, 1, 2, 7, 100, 255, 3, 40], dtype=torch.int32)
     slots = torch.randperm(6 * 16)[:len(positions)].int()
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(len(positions), q_size + 2 * kv_size).to(dtype)     # q, k, v are views of one row, as in the model
+    qkv = torch.randn(len(positions), q_size + 2 * kv_size).to(dtype)     # q, k, v: views of one row, as in the model
     caches = [torch.zeros(num_kv_heads, 6, 16, head_dim, dtype=dtype) for _ in range(4)]
 
     def views(t):
         q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
-        return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.reshape(-1, num_kv_heads, head_dim)
+        return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+                v.reshape(-1, num_kv_heads, head_dim))
     want_q = reference.rotary_and_cache(*views(qkv.clone()), positions, cos_sin, caches[0], caches[1], slots)
     got_q = cpu_ops.rotary_and_cache(*views(qkv), positions, cos_sin, caches[2], caches[3], slots)
     tol = ELEMENTWISE_TOL[dtype]

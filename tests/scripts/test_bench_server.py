@@ -8,8 +8,8 @@ from tests.helpers import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_server import tree_cpu_seconds   # noqa: E402
 
-BUSY = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\nprint('done', flush=True)\n" \
-       "time.sleep(60)"
+BUSY = ("import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
+        "print('done', flush=True)\ntime.sleep(60)")
 
 
 def test_a_childs_cpu_counts_toward_its_parent_and_a_process_counts_only_its_own_tree():

@@ -86,7 +86,8 @@ class Stream:
         self.client.close()
 
 
-def run(url: str, arrays: dict, model: str = "lora_llm", request_id: str = "", output: str = "output_ids") -> StreamResult:
+def run(url: str, arrays: dict, model: str = "lora_llm", request_id: str = "",
+        output: str = "output_ids") -> StreamResult:
     stream = Stream(url).send(arrays, model, request_id)
     try:
         return stream.collect(output=output)

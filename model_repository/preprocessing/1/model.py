@@ -22,7 +22,8 @@ class TritonPythonModel:
     def initialize(self, args):
         params = json.loads(args["model_config"])["parameters"]
         self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"])
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id = pad_id if pad_id is not None else self.tokenizer.eos_token_id
 
     def _optional(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
