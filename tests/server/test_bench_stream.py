@@ -22,20 +22,25 @@ def adapters(tiny_adapters):
     return {task_id: peft_to_trtllm(path, "float16") for task_id, path in zip((301, 302), tiny_adapters)}
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_engine_kwargs, adapters):
+    """The in-process engine the tiny server runs, with both adapters, for the reference tokens."""
+    kwargs = dict(tiny_engine_kwargs)
+    engine = LLMEngine(kwargs.pop("model_dir"), **kwargs)
+    for task_id, (weights, config) in adapters.items():
+        engine.add_lora(task_id, weights, config)
+    return engine
+
+
 def request(prompt: list[int], task_id: int | None = None, adapter=None) -> bytes:
     weights, config = adapter or (None, None)
     return serialize_request("lora_llm", input_arrays(prompt, MAX_NEW, True, task_id, weights, config))
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_streams_the_engine_tokens_and_resends_on_not_found(tiny_server, tiny_engine_kwargs, adapters,
-                                                            concurrency):
+def test_streams_the_engine_tokens_and_resends_on_not_found(tiny_server, engine, adapters, concurrency):
     task_ids = [None, 301, 301, 302, None]
     prompts = random_prompts([5, 9, 14, 7, 20], 512, seed=50 + concurrency)
-    kwargs = dict(tiny_engine_kwargs)
-    engine = LLMEngine(kwargs.pop("model_dir"), **kwargs)
-    for task_id, (weights, config) in adapters.items():
-        engine.add_lora(task_id, weights, config)
     want = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=task_ids)
     offset = 10 * concurrency                        # task ids of this run only: the server keeps what it was sent
     first, second = 301 + offset, 302 + offset
