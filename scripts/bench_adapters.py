@@ -1,5 +1,7 @@
 """Random LoRA adapters for the benchmarks: made once with PEFT, used by both the engine and HF + PEFT."""
+import atexit
 import json
+import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -15,10 +17,11 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 @lru_cache(maxsize=None)
 def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
     """One PEFT directory per rank in `ranks` (task id = position + 1), seeded: A ~ N(0, 1/rank), B ~ N(0, 0.02),
-    written directly (no model instance, so an 8B shape costs seconds)."""
+    written directly (no model instance, so an 8B shape costs seconds); removed when the process exits."""
     from safetensors.torch import save_file
     cfg = ModelConfig.from_dir(model_dir)
     root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)          # up to 280 MB a run: 300 runs filled a disk
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
