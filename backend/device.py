@@ -4,9 +4,7 @@ A step sends its inputs in one host -> device copy (`StepStaging.upload`) and ta
 device -> host copy (`StepStaging.download`); adapter uploads go on a side stream (`SideCopies`) and a step
 waits only for the slots it uses. On CPU all of it is a no-op.
 """
-import ctypes
 from contextlib import nullcontext
-from functools import cache
 
 import torch
 
@@ -51,29 +49,6 @@ def resolve_lora_dtype(name: str, model_dtype: torch.dtype, kernel_backend: str)
         wide = model_dtype == torch.float32 and kernel_backend in ("cpu", "triton")
         return torch.float16 if wide else model_dtype
     return getattr(torch, name)
-
-
-@cache
-def _libgomp():
-    """The GNU OpenMP runtime torch runs its CPU ops on, or None (no OpenMP, another runtime, or too old to pause)."""
-    if not torch.backends.openmp.is_available():
-        return None
-    try:
-        gomp = ctypes.CDLL("libgomp.so.1")
-        return gomp if hasattr(gomp, "omp_pause_resource_all") else None
-    except OSError:
-        return None
-
-
-def release_openmp_pool() -> None:
-    """Let the calling thread's OpenMP workers exit (they come back with its next parallel op). libgomp keeps idle
-    workers spinning only while it manages no more threads than the machine has CPUs; one pool more (a server's
-    main thread, after it loaded the model or parsed an adapter) puts every worker to sleep after ~100 spins, and
-    then each parallel op of the engine's steps waits for a wake-up: a single-stream decode step on 2 cores took
-    38 ms on the loop thread with the main thread's pool alive, 33 ms without it (100k context switches fewer)."""
-    gomp = _libgomp()
-    if gomp is not None:
-        gomp.omp_pause_resource_all(1)                   # omp_pause_soft: this thread's pool only, in libgomp
 
 
 def on(device: torch.device):

@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from backend.device import release_openmp_pool
 from backend.engine import LLMEngine, StepOutput
+from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.protocol import ParsedRequest
 from backend.request import RequestError
 from backend.responder import Responder
@@ -72,9 +72,10 @@ class EngineLoop:
             stream.fail(f"engine unavailable: {self.broken or 'the engine loop has stopped'}")
             return
         try:
-            for r in stream.requests:
-                self._compile_guide(r)
-                self._parse_adapter(r)
+            with one_openmp_thread():                       # beside the loop's threads, not against them
+                for r in stream.requests:
+                    self._compile_guide(r)
+                    self._parse_adapter(r)
         except RequestError as err:
             self._uncount(stream)
             stream.fail(str(err))

@@ -65,7 +65,7 @@ def demo_adapters(smollm2_dir):
 @pytest.fixture()
 def openmp_pool_of_two():
     """This thread runs a parallel op on two OpenMP threads, so that it holds a pool of one worker."""
-    from backend.device import _libgomp
+    from backend.openmp import _libgomp
     if _libgomp() is None:
         pytest.skip("torch does not run its CPU ops on GNU OpenMP here")
     before = torch.get_num_threads()

@@ -1,5 +1,6 @@
 """Per-step batch metadata, built once per step on the host from the scheduled batch and shared by every layer."""
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -15,6 +16,7 @@ class StepContext:
     logits_indices: torch.Tensor              # [num_sampled] int32: last token of each sequence that samples
     context_indices: torch.Tensor             # [num_context] int32: prompt tokens whose logits were asked for
     lora: object | None = None                # per-step adapter segments (backend/lora/batch.py)
+    between_layers: Callable[[], None] | None = None      # called after each layer (CPU: backend/openmp.TeamSizer)
 
 
 class StepInputs:

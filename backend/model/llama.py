@@ -30,6 +30,8 @@ class LlamaModel:
             x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
             gate_up = linear(ops, x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
             h = linear(ops, ops.silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
+            if ctx.between_layers is not None:
+                ctx.between_layers()
         rows = torch.cat([ctx.logits_indices, ctx.context_indices]) if with_context else ctx.logits_indices
         last, _ = ops.add_rms_norm(h[rows], residual[rows], w["norm"], cfg.rms_norm_eps)
         return ops.linear(last, w["lm_head"], None).float()

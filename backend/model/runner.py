@@ -13,6 +13,7 @@ from backend.model.context import StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
+from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
 from kernels.dispatch import load_ops
@@ -35,6 +36,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        self.team = TeamSizer(active=self.device.type == "cpu")     # the stepping thread's OpenMP team
 
     def allocate_kv_cache(self) -> int:
         """Create the KV cache (after everything else that lives on the device); returns its number of blocks.
@@ -106,7 +108,10 @@ class ModelRunner:
         (return_context_logits) go to each sequence's context_logits, by chunk. The adapters in `prefetch` start
         uploading while the step computes."""
         with on(self.device):
-            return self._run(batch, lora_cache, prefetch)
+            self.team.start()
+            result = self._run(batch, lora_cache, prefetch)
+            self.team.checkpoint()
+            return result
 
     def _run(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None]):
         token_slots: list[int] = []
@@ -139,6 +144,7 @@ class ModelRunner:
             segments = LoraSegments.from_token_slots(token_slots)
         t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
         ctx = inputs.context(t)
+        ctx.between_layers = self.team.checkpoint if self.team.active else None
         plan.t = {name: t[name] for name in plan.t}
         if segments is not None:
             segments.use(t)

@@ -172,15 +172,3 @@ def test_an_adversarial_adapter_changes_no_other_requests_tokens(tiny_model_dir)
     assert mixed[:5] == clean
     assert any(not torch.isfinite(k).all() for k, _ in engine.runner.kv_caches), "its blocks hold inf/NaN now"
     assert engine.generate(prompts, max_new_tokens=8, lora_task_ids=[None, 7, None, 7, None]) == clean
-
-
-def test_releasing_the_openmp_pool_ends_this_threads_workers_until_its_next_parallel_op(openmp_pool_of_two):
-    from backend.device import release_openmp_pool
-    from tests.helpers import num_threads, settled_num_threads
-    with_pool = num_threads()
-    release_openmp_pool()
-    assert settled_num_threads(with_pool - 1) == with_pool - 1
-    release_openmp_pool()                                  # nothing left to release: a no-op
-    assert num_threads() == with_pool - 1
-    torch.ones(1 << 22).sum()
-    assert num_threads() == with_pool

@@ -233,9 +233,24 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
     assert other.wait().answers == ["fail: lora_task_id: LoRA task 3 is already cached with different weights"]
 
 
+def test_the_submitting_thread_parses_on_one_openmp_thread(engine, loop, tiny_adapters, openmp_pool_of_two,
+                                                          monkeypatch):
+    """Beside the loop's team, not against it (backend.openmp.one_openmp_thread); its own setting comes back."""
+    from backend.lora.peft import load_lora_dir
+    weights, config = load_lora_dir(tiny_adapters[0])
+    parse, teams = engine.lora_cache.parse, []
+    monkeypatch.setattr(engine.lora_cache, "parse", lambda *args: (teams.append(torch.get_num_threads()),
+                                                                   parse(*args))[1])
+    stream = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
+                        lora_weights=weights[None].astype(np.float32), lora_config=config[None])
+    loop.submit(stream)
+    assert teams == [1] and torch.get_num_threads() == 2
+    assert stream.wait().answers == ["finish"]
+
+
 def test_the_submitting_thread_keeps_no_openmp_workers_beside_the_loops(engine, loop, openmp_pool_of_two):
     """Its pool (a parse's parallel ops, or the model load's) would put the loop thread's workers to sleep between
-    parallel ops (backend.device.release_openmp_pool)."""
+    parallel ops (backend.openmp.release_openmp_pool)."""
     from tests.helpers import num_threads, settled_num_threads
     first = FakeStream(prompts(engine, 1)[0])
     loop.submit(first)
