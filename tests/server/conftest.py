@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from backend import LLMEngine
 from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -72,10 +73,10 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_kwargs(tiny_model_dir):
-    """The in-process engine the tiny server runs, for reference outputs."""
-    return dict(model_dir=tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=16,
-                kv_cache_memory_bytes=4 << 20, max_loras=4)
+def new_tiny_engine(tiny_model_dir):
+    """Makes a fresh in-process engine as the tiny server runs it, for reference outputs."""
+    return lambda: LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=16,
+                             kv_cache_memory_bytes=4 << 20, max_loras=4)
 
 
 @pytest.fixture(scope="session")

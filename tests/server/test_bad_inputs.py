@@ -4,7 +4,6 @@ that names the field (and the limit where there is one) while a concurrent strea
 import numpy as np
 import pytest
 
-from backend import LLMEngine
 from tests.helpers import random_prompts
 from tests.server.streams import Stream, run, trtllm_inputs
 
@@ -95,10 +94,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_engine_kwargs):
+def reference(new_tiny_engine):
     """The concurrent stream's prompt and its tokens from the in-process engine the server runs."""
-    kwargs = dict(tiny_engine_kwargs)
-    engine = LLMEngine(kwargs.pop("model_dir"), **kwargs)
+    engine = new_tiny_engine()
     prompt = random_prompts([11], 512, seed=45)[0]
     return prompt, engine.generate([prompt], max_new_tokens=24)[0]
 

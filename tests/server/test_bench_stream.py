@@ -6,7 +6,6 @@ from functools import partial
 
 import pytest
 
-from backend import LLMEngine
 from backend.lora.peft import peft_to_trtllm
 from client.grpc_client import input_arrays
 from tests.helpers import ROOT, random_prompts
@@ -23,10 +22,9 @@ def adapters(tiny_adapters):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_engine_kwargs, adapters):
+def engine(new_tiny_engine, adapters):
     """The in-process engine the tiny server runs, with both adapters, for the reference tokens."""
-    kwargs = dict(tiny_engine_kwargs)
-    engine = LLMEngine(kwargs.pop("model_dir"), **kwargs)
+    engine = new_tiny_engine()
     for task_id, (weights, config) in adapters.items():
         engine.add_lora(task_id, weights, config)
     return engine

@@ -6,7 +6,6 @@ import re
 import numpy as np
 import pytest
 
-from backend import LLMEngine
 from backend.contract import UNSUPPORTED
 from backend.request import SamplingParams
 from tests.backend.test_contract import NON_NEUTRAL, neutral
@@ -63,9 +62,8 @@ def test_the_config_declares_every_input_and_output_of_tensorrt_llm():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_engine_kwargs):
-    kwargs = dict(tiny_engine_kwargs)
-    return LLMEngine(kwargs.pop("model_dir"), **kwargs)
+def engine(new_tiny_engine):
+    return new_tiny_engine()
 
 
 def one(engine, prompt, **params) -> list[int]:

@@ -3,7 +3,6 @@ reuse, per adapter; the reused blocks in the perf metrics; the hit rate on the m
 import numpy as np
 import pytest
 
-from backend import LLMEngine
 from backend.lora.peft import peft_to_trtllm
 from tests.helpers import random_prompts
 from tests.server.conftest import TINY_ENV, run_server
@@ -32,10 +31,9 @@ def generate(url: str, prompt: list[int], task_id: int | None, adapter=None) -> 
     return result.as_numpy("output_ids").reshape(-1).tolist(), int(result.as_numpy("kv_cache_reused_blocks")[0, 0])
 
 
-def test_reuse_serves_each_adapter_only_its_own_blocks_and_changes_no_token(reuse_server, tiny_engine_kwargs,
+def test_reuse_serves_each_adapter_only_its_own_blocks_and_changes_no_token(reuse_server, new_tiny_engine,
                                                                              tiny_adapters):
-    kwargs = dict(tiny_engine_kwargs)
-    engine = LLMEngine(kwargs.pop("model_dir"), **kwargs)           # no reuse: the reference
+    engine = new_tiny_engine()                                       # no reuse: the reference
     adapters = {201: peft_to_trtllm(tiny_adapters[0], "float16"), 202: peft_to_trtllm(tiny_adapters[1], "float16")}
     for task_id, (weights, config) in adapters.items():
         engine.add_lora(task_id, weights, config)

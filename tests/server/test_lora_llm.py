@@ -4,7 +4,6 @@ import time
 import numpy as np
 import pytest
 
-from backend import LLMEngine
 from backend.lora.peft import peft_to_trtllm
 from tests.helpers import random_prompts
 from tests.server.streams import Stream, run, trtllm_inputs
@@ -13,9 +12,8 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_engine_kwargs):
-    kwargs = dict(tiny_engine_kwargs)
-    return LLMEngine(kwargs.pop("model_dir"), **kwargs)
+def engine(new_tiny_engine):
+    return new_tiny_engine()
 
 
 @pytest.fixture(scope="module")
