@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 NAME = "lora_llm_cpu"
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 STALE_LOCK_S = 600                # a build takes 1-2 min; an older lock was left by a build that was killed
@@ -118,6 +118,16 @@ def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segm
     slots, stored rank-major; x's dtype or a narrower one, widened on load), out: [num_tokens, out_dim] (a column
     range of the projection's output)."""
     load().lora_apply(x, lora_a, lora_b, segments.starts_list, segments.slots_list, ranks_list, out)
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """Semantics: weight.view(N // 16, 16, K).transpose(1, 2).contiguous()   # fp32 [N, K] -> panels [N / 16, K, 16]"""
+    return load().pack_linear(weight)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K), bias)   # fp32, x [M, K] -> [M, N]"""
+    return load().panel_linear(x, panels, bias)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,8 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std::vector<int64_t> starts,
                 std::vector<int64_t> slots, std::vector<int64_t> ranks, torch::Tensor out);
+torch::Tensor pack_linear(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Paged decode attention read in place");
@@ -163,4 +165,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up");
   m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache");
   m.def("lora_apply", &lora_apply, "LoRA shrink and expand of one module band, in place");
+  m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]");
+  m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels");
 }

@@ -138,6 +138,35 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, out_dim, rank
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 7, 32, 130])                # tiles of 6 rows and the rest
+@pytest.mark.parametrize("in_dim,out_dim", [(576, 960), (70, 48), (1536, 576), (64, 9 * 16 * 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
+    """Panel counts that split unevenly between threads and groups, K not a multiple of 8, a strided x."""
+    weight, bias = torch.randn(out_dim, in_dim), torch.randn(out_dim) if with_bias else None
+    x = torch.randn(num_rows, in_dim + 3)[:, 3:]
+    panels = cpu_ext.pack_linear(weight)
+    assert torch.equal(panels, weight.view(-1, 16, in_dim).transpose(1, 2))
+    torch.testing.assert_close(cpu_ext.panel_linear(x, panels, bias), torch.nn.functional.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,out_dim,layout", [(torch.float32, 960, "panels"), (torch.float32, 40, "dense"),
+                                                  (torch.float16, 960, "dense")])
+def test_prepare_weights_puts_projections_in_panels_where_the_kernel_takes_them(dtype, out_dim, layout):
+    """fp32 with out_features a multiple of 16 goes into panels; the rest keeps a layout F.linear or oneDNN reads,
+    and ops.linear gives F.linear's result either way."""
+    weights = {"layers.0.qkv_proj": torch.randn(out_dim, 64).to(dtype), "layers.0.input_norm": torch.randn(64)}
+    prepared = cpu_ops.prepare_weights(weights)
+    got = prepared["layers.0.qkv_proj"]
+    assert (got.dim() == 3) == (layout == "panels")
+    assert prepared["layers.0.input_norm"] is weights["layers.0.input_norm"]
+    x = torch.randn(3, 64).to(dtype)
+    want = torch.nn.functional.linear(x.float(), weights["layers.0.qkv_proj"].float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(cpu_ops.linear(x, got, None).float(), want, atol=tol, rtol=tol)
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(monkeypatch):
     lock = cpu_ext.BUILD_DIR / "lock"
     lock.touch()

@@ -1,0 +1,86 @@
+// fp32 projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
+// one 64-byte line. A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
+// Parallel over panels; each thread prefetches the panel two ahead while it multiplies one, since a step reads
+// every weight from memory once (the layers are far larger than the caches) and the reads must hide behind the FMAs.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;       // output columns per panel: two 8-float vectors
+constexpr int64_t kTileRows = 6;     // 12 accumulators + 2 panel vectors + 1 broadcast of the 16 registers
+constexpr int64_t kPrefetchAhead = 2;
+constexpr int64_t kGroupBytes = 192 << 10;   // the panels one x tile meets in turn, kept in L2
+
+// y[0:R, 0:16] = x[0:R] @ panel (+ bias), x rows K apart, y rows N apart; prefetch (or null): a panel to pull
+// into the cache, one line per k.
+template <int R>
+void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+          const float* prefetch) {
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+    }
+  }
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r][0], b0));
+    _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(acc[r][1], b1));
+  }
+}
+
+using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const float*);
+constexpr Tile kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+}  // namespace
+
+torch::Tensor pack_linear(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be a 2-D float32 tensor");
+  TORCH_CHECK(weight.size(0) % kPanel == 0, "out_features must be a multiple of ", kPanel);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return weight.view({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanel * sizeof(float)));
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end; first += group) {
+      const int64_t last = std::min(end, first + group);
+      for (int64_t m = 0; m < M; m += kTileRows) {
+        const int64_t rows = std::min(kTileRows, M - m);
+        for (int64_t p = first; p < last; ++p) {
+          const float* panel = wp + p * K * kPanel;
+          const float* next = m == 0 && p + kPrefetchAhead < end ? panel + kPrefetchAhead * K * kPanel : nullptr;
+          kTiles[rows](xp + m * K, K, panel, bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N, next);
+        }
+      }
+    }
+  });
+  return y;
+}
