@@ -26,7 +26,7 @@ def _packable(dtype: torch.dtype) -> bool:
 
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The projections and lm_head in the layout their GEMM reads fastest: fp32 in column panels (whose kernel
-    prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~40%, prompt chunks within
+    prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
     ~10%), bf16 in oneDNN's blocked layout where the CPU has bf16. Embeddings, norms and biases stay as they are."""
     def prepared(name: str, w: torch.Tensor) -> torch.Tensor:
         if not (name.endswith("_proj") or name == "lm_head"):

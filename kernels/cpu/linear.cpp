@@ -1,7 +1,8 @@
 // fp32 projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
 // one 64-byte line. A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
-// Parallel over panels; each thread prefetches the panel two ahead while it multiplies one, since a step reads
-// every weight from memory once (the layers are far larger than the caches) and the reads must hide behind the FMAs.
+// Threads take ranges of panels; within one, a few panels at a time stay in L2 while each 6-row tile of x meets
+// them in turn. Each thread prefetches the panel two ahead of the one it multiplies: a step reads every weight from
+// memory once (the layers are far larger than the caches), and those reads must hide behind the FMAs.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
