@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 NAME = "lora_llm_cpu"
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 STALE_LOCK_S = 600                # a build takes 1-2 min; an older lock was left by a build that was killed
