@@ -138,7 +138,7 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, out_dim, rank
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 6, 7, 32, 130])                # tiles of 6 rows and the rest
+@pytest.mark.parametrize("num_rows", [0, 1, 5, 6, 7, 32, 130])             # tiles of 6 rows and the rest
 @pytest.mark.parametrize("in_dim,out_dim", [(576, 960), (70, 48), (1536, 576), (64, 9 * 16 * 16)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
