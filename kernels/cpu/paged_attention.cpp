@@ -1,13 +1,12 @@
 // Decode attention over the paged KV cache, read in place: one query per sequence, the GQA group of a KV head
-// together, so each page of K and V is read once per group. Parallel over (sequence, KV head) on ATen's pool;
-// nothing at or past a sequence's length is read. Rows are read 8 floats at a time (bf16 and fp16 caches
+// together, so each page of K and V is read once per group. Parallel over (sequence, KV head) on ATen's pool, each
+// item's scores, softmax and sums of V on one thread; nothing at or past a sequence's length is read. Rows are read 8 floats at a time (bf16 and fp16 caches
 // converted on load); K dots run 8 positions at once so the sums do not wait on each other.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "vec.h"
@@ -26,11 +25,14 @@ inline const T* page_at(const T* head, const int32_t* table, int64_t start, cons
   return head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim;
 }
 
-// The page after this one, into the cache while this one is read: the hardware prefetcher stops at page edges.
+// Rows [first_row, first_row + num_rows) of a page (or none) into the cache. Each row read from this page pulls the
+// same row of the next one, so a page's lines go out spread over the reads of the one before (the hardware
+// prefetcher stops at page edges, and a page's 64 lines in one burst stall on the few misses a core keeps in flight).
 template <typename T>
-inline void prefetch_page(const T* page, const Shape& s) {
-  const char* bytes = reinterpret_cast<const char*>(page);
-  for (int64_t i = 0; i < s.block_size * s.head_dim * static_cast<int64_t>(sizeof(T)); i += 64)
+inline void prefetch_rows(const T* page, int64_t first_row, int64_t num_rows, const Shape& s) {
+  if (page == nullptr || num_rows <= 0) return;
+  const char* bytes = reinterpret_cast<const char*>(page + first_row * s.head_dim);
+  for (int64_t i = 0; i < num_rows * s.head_dim * static_cast<int64_t>(sizeof(T)); i += 64)
     __builtin_prefetch(bytes + i);
 }
 
@@ -40,17 +42,23 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
                  float* scores) {
   for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
     const T* page = page_at(k_head, table, start, s);
-    if (start + s.block_size < len) prefetch_page(page_at(k_head, table, start + s.block_size, s), s);
+    const T* next = start + s.block_size < len ? page_at(k_head, table, start + s.block_size, s) : nullptr;
+    const int64_t rows_per_dot = (8 + s.group - 1) / s.group;
     int64_t p = std::max(first, start);
     const int64_t stop = std::min(len, start + s.block_size);
+    prefetch_rows(next, 0, p - start, s);
     for (; p + 8 <= stop; p += 8) {
       const T* rows = page + (p - start) * s.head_dim;
-      for (int64_t g = 0; g < s.group; ++g)
+      for (int64_t g = 0; g < s.group; ++g) {
+        const int64_t row = std::min<int64_t>(8, g * rows_per_dot);
+        prefetch_rows(next, p - start + row, std::min<int64_t>(8, row + rows_per_dot) - row, s);
         *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) =
             vec::dot8(q + g * s.head_dim, rows, s.head_dim, s.head_dim);
+      }
     }
     for (; p < stop; ++p) {
       const T* row = page + (p - start) * s.head_dim;
+      prefetch_rows(next, p - start, 1, s);
       for (int64_t g = 0; g < s.group; ++g)
         scores[g * s.max_len + (p - first)] = vec::dot1(q + g * s.head_dim, row, s.head_dim);
     }
@@ -70,10 +78,13 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
       vec8 acc[kWidth] = {};
       for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
         const T* page = page_at(v_head, table, start, s);
-        if (g == 0 && c0 == 0 && start + s.block_size < len)    // later passes find the pages in the cache
-          prefetch_page(page_at(v_head, table, start + s.block_size, s), s);
+        const bool first_pass = g == 0 && c0 == 0;                // later passes find the pages in the cache
+        const T* next = first_pass && start + s.block_size < len ? page_at(v_head, table, start + s.block_size, s)
+                                                                 : nullptr;
         const int64_t stop = std::min(len, start + s.block_size);
+        prefetch_rows(next, 0, std::max(first, start) - start, s);
         for (int64_t p = std::max(first, start); p < stop; ++p) {
+          prefetch_rows(next, p - start, 1, s);
           const T* row = page + (p - start) * s.head_dim + 8 * c0;
           const float wp = w[p - first];
           for (int64_t c = 0; c < width; ++c) acc[c] += wp * vec::load8(row + 8 * c);
@@ -86,8 +97,26 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
   }
 }
 
-// Three passes: the scores of every (sequence, KV head) item into one [items, group, max_len] buffer (-inf past
-// each context), one vectorized softmax over it, then the weighted sums of V.
+// softmax(scores[g, 0:n]) in place for each of group rows, max_len apart.
+inline void softmax_rows(float* scores, int64_t group, int64_t max_len, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * max_len;
+    const float top = *std::max_element(row, row + n);
+    vec8 total = {};
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8) {
+      const vec8 e = vec::exp8(vec::load8(row + p) - top);
+      *reinterpret_cast<vec8*>(row + p) = e;
+      total += e;
+    }
+    float sum = vec::sum1(total);
+    for (; p < n; ++p) sum += row[p] = std::exp(row[p] - top);
+    const float inv = 1.f / sum;
+    for (p = 0; p < n; ++p) row[p] *= inv;
+  }
+}
+
+// Per (sequence, KV head) item, on one thread: its scores, their softmax and the weighted sums of V.
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int64_t* seq_lens,
             T* out, int64_t num_seqs, Shape s, float scale, int64_t window) {
@@ -95,25 +124,17 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   auto first_of = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : 0; };
   s.max_len = 1;
   for (int64_t seq = 0; seq < num_seqs; ++seq) s.max_len = std::max(s.max_len, seq_lens[seq] - first_of(seq));
-  auto scores = torch::full({num_items, s.group, s.max_len}, -std::numeric_limits<float>::infinity());
-  float* score_data = scores.data_ptr<float>();
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(s.group * s.head_dim);
+    std::vector<float> qf(s.group * s.head_dim), scores(s.group * s.max_len);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
+      const int64_t first = first_of(seq), len = seq_lens[seq];
       const T* q_group = q + (seq * s.num_heads + h * s.group) * s.head_dim;
+      const int32_t* table = block_tables + seq * s.max_blocks;
       for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
-      item_scores(qf.data(), k_cache + h * s.cache_head_stride, block_tables + seq * s.max_blocks, first_of(seq),
-                  seq_lens[seq], s, score_data + item * s.group * s.max_len);
-    }
-  });
-  scores = scores.softmax(-1);
-  score_data = scores.data_ptr<float>();
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
-      item_values(score_data + item * s.group * s.max_len, v_cache + h * s.cache_head_stride,
-                  block_tables + seq * s.max_blocks, first_of(seq), seq_lens[seq], s,
+      item_scores(qf.data(), k_cache + h * s.cache_head_stride, table, first, len, s, scores.data());
+      softmax_rows(scores.data(), s.group, s.max_len, len - first);
+      item_values(scores.data(), v_cache + h * s.cache_head_stride, table, first, len, s,
                   out + (seq * s.num_heads + h * s.group) * s.head_dim);
     }
   });
