@@ -46,7 +46,7 @@ void shrink_tokens(const T* x, int64_t x_stride, const W* a, int64_t a_row_strid
   };
   int64_t j = 0;
   for (; j + kRows <= rank; j += kRows) {
-    const vec::vec8 sums = vec::dot_tile<N>(x, x_stride, a + j * a_row_stride, a_row_stride, vec_dim);
+    const vec::vec8 sums = vec::dot_tile<N, true>(x, x_stride, a + j * a_row_stride, a_row_stride, vec_dim);
     for (int i = 0; i < N; ++i)
       for (int r = 0; r < kRows; ++r)
         h[i * h_stride + j + r] = sums[i * kRows + r] + tail(x + i * x_stride, a + (j + r) * a_row_stride);
@@ -66,7 +66,10 @@ void expand_rows(const float* h, int64_t h_stride, const W* rows, int64_t row_st
   for (int i = 0; i < N; ++i)
     for (int r = 0; r < R; ++r) hr[i][r] = h[i * h_stride + r];
   const int64_t vec_width = width / 8 * 8;
+  constexpr int64_t kLineElems = 64 / sizeof(W);
   for (int64_t c = 0; c < vec_width; c += 8) {
+    if (c % kLineElems == 0)                                     // the next rows' same line, on the way
+      for (int r = 0; r < R; ++r) __builtin_prefetch(rows + (R + r) * row_stride + c);
     vec::vec8 w[R];
     for (int r = 0; r < R; ++r) w[r] = vec::load8(rows + r * row_stride + c);
     for (int i = 0; i < N; ++i) {
