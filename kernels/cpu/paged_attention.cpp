@@ -1,7 +1,8 @@
 // Decode attention over the paged KV cache, read in place: one query per sequence, the GQA group of a KV head
 // together, so each page of K and V is read once per group. Parallel over (sequence, KV head) on ATen's pool, each
-// item's scores, softmax and sums of V on one thread; nothing at or past a sequence's length is read. Rows are read 8 floats at a time (bf16 and fp16 caches
-// converted on load); K dots run 8 positions at once so the sums do not wait on each other.
+// item's scores, softmax and sums of V on one thread; nothing at or past a sequence's length is read. Rows are read
+// 8 floats at a time (bf16 and fp16 caches converted on load); K dots run 8 positions at once so the sums do not
+// wait on each other.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

@@ -51,7 +51,7 @@ inline float sum1(vec8 a) {
 // [x_i . rows[r] for i < N, r < 8 / N] (i major) over n values (a multiple of 8): N vectors x_i, x_stride apart,
 // against 8 / N rows, row_stride apart. Eight sums side by side, so none waits on another, and each row is loaded
 // (and converted) once for all N. kPrefetchNext: the 8 / N rows after these pulled into the cache on the way, a line
-// at a time (rows read in turn, as in a GEMV).
+// at a time (rows read in turn, as in a GEMV; past the last row too, where a prefetch does no harm).
 template <int N, bool kPrefetchNext = false, typename X, typename R>
 inline vec8 dot_tile(const X* x, int64_t x_stride, const R* rows, int64_t row_stride, int64_t n) {
   static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N divides 8");
