@@ -1,0 +1,120 @@
+"""The compiled CPU kernels alone, at one decode step's shapes for the model (every layer's own operands, so they come
+from memory as in a step): the GEMMs of every layer and the lm_head at a few row counts, decode attention over
+paged caches, LoRA of 16 adapters over every band. Prints each one's median time and the rate it reads its operands
+at, to judge a kernel change in isolation (docs/performance.md quotes it); the engine-level figures come from
+scripts/bench.py.
+
+    .venv/bin/python scripts/bench_kernels.py                       # SmolLM2-135M, ~1 min
+    .venv/bin/python scripts/bench_kernels.py --kernels linear --rows 1,32,128
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from backend.model.config import ModelConfig                   # noqa: E402
+from kernels import cpu_ext                                    # noqa: E402
+
+LORA_RANKS = (8, 16, 32, 64) * 4          # W1's adapters, two decode tokens each
+BLOCK_SIZE = 16
+
+
+def median_ms(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_linear(cfg: ModelConfig, rows: list[int], rounds: int) -> None:
+    shapes = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
+              (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)]
+    layers = [[cpu_ext.pack_linear(torch.randn(n, k)) for k, n in shapes] for _ in range(cfg.num_layers)]
+    head = cpu_ext.pack_linear(torch.randn(cfg.vocab_size // 16 * 16, cfg.hidden_size))
+    weight_bytes = 4 * sum(p.numel() for ps in layers for p in ps) + 4 * head.numel()
+    for m in rows:
+        xs = [torch.randn(m, k) for k, _ in shapes]
+
+        def step():
+            for panels in layers:
+                for x, p in zip(xs, panels):
+                    cpu_ext.panel_linear(x, p, None)
+            cpu_ext.panel_linear(xs[0], head, None)
+        ms = median_ms(step, rounds)
+        gflop = 2 * m * weight_bytes / 4 / 1e9
+        print(f"linear    {m:4d} rows  {ms:7.1f} ms  {weight_bytes / ms / 1e6:5.1f} GB/s  "
+              f"{gflop / ms * 1e3:6.1f} GFLOP/s")
+
+
+def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds: int) -> None:
+    seq_lens = torch.randint(100, 300, (num_seqs,), dtype=torch.int64)
+    max_blocks = 300 // BLOCK_SIZE + 1
+    num_blocks = num_seqs * max_blocks
+    shape = (cfg.num_kv_heads, num_blocks, BLOCK_SIZE, cfg.head_dim)
+    order = torch.randperm if shuffle_pages else torch.arange
+    layers = [(torch.randn(shape), torch.randn(shape), order(num_blocks).view(num_seqs, max_blocks).int())
+              for _ in range(cfg.num_layers)]
+    q = torch.randn(num_seqs, cfg.num_heads, cfg.head_dim)
+    kv_bytes = 2 * 4 * int(seq_lens.sum()) * cfg.kv_size * cfg.num_layers
+
+    def step():
+        for k_cache, v_cache, tables in layers:
+            cpu_ext.decode_attention(q, k_cache, v_cache, tables, seq_lens, cfg.head_dim ** -0.5, None)
+    ms = median_ms(step, rounds)
+    pages = "shuffled" if shuffle_pages else "in order"
+    print(f"attention {num_seqs:4d} seqs  {ms:7.1f} ms  {kv_bytes / ms / 1e6:5.1f} GB/s  "
+          f"(contexts 100-300, pages {pages})")
+
+
+def bench_lora(cfg: ModelConfig, rounds: int) -> None:
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    bands = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    num_slots, max_rank = len(LORA_RANKS), max(LORA_RANKS)
+    layers = [(torch.randn(num_slots, max_rank, i).half() * 0.05,
+               (torch.randn(num_slots, max_rank, o).half() * 0.05).transpose(1, 2))
+              for _ in range(cfg.num_layers) for i, o in bands]
+    starts, slots = list(range(0, 2 * num_slots + 1, 2)), list(range(num_slots))
+    xs = {i: torch.randn(2 * num_slots, i) for i, _ in bands}
+    outs = {o: torch.zeros(2 * num_slots, o) for _, o in bands}
+    adapter_bytes = 2 * sum(r * (i + o) for r in LORA_RANKS for i, o in bands) * cfg.num_layers
+    module = cpu_ext.load()
+
+    def step():
+        for a, b in layers:
+            module.lora_apply(xs[a.shape[2]], a, b, starts, slots, list(LORA_RANKS), outs[b.shape[1]])
+    ms = median_ms(step, rounds)
+    print(f"lora      {num_slots:4d} fp16 adapters (ranks 8-64, 2 tokens each, 7 modules)  {ms:7.1f} ms  "
+          f"{adapter_bytes / ms / 1e6:5.1f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--kernels", default="linear,attention,lora", help="a comma list of linear, attention, lora")
+    parser.add_argument("--rows", default="1,16,32,128,512", help="the GEMMs' row counts")
+    parser.add_argument("--seqs", type=int, default=32, help="decode attention's sequences")
+    parser.add_argument("--shuffle-pages", action="store_true", help="each sequence's KV pages scattered")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    cfg = ModelConfig.from_hf(json.loads((Path(args.model_dir) / "config.json").read_text()))
+    torch.manual_seed(0)
+    kernels = args.kernels.split(",")
+    if "linear" in kernels:
+        bench_linear(cfg, [int(m) for m in args.rows.split(",")], args.rounds)
+    if "attention" in kernels:
+        bench_attention(cfg, args.seqs, args.shuffle_pages, args.rounds)
+    if "lora" in kernels:
+        bench_lora(cfg, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
