@@ -4,7 +4,7 @@ paged caches, LoRA of 16 adapters over every band. Prints each one's median time
 at, to judge a kernel change in isolation (docs/performance.md quotes it); the engine-level figures come from
 scripts/bench.py.
 
-    .venv/bin/python scripts/bench_kernels.py                       # SmolLM2-135M, ~1 min
+    .venv/bin/python scripts/bench_kernels.py                       # SmolLM2-135M, ~15 s
     .venv/bin/python scripts/bench_kernels.py --kernels linear --rows 1,32,128
 """
 import argparse
@@ -18,6 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from backend.lora.format import module_shape                   # noqa: E402
+from backend.lora.slots import BANDS, PROJS, proj_shape        # noqa: E402
 from backend.model.config import ModelConfig                   # noqa: E402
 from kernels import cpu_ext                                    # noqa: E402
 
@@ -36,8 +38,7 @@ def median_ms(fn, rounds: int) -> float:
 
 
 def bench_linear(cfg: ModelConfig, rows: list[int], rounds: int) -> None:
-    shapes = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
-              (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)]
+    shapes = [proj_shape(cfg, proj) for proj in PROJS]                  # (in_dim, out_dim)
     layers = [[cpu_ext.pack_linear(torch.randn(n, k)) for k, n in shapes] for _ in range(cfg.num_layers)]
     head = cpu_ext.pack_linear(torch.randn(cfg.vocab_size // 16 * 16, cfg.hidden_size))
     weight_bytes = 4 * sum(p.numel() for ps in layers for p in ps) + 4 * head.numel()
@@ -76,13 +77,12 @@ def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds
 
 
 def bench_lora(cfg: ModelConfig, rounds: int) -> None:
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    bands = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    bands = [module_shape(cfg, module) for modules in BANDS.values() for module in modules]   # (in_dim, out_dim)
     num_slots, max_rank = len(LORA_RANKS), max(LORA_RANKS)
     layers = [(torch.randn(num_slots, max_rank, i).half() * 0.05,
                (torch.randn(num_slots, max_rank, o).half() * 0.05).transpose(1, 2))
               for _ in range(cfg.num_layers) for i, o in bands]
-    starts, slots = list(range(0, 2 * num_slots + 1, 2)), list(range(num_slots))
+    starts, slots, ranks = list(range(0, 2 * num_slots + 1, 2)), list(range(num_slots)), list(LORA_RANKS)
     xs = {i: torch.randn(2 * num_slots, i) for i, _ in bands}
     outs = {o: torch.zeros(2 * num_slots, o) for _, o in bands}
     adapter_bytes = 2 * sum(r * (i + o) for r in LORA_RANKS for i, o in bands) * cfg.num_layers
@@ -90,7 +90,7 @@ def bench_lora(cfg: ModelConfig, rounds: int) -> None:
 
     def step():
         for a, b in layers:
-            module.lora_apply(xs[a.shape[2]], a, b, starts, slots, list(LORA_RANKS), outs[b.shape[1]])
+            module.lora_apply(xs[a.shape[2]], a, b, starts, slots, ranks, outs[b.shape[1]])
     ms = median_ms(step, rounds)
     print(f"lora      {num_slots:4d} fp16 adapters (ranks 8-64, 2 tokens each, 7 modules)  {ms:7.1f} ms  "
           f"{adapter_bytes / ms / 1e6:5.1f} GB/s")

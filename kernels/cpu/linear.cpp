@@ -18,7 +18,6 @@ namespace {
 constexpr int64_t kPanel = 16;       // output columns per panel: two 8-float vectors
 constexpr int64_t kTileRows = 6;     // 12 accumulators + 2 panel vectors + 1 broadcast of the 16 registers
 constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in turn; with the next one, in L2
-constexpr int64_t kLine = 64;
 
 // y[0:R, 0:16] = x[0:R] @ panel (+ bias), x rows K apart, y rows N apart; meanwhile pulls num_lines lines from
 // prefetch on into the cache, spread evenly over the k loop.
@@ -33,7 +32,7 @@ void tile(const float* x, int64_t K, const float* panel, const float* bias, floa
   for (int64_t k = 0; k < K; ++k) {
     if (--countdown == 0) {
       countdown = every;
-      if (num_issued < num_lines) _mm_prefetch(prefetch + kLine * num_issued++, _MM_HINT_T0);
+      if (num_issued < num_lines) _mm_prefetch(prefetch + vec::kLineBytes * num_issued++, _MM_HINT_T0);
     }
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
 #pragma GCC unroll 8
@@ -43,7 +42,7 @@ void tile(const float* x, int64_t K, const float* panel, const float* bias, floa
       acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
     }
   }
-  for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + kLine * num_issued, _MM_HINT_T0);
+  for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + vec::kLineBytes * num_issued, _MM_HINT_T0);
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -94,7 +93,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
           const int64_t line = std::min(num_next_lines, call * lines_per_call);
           const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
           kTiles[rows](xp + m * K, K, wp + p * K * kPanel, bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N,
-                       next + kLine * line, num_lines);
+                       next + vec::kLineBytes * line, num_lines);
         }
       }
     }

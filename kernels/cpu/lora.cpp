@@ -66,9 +66,9 @@ void expand_rows(const float* h, int64_t h_stride, const W* rows, int64_t row_st
   for (int i = 0; i < N; ++i)
     for (int r = 0; r < R; ++r) hr[i][r] = h[i * h_stride + r];
   const int64_t vec_width = width / 8 * 8;
-  constexpr int64_t kLineElems = 64 / sizeof(W);
+  constexpr int64_t kLineValues = vec::kLineBytes / sizeof(W);
   for (int64_t c = 0; c < vec_width; c += 8) {
-    if (c % kLineElems == 0)                   // the next rows' same line, on the way (a prefetch never faults)
+    if (c % kLineValues == 0)                  // the next rows' same line, on the way (a prefetch never faults)
       for (int r = 0; r < R; ++r) __builtin_prefetch(rows + (R + r) * row_stride + c);
     vec::vec8 w[R];
     for (int r = 0; r < R; ++r) w[r] = vec::load8(rows + r * row_stride + c);

@@ -33,7 +33,7 @@ template <typename T>
 inline void prefetch_rows(const T* page, int64_t first_row, int64_t num_rows, const Shape& s) {
   if (page == nullptr || num_rows <= 0) return;
   const char* bytes = reinterpret_cast<const char*>(page + first_row * s.head_dim);
-  for (int64_t i = 0; i < num_rows * s.head_dim * static_cast<int64_t>(sizeof(T)); i += 64)
+  for (int64_t i = 0; i < num_rows * s.head_dim * static_cast<int64_t>(sizeof(T)); i += vec::kLineBytes)
     __builtin_prefetch(bytes + i);
 }
 

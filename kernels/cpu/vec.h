@@ -18,6 +18,7 @@
 namespace vec {
 
 using vec8 = float __attribute__((vector_size(32), aligned(4)));   // unaligned loads and stores
+constexpr int64_t kLineBytes = 64;                                 // the unit a prefetch pulls in
 
 inline __m256 m(vec8 x) { return reinterpret_cast<__m256>(x); }
 inline vec8 v(__m256 x) { return reinterpret_cast<vec8>(x); }
@@ -56,7 +57,7 @@ template <int N, bool kPrefetchNext = false, typename X, typename R>
 inline vec8 dot_tile(const X* x, int64_t x_stride, const R* rows, int64_t row_stride, int64_t n) {
   static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N divides 8");
   constexpr int kRows = 8 / N;
-  constexpr int64_t kLineValues = 64 / sizeof(R);
+  constexpr int64_t kLineValues = kLineBytes / sizeof(R);
   vec8 acc[8] = {};
   for (int64_t k = 0; k < n; k += 8) {
     if (kPrefetchNext && k % kLineValues == 0)
