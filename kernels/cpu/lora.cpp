@@ -4,7 +4,7 @@
 // be narrower than x (fp16 adapters beside an fp32 model): they are widened on load, sums run in fp32. Short
 // segments (decode steps) run as loops that read each adapter row once per pair of tokens; long ones (prompt
 // chunks) as two GEMMs.
-#include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -16,7 +16,8 @@
 namespace {
 
 constexpr int64_t kGemmMinTokens = 16;
-constexpr int64_t kColumnChunk = 256;         // output columns per expand work item
+constexpr int64_t kMaxWidth = 2048;           // output columns per expand item at most: its sums stay in L1
+constexpr int64_t kItemsPerThread = 4;        // expand items per thread at least, where the columns allow
 constexpr int kRowBlock = 4;                  // adapter rows per pass over them
 
 // Tokens are taken N = 2 at a time where a segment has two left (decode steps share an adapter among a few
@@ -27,16 +28,21 @@ struct Segment {
   int64_t begin, end, slot, rank;
 };
 
+struct Chunk {                                // an expand item: the columns [begin, begin + width) of a segment
+  int64_t segment, begin, width;
+};
+
 template <typename T>
 void accumulate(T* out, float sum) {                            // rounded to T as in the reference: out + T(sum)
   *out = static_cast<T>(static_cast<float>(*out) + static_cast<float>(static_cast<T>(sum)));
 }
 
 // h_i[j] = x_i . A[j] for N tokens i (x_stride, h_stride apart) and j < rank: 8 / N rows at a time, so eight sums
-// run side by side; the columns past the last multiple of 8 in scalar code.
+// run side by side, each block prefetching the next one (after the last, `next`: the rows read after these); the
+// columns past the last multiple of 8 in scalar code.
 template <int N, typename T, typename W>
 void shrink_tokens(const T* x, int64_t x_stride, const W* a, int64_t a_row_stride, int64_t in_dim, int64_t rank,
-                   float* h, int64_t h_stride) {
+                   float* h, int64_t h_stride, const W* next) {
   constexpr int kRows = 8 / N;
   const int64_t vec_dim = in_dim / 8 * 8;
   auto tail = [&](const T* xi, const W* row) {
@@ -46,7 +52,8 @@ void shrink_tokens(const T* x, int64_t x_stride, const W* a, int64_t a_row_strid
   };
   int64_t j = 0;
   for (; j + kRows <= rank; j += kRows) {
-    const vec::vec8 sums = vec::dot_tile<N, true>(x, x_stride, a + j * a_row_stride, a_row_stride, vec_dim);
+    const W* ahead = j + kRows < rank ? a + (j + kRows) * a_row_stride : next;
+    const vec::vec8 sums = vec::dot_tile<N>(x, x_stride, a + j * a_row_stride, a_row_stride, vec_dim, ahead);
     for (int i = 0; i < N; ++i)
       for (int r = 0; r < kRows; ++r)
         h[i * h_stride + j + r] = sums[i * kRows + r] + tail(x + i * x_stride, a + (j + r) * a_row_stride);
@@ -58,18 +65,19 @@ void shrink_tokens(const T* x, int64_t x_stride, const W* a, int64_t a_row_strid
 }
 
 // sums_i[o] += sum_r h_i[r] * rows[r][o] for N tokens i, R rows r and the columns o < width: the rows read along
-// their contiguous columns, the R products of a column summed in registers before one read-modify-write of sums.
+// their contiguous columns, the R products of a column summed in registers before one read-modify-write of sums;
+// meanwhile the R rows at `next` (row_stride apart, read after these) are pulled into the cache.
 template <int N, int R, typename W>
-void expand_rows(const float* h, int64_t h_stride, const W* rows, int64_t row_stride, int64_t width,
-                 float (*sums)[kColumnChunk]) {
+void expand_rows(const float* h, int64_t h_stride, const W* rows, int64_t row_stride, int64_t width, const W* next,
+                 float (*sums)[kMaxWidth]) {
   float hr[N][R];
   for (int i = 0; i < N; ++i)
     for (int r = 0; r < R; ++r) hr[i][r] = h[i * h_stride + r];
   const int64_t vec_width = width / 8 * 8;
   constexpr int64_t kLineValues = vec::kLineBytes / sizeof(W);
   for (int64_t c = 0; c < vec_width; c += 8) {
-    if (c % kLineValues == 0)                  // the next rows' same line, on the way (a prefetch never faults)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(rows + (R + r) * row_stride + c);
+    if (next && c % kLineValues == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * row_stride + c);
     vec::vec8 w[R];
     for (int r = 0; r < R; ++r) w[r] = vec::load8(rows + r * row_stride + c);
     for (int i = 0; i < N; ++i) {
@@ -83,59 +91,101 @@ void expand_rows(const float* h, int64_t h_stride, const W* rows, int64_t row_st
       for (int r = 0; r < R; ++r) sums[i][o] += hr[i][r] * static_cast<float>(rows[r * row_stride + o]);
 }
 
-// out_i[o] += h_i @ B^T[:rank, o] for N tokens i and the columns o < width (<= kColumnChunk) of one chunk: the
-// rank rows kRowBlock at a time, the sums in an fp32 row per token (in L1), added to out at the end.
+// out_i[o] += h_i @ B^T[:rank, o] for N tokens i and the columns o < width (<= kMaxWidth) of one chunk: the rank
+// rows kRowBlock at a time (`next`: the rows read after them), the sums in an fp32 row per token (in L1), added to
+// out at the end.
 template <int N, typename T, typename W>
 void expand_tokens(const float* h, int64_t h_stride, const W* b, int64_t b_row_stride, int64_t rank, int64_t width,
-                   T* out, int64_t out_stride) {
-  alignas(32) float sums[N][kColumnChunk] = {};
+                   T* out, int64_t out_stride, const W* next) {
+  alignas(32) float sums[N][kMaxWidth];
+  for (int i = 0; i < N; ++i) std::fill(sums[i], sums[i] + width, 0.f);
   int64_t j = 0;
   for (; j + kRowBlock <= rank; j += kRowBlock)
-    expand_rows<N, kRowBlock>(h + j, h_stride, b + j * b_row_stride, b_row_stride, width, sums);
-  for (; j < rank; ++j) expand_rows<N, 1>(h + j, h_stride, b + j * b_row_stride, b_row_stride, width, sums);
+    expand_rows<N, kRowBlock>(h + j, h_stride, b + j * b_row_stride, b_row_stride, width,
+                              j + kRowBlock < rank ? b + (j + kRowBlock) * b_row_stride : next, sums);
+  for (; j < rank; ++j)
+    expand_rows<N, 1>(h + j, h_stride, b + j * b_row_stride, b_row_stride, width,
+                      j + 1 < rank ? b + (j + 1) * b_row_stride : next, sums);
   for (int i = 0; i < N; ++i)
     for (int64_t o = 0; o < width; ++o) accumulate(out + i * out_stride + o, sums[i][o]);
 }
 
-// fn<N>(t) for the tokens t of a segment, in pairs while two are left.
+// fn<N>(t, last) for the tokens t of a segment, in pairs while two are left; last: the segment's last tile.
 template <typename Fn>
 void for_token_tiles(const Segment& seg, Fn&& fn) {
   int64_t t = seg.begin;
-  for (; t + kPair <= seg.end; t += kPair) fn(std::integral_constant<int, kPair>(), t);
-  for (; t < seg.end; ++t) fn(std::integral_constant<int, 1>(), t);
+  for (; t + kPair <= seg.end; t += kPair) fn(std::integral_constant<int, kPair>(), t, t + kPair == seg.end);
+  for (; t < seg.end; ++t) fn(std::integral_constant<int, 1>(), t, t + 1 == seg.end);
 }
 
-// Shrink per segment, then expand per (segment, chunk of output columns), both in parallel.
+// The items [begin, end) of `thread`'s share: contiguous, each item going to the thread its cost's midpoint falls
+// in, so that threads get about equal costs (adapter ranks differ up to 8x between segments).
+std::pair<int64_t, int64_t> share(const std::vector<int64_t>& costs, int thread, int num_threads) {
+  int64_t total = 0;
+  for (int64_t c : costs) total += c;
+  int64_t begin = 0, end = 0, before = 0;                        // 2 x midpoint x num_threads vs 2 x bound x total
+  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()); before += costs[i++]) {
+    const int64_t mid = (2 * before + costs[i]) * num_threads;
+    if (mid < 2 * thread * total) begin = i + 1;
+    if (mid < 2 * (thread + 1) * total) end = i + 1;
+  }
+  return {begin, end};
+}
+
+// Shrink per segment, then expand per chunk of a segment's output columns, in one parallel region: each thread
+// takes a share of equal cost of each, and while it reads one item's adapter rows it pulls in its next item's, so
+// its reads from memory run as one stream across items (each item's first rows came in cold before).
 template <typename T, typename W>
 void lora_segments(const T* x, const W* a, const W* b, T* out, const std::vector<Segment>& segments,
                    int64_t num_tokens, int64_t in_dim, int64_t out_dim, int64_t band_rank, int64_t x_stride,
                    int64_t out_stride, int64_t a_slot_stride, int64_t a_row_stride, int64_t b_slot_stride,
                    int64_t b_row_stride) {
   std::vector<float> h(num_tokens * band_rank, 0.f);            // [token, rank], rounded to T as in the reference
-  at::parallel_for(0, static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
+  const int64_t num_segments = static_cast<int64_t>(segments.size());
+  const int64_t max_threads = omp_get_max_threads();
+  const int64_t min_chunks = (kItemsPerThread * max_threads + num_segments - 1) / num_segments;
+  const int64_t num_chunks = std::max((out_dim + kMaxWidth - 1) / kMaxWidth,
+                                      std::min(min_chunks, (out_dim + 63) / 64));
+  const int64_t width = ((out_dim + num_chunks - 1) / num_chunks + 7) / 8 * 8;
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> shrink_costs, expand_costs;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const Segment& seg = segments[s];
+    shrink_costs.push_back(seg.rank * (seg.end - seg.begin + 1) / kPair);
+    for (int64_t o = 0; o < out_dim; o += width) {
+      chunks.push_back({s, o, std::min(width, out_dim - o)});
+      expand_costs.push_back(seg.rank * (seg.end - seg.begin + 1) / kPair * chunks.back().width);
+    }
+  }
+  auto a_rows = [&](int64_t s) { return a + segments[s].slot * a_slot_stride; };
+  auto b_rows = [&](int64_t c) { return b + segments[chunks[c].segment].slot * b_slot_stride + chunks[c].begin; };
+#pragma omp parallel
+  {
+    const int thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
+    const auto [first_segment, end_segment] = share(shrink_costs, thread, num_threads);
+    const auto [first_chunk, end_chunk] = share(expand_costs, thread, num_threads);
+    for (int64_t s = first_segment; s < end_segment; ++s) {
       const Segment& seg = segments[s];
-      for_token_tiles(seg, [&](auto n, int64_t t) {              // h[t, j] = x[t] . A[j]
-        shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, a + seg.slot * a_slot_stride, a_row_stride,
-                                          in_dim, seg.rank, h.data() + t * band_rank, band_rank);
+      const W* next = s + 1 < end_segment ? a_rows(s + 1) : nullptr;
+      for_token_tiles(seg, [&](auto n, int64_t t, bool last) {    // h[t, j] = x[t] . A[j]
+        shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, a_rows(s), a_row_stride, in_dim, seg.rank,
+                                          h.data() + t * band_rank, band_rank, last ? next : a_rows(s));
       });
       for (int64_t t = seg.begin; t < seg.end; ++t)
         for (int64_t j = 0; j < seg.rank; ++j)
           h[t * band_rank + j] = static_cast<float>(static_cast<T>(h[t * band_rank + j]));
     }
-  });
-  const int64_t num_chunks = (out_dim + kColumnChunk - 1) / kColumnChunk;
-  const int64_t num_items = static_cast<int64_t>(segments.size()) * num_chunks;
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const Segment& seg = segments[item / num_chunks];
-      const int64_t o0 = item % num_chunks * kColumnChunk, width = std::min(kColumnChunk, out_dim - o0);
-      for_token_tiles(seg, [&](auto n, int64_t t) {              // out[t, chunk] += h[t] @ B^T[:rank, chunk]
-        expand_tokens<decltype(n)::value>(h.data() + t * band_rank, band_rank, b + seg.slot * b_slot_stride + o0,
-                                          b_row_stride, seg.rank, width, out + t * out_stride + o0, out_stride);
+#pragma omp barrier
+    for (int64_t c = first_chunk; c < end_chunk; ++c) {
+      const Segment& seg = segments[chunks[c].segment];
+      const W* next = c + 1 < end_chunk ? b_rows(c + 1) : nullptr;
+      for_token_tiles(seg, [&](auto n, int64_t t, bool last) {    // out[t, chunk] += h[t] @ B^T[:rank, chunk]
+        expand_tokens<decltype(n)::value>(h.data() + t * band_rank, band_rank, b_rows(c), b_row_stride, seg.rank,
+                                          chunks[c].width, out + t * out_stride + chunks[c].begin, out_stride,
+                                          last ? next : b_rows(c));
       });
     }
-  });
+  }
 }
 
 }  // namespace

@@ -51,17 +51,18 @@ inline float sum1(vec8 a) {
 
 // [x_i . rows[r] for i < N, r < 8 / N] (i major) over n values (a multiple of 8): N vectors x_i, x_stride apart,
 // against 8 / N rows, row_stride apart. Eight sums side by side, so none waits on another, and each row is loaded
-// (and converted) once for all N. kPrefetchNext: the 8 / N rows after these pulled into the cache on the way, a line
-// at a time (rows read in turn, as in a GEMV; past the last row too, where a prefetch does no harm).
-template <int N, bool kPrefetchNext = false, typename X, typename R>
-inline vec8 dot_tile(const X* x, int64_t x_stride, const R* rows, int64_t row_stride, int64_t n) {
+// (and converted) once for all N. prefetch (or nullptr): the 8 / N rows (row_stride apart) read next, pulled into the
+// cache on the way a line at a time, so a run of rows streams from memory as in a GEMV.
+template <int N, typename X, typename R>
+inline vec8 dot_tile(const X* x, int64_t x_stride, const R* rows, int64_t row_stride, int64_t n,
+                     const R* prefetch = nullptr) {
   static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N divides 8");
   constexpr int kRows = 8 / N;
   constexpr int64_t kLineValues = kLineBytes / sizeof(R);
   vec8 acc[8] = {};
   for (int64_t k = 0; k < n; k += 8) {
-    if (kPrefetchNext && k % kLineValues == 0)
-      for (int r = 0; r < kRows; ++r) __builtin_prefetch(rows + (kRows + r) * row_stride + k);
+    if (prefetch && k % kLineValues == 0)
+      for (int r = 0; r < kRows; ++r) __builtin_prefetch(prefetch + r * row_stride + k);
     vec8 xv[N];
     for (int i = 0; i < N; ++i) xv[i] = load8(x + i * x_stride + k);
     for (int r = 0; r < kRows; ++r) {
