@@ -111,14 +111,14 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return q
 
 
-def lora_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,
-               ranks_list: list[int], out: torch.Tensor) -> None:
-    """Semantics: for each segment s of tokens [starts[s], starts[s+1]) with slot = segments.slots[s] >= 0 and
-    r = ranks_list[slot]:  out[tokens] += (x[tokens] @ lora_a[slot, :r].T) @ lora_b[slot, :, :r].T
-    x: [num_tokens, in_dim], lora_a: [num_slots, band_rank, in_dim], lora_b: [num_slots, out_dim, band_rank] (CPU
-    slots, stored rank-major; x's dtype or a narrower one, widened on load), out: [num_tokens, out_dim] (a column
-    range of the projection's output)."""
-    load().lora_apply(x, lora_a, lora_b, segments.starts_list, segments.slots_list, ranks_list, out)
+def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
+    """Semantics: for each band i of the projection (backend/lora/slots.Projection) and each segment s of tokens
+    [starts[s], starts[s+1]) with slot = segments.slots[s] >= 0 and r = proj.ranks[i, slot] > 0, rows = i * max_rank:
+        out[tokens, bounds[i]:bounds[i+1]] += (x[tokens] @ proj.a[slot, rows:rows + r].T)
+                                              @ proj.b[slot, bounds[i]:bounds[i+1], rows:rows + r].T
+    x: [num_tokens, in_dim], proj.a: [num_slots, cap, in_dim], proj.b: [num_slots, out_dim, cap] (CPU slots, stored
+    rank-major; x's dtype or a narrower one, widened on load), out: [num_tokens, out_dim]."""
+    load().lora_apply(x, proj.a, proj.b, proj.ranks, proj.bounds, proj.max_rank, segments.starts, segments.slots, out)
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

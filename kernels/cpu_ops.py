@@ -1,14 +1,15 @@
 """The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for decode attention, which reads the paged cache
 in place instead of gathering each context into a padded copy, and the elementwise work of a layer fused into
-single passes, LoRA shrink + expand per module band; fp32 GEMMs over weights in column panels (cpu_ext.panel_linear),
-other dtypes on weights prepacked for oneDNN; the torch reference for prefill attention."""
+single passes, LoRA shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column
+panels (cpu_ext.panel_linear), other dtypes on weights prepacked for oneDNN; the torch reference for prefill
+attention."""
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext
-from kernels.cpu_ext import add_rms_norm, rotary_and_cache, silu_and_mul
+from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
 from kernels.metadata import AttentionMetadata
-from kernels.reference import active_bands, prefill_attention, step_plan
+from kernels.reference import prefill_attention, step_plan
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
            "lora_apply"]
@@ -62,8 +63,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                               sliding_window)
     return out
 
-
-def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
-    """Semantics: kernels.reference.lora_apply (the compiled shrink + expand once per band with a rank)."""
-    for band in active_bands(proj, segments):
-        cpu_ext.lora_apply(x, band.a, band.b, segments, band.ranks, band.ranks_list, out[:, slice(*band.columns)])

@@ -19,7 +19,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from backend.lora.format import module_shape                   # noqa: E402
-from backend.lora.slots import BANDS, PROJS, proj_shape        # noqa: E402
+from backend.lora.batch import LoraSegments                    # noqa: E402
+from backend.lora.slots import BANDS, MAX_BANDS, PROJS, DeviceSlots, proj_shape   # noqa: E402
 from backend.model.config import ModelConfig                   # noqa: E402
 from kernels import cpu_ext                                    # noqa: E402
 
@@ -77,20 +78,24 @@ def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds
 
 
 def bench_lora(cfg: ModelConfig, rounds: int) -> None:
-    bands = [module_shape(cfg, module) for modules in BANDS.values() for module in modules]   # (in_dim, out_dim)
     num_slots, max_rank = len(LORA_RANKS), max(LORA_RANKS)
-    layers = [(torch.randn(num_slots, max_rank, i).half() * 0.05,
-               (torch.randn(num_slots, max_rank, o).half() * 0.05).transpose(1, 2))
-              for _ in range(cfg.num_layers) for i, o in bands]
-    starts, slots, ranks = list(range(0, 2 * num_slots + 1, 2)), list(range(num_slots)), list(LORA_RANKS)
-    xs = {i: torch.randn(2 * num_slots, i) for i, _ in bands}
-    outs = {o: torch.zeros(2 * num_slots, o) for _, o in bands}
+    slots = DeviceSlots(cfg, num_slots, max_rank, torch.float16, rank_major_a=False)       # as the CPU path has it
+    for layer in range(cfg.num_layers):
+        for proj in PROJS:
+            slots.a[layer][proj].normal_(0, 0.05)
+            slots.b[layer][proj].normal_(0, 0.05)
+    for band in range(MAX_BANDS):
+        slots.ranks[:, :, band] = torch.tensor(LORA_RANKS, dtype=torch.int32)
+    segments = LoraSegments.from_token_slots([slot for slot in range(num_slots) for _ in range(2)])
+    xs = {proj: torch.randn(2 * num_slots, proj_shape(cfg, proj)[0]) for proj in PROJS}
+    outs = {proj: torch.zeros(2 * num_slots, proj_shape(cfg, proj)[1]) for proj in PROJS}
+    bands = [module_shape(cfg, module) for modules in BANDS.values() for module in modules]   # (in_dim, out_dim)
     adapter_bytes = 2 * sum(r * (i + o) for r in LORA_RANKS for i, o in bands) * cfg.num_layers
-    module = cpu_ext.load()
 
     def step():
-        for a, b in layers:
-            module.lora_apply(xs[a.shape[2]], a, b, starts, slots, ranks, outs[b.shape[1]])
+        for projections in slots.projections:
+            for proj, projection in projections.items():
+                cpu_ext.lora_apply(xs[proj], projection, segments, outs[proj])
     ms = median_ms(step, rounds)
     print(f"lora      {num_slots:4d} fp16 adapters (ranks 8-64, 2 tokens each, 7 modules)  {ms:7.1f} ms  "
           f"{adapter_bytes / ms / 1e6:5.1f} GB/s")

@@ -1,9 +1,9 @@
-// LoRA for one module band, shrink and expand in one call: out[t] += (x[t] @ A[slot, :r].T) @ B[slot, :, :r].T for
-// the tokens of each segment with an adapter slot. The slots for this path store A row-major [cap, in_dim] and B
-// rank-major (B^T [cap, out_dim], see backend/lora/slots.py), so both loops run along contiguous rows. A and B may
-// be narrower than x (fp16 adapters beside an fp32 model): they are widened on load, sums run in fp32. Short
-// segments (decode steps) run as loops that read each adapter row once per pair of tokens; long ones (prompt
-// chunks) as two GEMMs.
+// LoRA for every module band of a projection, shrink and expand in one call: for each band i, out[t, band i's
+// columns] += (x[t] @ A[slot, band i's rows].T) @ B[slot, band i's columns, band i's rows].T for the tokens t of each
+// segment with an adapter slot. The slots for this path store A row-major [cap, in_dim] and B rank-major (B^T [cap,
+// out_dim], see backend/lora/slots.py), so both loops run along contiguous rows. A and B may be narrower than x (fp16
+// adapters beside an fp32 model): they are widened on load, sums run in fp32. Short segments (decode steps) run as
+// loops that read each adapter row once per pair of tokens; long ones (prompt chunks) as two GEMMs.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -24,12 +24,14 @@ constexpr int kRowBlock = 4;                  // adapter rows per pass over them
 // sequences), so every adapter row is loaded and widened once per pair, not once per token.
 constexpr int kPair = 2;
 
-struct Segment {
-  int64_t begin, end, slot, rank;
+struct Piece {                                // one band of one segment: its tokens, the adapter's rows and columns
+  int64_t begin, end, rank;                   // tokens [begin, end), rank rows
+  int64_t a_offset, b_offset;                 // A's first row, B^T's first row at the band's first column
+  int64_t h_column, column, width;            // the band's first rank column of h, its output columns
 };
 
-struct Chunk {                                // an expand item: the columns [begin, begin + width) of a segment
-  int64_t segment, begin, width;
+struct Chunk {                                // an expand item: the columns [begin, begin + width) of a piece's band
+  int64_t piece, begin, width;
 };
 
 template <typename T>
@@ -110,16 +112,16 @@ void expand_tokens(const float* h, int64_t h_stride, const W* b, int64_t b_row_s
     for (int64_t o = 0; o < width; ++o) accumulate(out + i * out_stride + o, sums[i][o]);
 }
 
-// fn<N>(t, last) for the tokens t of a segment, in pairs while two are left; last: the segment's last tile.
+// fn<N>(t, last) for the tokens t of a piece, in pairs while two are left; last: the piece's last tile.
 template <typename Fn>
-void for_token_tiles(const Segment& seg, Fn&& fn) {
-  int64_t t = seg.begin;
-  for (; t + kPair <= seg.end; t += kPair) fn(std::integral_constant<int, kPair>(), t, t + kPair == seg.end);
-  for (; t < seg.end; ++t) fn(std::integral_constant<int, 1>(), t, t + 1 == seg.end);
+void for_token_tiles(const Piece& piece, Fn&& fn) {
+  int64_t t = piece.begin;
+  for (; t + kPair <= piece.end; t += kPair) fn(std::integral_constant<int, kPair>(), t, t + kPair == piece.end);
+  for (; t < piece.end; ++t) fn(std::integral_constant<int, 1>(), t, t + 1 == piece.end);
 }
 
 // The items [begin, end) of `thread`'s share: contiguous, each item going to the thread its cost's midpoint falls
-// in, so that threads get about equal costs (adapter ranks differ up to 8x between segments).
+// in, so that threads get about equal costs (adapter ranks differ up to 8x between pieces).
 std::pair<int64_t, int64_t> share(const std::vector<int64_t>& costs, int thread, int num_threads) {
   int64_t total = 0;
   for (int64_t c : costs) total += c;
@@ -132,56 +134,56 @@ std::pair<int64_t, int64_t> share(const std::vector<int64_t>& costs, int thread,
   return {begin, end};
 }
 
-// Shrink per segment, then expand per chunk of a segment's output columns, in one parallel region: each thread
-// takes a share of equal cost of each, and while it reads one item's adapter rows it pulls in its next item's, so
-// its reads from memory run as one stream across items (each item's first rows came in cold before).
+// Shrink per piece, then expand per chunk of a piece's output columns, in one parallel region: each thread takes a
+// share of equal cost of each, and while it reads one item's adapter rows it pulls in its next item's, so its reads
+// from memory run as one stream across items (each item's first rows came in cold otherwise).
 template <typename T, typename W>
-void lora_segments(const T* x, const W* a, const W* b, T* out, const std::vector<Segment>& segments,
-                   int64_t num_tokens, int64_t in_dim, int64_t out_dim, int64_t band_rank, int64_t x_stride,
-                   int64_t out_stride, int64_t a_slot_stride, int64_t a_row_stride, int64_t b_slot_stride,
-                   int64_t b_row_stride) {
-  std::vector<float> h(num_tokens * band_rank, 0.f);            // [token, rank], rounded to T as in the reference
-  const int64_t num_segments = static_cast<int64_t>(segments.size());
-  const int64_t max_threads = omp_get_max_threads();
-  const int64_t min_chunks = (kItemsPerThread * max_threads + num_segments - 1) / num_segments;
-  const int64_t num_chunks = std::max((out_dim + kMaxWidth - 1) / kMaxWidth,
-                                      std::min(min_chunks, (out_dim + 63) / 64));
-  const int64_t width = ((out_dim + num_chunks - 1) / num_chunks + 7) / 8 * 8;
+void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<Piece>& pieces, int64_t num_tokens,
+                 int64_t in_dim, int64_t x_stride, int64_t out_stride, int64_t h_stride, int64_t a_row_stride,
+                 int64_t b_row_stride) {
+  std::vector<float> h(num_tokens * h_stride, 0.f);             // [token, cap], rounded to T as in the reference
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  const int64_t min_chunks = (kItemsPerThread * omp_get_max_threads() + num_pieces - 1) / num_pieces;
   std::vector<Chunk> chunks;
   std::vector<int64_t> shrink_costs, expand_costs;
-  for (int64_t s = 0; s < num_segments; ++s) {
-    const Segment& seg = segments[s];
-    shrink_costs.push_back(seg.rank * (seg.end - seg.begin + 1) / kPair);
-    for (int64_t o = 0; o < out_dim; o += width) {
-      chunks.push_back({s, o, std::min(width, out_dim - o)});
-      expand_costs.push_back(seg.rank * (seg.end - seg.begin + 1) / kPair * chunks.back().width);
+  for (int64_t p = 0; p < num_pieces; ++p) {
+    const Piece& piece = pieces[p];
+    const int64_t cost = piece.rank * ((piece.end - piece.begin + 1) / kPair);
+    const int64_t num_chunks = std::max((piece.width + kMaxWidth - 1) / kMaxWidth,
+                                        std::min(min_chunks, (piece.width + 63) / 64));
+    const int64_t width = ((piece.width + num_chunks - 1) / num_chunks + 7) / 8 * 8;
+    shrink_costs.push_back(cost);
+    for (int64_t o = 0; o < piece.width; o += width) {
+      chunks.push_back({p, o, std::min(width, piece.width - o)});
+      expand_costs.push_back(cost * chunks.back().width);
     }
   }
-  auto a_rows = [&](int64_t s) { return a + segments[s].slot * a_slot_stride; };
-  auto b_rows = [&](int64_t c) { return b + segments[chunks[c].segment].slot * b_slot_stride + chunks[c].begin; };
+  auto b_rows = [&](int64_t c) { return b + pieces[chunks[c].piece].b_offset + chunks[c].begin; };
 #pragma omp parallel
   {
     const int thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
-    const auto [first_segment, end_segment] = share(shrink_costs, thread, num_threads);
+    const auto [first_piece, end_piece] = share(shrink_costs, thread, num_threads);
     const auto [first_chunk, end_chunk] = share(expand_costs, thread, num_threads);
-    for (int64_t s = first_segment; s < end_segment; ++s) {
-      const Segment& seg = segments[s];
-      const W* next = s + 1 < end_segment ? a_rows(s + 1) : nullptr;
-      for_token_tiles(seg, [&](auto n, int64_t t, bool last) {    // h[t, j] = x[t] . A[j]
-        shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, a_rows(s), a_row_stride, in_dim, seg.rank,
-                                          h.data() + t * band_rank, band_rank, last ? next : a_rows(s));
+    for (int64_t p = first_piece; p < end_piece; ++p) {
+      const Piece& piece = pieces[p];
+      const W* rows = a + piece.a_offset;
+      const W* next = p + 1 < end_piece ? a + pieces[p + 1].a_offset : nullptr;
+      for_token_tiles(piece, [&](auto n, int64_t t, bool last) {  // h[t, j] = x[t] . A[j]
+        shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, rows, a_row_stride, in_dim, piece.rank,
+                                          h.data() + t * h_stride + piece.h_column, h_stride, last ? next : rows);
       });
-      for (int64_t t = seg.begin; t < seg.end; ++t)
-        for (int64_t j = 0; j < seg.rank; ++j)
-          h[t * band_rank + j] = static_cast<float>(static_cast<T>(h[t * band_rank + j]));
+      for (int64_t t = piece.begin; t < piece.end; ++t)
+        for (int64_t j = piece.h_column; j < piece.h_column + piece.rank; ++j)
+          h[t * h_stride + j] = static_cast<float>(static_cast<T>(h[t * h_stride + j]));
     }
 #pragma omp barrier
     for (int64_t c = first_chunk; c < end_chunk; ++c) {
-      const Segment& seg = segments[chunks[c].segment];
+      const Piece& piece = pieces[chunks[c].piece];
       const W* next = c + 1 < end_chunk ? b_rows(c + 1) : nullptr;
-      for_token_tiles(seg, [&](auto n, int64_t t, bool last) {    // out[t, chunk] += h[t] @ B^T[:rank, chunk]
-        expand_tokens<decltype(n)::value>(h.data() + t * band_rank, band_rank, b_rows(c), b_row_stride, seg.rank,
-                                          chunks[c].width, out + t * out_stride + chunks[c].begin, out_stride,
+      for_token_tiles(piece, [&](auto n, int64_t t, bool last) {  // out[t, chunk] += h[t] @ B^T[:rank, chunk]
+        expand_tokens<decltype(n)::value>(h.data() + t * h_stride + piece.h_column, h_stride, b_rows(c),
+                                          b_row_stride, piece.rank, chunks[c].width,
+                                          out + t * out_stride + piece.column + chunks[c].begin, out_stride,
                                           last ? next : b_rows(c));
       });
     }
@@ -190,37 +192,58 @@ void lora_segments(const T* x, const W* a, const W* b, T* out, const std::vector
 
 }  // namespace
 
-// x [num_tokens, in_dim]; lora_a [num_slots, band_rank, in_dim] and lora_b [num_slots, out_dim, band_rank], views
-// of rank-major slots; out [num_tokens, out_dim], updated in place; starts [num_segments + 1], slots
-// [num_segments] (-1: no adapter), ranks [num_slots].
-void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std::vector<int64_t> starts,
-                std::vector<int64_t> slots, std::vector<int64_t> ranks, torch::Tensor out) {
+// x [num_tokens, in_dim]; lora_a [num_slots, cap, in_dim] and lora_b [num_slots, out_dim, cap], views of rank-major
+// slots; ranks [num_bands, num_slots] int32: band i has rows [i * max_rank, i * max_rank + rank) of a slot and writes
+// the columns [bounds[i], bounds[i + 1]) of out [num_tokens, out_dim], updated in place; starts [num_segments + 1],
+// slots [num_segments] int32 (-1: no adapter).
+void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
+                int64_t max_rank, torch::Tensor starts, torch::Tensor slots, torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3, "bad ranks of tensors");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
   TORCH_CHECK(lora_a.stride(2) == 1 && lora_b.stride(1) == 1, "A must be row-major, B rank-major");
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && lora_a.scalar_type() == lora_b.scalar_type(),
               "x and out share a dtype, and so do A and B");
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == static_cast<int64_t>(slots.size()) + 1, "starts, slots");
-  std::vector<Segment> short_segments;
-  for (size_t s = 0; s < slots.size(); ++s) {
-    const int64_t slot = slots[s], begin = starts[s], end = starts[s + 1];
-    if (slot < 0 || ranks[slot] == 0 || end == begin) continue;
-    const int64_t rank = ranks[slot];
-    if (end - begin >= kGemmMinTokens) {
-      auto h = x.slice(0, begin, end).mm(lora_a[slot].slice(0, 0, rank).to(x.scalar_type()).t());
-      out.slice(0, begin, end).add_(h.mm(lora_b[slot].slice(1, 0, rank).to(x.scalar_type()).t()));
-    } else {
-      short_segments.push_back({begin, end, slot, rank});
+  for (const auto& t : {ranks, bounds, starts, slots})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu(), "int32 tables on the CPU");
+  const int64_t num_bands = ranks.size(0), num_slots = lora_a.size(0), num_segments = slots.numel();
+  TORCH_CHECK(ranks.dim() == 2 && ranks.size(1) == num_slots && bounds.numel() == num_bands + 1 &&
+              starts.numel() == num_segments + 1, "ranks [num_bands, num_slots], bounds, starts");
+  TORCH_CHECK(num_bands * max_rank <= std::min(lora_a.size(1), lora_b.size(2)), "bands past the slots' rank rows");
+  const int* rank_of = ranks.data_ptr<int>();
+  const int* column = bounds.data_ptr<int>();
+  const int* start = starts.data_ptr<int>();
+  const int* slot_of = slots.data_ptr<int>();
+  TORCH_CHECK(x.size(1) == lora_a.size(2) && lora_b.size(1) == out.size(1), "x, A, B and out disagree on dims");
+  for (int64_t band = 0; band < num_bands; ++band)
+    TORCH_CHECK(0 <= column[band] && column[band] <= column[band + 1], "bounds must rise from 0");
+  TORCH_CHECK(column[num_bands] <= out.size(1), "bounds past out's columns");
+  std::vector<Piece> pieces;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t slot = slot_of[s], begin = start[s], end = start[s + 1];
+    if (slot < 0 || end == begin) continue;
+    TORCH_CHECK(slot < num_slots && 0 <= begin && begin < end && end <= x.size(0), "segment ", s, " out of range");
+    for (int64_t band = 0; band < num_bands; ++band) {
+      const int64_t rank = rank_of[band * num_slots + slot], row = band * max_rank;
+      const int64_t first = column[band], width = column[band + 1] - column[band];
+      TORCH_CHECK(0 <= rank && rank <= max_rank, "rank ", rank, " past max_rank ", max_rank);
+      if (rank == 0 || width == 0) continue;
+      if (end - begin >= kGemmMinTokens) {
+        auto h = x.slice(0, begin, end).mm(lora_a[slot].slice(0, row, row + rank).to(x.scalar_type()).t());
+        auto band_b = lora_b[slot].slice(0, first, first + width).slice(1, row, row + rank);
+        out.slice(0, begin, end).slice(1, first, first + width).add_(h.mm(band_b.to(x.scalar_type()).t()));
+      } else {
+        pieces.push_back({begin, end, rank, slot * lora_a.stride(0) + row * lora_a.stride(1),
+                          slot * lora_b.stride(0) + row * lora_b.stride(2) + first, row, first, width});
+      }
     }
   }
-  if (short_segments.empty()) return;
+  if (pieces.empty()) return;
   DISPATCH_KERNEL_TYPES(x.scalar_type(), "lora_apply", [&] {
     using T = scalar_t;
     DISPATCH_KERNEL_TYPES(lora_a.scalar_type(), "lora_apply", [&] {
-      lora_segments<T, scalar_t>(x.data_ptr<T>(), lora_a.data_ptr<scalar_t>(), lora_b.data_ptr<scalar_t>(),
-                                 out.data_ptr<T>(), short_segments, x.size(0), lora_a.size(2), lora_b.size(1),
-                                 lora_a.size(1), x.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1),
-                                 lora_b.stride(0), lora_b.stride(2));
+      lora_pieces<T, scalar_t>(x.data_ptr<T>(), lora_a.data_ptr<scalar_t>(), lora_b.data_ptr<scalar_t>(),
+                               out.data_ptr<T>(), pieces, x.size(0), lora_a.size(2), x.stride(0), out.stride(0),
+                               num_bands * max_rank, lora_a.stride(1), lora_b.stride(2));
     });
   });
 }

@@ -176,8 +176,8 @@ torch::Tensor add_rms_norm_op(torch::Tensor x, std::optional<torch::Tensor> resi
 torch::Tensor silu_and_mul_op(torch::Tensor gate_up);
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, std::vector<int64_t> starts,
-                std::vector<int64_t> slots, std::vector<int64_t> ranks, torch::Tensor out);
+void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
+                int64_t max_rank, torch::Tensor starts, torch::Tensor slots, torch::Tensor out);
 torch::Tensor pack_linear(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias);
 
@@ -186,7 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm_op, "Residual add (in place) + RMSNorm");
   m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up");
   m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache");
-  m.def("lora_apply", &lora_apply, "LoRA shrink and expand of one module band, in place");
+  m.def("lora_apply", &lora_apply, "LoRA shrink and expand of every band of a projection, in place");
   m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]");
   m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels");
 }

@@ -112,28 +112,33 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
 
 @pytest.mark.parametrize("dtype,weight_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.float16),
                                                                          (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("in_dim,out_dim", [(64, 96), (576, 1536), (70, 40)])
+@pytest.mark.parametrize("in_dim,widths", [(64, [96]), (70, [24, 8, 8]), (576, [1536, 1536]), (96, [2304])])
 @pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,), (13, 6, 1)])      # rows left past 4s and 8s
-@pytest.mark.parametrize("layout", ["decode", "mixed"])
-def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, out_dim, ranks, layout):
-    """Slots as DeviceSlots stores them for this path (A row-major, B rank-major), viewed as one band of a wider
-    projection; adapters in the model's dtype, or in 16 bits beside fp32 (the reference gets them widened)."""
-    from tests.kernels.test_lora import segments_for
-    num_slots, cap = 4, 64
-    ranks_list = list(ranks) + [0] * (num_slots - len(ranks))
-    a = (torch.randn(num_slots, 2 * cap, in_dim) * 0.2).to(weight_dtype)[:, cap:]                 # the second band
-    b = (torch.randn(num_slots, 2 * cap, out_dim + 8) * 0.2).to(weight_dtype).transpose(1, 2)[:, 8:, cap:]
+@pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
+def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, widths, ranks, layout):
+    """A projection as DeviceSlots stores it for this path (A row-major, B rank-major; weights past each rank and
+    outside each band random, so reading them fails), each band at its own ranks: one band (o, down), three (qkv),
+    two wide ones (gate_up) and one past an expand item's 2048 columns; adapters in the model's dtype, or in 16 bits
+    beside fp32 (the reference gets them widened). Layouts: decode tokens, prompt chunks (a GEMM past 16 tokens),
+    and many short segments, which the threads share by cost."""
+    from tests.kernels.test_lora import random_projection, segments_for
+    num_slots, max_rank = 4, 64
+    slot_ranks = list(ranks) + [0] * (num_slots - len(ranks))
+    band_ranks = [slot_ranks[i:] + slot_ranks[:i] for i in range(len(widths))]     # each band its own ranks
+    proj = random_projection(band_ranks, max_rank, in_dim, widths, weight_dtype, rank_major=True, a_rank_major=False)
+    widened = random_projection(band_ranks, max_rank, in_dim, widths, dtype, rank_major=True, a_rank_major=False)
+    widened.a.copy_(proj.a)
+    widened.b.copy_(proj.b)
     last = len(ranks) - 1
     tokens = {"decode": [(1, 0), (2, -1), (1, last), (1, 3)],            # slot 3 has rank 0 (or is unused)
-              "mixed": [(5, 0), (3, -1), (19, last), (1, min(1, last)), (7, -1), (2, 0)]}[layout]
+              "mixed": [(5, 0), (3, -1), (19, last), (1, min(1, last)), (7, -1), (2, 0)],
+              "many": [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)]}[layout]
     segments = segments_for(tokens)
     x = torch.randn(sum(n for n, _ in tokens), in_dim).to(dtype)
-    out = torch.randn(x.shape[0], out_dim + 5).to(dtype)[:, 5:]                           # a column range
-    want = out.clone()
-    reference.lora_apply_band(x, a.to(dtype), b.to(dtype), segments, torch.tensor(ranks_list, dtype=torch.int32),
-                              ranks_list, want)
-    got = out.clone()
-    cpu_ext.lora_apply(x, a, b, segments, torch.tensor(ranks_list, dtype=torch.int32), ranks_list, got)
+    out = torch.randn(x.shape[0], sum(widths) + 5).to(dtype)
+    want, got = out.clone()[:, 5:], out.clone()[:, 5:]                                  # rows apart, as views
+    reference.lora_apply(x, widened, segments, want)
+    cpu_ext.lora_apply(x, proj, segments, got)
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
