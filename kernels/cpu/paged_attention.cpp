@@ -182,11 +182,14 @@ torch::Tensor pack_linear(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Paged decode attention read in place");
-  m.def("add_rms_norm", &add_rms_norm_op, "Residual add (in place) + RMSNorm");
-  m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up");
-  m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache");
-  m.def("lora_apply", &lora_apply, "LoRA shrink and expand of every band of a projection, in place");
-  m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]");
-  m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels");
+  // Every op lets go of the GIL while it computes: a server's other Python threads (its request handler parsing an
+  // adapter upload, its responder) would otherwise wait out each of them, a prefill step's GEMMs included.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, "Paged decode attention read in place", no_gil);
+  m.def("add_rms_norm", &add_rms_norm_op, "Residual add (in place) + RMSNorm", no_gil);
+  m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up", no_gil);
+  m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache", no_gil);
+  m.def("lora_apply", &lora_apply, "LoRA shrink and expand of every band of a projection, in place", no_gil);
+  m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]", no_gil);
+  m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels", no_gil);
 }

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,35 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
     assert torch.equal(panels, weight.view(-1, 16, in_dim).transpose(1, 2))
     torch.testing.assert_close(cpu_ext.panel_linear(x, panels, bias), torch.nn.functional.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["panel_linear", "add_rms_norm"])
+def test_compiled_ops_let_other_python_threads_run_while_they_compute(op):
+    """A server parses uploads and sends answers on Python threads beside the stepping one: while an op computes,
+    another thread's Python keeps running. Holding the GIL, the op left that thread one gap as long as itself."""
+    if op == "panel_linear":
+        x, panels = torch.randn(1024, 1536), cpu_ext.pack_linear(torch.randn(8192, 1536))
+        call = lambda: cpu_ext.panel_linear(x, panels, None)            # noqa: E731
+    else:
+        x, residual, weight = torch.randn(1 << 22, 64), torch.randn(1 << 22, 64), torch.randn(64)
+        call = lambda: cpu_ext.add_rms_norm(x, residual, weight, 1e-6)  # noqa: E731
+    call()
+    window = []
+
+    def timed():
+        start = time.perf_counter()
+        call()
+        window.extend([start, time.perf_counter()])
+    worker = threading.Thread(target=timed)
+    ticks = [time.perf_counter()]
+    worker.start()
+    while worker.is_alive():                     # wakes every millisecond, and needs the GIL to note it
+        time.sleep(0.001)
+        ticks.append(time.perf_counter())
+    worker.join()
+    duration = window[1] - window[0]
+    longest_gap = max(b - a for a, b in zip(ticks, ticks[1:]))
+    assert duration > 0.05 and longest_gap < duration / 2, (duration, longest_gap)
 
 
 @pytest.mark.parametrize("dtype,out_dim,layout", [(torch.float32, 960, "panels"), (torch.float32, 40, "dense"),
