@@ -162,7 +162,7 @@ def test_compiled_ops_let_other_python_threads_run_while_they_compute(op):
     """A server parses uploads and sends answers on Python threads beside the stepping one: while an op computes,
     another thread's Python keeps running. Holding the GIL, the op left that thread one gap as long as itself."""
     if op == "panel_linear":
-        x, panels = torch.randn(1024, 1536), cpu_ext.pack_linear(torch.randn(8192, 1536))
+        x, panels = torch.randn(2048, 1536), cpu_ext.pack_linear(torch.randn(8192, 1536))
         call = lambda: cpu_ext.panel_linear(x, panels, None)            # noqa: E731
     else:
         x, residual, weight = torch.randn(1 << 22, 64), torch.randn(1 << 22, 64), torch.randn(64)
