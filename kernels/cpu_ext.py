@@ -121,6 +121,14 @@ def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
     load().lora_apply(x, proj.a, proj.b, proj.ranks, proj.bounds, proj.max_rank, segments.starts, segments.slots, out)
 
 
+def linear_lora(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
+    """Semantics: out = panel_linear(x, panels, bias); lora_apply(x, proj, segments, out); return out. While the GEMM
+    computes (bound by its FMAs at a decode step's rows) it pulls into the cache the adapter rows the LoRA then reads
+    for segments of up to 3 tokens, instead of the LoRA waiting on memory for them."""
+    return load().linear_lora(x, panels, bias, proj.a, proj.b, proj.ranks, proj.bounds, proj.max_rank,
+                              segments.starts, segments.slots)
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """Semantics: weight.view(N // 16, 16, K).transpose(1, 2).contiguous()   # fp32 [N, K] -> panels [N / 16, K, 16]"""
     return load().pack_linear(weight)

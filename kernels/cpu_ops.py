@@ -1,18 +1,19 @@
 """The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for decode attention, which reads the paged cache
 in place instead of gathering each context into a padded copy, and the elementwise work of a layer fused into
 single passes, LoRA shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column
-panels (cpu_ext.panel_linear), other dtypes on weights prepacked for oneDNN; the torch reference for prefill
-attention."""
+panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter
+rows), other dtypes on weights prepacked for oneDNN; the torch reference for prefill attention."""
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
+from kernels.dispatch import compose_linear_lora
 from kernels.metadata import AttentionMetadata
 from kernels.reference import prefill_attention, step_plan
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-           "lora_apply"]
+           "lora_apply", "linear_lora"]
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear
@@ -45,6 +46,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
+    """Semantics: out = linear(x, weight, bias); lora_apply(x, proj, segments, out); return out. Over fp32 panels one
+    compiled call, whose GEMM pulls the adapter rows a decode step's LoRA reads into the cache as it computes."""
+    if weight.dim() == 3:
+        return cpu_ext.linear_lora(x, weight, bias, proj, segments)
+    return _linear_then_lora(x, weight, bias, proj, segments)
+
+
+_linear_then_lora = compose_linear_lora(linear, lora_apply)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -5,7 +5,16 @@ from types import SimpleNamespace
 import torch
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-            "lora_apply")
+            "lora_apply", "linear_lora")
+
+
+def compose_linear_lora(linear, lora_apply):
+    """linear_lora where a backend has no fused one: its GEMM, then its LoRA added in place."""
+    def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
+        out = linear(x, weight, bias)
+        lora_apply(x, proj, segments, out)
+        return out
+    return linear_lora
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
@@ -37,5 +46,7 @@ def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
     else:
         from kernels import triton_ops as module
     ops = SimpleNamespace(**{op: getattr(module, op) for op in OP_NAMES if hasattr(module, op)})
+    if not hasattr(ops, "linear_lora"):
+        ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
     ops.name = backend
     return ops

@@ -76,13 +76,15 @@ def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
 
 
 class LoraBatch:
-    """What `linear` calls for each projection: out += expand(shrink(x)) for every module band of it, from the
-    device slots."""
+    """What `linear` calls for each projection with adapters in the step: its GEMM plus expand(shrink(x)) for every
+    module band of it, from the device slots (ops.linear_lora)."""
 
     def __init__(self, slots: DeviceSlots, segments: LoraSegments, ops):
         self.slots = slots
         self.segments = segments
         self.ops = ops
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, proj: str) -> None:
-        self.ops.lora_apply(x, self.slots.projections[layer][proj], self.segments, out)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
+               proj: str) -> torch.Tensor:
+        """x @ weight^T (+ bias) + expand(shrink(x)) of every band of the projection."""
+        return self.ops.linear_lora(x, weight, bias, self.slots.projections[layer][proj], self.segments)

@@ -35,8 +35,7 @@ def rope_cos_sin(cfg: ModelConfig) -> torch.Tensor:
 def linear(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora, layer: int,
            proj: str) -> torch.Tensor:
     """x @ weight^T (+ bias) by the kernel backend's GEMM, plus each token's adapter delta for this projection."""
-    out = ops.linear(x, weight, bias)
-    if lora is not None:
-        lora.apply(x, out, layer, proj)
-    return out
+    if lora is None:
+        return ops.linear(x, weight, bias)
+    return lora.linear(x, weight, bias, layer, proj)
 

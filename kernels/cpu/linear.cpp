@@ -18,28 +18,41 @@ namespace {
 constexpr int64_t kPanel = 16;       // output columns per panel: two 8-float vectors
 constexpr int64_t kTileRows = 6;     // 12 accumulators + 2 panel vectors + 1 broadcast of the 16 registers
 constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in turn; with the next one, in L2
+constexpr int64_t kSideEvery = 8;            // k values between the points where a tile issues side prefetches
 
 // y[0:R, 0:16] = x[0:R] @ panel (+ bias), x rows K apart, y rows N apart; meanwhile pulls num_lines lines from
-// prefetch on into the cache, spread evenly over the k loop.
+// prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
 template <int R>
 void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
-          const char* prefetch, int64_t num_lines) {
+          const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / num_lines) : K + 1;
-  int64_t countdown = every, num_issued = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    if (--countdown == 0) {
-      countdown = every;
-      if (num_issued < num_lines) _mm_prefetch(prefetch + vec::kLineBytes * num_issued++, _MM_HINT_T0);
-    }
+  auto step = [&](int64_t k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * K + k);
       acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+    }
+  };
+  const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / num_lines) : K + 1;
+  int64_t countdown = every, num_issued = 0;
+  auto own_prefetch = [&] {
+    if (--countdown == 0) {
+      countdown = every;
+      if (num_issued < num_lines) _mm_prefetch(prefetch + vec::kLineBytes * num_issued++, _MM_HINT_T0);
+    }
+  };
+  if (num_side == 0) {
+    for (int64_t k = 0; k < K; ++k) own_prefetch(), step(k);
+  } else {                                         // every kSideEvery k values, the side lines due by then
+    int64_t side_owed = 0;                         // x K, so that the loop needs no division
+    for (int64_t k0 = 0; k0 < K; k0 += kSideEvery) {
+      const int64_t k_end = std::min(K, k0 + kSideEvery);
+      for (side_owed += num_side * (k_end - k0); side_owed >= K; side_owed -= K) side.prefetch_next();
+      for (int64_t k = k0; k < k_end; ++k) own_prefetch(), step(k);
     }
   }
   for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + vec::kLineBytes * num_issued, _MM_HINT_T0);
@@ -52,7 +65,8 @@ void tile(const float* x, int64_t K, const float* panel, const float* bias, floa
   }
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const char*, int64_t);
+using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const char*, int64_t,
+                     vec::LineCursor&, int64_t);
 constexpr Tile kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 }  // namespace
@@ -64,7 +78,10 @@ torch::Tensor pack_linear(torch::Tensor weight) {
   return weight.view({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
+// side: what the caller reads next (the adapters of a LoRA after this GEMM), pulled into the cache in even shares
+// of every thread's tile calls: a GEMM of a few rows is bound by its FMAs, with memory bandwidth to spare.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
+                           const std::vector<vec::Span>& side) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
@@ -79,7 +96,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   float* yp = y.data_ptr<float>();
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanel * sizeof(float)));
   const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t num_side_lines = vec::num_lines(side);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    const int64_t side_line = num_side_lines * begin / num_panels;
+    const int64_t side_share = num_side_lines * end / num_panels - side_line;
+    const int64_t side_per_call = (side_share + num_row_tiles * (end - begin) - 1) / (num_row_tiles * (end - begin));
+    vec::LineCursor cursor(side, side_line);
+    int64_t side_left = side_share;
     for (int64_t first = begin; first < end; first += group) {
       const int64_t last = std::min(end, first + group);
       const char* next = reinterpret_cast<const char*>(wp + last * K * kPanel);   // the next group, contiguous
@@ -92,11 +115,17 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
         for (int64_t p = first; p < last; ++p, ++call) {
           const int64_t line = std::min(num_next_lines, call * lines_per_call);
           const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
+          const int64_t num_side = std::min(side_left, side_per_call);
+          side_left -= num_side;
           kTiles[rows](xp + m * K, K, wp + p * K * kPanel, bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N,
-                       next + vec::kLineBytes * line, num_lines);
+                       next + vec::kLineBytes * line, num_lines, cursor, num_side);
         }
       }
     }
   });
   return y;
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
+  return panel_linear(x, panels, bias, {});
 }

@@ -178,6 +178,9 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
                 int64_t max_rank, torch::Tensor starts, torch::Tensor slots, torch::Tensor out);
+torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
+                          torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
+                          int64_t max_rank, torch::Tensor starts, torch::Tensor slots);
 torch::Tensor pack_linear(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias);
 
@@ -190,6 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up", no_gil);
   m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache", no_gil);
   m.def("lora_apply", &lora_apply, "LoRA shrink and expand of every band of a projection, in place", no_gil);
+  m.def("linear_lora", &linear_lora, "panel_linear + LoRA, the adapter rows prefetched during the GEMM", no_gil);
   m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]", no_gil);
   m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels", no_gil);
 }

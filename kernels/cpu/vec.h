@@ -4,7 +4,9 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the compiled CPU kernels need AVX2, FMA and F16C (x86-64-v3)"
@@ -19,6 +21,44 @@ namespace vec {
 
 using vec8 = float __attribute__((vector_size(32), aligned(4)));   // unaligned loads and stores
 constexpr int64_t kLineBytes = 64;                                 // the unit a prefetch pulls in
+
+// Bytes a kernel reads later, as whole cache lines; a kernel reading something else meanwhile can pull them into
+// the cache a line at a time (LineCursor), so that they come from there instead of from memory.
+struct Span {
+  const char* first_line;
+  int64_t num_lines;
+};
+
+inline Span span(const void* p, int64_t num_bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(p) / kLineBytes;
+  const auto end = (reinterpret_cast<uintptr_t>(p) + num_bytes + kLineBytes - 1) / kLineBytes;
+  return {reinterpret_cast<const char*>(begin * kLineBytes), static_cast<int64_t>(end - begin)};
+}
+
+inline int64_t num_lines(const std::vector<Span>& spans) {
+  int64_t total = 0;
+  for (const Span& s : spans) total += s.num_lines;
+  return total;
+}
+
+// The lines of `spans` in order from the line-th on.
+class LineCursor {
+ public:
+  LineCursor(const std::vector<Span>& spans, int64_t line) : span_(spans.data()), end_(spans.data() + spans.size()) {
+    while (span_ != end_ && line >= span_->num_lines) line -= (span_++)->num_lines;
+    line_ = line;
+  }
+  void prefetch_next() {
+    if (span_ == end_) return;
+    _mm_prefetch(span_->first_line + kLineBytes * line_, _MM_HINT_T1);
+    if (++line_ == span_->num_lines) ++span_, line_ = 0;
+  }
+
+ private:
+  const Span* span_;
+  const Span* end_;
+  int64_t line_ = 0;
+};
 
 inline __m256 m(vec8 x) { return reinterpret_cast<__m256>(x); }
 inline vec8 v(__m256 x) { return reinterpret_cast<vec8>(x); }

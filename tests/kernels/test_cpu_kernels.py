@@ -113,15 +113,16 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
 
 @pytest.mark.parametrize("dtype,weight_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.float16),
                                                                          (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("in_dim,widths", [(64, [96]), (70, [24, 8, 8]), (576, [1536, 1536]), (96, [2304])])
+@pytest.mark.parametrize("in_dim,widths", [(64, [96]), (70, [20, 8, 12]), (576, [1536, 1536]), (96, [2304])])
 @pytest.mark.parametrize("ranks", [(4, 64, 8), (16, 32, 48), (8,), (13, 6, 1)])      # rows left past 4s and 8s
-@pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
+@pytest.mark.parametrize("layout", ["decode", "mixed", "many", "long"])
 def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, widths, ranks, layout):
     """A projection as DeviceSlots stores it for this path (A row-major, B rank-major; weights past each rank and
     outside each band random, so reading them fails), each band at its own ranks: one band (o, down), three (qkv),
-    two wide ones (gate_up) and one past an expand item's 2048 columns; adapters in the model's dtype, or in 16 bits
-    beside fp32 (the reference gets them widened). Layouts: decode tokens, prompt chunks (a GEMM past 16 tokens),
-    and many short segments, which the threads share by cost."""
+    two wide ones (gate_up) and one past an expand item's 2048 columns, widths past multiples of 16 and 8; adapters in
+    the model's dtype, or in 16 bits beside fp32 (the reference gets them widened). Layouts: decode tokens, prompt
+    chunks (tiles of 4 and 6 tokens and what is left of them), many short segments, which the threads share by cost,
+    and segments past a piece's 64 tokens."""
     from tests.kernels.test_lora import random_projection, segments_for
     num_slots, max_rank = 4, 64
     slot_ranks = list(ranks) + [0] * (num_slots - len(ranks))
@@ -133,7 +134,8 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, widths, ranks
     last = len(ranks) - 1
     tokens = {"decode": [(1, 0), (2, -1), (1, last), (1, 3)],            # slot 3 has rank 0 (or is unused)
               "mixed": [(5, 0), (3, -1), (19, last), (1, min(1, last)), (7, -1), (2, 0)],
-              "many": [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)]}[layout]
+              "many": [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)],
+              "long": [(150, 0), (3, -1), (65, last), (64, min(1, last))]}[layout]
     segments = segments_for(tokens)
     x = torch.randn(sum(n for n, _ in tokens), in_dim).to(dtype)
     out = torch.randn(x.shape[0], sum(widths) + 5).to(dtype)
@@ -155,6 +157,31 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
     assert torch.equal(panels, weight.view(-1, 16, in_dim).transpose(1, 2))
     torch.testing.assert_close(cpu_ext.panel_linear(x, panels, bias), torch.nn.functional.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
+@pytest.mark.parametrize("num_base_rows", [0, 7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_lora_matches_linear_then_lora(layout, num_base_rows, with_bias):
+    """cpu_ext.linear_lora, whose GEMM prefetches the adapter rows of the LoRA after it, against F.linear and the
+    reference LoRA: three bands (qkv) at their own ranks, fp16 adapters beside fp32, base-only rows before them."""
+    from tests.kernels.test_lora import random_projection, segments_for
+    in_dim, widths = 96, [64, 16, 16]
+    band_ranks = [[8, 16, 0, 4], [0, 3, 0, 0], [8, 13, 16, 0]]
+    proj = random_projection(band_ranks, 16, in_dim, widths, torch.float16, rank_major=True, a_rank_major=False)
+    widened = random_projection(band_ranks, 16, in_dim, widths, torch.float32, rank_major=True, a_rank_major=False)
+    widened.a.copy_(proj.a)
+    widened.b.copy_(proj.b)
+    tokens = [(num_base_rows, -1)] * bool(num_base_rows) + {
+        "decode": [(1, 0), (2, 1), (1, 2), (1, 3)], "mixed": [(5, 0), (3, -1), (19, 2), (1, 1)],
+        "many": [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)]}[layout]
+    segments = segments_for(tokens)
+    x = torch.randn(sum(n for n, _ in tokens), in_dim)
+    weight, bias = torch.randn(sum(widths), in_dim), torch.randn(sum(widths)) if with_bias else None
+    want = torch.nn.functional.linear(x, weight, bias)
+    reference.lora_apply(x, widened, segments, want)
+    got = cpu_ext.linear_lora(x, cpu_ext.pack_linear(weight), bias, proj, segments)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("op", ["panel_linear", "add_rms_norm"])
