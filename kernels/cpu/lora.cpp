@@ -167,7 +167,8 @@ void expand_tiled(const Piece& piece, const float* h, int64_t h_stride, const W*
     for (; o < width; ++o)
       for (int64_t i = 0; i < n; ++i) {
         float sum = 0.f;
-        for (int64_t j = 0; j < piece.rank; ++j) sum += ht[i * h_stride + j] * static_cast<float>(b[j * b_row_stride + o]);
+        for (int64_t j = 0; j < piece.rank; ++j)
+          sum += ht[i * h_stride + j] * static_cast<float>(b[j * b_row_stride + o]);
         accumulate(ot + i * out_stride + o, sum);
       }
   }
@@ -207,7 +208,11 @@ template <typename T, typename W>
 void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<Piece>& pieces, int64_t num_tokens,
                  int64_t in_dim, int64_t x_stride, int64_t out_stride, int64_t h_stride, int64_t a_row_stride,
                  int64_t b_row_stride) {
-  std::vector<float> h(num_tokens * h_stride, 0.f);             // [token, cap], rounded to T as in the reference
+  // h [token, cap], rounded to T as in the reference. The expand reads only what the shrink wrote, so the buffer
+  // is reused between calls as it is: a fresh one (1.5 MB for a 2048-token step) would fault in its pages each call.
+  thread_local std::vector<float> h_buffer;
+  h_buffer.resize(std::max<size_t>(h_buffer.size(), num_tokens * h_stride));
+  float* h = h_buffer.data();
   const int64_t num_pieces = static_cast<int64_t>(pieces.size());
   const int64_t min_chunks = (kItemsPerThread * omp_get_max_threads() + num_pieces - 1) / num_pieces;
   std::vector<Chunk> chunks;
@@ -236,7 +241,7 @@ void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<P
       const W* next = p + 1 < end_piece ? a + pieces[p + 1].a_offset : nullptr;
       for_token_tiles<kShrinkTile>(piece, [&](auto n, int64_t t, bool last) {  // h[t, j] = x[t] . A[j]
         shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, rows, a_row_stride, in_dim, piece.rank,
-                                          h.data() + t * h_stride + piece.h_column, h_stride, last ? next : rows);
+                                          h + t * h_stride + piece.h_column, h_stride, last ? next : rows);
       });
       for (int64_t t = piece.begin; t < piece.end; ++t)
         for (int64_t j = piece.h_column; j < piece.h_column + piece.rank; ++j)
@@ -247,12 +252,12 @@ void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<P
       const Piece& piece = pieces[chunks[c].piece];
       const W* next = c + 1 < end_chunk ? b_rows(c + 1) : nullptr;
       if (piece.end - piece.begin >= kTiledMinTokens) {
-        expand_tiled(piece, h.data() + piece.h_column, h_stride, b_rows(c), b_row_stride, chunks[c].width,
+        expand_tiled(piece, h + piece.h_column, h_stride, b_rows(c), b_row_stride, chunks[c].width,
                      out + piece.column + chunks[c].begin, out_stride);
         continue;
       }
       for_token_tiles<kPair>(piece, [&](auto n, int64_t t, bool last) {  // out[t, chunk] += h[t] @ B^T[:rank, chunk]
-        expand_tokens<decltype(n)::value>(h.data() + t * h_stride + piece.h_column, h_stride, b_rows(c),
+        expand_tokens<decltype(n)::value>(h + t * h_stride + piece.h_column, h_stride, b_rows(c),
                                           b_row_stride, piece.rank, chunks[c].width,
                                           out + t * out_stride + piece.column + chunks[c].begin, out_stride,
                                           last ? next : b_rows(c));
