@@ -48,15 +48,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
+_linear_then_lora = compose_linear_lora(linear, lora_apply)
+
+
 def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
     """Semantics: out = linear(x, weight, bias); lora_apply(x, proj, segments, out); return out. Over fp32 panels one
     compiled call, whose GEMM pulls the adapter rows a decode step's LoRA reads into the cache as it computes."""
     if weight.dim() == 3:
         return cpu_ext.linear_lora(x, weight, bias, proj, segments)
     return _linear_then_lora(x, weight, bias, proj, segments)
-
-
-_linear_then_lora = compose_linear_lora(linear, lora_apply)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -111,6 +111,20 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     assert torch.equal(caches[3], caches[1])                              # v is copied as it is
 
 
+MANY_SEGMENTS = [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)]     # (tokens, slot), -1: base only
+
+
+def projection_and_widened(band_ranks, max_rank, in_dim, widths, weight_dtype, dtype):
+    """A projection as DeviceSlots stores it for the compiled path (A row-major, B rank-major) in weight_dtype, and
+    the same weights in dtype for the reference."""
+    from tests.kernels.test_lora import random_projection
+    proj = random_projection(band_ranks, max_rank, in_dim, widths, weight_dtype, rank_major=True, a_rank_major=False)
+    widened = random_projection(band_ranks, max_rank, in_dim, widths, dtype, rank_major=True, a_rank_major=False)
+    widened.a.copy_(proj.a)
+    widened.b.copy_(proj.b)
+    return proj, widened
+
+
 @pytest.mark.parametrize("dtype,weight_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.float16),
                                                                          (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("in_dim,widths", [(64, [96]), (70, [20, 8, 12]), (576, [1536, 1536]), (96, [2304])])
@@ -123,18 +137,15 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, widths, ranks
     the model's dtype, or in 16 bits beside fp32 (the reference gets them widened). Layouts: decode tokens, prompt
     chunks (tiles of 4 and 6 tokens and what is left of them), many short segments, which the threads share by cost,
     and segments past a piece's 64 tokens."""
-    from tests.kernels.test_lora import random_projection, segments_for
+    from tests.kernels.test_lora import segments_for
     num_slots, max_rank = 4, 64
     slot_ranks = list(ranks) + [0] * (num_slots - len(ranks))
     band_ranks = [slot_ranks[i:] + slot_ranks[:i] for i in range(len(widths))]     # each band its own ranks
-    proj = random_projection(band_ranks, max_rank, in_dim, widths, weight_dtype, rank_major=True, a_rank_major=False)
-    widened = random_projection(band_ranks, max_rank, in_dim, widths, dtype, rank_major=True, a_rank_major=False)
-    widened.a.copy_(proj.a)
-    widened.b.copy_(proj.b)
+    proj, widened = projection_and_widened(band_ranks, max_rank, in_dim, widths, weight_dtype, dtype)
     last = len(ranks) - 1
     tokens = {"decode": [(1, 0), (2, -1), (1, last), (1, 3)],            # slot 3 has rank 0 (or is unused)
               "mixed": [(5, 0), (3, -1), (19, last), (1, min(1, last)), (7, -1), (2, 0)],
-              "many": [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)],
+              "many": MANY_SEGMENTS,
               "long": [(150, 0), (3, -1), (65, last), (64, min(1, last))]}[layout]
     segments = segments_for(tokens)
     x = torch.randn(sum(n for n, _ in tokens), in_dim).to(dtype)
@@ -165,16 +176,13 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
 def test_linear_lora_matches_linear_then_lora(layout, num_base_rows, with_bias):
     """cpu_ext.linear_lora, whose GEMM prefetches the adapter rows of the LoRA after it, against F.linear and the
     reference LoRA: three bands (qkv) at their own ranks, fp16 adapters beside fp32, base-only rows before them."""
-    from tests.kernels.test_lora import random_projection, segments_for
+    from tests.kernels.test_lora import segments_for
     in_dim, widths = 96, [64, 16, 16]
     band_ranks = [[8, 16, 0, 4], [0, 3, 0, 0], [8, 13, 16, 0]]
-    proj = random_projection(band_ranks, 16, in_dim, widths, torch.float16, rank_major=True, a_rank_major=False)
-    widened = random_projection(band_ranks, 16, in_dim, widths, torch.float32, rank_major=True, a_rank_major=False)
-    widened.a.copy_(proj.a)
-    widened.b.copy_(proj.b)
+    proj, widened = projection_and_widened(band_ranks, 16, in_dim, widths, torch.float16, torch.float32)
     tokens = [(num_base_rows, -1)] * bool(num_base_rows) + {
         "decode": [(1, 0), (2, 1), (1, 2), (1, 3)], "mixed": [(5, 0), (3, -1), (19, 2), (1, 1)],
-        "many": [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)]}[layout]
+        "many": MANY_SEGMENTS}[layout]
     segments = segments_for(tokens)
     x = torch.randn(sum(n for n, _ in tokens), in_dim)
     weight, bias = torch.randn(sum(widths), in_dim), torch.randn(sum(widths)) if with_bias else None
