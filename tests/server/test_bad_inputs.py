@@ -93,25 +93,32 @@ CASES = {
 }
 
 
+LONG_STREAM = 400               # tokens of a good stream still running when a request sent after its first arrives
+
+
 @pytest.fixture(scope="module")
 def reference(new_tiny_engine):
-    """The concurrent stream's prompt and its tokens from the in-process engine the server runs."""
+    """The concurrent stream's prompt and its first LONG_STREAM tokens from the in-process engine the server runs."""
     engine = new_tiny_engine()
     prompt = random_prompts([11], 512, seed=45)[0]
-    return prompt, engine.generate([prompt], max_new_tokens=24)[0]
+    return prompt, engine.generate([prompt], max_new_tokens=LONG_STREAM)[0]
 
 
-def check_refused_while_another_stream_completes(server, reference, overrides: dict, texts: list[str]) -> None:
+def check_refused_while_another_stream_completes(server, reference, overrides: dict, texts: list[str],
+                                                 request_id: str = "", num_tokens: int = 24) -> None:
+    """A bad request (overrides on a small good one) sent once a good stream of num_tokens has begun: refused with
+    `texts` in its error, and the good stream's tokens unchanged. request_id: the id both requests carry."""
     prompt, want = reference
-    good = Stream(server.grpc_url).send(trtllm_inputs(prompt, 24, True))
+    good = Stream(server.grpc_url).send(trtllm_inputs(prompt, num_tokens, True), request_id=request_id)
+    good.wait_first()
     arrays = {k: v for k, v in (trtllm_inputs([5, 6, 7], 4, True) | overrides).items() if v is not None}
-    bad = run(server.grpc_url, arrays)
+    bad = run(server.grpc_url, arrays, request_id=request_id)
     result = good.collect()
     good.close()
     assert bad.error is not None and bad.num_final == 1 and not bad.tokens
     for text in texts:
         assert text in bad.error, bad.error
-    assert result.error is None and result.tokens == want
+    assert result.error is None and result.tokens == want[:num_tokens]
 
 
 def test_the_matrix_has_at_least_forty_cases():
@@ -132,12 +139,5 @@ def test_stop_without_a_request_id_is_refused(tiny_server, reference):
 def test_a_second_request_with_an_in_flight_id_is_refused(tiny_server, reference):
     """The first request has begun streaming and has hundreds of tokens to go when the second one arrives (24
     tokens of the tiny model could all be out before a second request is read, and it would rightly run)."""
-    prompt, want = reference
-    good = Stream(tiny_server.grpc_url).send(trtllm_inputs(prompt, 400, True), request_id="same-id")
-    good.wait_first()
-    bad = run(tiny_server.grpc_url, trtllm_inputs([5, 6, 7], 4, True), request_id="same-id")
-    result = good.collect()
-    good.close()
-    assert bad.error is not None and bad.num_final == 1 and not bad.tokens
-    assert "request_id" in bad.error and "already in flight" in bad.error, bad.error
-    assert result.error is None and result.tokens[:len(want)] == want
+    check_refused_while_another_stream_completes(tiny_server, reference, {}, ["request_id", "already in flight"],
+                                                 request_id="same-id", num_tokens=LONG_STREAM)
