@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "lora_tiles.h"
+#include "share.h"
 #include "vec.h"
 
 namespace {
@@ -50,20 +51,6 @@ template <int kMax, typename Fn>
 void for_token_tiles(const Piece& piece, Fn&& fn) {
   int64_t t = piece.begin;
   for_token_tiles<kMax>(piece, t, fn);
-}
-
-// The items [begin, end) of `thread`'s share: contiguous, each item going to the thread its cost's midpoint falls
-// in, so that threads get about equal costs (adapter ranks differ up to 8x between pieces).
-std::pair<int64_t, int64_t> share(const std::vector<int64_t>& costs, int thread, int num_threads) {
-  int64_t total = 0;
-  for (int64_t c : costs) total += c;
-  int64_t begin = 0, end = 0, before = 0;                        // 2 x midpoint x num_threads vs 2 x bound x total
-  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()); before += costs[i++]) {
-    const int64_t mid = (2 * before + costs[i]) * num_threads;
-    if (mid < 2 * thread * total) begin = i + 1;
-    if (mid < 2 * (thread + 1) * total) end = i + 1;
-  }
-  return {begin, end};
 }
 
 // Shrink per piece, then expand per chunk of a piece's output columns, in one parallel region: each thread takes a

@@ -1,20 +1,24 @@
-// Decode attention over the paged KV cache, read in place: one query per sequence, the GQA group of a KV head
-// together, so each page of K and V is read once per group. Parallel over (sequence, KV head) on ATen's pool, each
-// item's scores, softmax and sums of V on one thread; nothing at or past a sequence's length is read. Rows are read
-// 8 floats at a time (bf16 and fp16 caches converted on load); K dots run 8 positions at once so the sums do not
-// wait on each other.
-#include <ATen/Parallel.h>
+// Attention over the paged KV cache, read in place, one query row at a time: a decode row, or a prompt row as a
+// decode query over its causal prefix (kernels/cpu_ops.py gives each row its sequence's block table and its
+// position + 1 as its length). The GQA group of a KV head goes together, so each page of K and V is read once per
+// group. Threads take shares of (row, KV head) items of equal context length, each item's scores, softmax and sums
+// of V on one thread; nothing at or past a row's length is read. Rows are read 8 floats at a time (bf16 and fp16
+// caches converted on load); K dots run 8 positions at once so the sums do not wait on each other.
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "share.h"
 #include "vec.h"
 
 namespace {
 
 using vec::vec8;
+
+constexpr int64_t kItemCost = 16;   // an item's fixed work (its query, its softmax's passes) in context positions
 
 struct Shape {
   int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks, max_len;
@@ -26,42 +30,57 @@ inline const T* page_at(const T* head, const int32_t* table, int64_t start, cons
   return head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim;
 }
 
-// Rows [first_row, first_row + num_rows) of a page (or none) into the cache. Each row read from this page pulls the
-// same row of the next one, so a page's lines go out spread over the reads of the one before (the hardware
-// prefetcher stops at page edges, and a page's 64 lines in one burst stall on the few misses a core keeps in flight).
+// The lines of an item's K and V rows, positions [first, len), page by page: what the item before it pulls into the
+// cache while it computes (a page at a time ahead left the reads of each item's first pages exposed, and a step's
+// attention read its pages at half the rate memory streams).
 template <typename T>
-inline void prefetch_rows(const T* page, int64_t first_row, int64_t num_rows, const Shape& s) {
-  if (page == nullptr || num_rows <= 0) return;
-  const char* bytes = reinterpret_cast<const char*>(page + first_row * s.head_dim);
-  for (int64_t i = 0; i < num_rows * s.head_dim * static_cast<int64_t>(sizeof(T)); i += vec::kLineBytes)
-    __builtin_prefetch(bytes + i);
+void item_spans(const T* k_head, const T* v_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
+                std::vector<vec::Span>& spans) {
+  for (const T* head : {k_head, v_head})
+    for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
+      const int64_t row = std::max(first, start) - start, stop = std::min(len, start + s.block_size) - start;
+      spans.push_back(vec::span(page_at(head, table, start, s) + row * s.head_dim,
+                                (stop - row) * s.head_dim * static_cast<int64_t>(sizeof(T))));
+    }
 }
+
+// The next item's lines, spread evenly over this item's work: a unit is one position for one head of the group, in
+// the K pass and again in the V pass.
+class Ahead {
+ public:
+  Ahead(const std::vector<vec::Span>& spans, int64_t units_per_pass)
+      : cursor_(spans, 0), num_lines_(vec::num_lines(spans)), num_units_(std::max<int64_t>(1, 2 * units_per_pass)) {}
+  void advance(int64_t num_units) {
+    for (owed_ += num_units * num_lines_; owed_ >= num_units_; owed_ -= num_units_) cursor_.prefetch_next();
+  }
+
+ private:
+  vec::LineCursor cursor_;
+  int64_t num_lines_, num_units_, owed_ = 0;
+};
 
 // scores[g, p - first] = q[g] . k[p] for positions [first, len) of one (sequence, KV head); q already scaled.
 template <typename T>
 void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
-                 float* scores) {
+                 float* scores, Ahead& ahead) {
   for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
     const T* page = page_at(k_head, table, start, s);
-    const T* next = start + s.block_size < len ? page_at(k_head, table, start + s.block_size, s) : nullptr;
-    const int64_t rows_per_dot = (8 + s.group - 1) / s.group;
     int64_t p = std::max(first, start);
     const int64_t stop = std::min(len, start + s.block_size);
-    prefetch_rows(next, 0, p - start, s);
     for (; p + 8 <= stop; p += 8) {
       const T* rows = page + (p - start) * s.head_dim;
       for (int64_t g = 0; g < s.group; ++g) {
-        const int64_t row = std::min<int64_t>(8, g * rows_per_dot);
-        prefetch_rows(next, p - start + row, std::min<int64_t>(8, row + rows_per_dot) - row, s);
+        ahead.advance(8);
         *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) =
             vec::dot8(q + g * s.head_dim, rows, s.head_dim, s.head_dim);
       }
     }
     for (; p < stop; ++p) {
       const T* row = page + (p - start) * s.head_dim;
-      prefetch_rows(next, p - start, 1, s);
-      for (int64_t g = 0; g < s.group; ++g)
+      for (int64_t g = 0; g < s.group; ++g) {
+        ahead.advance(1);
         scores[g * s.max_len + (p - first)] = vec::dot1(q + g * s.head_dim, row, s.head_dim);
+      }
     }
   }
 }
@@ -69,7 +88,7 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
 // out[g] = sum_p weights[g, p - first] * v[p], 64 columns at a time held in registers.
 template <typename T>
 void item_values(const float* weights, const T* v_head, const int32_t* table, int64_t first, int64_t len,
-                 const Shape& s, T* out) {
+                 const Shape& s, T* out, Ahead& ahead) {
   constexpr int64_t kWidth = 8;                                   // vec8 columns per pass: 64 floats
   const int64_t chunks = s.head_dim / 8;
   for (int64_t g = 0; g < s.group; ++g) {
@@ -79,13 +98,9 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
       vec8 acc[kWidth] = {};
       for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
         const T* page = page_at(v_head, table, start, s);
-        const bool first_pass = g == 0 && c0 == 0;                // later passes find the pages in the cache
-        const T* next = first_pass && start + s.block_size < len ? page_at(v_head, table, start + s.block_size, s)
-                                                                 : nullptr;
         const int64_t stop = std::min(len, start + s.block_size);
-        prefetch_rows(next, 0, std::max(first, start) - start, s);
         for (int64_t p = std::max(first, start); p < stop; ++p) {
-          prefetch_rows(next, p - start, 1, s);
+          if (c0 == 0) ahead.advance(1);
           const T* row = page + (p - start) * s.head_dim + 8 * c0;
           const float wp = w[p - first];
           for (int64_t c = 0; c < width; ++c) acc[c] += wp * vec::load8(row + 8 * c);
@@ -117,28 +132,45 @@ inline void softmax_rows(float* scores, int64_t group, int64_t max_len, int64_t 
   }
 }
 
-// Per (sequence, KV head) item, on one thread: its scores, their softmax and the weighted sums of V.
+// Per (row, KV head) item, on one thread: its scores, their softmax and the weighted sums of V. Threads take
+// shares of equal cost (context positions), and each pulls its next item's pages into the cache as it computes.
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int64_t* seq_lens,
             T* out, int64_t num_seqs, Shape s, float scale, int64_t window) {
   const int64_t num_items = num_seqs * s.num_kv_heads;
   auto first_of = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : 0; };
   s.max_len = 1;
-  for (int64_t seq = 0; seq < num_seqs; ++seq) s.max_len = std::max(s.max_len, seq_lens[seq] - first_of(seq));
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> costs(num_items);
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t seq = item / s.num_kv_heads, len = seq_lens[seq] - first_of(seq);
+    s.max_len = std::max(s.max_len, len);
+    costs[item] = kItemCost + len;
+  }
+  auto spans_of = [&](int64_t item, std::vector<vec::Span>& spans) {
+    const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
+    item_spans(k_cache + h * s.cache_head_stride, v_cache + h * s.cache_head_stride,
+               block_tables + seq * s.max_blocks, first_of(seq), seq_lens[seq], s, spans);
+  };
+#pragma omp parallel
+  {
+    const auto [begin, end] = share(costs, omp_get_thread_num(), omp_get_num_threads());
     std::vector<float> qf(s.group * s.head_dim), scores(s.group * s.max_len);
+    std::vector<vec::Span> next;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t first = first_of(seq), len = seq_lens[seq];
       const T* q_group = q + (seq * s.num_heads + h * s.group) * s.head_dim;
       const int32_t* table = block_tables + seq * s.max_blocks;
+      next.clear();
+      if (item + 1 < end) spans_of(item + 1, next);
+      Ahead ahead(next, s.group * (len - first));
       for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
-      item_scores(qf.data(), k_cache + h * s.cache_head_stride, table, first, len, s, scores.data());
+      item_scores(qf.data(), k_cache + h * s.cache_head_stride, table, first, len, s, scores.data(), ahead);
       softmax_rows(scores.data(), s.group, s.max_len, len - first);
       item_values(scores.data(), v_cache + h * s.cache_head_stride, table, first, len, s,
-                  out + (seq * s.num_heads + h * s.group) * s.head_dim);
+                  out + (seq * s.num_heads + h * s.group) * s.head_dim, ahead);
     }
-  });
+  }
 }
 
 }  // namespace

@@ -20,19 +20,22 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CP
 def check(q, k_cache, v_cache, meta, dtype, sliding_window=None):
     scale = q.shape[-1] ** -0.5
     want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, sliding_window)
-    meta.torch_plan = None
     got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+SEQ_LENS = [1, 17, 45, 70, 300]
+QUERY_LENS = {"decode": [1, 1, 1, 1, 1], "whole prompts": SEQ_LENS, "prompt chunks": [1, 9, 1, 32, 64]}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_decode_matches_reference(dtype, head_dim, group, block_size):
-    seq_lens = [1, 17, 45, 70, 300]
-    check(*make_batch(seq_lens, [1] * 5, 2 * group, 2, head_dim, block_size, dtype), dtype)
+@pytest.mark.parametrize("rows", QUERY_LENS)
+def test_rows_match_reference(dtype, head_dim, group, block_size, rows):
+    check(*make_batch(SEQ_LENS, QUERY_LENS[rows], 2 * group, 2, head_dim, block_size, dtype), dtype)
 
 
 @pytest.mark.parametrize("query_lens", [[37, 18, 1, 1], [1, 1, 1, 30]])
@@ -42,9 +45,10 @@ def test_decode_rows_beside_prefill_chunks_match_reference(query_lens):
 
 
 @pytest.mark.parametrize("window", [1, 12, 100])
-def test_sliding_window_matches_reference(window):
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [40, 7, 5]])
+def test_sliding_window_matches_reference(window, query_lens):
     seq_lens = [40, 29, 5]
-    check(*make_batch(seq_lens, [1, 1, 1], 4, 2, 64, 16, torch.float32), torch.float32, sliding_window=window)
+    check(*make_batch(seq_lens, query_lens, 4, 2, 64, 16, torch.float32), torch.float32, sliding_window=window)
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 1]])
