@@ -1,4 +1,4 @@
-"""The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for decode attention, which reads the paged cache
+"""The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for attention (every row of a step), which reads the paged cache
 in place instead of gathering each context into a padded copy, and the elementwise work of a layer fused into
 single passes, LoRA shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column
 panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter
