@@ -98,15 +98,14 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
 
 @dataclass(slots=True)
 class TorchPlan:
-    """How the CPU paths split a step, built once and reused by every layer: prefill sequences one by one,
-    decode sequences (one query each) batched."""
+    """How the torch reference splits a step, built once and reused by every layer: prefill sequences one by one,
+    decode sequences (one query each) batched in a padded copy."""
     prefill_ids: list[int]
     decode_token_ids: torch.Tensor            # [num_decode] int64: each decode sequence's query row
     decode_block_tables: torch.Tensor         # [num_decode, num_blocks] int32, trimmed to the longest context
     decode_seq_lens: torch.Tensor             # [num_decode] int64
-    all_decode: bool                          # every query row is a decode row, in order
-    decode_valid: torch.Tensor | None = None  # [num_decode, num_blocks * block_size] bool: positions in the context
-    decode_padding: torch.Tensor | None = None   # [num_padding] int64: flat (sequence, position) past seq_len
+    decode_valid: torch.Tensor                # [num_decode, num_blocks * block_size] bool: positions in the context
+    decode_padding: torch.Tensor              # [num_padding] int64: flat (sequence, position) past seq_len
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> "TorchPlan":
@@ -115,15 +114,10 @@ class TorchPlan:
         prefill_ids = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] > 1]
         num_blocks = -(-max((seq_lens[s] for s in decode_ids), default=0) // block_size)
         tables = meta.block_tables[torch.tensor(decode_ids, dtype=torch.int64, device=device), :num_blocks]
+        decode_seq_lens = meta.seq_lens[decode_ids].long()
+        valid = torch.arange(num_blocks * block_size, device=device)[None, :] < decode_seq_lens[:, None]
         return cls(prefill_ids, torch.tensor([starts[s] for s in decode_ids], dtype=torch.int64, device=device),
-                   tables, meta.seq_lens[decode_ids].long(), not prefill_ids)
-
-    def build_masks(self, block_size: int) -> None:
-        """The padded decode batch's validity mask and padding positions (the torch decode path's)."""
-        context = self.decode_block_tables.shape[1] * block_size
-        self.decode_valid = torch.arange(context, device=self.decode_seq_lens.device)[None, :] < \
-            self.decode_seq_lens[:, None]
-        self.decode_padding = (~self.decode_valid).flatten().nonzero().flatten()
+                   tables, decode_seq_lens, valid, (~valid).flatten().nonzero().flatten())
 
 
 def step_plan(meta: AttentionMetadata, block_size: int) -> TorchPlan:
@@ -143,8 +137,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     prefill_attention(q, k_cache, v_cache, meta, plan, scale, sliding_window, out)
     if len(plan.decode_token_ids):
-        if plan.decode_valid is None:
-            plan.build_masks(k_cache.shape[2])
         out[plan.decode_token_ids] = _decode_attention(q[plan.decode_token_ids], k_cache, v_cache, plan, scale,
                                                        sliding_window)
     return out
