@@ -139,6 +139,12 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return load().panel_linear(x, panels, bias)
 
 
+def claim_order(costs: list[int], num_threads: int, turns: list[int]) -> list[int]:
+    """The item each turn's thread claims (-1: none left) when the items of `costs` are shared among num_threads
+    threads, as every parallel kernel here splits its work (kernels/cpu/claims.h)."""
+    return load().claim_order(costs, num_threads, turns)
+
+
 if __name__ == "__main__":
     load(verbose="-v" in sys.argv)
     print(f"[setup] compiled CPU kernels ready in {BUILD_DIR}")

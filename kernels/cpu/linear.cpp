@@ -1,16 +1,17 @@
 // fp32 projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
 // one 64-byte line. A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
-// Threads take ranges of panels; within one, a group of panels stays in L2 while each 6-row tile of x meets them in
-// turn. A step reads every weight from memory once (the layers are far larger than the caches), and those reads
-// must hide behind the FMAs: every tile call of a group prefetches its share of the next group's lines, spread
-// over its k loop, so memory and compute overlap for any number of rows (prefetching only in the first row tile's
-// pass left it memory-bound and the later passes compute-only: 32-row steps took 17% longer).
-#include <ATen/Parallel.h>
+// Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
+// reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
+// the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
+// loop, so memory and compute overlap for any number of rows (prefetching only in the first row tile's pass left it
+// memory-bound and the later passes compute-only: 32-row steps took 17% longer).
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <optional>
 
+#include "claims.h"
 #include "vec.h"
 
 namespace {
@@ -89,27 +90,33 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+  if (M == 0 || num_panels == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanel * sizeof(float)));
+  const int64_t num_groups = (num_panels + group - 1) / group;
   const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t num_side_lines = vec::num_lines(side);
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    const int64_t side_line = num_side_lines * begin / num_panels;
-    const int64_t side_share = num_side_lines * end / num_panels - side_line;
-    const int64_t side_per_call = (side_share + num_row_tiles * (end - begin) - 1) / (num_row_tiles * (end - begin));
-    vec::LineCursor cursor(side, side_line);
-    int64_t side_left = side_share;
-    for (int64_t first = begin; first < end; first += group) {
-      const int64_t last = std::min(end, first + group);
+  std::vector<int64_t> costs(num_groups);
+  for (int64_t g = 0; g < num_groups; ++g) costs[g] = std::min(group, num_panels - g * group);
+  const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
+  Claims claims(costs, num_threads);
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int thread = omp_get_thread_num();
+    for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
+      const int64_t first = g * group, last = std::min(num_panels, first + group);
       const char* next = reinterpret_cast<const char*>(wp + last * K * kPanel);   // the next group, contiguous
-      const int64_t num_next_lines = (std::min(end, last + group) - last) * K;
+      const int64_t num_next_lines = claims.is_next(thread, g + 1) ? costs[g + 1] * K : 0;
+      const int64_t side_line = num_side_lines * g / num_groups;
+      const int64_t side_share = num_side_lines * (g + 1) / num_groups - side_line;
       const int64_t num_calls = num_row_tiles * (last - first);
       const int64_t lines_per_call = (num_next_lines + num_calls - 1) / num_calls;
-      int64_t call = 0;
+      const int64_t side_per_call = (side_share + num_calls - 1) / num_calls;
+      vec::LineCursor cursor(side, side_line);
+      int64_t call = 0, side_left = side_share;
       for (int64_t m = 0; m < M; m += kTileRows) {
         const int64_t rows = std::min(kTileRows, M - m);
         for (int64_t p = first; p < last; ++p, ++call) {
@@ -122,7 +129,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
         }
       }
     }
-  });
+  }
   return y;
 }
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "lora_tiles.h"
-#include "share.h"
+#include "claims.h"
 #include "vec.h"
 
 namespace {
@@ -53,9 +53,9 @@ void for_token_tiles(const Piece& piece, Fn&& fn) {
   for_token_tiles<kMax>(piece, t, fn);
 }
 
-// Shrink per piece, then expand per chunk of a piece's output columns, in one parallel region: each thread takes a
-// share of equal cost of each, and while it reads one item's adapter rows it pulls in its next item's, so its reads
-// from memory run as one stream across items (each item's first rows came in cold otherwise).
+// Shrink per piece, then expand per chunk of a piece's output columns, in one parallel region: each thread claims
+// items of each by cost (claims.h), and while it reads one item's adapter rows it pulls in its next item's, so its
+// reads from memory run as one stream across items (each item's first rows came in cold otherwise).
 template <typename T, typename W>
 void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<Piece>& pieces, int64_t num_tokens,
                  int64_t in_dim, int64_t x_stride, int64_t out_stride, int64_t h_stride, int64_t a_row_stride,
@@ -82,15 +82,15 @@ void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<P
     }
   }
   auto b_rows = [&](int64_t c) { return b + pieces[chunks[c].piece].b_offset + chunks[c].begin; };
-#pragma omp parallel
+  const int num_threads = omp_get_max_threads();
+  Claims shrinks(shrink_costs, num_threads), expands(expand_costs, num_threads);
+#pragma omp parallel num_threads(num_threads)
   {
-    const int thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
-    const auto [first_piece, end_piece] = share(shrink_costs, thread, num_threads);
-    const auto [first_chunk, end_chunk] = share(expand_costs, thread, num_threads);
-    for (int64_t p = first_piece; p < end_piece; ++p) {
+    const int thread = omp_get_thread_num();
+    for (int64_t p = shrinks.claim(thread); p >= 0; p = shrinks.claim(thread)) {
       const Piece& piece = pieces[p];
       const W* rows = a + piece.a_offset;
-      const W* next = p + 1 < end_piece ? a + pieces[p + 1].a_offset : nullptr;
+      const W* next = shrinks.is_next(thread, p + 1) ? a + pieces[p + 1].a_offset : nullptr;
       for_token_tiles<kShrinkTile>(piece, [&](auto n, int64_t t, bool last) {  // h[t, j] = x[t] . A[j]
         shrink_tokens<decltype(n)::value>(x + t * x_stride, x_stride, rows, a_row_stride, in_dim, piece.rank,
                                           h + t * h_stride + piece.h_column, h_stride, last ? next : rows);
@@ -100,9 +100,9 @@ void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<P
           h[t * h_stride + j] = static_cast<float>(static_cast<T>(h[t * h_stride + j]));
     }
 #pragma omp barrier
-    for (int64_t c = first_chunk; c < end_chunk; ++c) {
+    for (int64_t c = expands.claim(thread); c >= 0; c = expands.claim(thread)) {
       const Piece& piece = pieces[chunks[c].piece];
-      const W* next = c + 1 < end_chunk ? b_rows(c + 1) : nullptr;
+      const W* next = expands.is_next(thread, c + 1) ? b_rows(c + 1) : nullptr;
       if (piece.end - piece.begin >= kTiledMinTokens) {
         expand_tiled(piece.begin, piece.end, h + piece.h_column, h_stride, b_rows(c), b_row_stride, piece.rank,
                      chunks[c].width, out + piece.column + chunks[c].begin, out_stride);

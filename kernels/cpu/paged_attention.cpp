@@ -1,9 +1,9 @@
 // Attention over the paged KV cache, read in place, one query row at a time: a decode row, or a prompt row as a
 // decode query over its causal prefix (kernels/cpu_ops.py gives each row its sequence's block table and its
 // position + 1 as its length). The GQA group of a KV head goes together, so each page of K and V is read once per
-// group. Threads take shares of (row, KV head) items of equal context length, each item's scores, softmax and sums
-// of V on one thread; nothing at or past a row's length is read. Rows are read 8 floats at a time (bf16 and fp16
-// caches converted on load); K dots run 8 positions at once so the sums do not wait on each other.
+// group. Threads claim (row, KV head) items, shares of equal context length first (claims.h), each item's scores,
+// softmax and sums of V on one thread; nothing at or past a row's length is read. Rows are read 8 floats at a time
+// (bf16 and fp16 caches converted on load); K dots run 8 positions at once so the sums do not wait on each other.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "share.h"
+#include "claims.h"
 #include "vec.h"
 
 namespace {
@@ -132,8 +132,8 @@ inline void softmax_rows(float* scores, int64_t group, int64_t max_len, int64_t 
   }
 }
 
-// Per (row, KV head) item, on one thread: its scores, their softmax and the weighted sums of V. Threads take
-// shares of equal cost (context positions), and each pulls its next item's pages into the cache as it computes.
+// Per (row, KV head) item, on one thread: its scores, their softmax and the weighted sums of V. Threads claim items
+// by cost (context positions), and each pulls its next item's pages into the cache as it computes.
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int64_t* seq_lens,
             T* out, int64_t num_seqs, Shape s, float scale, int64_t window) {
@@ -151,18 +151,20 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
     item_spans(k_cache + h * s.cache_head_stride, v_cache + h * s.cache_head_stride,
                block_tables + seq * s.max_blocks, first_of(seq), seq_lens[seq], s, spans);
   };
-#pragma omp parallel
+  const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_items));
+  Claims claims(costs, num_threads);
+#pragma omp parallel num_threads(num_threads)
   {
-    const auto [begin, end] = share(costs, omp_get_thread_num(), omp_get_num_threads());
+    const int thread = omp_get_thread_num();
     std::vector<float> qf(s.group * s.head_dim), scores(s.group * s.max_len);
     std::vector<vec::Span> next;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = claims.claim(thread); item >= 0; item = claims.claim(thread)) {
       const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t first = first_of(seq), len = seq_lens[seq];
       const T* q_group = q + (seq * s.num_heads + h * s.group) * s.head_dim;
       const int32_t* table = block_tables + seq * s.max_blocks;
       next.clear();
-      if (item + 1 < end) spans_of(item + 1, next);
+      if (claims.is_next(thread, item + 1)) spans_of(item + 1, next);
       Ahead ahead(next, s.group * (len - first));
       for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
       item_scores(qf.data(), k_cache + h * s.cache_head_stride, table, first, len, s, scores.data(), ahead);
@@ -228,4 +230,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_lora", &linear_lora, "panel_linear + LoRA, the adapter rows prefetched during the GEMM", no_gil);
   m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]", no_gil);
   m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels", no_gil);
+  m.def("claim_order", [](const std::vector<int64_t>& costs, int num_threads, const std::vector<int>& turns) {
+    Claims claims(costs, num_threads);
+    std::vector<int64_t> items;
+    for (int thread : turns) items.push_back(claims.claim(thread));
+    return items;
+  }, "The items threads taking turns claim (claims.h), for tests");
 }

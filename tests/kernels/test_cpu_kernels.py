@@ -1,5 +1,6 @@
 """The compiled CPU kernels (kernels/cpu_ext.py, through kernels/cpu_ops.py) against the torch reference."""
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -194,6 +195,45 @@ def test_linear_lora_matches_linear_then_lora(layout, num_base_rows, with_bias):
     reference.lora_apply(x, widened, segments, want)
     got = cpu_ext.linear_lora(x, cpu_ext.pack_linear(weight), bias, proj, segments)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_claims_give_a_thread_its_share_in_order_then_the_back_of_the_others():
+    """Shares of equal cost ([5, 1, 1, 1] and [2, 2, 2, 2]); a thread alone takes its own, then the other's from
+    the back, and -1 once every item is taken."""
+    assert cpu_ext.claim_order([5, 1, 1, 1, 2, 2, 2, 2], 2, [1] * 9) == [4, 5, 6, 7, 3, 2, 1, 0, -1]
+    assert cpu_ext.claim_order([5, 1, 1, 1, 2, 2, 2, 2], 2, [0, 1, 0, 0, 0, 1]) == [0, 4, 1, 2, 3, 5]
+
+
+def test_claims_steal_from_the_share_with_the_most_cost_left():
+    # shares of three threads: [0, 1] (cost 6), [2] (cost 6), [3, 4, 5] (cost 6); thread 2 takes its own, then
+    # the back of thread 0's (6 left) before thread 1's (6, not more), then thread 1's (6 against 1)
+    assert cpu_ext.claim_order([1, 5, 6, 2, 2, 2], 3, [2, 2, 2, 2, 2, 2, 2]) == [3, 4, 5, 1, 2, 0, -1]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_claims_hand_out_every_item_once_however_the_threads_take_turns(seed):
+    rng = random.Random(seed)
+    costs = [rng.randint(1, 50) for _ in range(rng.randint(1, 40))]
+    num_threads = rng.randint(1, 6)
+    present = rng.sample(range(num_threads), rng.randint(1, num_threads))      # the others never come
+    items = cpu_ext.claim_order(costs, num_threads, [rng.choice(present) for _ in range(len(costs) + 5)])
+    assert sorted(items[:len(costs)]) == list(range(len(costs))) and items[len(costs):] == [-1] * 5
+
+
+@pytest.mark.parametrize("op", ["panel_linear", "decode_attention", "lora_apply"])
+def test_kernels_match_reference_when_more_threads_than_cores_claim_unevenly(op):
+    """Seven threads on this machine's cores run unevenly, so they take items from each other's shares."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(7)
+    try:
+        if op == "panel_linear":
+            test_panel_linear_matches_f_linear(130, 576, 960, True)
+        elif op == "decode_attention":
+            test_rows_match_reference(torch.float32, 64, 3, 16, "whole prompts")
+        else:
+            test_lora_apply_matches_reference(torch.float32, torch.float16, 576, [1536, 1536], (16, 32, 48), "long")
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("op", ["panel_linear", "add_rms_norm"])
