@@ -24,10 +24,15 @@ struct Shape {
   int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks, max_len;
 };
 
-// The page of a KV head that holds positions [start, start + block_size).
-template <typename T>
-inline const T* page_at(const T* head, const int32_t* table, int64_t start, const Shape& s) {
-  return head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim;
+// fn(rows, p, stop) for each page of a KV head holding positions in [first, len): rows is position p's row, the
+// page holds positions up to stop (exclusive).
+template <typename T, typename Fn>
+inline void for_each_page(const T* head, const int32_t* table, int64_t first, int64_t len, const Shape& s, Fn&& fn) {
+  for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
+    const int64_t p = std::max(first, start);
+    fn(head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim + (p - start) * s.head_dim,
+       p, std::min(len, start + s.block_size));
+  }
 }
 
 // The lines of an item's K and V rows, positions [first, len), page by page: what the item before it pulls into the
@@ -37,11 +42,9 @@ template <typename T>
 void item_spans(const T* k_head, const T* v_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
                 std::vector<vec::Span>& spans) {
   for (const T* head : {k_head, v_head})
-    for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
-      const int64_t row = std::max(first, start) - start, stop = std::min(len, start + s.block_size) - start;
-      spans.push_back(vec::span(page_at(head, table, start, s) + row * s.head_dim,
-                                (stop - row) * s.head_dim * static_cast<int64_t>(sizeof(T))));
-    }
+    for_each_page(head, table, first, len, s, [&](const T* rows, int64_t p, int64_t stop) {
+      spans.push_back(vec::span(rows, (stop - p) * s.head_dim * static_cast<int64_t>(sizeof(T))));
+    });
 }
 
 // The next item's lines, spread evenly over this item's work: a unit is one position for one head of the group, in
@@ -63,26 +66,19 @@ class Ahead {
 template <typename T>
 void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
                  float* scores, Ahead& ahead) {
-  for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
-    const T* page = page_at(k_head, table, start, s);
-    int64_t p = std::max(first, start);
-    const int64_t stop = std::min(len, start + s.block_size);
-    for (; p + 8 <= stop; p += 8) {
-      const T* rows = page + (p - start) * s.head_dim;
+  for_each_page(k_head, table, first, len, s, [&](const T* rows, int64_t p, int64_t stop) {
+    for (; p + 8 <= stop; p += 8, rows += 8 * s.head_dim)
       for (int64_t g = 0; g < s.group; ++g) {
         ahead.advance(8);
         *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) =
             vec::dot8(q + g * s.head_dim, rows, s.head_dim, s.head_dim);
       }
-    }
-    for (; p < stop; ++p) {
-      const T* row = page + (p - start) * s.head_dim;
+    for (; p < stop; ++p, rows += s.head_dim)
       for (int64_t g = 0; g < s.group; ++g) {
         ahead.advance(1);
-        scores[g * s.max_len + (p - first)] = vec::dot1(q + g * s.head_dim, row, s.head_dim);
+        scores[g * s.max_len + (p - first)] = vec::dot1(q + g * s.head_dim, rows, s.head_dim);
       }
-    }
-  }
+  });
 }
 
 // out[g] = sum_p weights[g, p - first] * v[p], 64 columns at a time held in registers.
@@ -96,16 +92,13 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
     for (int64_t c0 = 0; c0 < chunks; c0 += kWidth) {
       const int64_t width = std::min(kWidth, chunks - c0);
       vec8 acc[kWidth] = {};
-      for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
-        const T* page = page_at(v_head, table, start, s);
-        const int64_t stop = std::min(len, start + s.block_size);
-        for (int64_t p = std::max(first, start); p < stop; ++p) {
+      for_each_page(v_head, table, first, len, s, [&](const T* rows, int64_t p, int64_t stop) {
+        for (; p < stop; ++p, rows += s.head_dim) {
           if (c0 == 0) ahead.advance(1);
-          const T* row = page + (p - start) * s.head_dim + 8 * c0;
           const float wp = w[p - first];
-          for (int64_t c = 0; c < width; ++c) acc[c] += wp * vec::load8(row + 8 * c);
+          for (int64_t c = 0; c < width; ++c) acc[c] += wp * vec::load8(rows + 8 * (c0 + c));
         }
-      }
+      });
       T* o = out + g * s.head_dim + 8 * c0;
       for (int64_t c = 0; c < width; ++c)
         for (int i = 0; i < 8; ++i) o[8 * c + i] = static_cast<T>(acc[c][i]);
