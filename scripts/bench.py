@@ -32,11 +32,16 @@ from backend.model.config import ModelConfig                   # noqa: E402
 QUICK_REQUESTS = 32                           # --quick caps every workload at this many requests
 
 
+def num_requests(name: str, args) -> int:
+    """The workload's requests, scaled down by --requests or --quick."""
+    total = WORKLOADS[name].num_requests
+    return min(total, args.requests or (QUICK_REQUESTS if args.quick else total))
+
+
 def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dict, kv_reuse: bool | None = None,
                  sweep: bool = False) -> dict:
     workload = WORKLOADS[name]
-    cap = args.requests or (QUICK_REQUESTS if args.quick else workload.num_requests)
-    requests = make_requests(workload, cfg.vocab_size, min(cap, workload.num_requests))
+    requests = make_requests(workload, cfg.vocab_size, num_requests(name, args))
     if workload.server:
         res = run_server_workload(args.model_dir, requests, workload, args.dtype, workload.concurrency,
                                   kernel_backend=args.kernel_backend)
@@ -60,6 +65,29 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     return res
 
 
+def run_ours(names: list[str], args, cfg: ModelConfig, roofline: dict, samples: dict, sweep: bool) -> dict:
+    results = {}
+    for name in names:
+        results[name] = run_workload(name, args, cfg, roofline, samples, sweep=sweep)
+        if WORKLOADS[name].kv_reuse:
+            results[f"{name}_no_reuse"] = run_workload(name, args, cfg, roofline, samples, kv_reuse=False)
+    return results
+
+
+def run_baselines(names: list[str], args, cfg: ModelConfig) -> dict:
+    """The baselines asked for, on the same seeded requests as ours."""
+    requests = {name: make_requests(WORKLOADS[name], cfg.vocab_size, num_requests(name, args)) for name in names}
+    results = {}
+    for name in names:
+        if args.baseline in ("hf", "both") and WORKLOADS[name].hf_baseline:
+            results[f"{name}_hf"] = run_hf(args.model_dir, requests[name], args.dtype, WORKLOADS[name])
+            print(f"{name}_hf: {results[f'{name}_hf']['tok_s']:.1f} tok/s", flush=True)
+    if args.baseline in ("vllm", "both"):
+        runs = {name: (requests[name], WORKLOADS[name]) for name in names if not WORKLOADS[name].server}
+        results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.dtype).items()}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="W2,W3", help="W1..W6, a comma list, or all")
@@ -72,8 +100,9 @@ def main() -> None:
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="run the workloads N times in turn; report each one's median run and the median of "
-                             "each ratio between them (baselines run once)")
+                        help="run the workloads and their baselines N times in turn (ours first in odd rounds, the "
+                             "baselines first in even ones); report each one's median run and each ratio's median "
+                             "over the rounds")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     args = parser.parse_args()
@@ -99,23 +128,14 @@ def main() -> None:
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"round {i + 1} of {args.repeat}", flush=True)
-        rounds.append({})
-        for name in names:
-            kept = samples if i == 0 else {}                  # latency samples (plots) from the first round
-            rounds[-1][name] = run_workload(name, args, cfg, roofline, kept, sweep=bool(args.plot) and i == 0)
-            if WORKLOADS[name].kv_reuse:
-                rounds[-1][f"{name}_no_reuse"] = run_workload(name, args, cfg, roofline, kept, kv_reuse=False)
+        kept = samples if i == 0 else {}                      # latency samples (plots) from the first round
+        parts = [lambda: run_ours(names, args, cfg, roofline, kept, sweep=bool(args.plot) and i == 0),
+                 lambda: run_baselines(names, args, cfg)]
+        if i % 2:                                             # the baselines first: drift falls on both sides
+            parts.reverse()
+        rounds.append(parts[0]() | parts[1]())
     chosen, ratio_rounds = combine_rounds(rounds)
     results |= chosen
-    for name in names:
-        if args.baseline in ("hf", "both") and WORKLOADS[name].hf_baseline:
-            requests = make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"])
-            results[f"{name}_hf"] = run_hf(args.model_dir, requests, args.dtype, WORKLOADS[name])
-            print(f"{name}_hf: {results[f'{name}_hf']['tok_s']:.1f} tok/s", flush=True)
-    if args.baseline in ("vllm", "both"):
-        runs = {name: (make_requests(WORKLOADS[name], cfg.vocab_size, results[name]["requests"]), WORKLOADS[name])
-                for name in names if not WORKLOADS[name].server}
-        results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.dtype).items()}
     results["ratios"] = median_ratios(results, ratio_rounds)
     if args.repeat > 1:
         results["ratio_rounds"] = ratio_rounds
