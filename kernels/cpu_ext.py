@@ -80,13 +80,17 @@ def available() -> bool:
         return False
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Semantics: for each sequence s, with L = seq_lens[s] and its context positions p < L,
-        k[p], v[p] = cache[kv_head, block_tables[s, p // block_size], p % block_size]
-        out[s, h] = softmax(q[s, h] @ k[window].T * scale) @ v[window]     (window: the last sliding_window
-    positions, or all), h's KV head = h // (num_heads // num_kv_heads). q: [num_seqs, num_heads, head_dim]."""
-    return load().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
+                    sliding_window: int | None) -> torch.Tensor:
+    """Semantics: for each sequence s with L = seq_lens[s] and query rows [query_starts[s], query_starts[s + 1]) at
+    the last positions of its context, the row at position p attends to positions [0, p] (the last sliding_window
+    of them):
+        k[j], v[j] = cache[kv_head, block_tables[s, j // block_size], j % block_size]
+        out[row, h] = softmax(q[row, h] @ k[window].T * scale) @ v[window]
+    h's KV head = h // (num_heads // num_kv_heads). q: [num_rows, num_heads, head_dim]; the tables int32."""
+    return load().paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale,
+                                  sliding_window or 0)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

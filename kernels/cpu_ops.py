@@ -1,8 +1,8 @@
-"""The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for attention (every row of a step), which reads the paged cache
-in place instead of gathering each context into a padded copy, and the elementwise work of a layer fused into
-single passes, LoRA shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column
-panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter
-rows), other dtypes on weights prepacked for oneDNN."""
+"""The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for attention, which reads the paged cache in place
+(decode rows one by one, prompt rows in tiles), and the elementwise work of a layer fused into single passes, LoRA
+shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column panels
+(cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter rows), other
+dtypes on weights prepacked for oneDNN."""
 import torch
 import torch.nn.functional as F
 
@@ -60,23 +60,7 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Semantics: kernels.reference.paged_attention. Every query row runs as a decode query over its causal
-    prefix: the row at position p of a sequence attends to the sequence's positions [0, p] (the last
-    sliding_window of them), read in place from the paged cache by cpu_ext.decode_attention."""
-    block_tables, seq_lens = row_plan(meta)
-    return cpu_ext.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
-
-
-def row_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row's block table [num_tokens, max_blocks] int32 and context length [num_tokens] int64 (its
-    position + 1), built by a step's first layer and kept on meta for the others."""
-    if meta.cpu_plan is None:
-        seq_lens = meta.seq_lens.long()
-        if meta.max_query_len == 1:
-            meta.cpu_plan = meta.block_tables, seq_lens
-        else:
-            starts = meta.query_starts.long()
-            seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), starts.diff())    # [num_tokens]
-            rows_after = starts[1:][seq_ids] - 1 - torch.arange(len(seq_ids))            # later rows of the same seq
-            meta.cpu_plan = meta.block_tables[seq_ids], seq_lens[seq_ids] - rows_after
-    return meta.cpu_plan
+    """Semantics: kernels.reference.paged_attention, read in place from the paged cache by cpu_ext.paged_attention:
+    a decode row alone, a prompt chunk's rows in tiles of consecutive rows."""
+    return cpu_ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_starts, scale,
+                                   sliding_window)

@@ -15,5 +15,4 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     torch_plan: object | None = None          # kernels/reference.py's per-step split, built by its first layer
-    cpu_plan: tuple | None = None             # kernels/cpu_ops.py's rows as decode queries, built by its first layer
     num_splits: int | None = None             # attention's context splits, fixed (CUDA graphs); None: per step

@@ -58,7 +58,8 @@ def bench_linear(cfg: ModelConfig, rows: list[int], rounds: int) -> None:
 
 
 def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds: int) -> None:
-    seq_lens = torch.randint(100, 300, (num_seqs,), dtype=torch.int64)
+    seq_lens = torch.randint(100, 300, (num_seqs,), dtype=torch.int32)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)           # one decode row each
     max_blocks = 300 // BLOCK_SIZE + 1
     num_blocks = num_seqs * max_blocks
     shape = (cfg.num_kv_heads, num_blocks, BLOCK_SIZE, cfg.head_dim)
@@ -70,7 +71,7 @@ def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds
 
     def step():
         for k_cache, v_cache, tables in layers:
-            cpu_ext.decode_attention(q, k_cache, v_cache, tables, seq_lens, cfg.head_dim ** -0.5, None)
+            cpu_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, cfg.head_dim ** -0.5, None)
     ms = median_ms(step, rounds)
     pages = "shuffled" if shuffle_pages else "in order"
     print(f"attention {num_seqs:4d} seqs  {ms:7.1f} ms  {kv_bytes / ms / 1e6:5.1f} GB/s  "

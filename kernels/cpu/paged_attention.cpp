@@ -1,9 +1,8 @@
-// Attention over the paged KV cache, read in place, one query row at a time: a decode row, or a prompt row as a
-// decode query over its causal prefix (kernels/cpu_ops.py gives each row its sequence's block table and its
-// position + 1 as its length). The GQA group of a KV head goes together, so each page of K and V is read once per
-// group. Threads claim (row, KV head) items, shares of equal context length first (claims.h), each item's scores,
-// softmax and sums of V on one thread; nothing at or past a row's length is read. Rows are read 8 floats at a time
-// (bf16 and fp16 caches converted on load); K dots run 8 positions at once so the sums do not wait on each other.
+// Attention over the paged KV cache, read in place. A decode row runs alone: the GQA group of a KV head goes
+// together, so each page of K and V is read once per group, its scores, softmax and sums of V on one thread, rows
+// read 8 floats at a time (bf16 and fp16 caches converted on load), K dots 8 positions at once so the sums do not
+// wait on each other. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim (row or tile,
+// KV head) items, shares of equal cost first (claims.h); nothing at or past a row's position is read.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -11,6 +10,8 @@
 #include <cmath>
 #include <vector>
 
+#include "attention.h"
+#include "attention_tiles.h"
 #include "claims.h"
 #include "vec.h"
 
@@ -18,22 +19,8 @@ namespace {
 
 using vec::vec8;
 
-constexpr int64_t kItemCost = 16;   // an item's fixed work (its query, its softmax's passes) in context positions
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks, max_len;
-};
-
-// fn(rows, p, stop) for each page of a KV head holding positions in [first, len): rows is position p's row, the
-// page holds positions up to stop (exclusive).
-template <typename T, typename Fn>
-inline void for_each_page(const T* head, const int32_t* table, int64_t first, int64_t len, const Shape& s, Fn&& fn) {
-  for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
-    const int64_t p = std::max(first, start);
-    fn(head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim + (p - start) * s.head_dim,
-       p, std::min(len, start + s.block_size));
-  }
-}
+constexpr int64_t kItemCost = 16;       // an item's fixed work (its queries, its softmax's passes) in context positions
+constexpr int64_t kTileRowsPerRow = 3;  // a tile's rows cost as much as one decode row per this many (its GEMMs)
 
 // The lines of an item's K and V rows, positions [first, len), page by page: what the item before it pulls into the
 // cache while it computes (a page at a time ahead left the reads of each item's first pages exposed, and a step's
@@ -62,7 +49,8 @@ class Ahead {
   int64_t num_lines_, num_units_, owed_ = 0;
 };
 
-// scores[g, p - first] = q[g] . k[p] for positions [first, len) of one (sequence, KV head); q already scaled.
+// scores[g, p - first] = q[g] . k[p] for positions [first, len) of one (row, KV head), rows n = len - first apart;
+// q already scaled.
 template <typename T>
 void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
                  float* scores, Ahead& ahead) {
@@ -70,13 +58,13 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
     for (; p + 8 <= stop; p += 8, rows += 8 * s.head_dim)
       for (int64_t g = 0; g < s.group; ++g) {
         ahead.advance(8);
-        *reinterpret_cast<vec8*>(scores + g * s.max_len + (p - first)) =
+        *reinterpret_cast<vec8*>(scores + g * (len - first) + (p - first)) =
             vec::dot8(q + g * s.head_dim, rows, s.head_dim, s.head_dim);
       }
     for (; p < stop; ++p, rows += s.head_dim)
       for (int64_t g = 0; g < s.group; ++g) {
         ahead.advance(1);
-        scores[g * s.max_len + (p - first)] = vec::dot1(q + g * s.head_dim, rows, s.head_dim);
+        scores[g * (len - first) + (p - first)] = vec::dot1(q + g * s.head_dim, rows, s.head_dim);
       }
   });
 }
@@ -88,16 +76,19 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
   constexpr int64_t kWidth = 8;                                   // vec8 columns per pass: 64 floats
   const int64_t chunks = s.head_dim / 8;
   for (int64_t g = 0; g < s.group; ++g) {
-    const float* w = weights + g * s.max_len;
+    const float* w = weights + g * (len - first);
     for (int64_t c0 = 0; c0 < chunks; c0 += kWidth) {
       const int64_t width = std::min(kWidth, chunks - c0);
       vec8 acc[kWidth] = {};
       for_each_page(v_head, table, first, len, s, [&](const T* rows, int64_t p, int64_t stop) {
+        vec8 sum[kWidth];                          // a page's sums in registers (acc, captured, would be spilled)
+        for (int64_t c = 0; c < width; ++c) sum[c] = acc[c];
         for (; p < stop; ++p, rows += s.head_dim) {
           if (c0 == 0) ahead.advance(1);
           const float wp = w[p - first];
-          for (int64_t c = 0; c < width; ++c) acc[c] += wp * vec::load8(rows + 8 * (c0 + c));
+          for (int64_t c = 0; c < width; ++c) sum[c] += wp * vec::load8(rows + 8 * (c0 + c));
         }
+        for (int64_t c = 0; c < width; ++c) acc[c] = sum[c];
       });
       T* o = out + g * s.head_dim + 8 * c0;
       for (int64_t c = 0; c < width; ++c)
@@ -106,10 +97,10 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
   }
 }
 
-// softmax(scores[g, 0:n]) in place for each of group rows, max_len apart.
-inline void softmax_rows(float* scores, int64_t group, int64_t max_len, int64_t n) {
+// softmax(scores[g, 0:n]) in place for each of group rows, n apart.
+inline void softmax_rows(float* scores, int64_t group, int64_t n) {
   for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * max_len;
+    float* row = scores + g * n;
     const float top = *std::max_element(row, row + n);
     vec8 total = {};
     int64_t p = 0;
@@ -125,75 +116,117 @@ inline void softmax_rows(float* scores, int64_t group, int64_t max_len, int64_t 
   }
 }
 
-// Per (row, KV head) item, on one thread: its scores, their softmax and the weighted sums of V. Threads claim items
-// by cost (context positions), and each pulls its next item's pages into the cache as it computes.
+using attention_tiles::Tile;
+
+// A decode row's item: its scores, their softmax and the weighted sums of V, pulling the next item's pages into the
+// cache as it computes (spans: theirs, if the thread takes a decode row next).
 template <typename T>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int64_t* seq_lens,
-            T* out, int64_t num_seqs, Shape s, float scale, int64_t window) {
-  const int64_t num_items = num_seqs * s.num_kv_heads;
-  auto first_of = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : 0; };
-  s.max_len = 1;
-  std::vector<int64_t> costs(num_items);
-  for (int64_t item = 0; item < num_items; ++item) {
-    const int64_t seq = item / s.num_kv_heads, len = seq_lens[seq] - first_of(seq);
-    s.max_len = std::max(s.max_len, len);
-    costs[item] = kItemCost + len;
+void run_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Tile& t, const Shape& s,
+             float scale, T* out, const std::vector<vec::Span>& next, std::vector<float>& qf,
+             std::vector<float>& scores) {
+  const int64_t offset = (t.first_row * s.num_heads + t.head * s.group) * s.head_dim;
+  const int64_t head_offset = t.head * s.cache_head_stride;
+  Ahead ahead(next, s.group * (t.hi - t.lo));
+  qf.resize(s.group * s.head_dim);
+  scores.resize(std::max<size_t>(scores.size(), s.group * (t.hi - t.lo)));
+  for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q[offset + i]) * scale;
+  item_scores(qf.data(), k_cache + head_offset, table, t.lo, t.hi, s, scores.data(), ahead);
+  softmax_rows(scores.data(), s.group, t.hi - t.lo);
+  item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, out + offset, ahead);
+}
+
+// The step's items: a sequence with one query row (decode) gives a row per KV head, one with more (a prompt
+// chunk) tiles of up to attention_tiles::kRows rows per KV head, each head's tiles in turn (they share its pages).
+std::vector<Tile> plan_items(const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs, const Shape& s,
+                             int64_t window) {
+  std::vector<Tile> items;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t num_rows = query_starts[seq + 1] - query_starts[seq], first_pos = seq_lens[seq] - num_rows;
+    TORCH_CHECK(num_rows >= 0 && first_pos >= 0, "sequence ", seq, ": more query rows than context");
+    for (int64_t h = 0; h < s.num_kv_heads; ++h)
+      for (int64_t r = 0; r < num_rows; r += attention_tiles::kRows) {
+        const int64_t rows = std::min(attention_tiles::kRows, num_rows - r), pos = first_pos + r;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+        items.push_back({seq, h, query_starts[seq] + r, rows, pos, lo, pos + rows});
+      }
   }
-  auto spans_of = [&](int64_t item, std::vector<vec::Span>& spans) {
-    const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
-    item_spans(k_cache + h * s.cache_head_stride, v_cache + h * s.cache_head_stride,
-               block_tables + seq * s.max_blocks, first_of(seq), seq_lens[seq], s, spans);
-  };
+  return items;
+}
+
+template <typename T>
+void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+               const int32_t* query_starts, T* out, int64_t num_seqs, const Shape& s, float scale, int64_t window) {
+  const std::vector<Tile> items = plan_items(seq_lens, query_starts, num_seqs, s, window);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  if (num_items == 0) return;
+  std::vector<int64_t> costs(num_items);
+  for (int64_t i = 0; i < num_items; ++i) {
+    const Tile& t = items[i];
+    costs[i] = kItemCost + (t.hi - t.lo) * t.num_rows / (t.num_rows == 1 ? 1 : kTileRowsPerRow);
+  }
+  auto table_of = [&](const Tile& t) { return block_tables + t.seq * s.max_blocks; };
   const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_items));
   Claims claims(costs, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
     const int thread = omp_get_thread_num();
-    std::vector<float> qf(s.group * s.head_dim), scores(s.group * s.max_len);
+    std::vector<float> qf, scores;
     std::vector<vec::Span> next;
-    for (int64_t item = claims.claim(thread); item >= 0; item = claims.claim(thread)) {
-      const int64_t seq = item / s.num_kv_heads, h = item % s.num_kv_heads;
-      const int64_t first = first_of(seq), len = seq_lens[seq];
-      const T* q_group = q + (seq * s.num_heads + h * s.group) * s.head_dim;
-      const int32_t* table = block_tables + seq * s.max_blocks;
+    attention_tiles::Scratch scratch;
+    for (int64_t i = claims.claim(thread); i >= 0; i = claims.claim(thread)) {
+      const Tile& t = items[i];
+      if (claims.is_next(thread, i + 1) && items[i + 1].num_rows > 1)
+        attention_tiles::prefetch_rows(q, out, items[i + 1], s);
+      if (t.num_rows > 1) {
+        attention_tiles::run_tile(q, k_cache, v_cache, table_of(t), t, s, scale, window, out, scratch);
+        continue;
+      }
       next.clear();
-      if (claims.is_next(thread, item + 1)) spans_of(item + 1, next);
-      Ahead ahead(next, s.group * (len - first));
-      for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q_group[i]) * scale;
-      item_scores(qf.data(), k_cache + h * s.cache_head_stride, table, first, len, s, scores.data(), ahead);
-      softmax_rows(scores.data(), s.group, s.max_len, len - first);
-      item_values(scores.data(), v_cache + h * s.cache_head_stride, table, first, len, s,
-                  out + (seq * s.num_heads + h * s.group) * s.head_dim, ahead);
+      if (claims.is_next(thread, i + 1) && items[i + 1].num_rows == 1) {
+        const Tile& u = items[i + 1];
+        item_spans(k_cache + u.head * s.cache_head_stride, v_cache + u.head * s.cache_head_stride, table_of(u), u.lo,
+                   u.hi, s, next);
+      }
+      run_row(q, k_cache, v_cache, table_of(t), t, s, scale, out, next, qf, scores);
     }
   }
 }
 
 }  // namespace
 
-// q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim];
-// block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int64; window <= 0: none.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+// q [num_rows, num_heads, head_dim]; k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim];
+// block_tables [num_seqs, max_blocks], seq_lens [num_seqs] (context lengths, this step's rows included) and
+// query_starts [num_seqs + 1] (sequence s has rows [query_starts[s], query_starts[s + 1])), all int32; window <= 0:
+// none.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64,
-              "block_tables int32, seq_lens int64");
+  for (const auto& t : {block_tables, seq_lens, query_starts})
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.device().is_cpu(), "int32 tables on the CPU");
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(query_starts.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "block_tables [num_seqs, max_blocks], seq_lens [num_seqs], query_starts [num_seqs + 1]");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
+  query_starts = query_starts.contiguous();
+  TORCH_CHECK(query_starts.data_ptr<int32_t>()[0] == 0 && query_starts.data_ptr<int32_t>()[num_seqs] == q.size(0),
+              "query_starts must run from 0 to q's rows");
   auto out = torch::empty_like(q);
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
   TORCH_CHECK(head_dim == k_cache.size(3) && num_heads % num_kv_heads == 0, "head shapes do not match the cache");
   TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.stride(0), block_size,
-                    block_tables.size(1), 0};
-  DISPATCH_KERNEL_TYPES(q.scalar_type(), "decode_attention", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                     num_seqs, shape, static_cast<float>(scale), window);
+                    block_tables.size(1)};
+  DISPATCH_KERNEL_TYPES(q.scalar_type(), "paged_attention", [&] {
+    attention<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                        block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                        query_starts.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_seqs, shape,
+                        static_cast<float>(scale), window);
   });
   return out;
 }
@@ -215,7 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every op lets go of the GIL while it computes: a server's other Python threads (its request handler parsing an
   // adapter upload, its responder) would otherwise wait out each of them, a prefill step's GEMMs included.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, "Paged decode attention read in place", no_gil);
+  m.def("paged_attention", &paged_attention, "Attention over the paged KV cache, read in place", no_gil);
   m.def("add_rms_norm", &add_rms_norm_op, "Residual add (in place) + RMSNorm", no_gil);
   m.def("silu_and_mul", &silu_and_mul_op, "SiLU(gate) * up", no_gil);
   m.def("rotary_and_cache", &rotary_and_cache_op, "RoPE of q and k in place, k and v into the cache", no_gil);

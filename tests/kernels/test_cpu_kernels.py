@@ -220,7 +220,7 @@ def test_claims_hand_out_every_item_once_however_the_threads_take_turns(seed):
     assert sorted(items[:len(costs)]) == list(range(len(costs))) and items[len(costs):] == [-1] * 5
 
 
-@pytest.mark.parametrize("op", ["panel_linear", "decode_attention", "lora_apply"])
+@pytest.mark.parametrize("op", ["panel_linear", "paged_attention", "lora_apply"])
 def test_kernels_match_reference_when_more_threads_than_cores_claim_unevenly(op):
     """Seven threads on this machine's cores run unevenly, so they take items from each other's shares."""
     before = torch.get_num_threads()
@@ -228,7 +228,7 @@ def test_kernels_match_reference_when_more_threads_than_cores_claim_unevenly(op)
     try:
         if op == "panel_linear":
             test_panel_linear_matches_f_linear(130, 576, 960, True)
-        elif op == "decode_attention":
+        elif op == "paged_attention":
             test_rows_match_reference(torch.float32, 64, 3, 16, "whole prompts")
         else:
             test_lora_apply_matches_reference(torch.float32, torch.float16, 576, [1536, 1536], (16, 32, 48), "long")

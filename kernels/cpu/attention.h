@@ -1,0 +1,19 @@
+// What the CPU attention kernels share: a step's shapes and the walk over a KV head's pages.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks;
+};
+
+// fn(rows, p, stop) for each page of a KV head holding positions in [first, len): rows is position p's row, the
+// page holds positions up to stop (exclusive).
+template <typename T, typename Fn>
+inline void for_each_page(const T* head, const int32_t* table, int64_t first, int64_t len, const Shape& s, Fn&& fn) {
+  for (int64_t start = first / s.block_size * s.block_size; start < len; start += s.block_size) {
+    const int64_t p = std::max(first, start);
+    fn(head + static_cast<int64_t>(table[start / s.block_size]) * s.block_size * s.head_dim + (p - start) * s.head_dim,
+       p, std::min(len, start + s.block_size));
+  }
+}
