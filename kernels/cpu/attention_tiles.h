@@ -141,22 +141,6 @@ void tile_values(const float* probs, int64_t width, int64_t num_queries, const T
     kBlocks[std::min<int64_t>(6, num_queries - q)](probs + q, width, v_head, table, t, s, out + q * s.head_dim);
 }
 
-// Pulls a tile's query rows and output rows into the cache (the rows of a KV head's group are 8 short runs, far
-// apart: read when the tile starts, they cost it a third of its time).
-template <typename T>
-void prefetch_rows(const T* q, const T* out, const Tile& t, const Shape& s) {
-  const int64_t bytes = s.group * s.head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < t.num_rows; ++i) {
-    const int64_t offset = ((t.first_row + i) * s.num_heads + t.head * s.group) * s.head_dim;
-    const char* q_row = reinterpret_cast<const char*>(q + offset);
-    const char* out_row = reinterpret_cast<const char*>(out + offset);
-    for (int64_t b = 0; b < bytes; b += vec::kLineBytes) {
-      __builtin_prefetch(q_row + b);
-      __builtin_prefetch(out_row + b, 1);
-    }
-  }
-}
-
 // One tile: q [num_rows, num_heads, head_dim] and out alike; the caches [num_kv_heads, num_blocks, block_size,
 // head_dim]; window <= 0: none.
 template <typename T>

@@ -175,8 +175,6 @@ void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* bl
     attention_tiles::Scratch scratch;
     for (int64_t i = claims.claim(thread); i >= 0; i = claims.claim(thread)) {
       const Tile& t = items[i];
-      if (claims.is_next(thread, i + 1) && items[i + 1].num_rows > 1)
-        attention_tiles::prefetch_rows(q, out, items[i + 1], s);
       if (t.num_rows > 1) {
         attention_tiles::run_tile(q, k_cache, v_cache, table_of(t), t, s, scale, window, out, scratch);
         continue;
