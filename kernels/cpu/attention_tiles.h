@@ -24,7 +24,7 @@ struct Tile {
 
 // Per thread, reused from tile to tile.
 struct Scratch {
-  std::vector<float> queries, scores, sums, out;  // [head_dim, width], [hi - lo, width], [width], [width, head_dim]
+  std::vector<float> queries, scores, sums, out;  // [head_dim, width], [hi - lo, width], [width], [queries, head_dim]
   std::vector<int64_t> lo, hi;                    // each query's positions
 };
 
