@@ -5,6 +5,7 @@
 
 struct Shape {
   int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks;
+  int64_t q_row_stride;                      // q may be a view of the step's qkv; out is contiguous
 };
 
 // fn(rows, p, stop) for each page of a KV head holding positions in [first, len): rows is position p's row, the

@@ -153,7 +153,7 @@ void run_tile(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
   for (int64_t i = 0; i < t.num_rows; ++i)
     for (int64_t g = 0; g < s.group; ++g) {
       const int64_t c = i * s.group + g;
-      const T* row = q + ((t.first_row + i) * s.num_heads + t.head * s.group + g) * s.head_dim;
+      const T* row = q + (t.first_row + i) * s.q_row_stride + (t.head * s.group + g) * s.head_dim;
       for (int64_t d = 0; d < s.head_dim; ++d) x.queries[d * width + c] = static_cast<float>(row[d]) * scale;
       x.hi[c] = t.first_pos + i + 1;
       x.lo[c] = window > 0 ? std::max<int64_t>(0, x.hi[c] - window) : 0;

@@ -124,15 +124,16 @@ template <typename T>
 void run_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Tile& t, const Shape& s,
              float scale, T* out, const std::vector<vec::Span>& next, std::vector<float>& qf,
              std::vector<float>& scores) {
-  const int64_t offset = (t.first_row * s.num_heads + t.head * s.group) * s.head_dim;
+  const int64_t q_offset = t.first_row * s.q_row_stride + t.head * s.group * s.head_dim;
+  const int64_t out_offset = (t.first_row * s.num_heads + t.head * s.group) * s.head_dim;
   const int64_t head_offset = t.head * s.cache_head_stride;
   Ahead ahead(next, s.group * (t.hi - t.lo));
   qf.resize(s.group * s.head_dim);
   scores.resize(std::max<size_t>(scores.size(), s.group * (t.hi - t.lo)));
-  for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q[offset + i]) * scale;
+  for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q[q_offset + i]) * scale;
   item_scores(qf.data(), k_cache + head_offset, table, t.lo, t.hi, s, scores.data(), ahead);
   softmax_rows(scores.data(), s.group, t.hi - t.lo);
-  item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, out + offset, ahead);
+  item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, out + out_offset, ahead);
 }
 
 // The step's items: a sequence with one query row (decode) gives a row per KV head, one with more (a prompt
@@ -207,19 +208,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(query_starts.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "block_tables [num_seqs, max_blocks], seq_lens [num_seqs], query_starts [num_seqs + 1]");
-  q = q.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();     // rows may stay apart (a qkv view)
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   query_starts = query_starts.contiguous();
   TORCH_CHECK(query_starts.data_ptr<int32_t>()[0] == 0 && query_starts.data_ptr<int32_t>()[num_seqs] == q.size(0),
               "query_starts must run from 0 to q's rows");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
   TORCH_CHECK(head_dim == k_cache.size(3) && num_heads % num_kv_heads == 0, "head shapes do not match the cache");
   TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.stride(0), block_size,
-                    block_tables.size(1)};
+                    block_tables.size(1), q.stride(0)};
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "paged_attention", [&] {
     attention<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                         block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),

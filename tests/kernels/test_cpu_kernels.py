@@ -52,6 +52,16 @@ def test_sliding_window_matches_reference(window, query_lens):
     check(*make_batch(seq_lens, query_lens, 4, 2, 64, 16, torch.float32), torch.float32, sliding_window=window)
 
 
+@pytest.mark.parametrize("rows", ["decode", "prompt chunks"])
+def test_attention_reads_q_as_a_view_of_the_steps_qkv(rows):
+    """The model hands q over as a view into each token's [q | k | v] row; no copy, the same result."""
+    q, k_cache, v_cache, meta = make_batch(SEQ_LENS, QUERY_LENS[rows], 6, 2, 64, 16, torch.float32)
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 2 * 64)], dim=1)
+    view = qkv[:, :q[0].numel()].view(q.shape)
+    assert not view.is_contiguous()
+    check(view, k_cache, v_cache, meta, torch.float32)
+
+
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 1]])
 def test_compiled_path_never_lets_stale_cache_values_reach_a_result(query_lens):
     check_ignores_stale_cache(cpu_ops.paged_attention, query_lens, "cpu")
