@@ -8,6 +8,11 @@ struct Shape {
   int64_t q_row_stride;                      // q may be a view of the step's qkv; out is contiguous
 };
 
+// The first position a query at position pos attends to (window <= 0: none, all of them).
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+}
+
 // fn(rows, p, stop) for each page of a KV head holding positions in [first, len): rows is position p's row, the
 // page holds positions up to stop (exclusive).
 template <typename T, typename Fn>

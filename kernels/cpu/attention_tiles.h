@@ -141,8 +141,8 @@ void tile_values(const float* probs, int64_t width, int64_t num_queries, const T
     kBlocks[std::min<int64_t>(6, num_queries - q)](probs + q, width, v_head, table, t, s, out + q * s.head_dim);
 }
 
-// One tile: q [num_rows, num_heads, head_dim] and out alike; the caches [num_kv_heads, num_blocks, block_size,
-// head_dim]; window <= 0: none.
+// One tile: q [num_rows, num_heads, head_dim] with rows s.q_row_stride apart, out alike but contiguous; the caches
+// [num_kv_heads, num_blocks, block_size, head_dim]; window <= 0: none.
 template <typename T>
 void run_tile(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Tile& t, const Shape& s,
               float scale, int64_t window, T* out, Scratch& x) {
@@ -156,7 +156,7 @@ void run_tile(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
       const T* row = q + (t.first_row + i) * s.q_row_stride + (t.head * s.group + g) * s.head_dim;
       for (int64_t d = 0; d < s.head_dim; ++d) x.queries[d * width + c] = static_cast<float>(row[d]) * scale;
       x.hi[c] = t.first_pos + i + 1;
-      x.lo[c] = window > 0 ? std::max<int64_t>(0, x.hi[c] - window) : 0;
+      x.lo[c] = window_start(t.first_pos + i, window);
     }
   x.scores.resize(std::max<size_t>(x.scores.size(), n * width));
   x.sums.resize(width);

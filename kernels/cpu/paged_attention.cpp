@@ -147,8 +147,7 @@ std::vector<Tile> plan_items(const int32_t* seq_lens, const int32_t* query_start
     for (int64_t h = 0; h < s.num_kv_heads; ++h)
       for (int64_t r = 0; r < num_rows; r += attention_tiles::kRows) {
         const int64_t rows = std::min(attention_tiles::kRows, num_rows - r), pos = first_pos + r;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
-        items.push_back({seq, h, query_starts[seq] + r, rows, pos, lo, pos + rows});
+        items.push_back({seq, h, query_starts[seq] + r, rows, pos, window_start(pos, window), pos + rows});
       }
   }
   return items;
