@@ -7,6 +7,7 @@ it gets (`TeamSizer`), work beside the steps runs on one thread (`one_openmp_thr
 work is done lets its workers go (`release_openmp_pool`). libgomp keeps these settings per thread.
 """
 import ctypes
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -63,19 +64,36 @@ def _run_queue_wait_s() -> float | None:
         return None
 
 
+def _idle_core_s() -> float | None:
+    """Seconds the machine's cores have spent idle, added up over all of them (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()                # cpu user nice system idle iowait ...
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class TeamSizer:
     """Sizes the stepping thread's OpenMP team to the cores it gets. Through each step (at checkpoints between
     layers, reading at most every `read_every_s`) it adds up how long the thread waited for a core; once the steps
     have run `interval_s`, a wait beyond `max_wait_fraction` of it means other work holds a core, and the team
     goes one thread smaller. After `hold_s` it tries one thread more; a try that waits again doubles the hold (up
-    to `max_hold_s`), one that does not resets it. On 2 cores beside one busy process, a 54-token prefill step
-    took 1003 ms on 2 threads (waiting 28-42% of it), 354 ms on 1 and 433-469 ms sized this way; on 2 threads
-    alone, 262 ms (waiting 0%). The server's answers, sent while a step computes, make it wait mostly under 10%.
-    One stepping thread at a time: another one, or a team size set by someone else, starts it afresh."""
+    to `max_hold_s`), one that does not resets it. A smaller team does not wait out its hold when the machine's
+    cores sat idle through its steps, `min_idle_cores` of them on average: the other work is gone, and it tries
+    one thread more at once (unless such a try waited for cores that read idle, as under a CPU quota). On 2 cores
+    beside one busy process, a 54-token prefill step took 1003 ms on 2 threads (waiting 28-42% of it), 354 ms on 1
+    and 433-469 ms sized this way; on 2 threads alone, 262 ms (waiting 0%). The server's answers, sent while a step
+    computes, make it wait mostly under 10%. After W4's adapter uploads the team used to stay at one thread until
+    its hold ran out (doubled by each try the uploads crowded); growing on idle cores, W4's steps with prompt
+    tokens took 9.7-14.0 s against 13.0-16.5 s (4 alternating pairs, 32 requests). One stepping thread at a time: another one, or a team
+    size set by someone else, starts it afresh."""
 
     def __init__(self, active: bool = True, max_wait_fraction: float = 0.2, interval_s: float = 0.2,
-                 read_every_s: float = 0.02, hold_s: float = 1.0, max_hold_s: float = 30.0):
+                 read_every_s: float = 0.02, hold_s: float = 1.0, max_hold_s: float = 30.0,
+                 min_idle_cores: float = 0.5):
         self.max_wait_fraction = max_wait_fraction
+        self.min_idle_cores = min_idle_cores
         self.interval_s = interval_s
         self.read_every_s = read_every_s             # a reading costs ~30 us
         self.min_hold_s = hold_s
@@ -87,8 +105,12 @@ class TeamSizer:
         self._thread = None
         self._held_until = 0.0
         self._trying = False
+        self._trying_on_idle = False                  # the try came from idle cores, not from the hold's end
+        self._trust_idle = True
         self._since = self._waited = 0.0              # the last reading: perf_counter() and run-queue wait
+        self._idle = None                             # and the machine's idle core time
         self._window_s = self._window_wait_s = 0.0    # step time and waiting added up since the last judgement
+        self._window_idle_s = 0.0
         self._gomp = _libgomp() if active and _run_queue_wait_s() is not None else None
 
     @property
@@ -104,34 +126,44 @@ class TeamSizer:
             self._thread = threading.get_ident()
             self.max_threads = self.num_threads = team
             self.hold_s, self._held_until, self._trying = self.min_hold_s, 0.0, False
-            self._window_s = self._window_wait_s = 0.0
-        self._since, self._waited = time.perf_counter(), _run_queue_wait_s()
+            self._window_s = self._window_wait_s = self._window_idle_s = 0.0
+        self._since, self._waited, self._idle = time.perf_counter(), _run_queue_wait_s(), _idle_core_s()
 
     def checkpoint(self) -> None:
         now = time.perf_counter()
         if self._gomp is None or now - self._since < self.read_every_s:
             return
-        waited = _run_queue_wait_s()
+        waited, idle = _run_queue_wait_s(), _idle_core_s()
         self._window_s += now - self._since
         self._window_wait_s += waited - self._waited
-        self._since, self._waited = now, waited
+        if idle is not None and self._idle is not None:
+            self._window_idle_s += idle - self._idle
+        self._since, self._waited, self._idle = now, waited, idle
         if self._window_s >= self.interval_s:
-            self._judge(self._window_wait_s > self.max_wait_fraction * self._window_s)
-            self._window_s = self._window_wait_s = 0.0
+            self._judge(self._window_wait_s > self.max_wait_fraction * self._window_s,
+                        self._window_idle_s >= self.min_idle_cores * self._window_s)
+            self._window_s = self._window_wait_s = self._window_idle_s = 0.0
 
-    def _judge(self, crowded: bool) -> None:
+    def _judge(self, crowded: bool, idle: bool) -> None:
+        """crowded: the thread waited for a core beyond max_wait_fraction; idle: min_idle_cores sat idle."""
         if crowded and self.num_threads > 1:
             if self._trying:
                 self.hold_s = min(2 * self.hold_s, self.max_hold_s)
+            if self._trying_on_idle and idle:             # waiting for cores that read idle: not ours to get
+                self._trust_idle = False
             self._set(self.num_threads - 1)
             self.num_reductions += 1
             self._held_until = time.monotonic() + self.hold_s
-        elif self._trying:
+            self._trying = self._trying_on_idle = False
+            return
+        if self._trying:
             self.hold_s = self.min_hold_s
-        self._trying = False
-        if self.num_threads < self.max_threads and time.monotonic() >= self._held_until:
-            self._set(self.num_threads + 1)
-            self._trying = True
+        self._trying = self._trying_on_idle = False
+        if self.num_threads < self.max_threads:
+            on_idle = idle and not crowded and self._trust_idle
+            if on_idle or time.monotonic() >= self._held_until:
+                self._set(self.num_threads + 1)
+                self._trying, self._trying_on_idle = True, on_idle
 
     def _set(self, num_threads: int) -> None:
         self.num_threads = num_threads

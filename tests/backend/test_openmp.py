@@ -32,12 +32,13 @@ def test_one_openmp_thread_holds_for_this_thread_only_and_ends_with_the_block(op
 
 
 class FakeClock:
-    """Both clocks the sizer reads, and the thread's run-queue wait: `run` passes time on a step, waiting for a core
-    `waiting` of it."""
+    """Both clocks the sizer reads, the thread's run-queue wait and the machine's idle core time: `run` passes time
+    on a step, waiting for a core `waiting` of it, with `idle` cores idle meanwhile."""
 
     def __init__(self):
         self.now = 0.0
         self.waited = 0.0
+        self.idle = 0.0
 
     def perf_counter(self) -> float:
         return self.now
@@ -45,9 +46,10 @@ class FakeClock:
     def monotonic(self) -> float:
         return self.now
 
-    def run(self, seconds: float, waiting: float = 0.0) -> None:
+    def run(self, seconds: float, waiting: float = 0.0, idle: float = 0.0) -> None:
         self.now += seconds
         self.waited += seconds * waiting
+        self.idle += seconds * idle
 
 
 @pytest.fixture()
@@ -57,6 +59,7 @@ def clock(monkeypatch):
     fake = FakeClock()
     monkeypatch.setattr(openmp, "time", fake)
     monkeypatch.setattr(openmp, "_run_queue_wait_s", lambda: fake.waited)
+    monkeypatch.setattr(openmp, "_idle_core_s", lambda: fake.idle)
     return fake
 
 
@@ -78,9 +81,9 @@ def on_a_thread_with_two(scenario) -> None:
         raise errors[0]
 
 
-def step(sizer: openmp.TeamSizer, clock: FakeClock, seconds: float, waiting: float = 0.0) -> None:
+def step(sizer: openmp.TeamSizer, clock: FakeClock, seconds: float, waiting: float = 0.0, idle: float = 0.0) -> None:
     sizer.start()
-    clock.run(seconds, waiting)
+    clock.run(seconds, waiting, idle)
     sizer.checkpoint()
 
 
@@ -105,6 +108,40 @@ def test_a_crowded_core_shrinks_the_team_and_a_try_after_the_hold_grows_it_again
         assert sizer.num_threads == 2
         step(sizer, clock, 0.25)                              # the try held: the hold is back to its start
         assert (sizer.num_threads, sizer.hold_s) == (2, 1.0)
+    on_a_thread_with_two(scenario)
+
+
+def test_idle_cores_grow_a_smaller_team_before_its_hold_ends(clock):
+    def scenario():
+        sizer = openmp.TeamSizer()
+        step(sizer, clock, 0.25, waiting=0.4)
+        assert sizer.num_threads == 1
+        step(sizer, clock, 0.25, idle=0.3)                    # under half a core idle: the other work goes on
+        assert sizer.num_threads == 1
+        clock.run(0.2, idle=2.0)                              # between steps: not counted
+        step(sizer, clock, 0.25, idle=0.3)
+        assert sizer.num_threads == 1
+        step(sizer, clock, 0.25, idle=0.9)                    # the other work is gone, 0.95 s into the 1 s hold
+        assert (sizer.num_threads, openmp._libgomp().omp_get_max_threads()) == (2, 2)
+        step(sizer, clock, 0.25, waiting=0.5)                 # it came back: the cores read busy, trust kept
+        assert sizer.num_threads == 1
+        step(sizer, clock, 0.25, idle=0.9)
+        assert sizer.num_threads == 2
+    on_a_thread_with_two(scenario)
+
+
+def test_a_try_on_idle_cores_that_waits_while_they_read_idle_stops_trusting_the_idle_time(clock):
+    def scenario():
+        sizer = openmp.TeamSizer()                            # as under a CPU quota: idle cores it cannot have
+        step(sizer, clock, 0.25, waiting=0.4, idle=1.0)
+        step(sizer, clock, 0.25, idle=1.0)
+        assert sizer.num_threads == 2                         # the try on idle cores
+        step(sizer, clock, 0.25, waiting=0.4, idle=1.0)
+        assert (sizer.num_threads, sizer.hold_s) == (1, 2.0)
+        step(sizer, clock, 1.5, idle=1.0)                     # idle, but no longer believed: the hold runs
+        assert sizer.num_threads == 1
+        step(sizer, clock, 0.6, idle=1.0)
+        assert sizer.num_threads == 2
     on_a_thread_with_two(scenario)
 
 
