@@ -100,9 +100,9 @@ def main() -> None:
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="run the workloads and their baselines N times in turn (ours first in odd rounds, the "
-                             "baselines first in even ones); report each one's median run and each ratio's median "
-                             "over the rounds")
+                        help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
+                             "even ones the baselines first, then ours in reverse order); report each one's median "
+                             "run and each ratio's median over the rounds")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     args = parser.parse_args()
@@ -129,9 +129,10 @@ def main() -> None:
         if args.repeat > 1:
             print(f"round {i + 1} of {args.repeat}", flush=True)
         kept = samples if i == 0 else {}                      # latency samples (plots) from the first round
-        parts = [lambda: run_ours(names, args, cfg, roofline, kept, sweep=bool(args.plot) and i == 0),
+        order = names[::-1] if i % 2 else names               # drift falls on every side of each ratio
+        parts = [lambda: run_ours(order, args, cfg, roofline, kept, sweep=bool(args.plot) and i == 0),
                  lambda: run_baselines(names, args, cfg)]
-        if i % 2:                                             # the baselines first: drift falls on both sides
+        if i % 2:                                             # the baselines first, ours in reverse order
             parts.reverse()
         rounds.append(parts[0]() | parts[1]())
     chosen, ratio_rounds = combine_rounds(rounds)

@@ -33,8 +33,8 @@ def ratios(results: dict) -> dict:
 
 
 def combine_rounds(rounds: list[dict]) -> tuple[dict, dict]:
-    """Rounds of the same workloads, run one after another (W1, W4, W1, W4, ...) so that a shared host's drift
-    falls on every workload: each workload's median run by tok/s (the lower one of an even count) with every
+    """Rounds of the same workloads, run one after another (W1, W4, then W4, W1, ...) so that a shared host's
+    drift falls on every workload: each workload's median run by tok/s (the lower one of an even count) with every
     round's tok/s beside it, and each ratio between our own workloads as its value per round."""
     chosen = {}
     for name in rounds[0]:
