@@ -51,3 +51,5 @@ def test_bench_rounds_report_medians(tiny_model_dir, tmp_path):
     values = results["ratio_rounds"]["W1_over_W2"]
     assert len(values) == 3 and results["ratios"]["W1_over_W2"] == sorted(values)[1]
     assert "median of 3 rounds" in run.stdout
+    order = [line[:2] for line in run.stdout.splitlines() if line.startswith(("W1:", "W2:"))]
+    assert order == ["W1", "W2", "W2", "W1", "W1", "W2"]      # even rounds in reverse: drift falls on both
