@@ -183,13 +183,29 @@ def sample_rows(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
     return picks.clamp(max=logits.shape[1] - 1)
 
 
+def first_max(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """logits.argmax(-1), the first maximum of each row (NaN counting as one), in two passes: the max of each chunk
+    of columns, then the argmax inside the first chunk holding the row's max. On CPU torch's argmax over a long row
+    does not vectorize and amax does: [32, 49152] 1.81 -> 0.41 ms, [128, 49152] 7.8 -> 1.7 ms (2 cores)."""
+    num_rows, vocab = logits.shape
+    num_full = vocab // chunk
+    if num_full < 2:
+        return logits.argmax(-1)
+    maxima = logits[:, :num_full * chunk].reshape(num_rows, num_full, chunk).amax(-1)     # [num_rows, num_full]
+    if vocab > num_full * chunk:
+        maxima = torch.cat([maxima, logits[:, num_full * chunk:].amax(-1, keepdim=True)], dim=1)
+    start = maxima.argmax(-1, keepdim=True) * chunk                                        # [num_rows, 1]
+    cols = (start + torch.arange(chunk, device=logits.device)).clamp_(max=vocab - 1)       # a short last chunk
+    return (start + logits.gather(1, cols).argmax(-1, keepdim=True))[:, 0]                 # repeats its last column
+
+
 def sample(logits: torch.Tensor, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device.
     Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (zeros unless some row asked)."""
     apply_bias(logits, plan)
     apply_penalties(logits, plan)
     apply_bans(logits, plan)
-    tokens = logits.argmax(-1)
+    tokens = first_max(logits)
     if plan.any_sampled:
         tokens = torch.where(plan.t["s_greedy"] != 0, tokens, sample_rows(logits, plan))
     if plan.any_log_probs:

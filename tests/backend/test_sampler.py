@@ -4,7 +4,7 @@ import torch
 
 from backend import LLMEngine
 from backend.request import SamplingParams, Sequence
-from backend.sampler import Sampler, apply_bans, apply_penalties, prepare
+from backend.sampler import Sampler, apply_bans, apply_penalties, first_max, prepare
 from tests.helpers import DEVICES, random_prompts
 
 
@@ -28,6 +28,22 @@ def test_same_seed_same_output_different_seed_different_output(engine, prompts):
 def test_top_k_one_equals_greedy(engine, prompts):
     greedy = engine.generate(prompts, max_new_tokens=10)
     assert engine.generate(prompts, max_new_tokens=10, temperature=2.0, top_k=1, seed=3) == greedy
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_rows,vocab", [(1, 49152), (32, 49152), (5, 32000), (3, 5000), (2, 1500), (4, 2048)])
+def test_first_max_is_argmax_with_its_ties_nans_and_bans(device, num_rows, vocab):
+    g = torch.Generator().manual_seed(vocab + num_rows)
+    logits = torch.randn(num_rows, vocab, generator=g)
+    few_values = torch.randint(0, 3, (num_rows, vocab), generator=g).float()        # ties in every chunk
+    assert torch.equal(first_max(logits.to(device)), logits.argmax(-1).to(device))
+    assert torch.equal(first_max(few_values.to(device)), few_values.argmax(-1).to(device))
+    edges = torch.full((4, vocab), float("-inf"))                                    # everything banned but one
+    edges[0, vocab - 1] = 0.0                                                       # the last column
+    edges[1, [vocab // 3, vocab - 2]] = 7.0                                         # a tie across chunks
+    edges[2, [vocab // 2, vocab - 1]] = float("nan")                                # NaN counts as the max
+    edges[3, 0] = float("inf")
+    assert first_max(edges.to(device)).tolist() == [vocab - 1, vocab // 3, vocab // 2, 0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
