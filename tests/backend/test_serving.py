@@ -128,9 +128,11 @@ class CancellableStream(FakeStream):
         return len(self.tokens) >= self.after
 
 
-def test_cancellation_is_asked_once_a_period_not_every_step(engine):
+@pytest.mark.parametrize("ask_on_responder", [False, True])
+def test_cancellation_is_asked_once_a_period_not_every_step(engine, ask_on_responder):
     period_s = 0.05
-    loop = EngineLoop(engine, idle_wait_s=0.01, cancellation_check_period_s=period_s)
+    loop = EngineLoop(engine, idle_wait_s=0.01, cancellation_check_period_s=period_s,
+                      ask_on_responder=ask_on_responder)
     stream = CancellableStream(prompts(engine, 1)[0], after=60, max_new_tokens=400)
     start = time.monotonic()
     loop.submit(stream)
@@ -138,6 +140,56 @@ def test_cancellation_is_asked_once_a_period_not_every_step(engine):
     assert stream.num_checks <= (time.monotonic() - start) / period_s + 2 < len(stream.tokens)
     assert engine.blocks.num_used_blocks == 0
     loop.stop()
+
+
+class StalledCheckStream(FakeStream):
+    """A client whose first cancellation check blocks until released, as a round trip to a busy tritonserver does;
+    records the threads that ask, and any question after the final answer (which crashes tritonserver)."""
+
+    def __init__(self, prompt: list[int], **kwargs):
+        super().__init__(prompt, **kwargs)
+        self.asking, self.release = threading.Event(), threading.Event()
+        self.askers: set[threading.Thread] = set()
+        self.asked_after_final = False
+
+    def is_cancelled(self) -> bool:
+        self.askers.add(threading.current_thread())
+        self.asked_after_final |= self.done.is_set()
+        self.asking.set()
+        assert self.release.wait(TIMEOUT_S)
+        return False
+
+
+def test_cancellation_is_asked_off_the_engine_thread_which_steps_on_while_a_check_blocks(engine):
+    stream = StalledCheckStream(prompts(engine, 1)[0], max_new_tokens=30)
+    want = engine.generate([stream.requests[0].prompt_ids], max_new_tokens=30)[0]
+    steps = []                                      # the seconds of each step
+    loop = EngineLoop(engine, on_step=lambda engine, seconds: seconds is None or steps.append(seconds),
+                      idle_wait_s=0.01, cancellation_check_period_s=0.0, ask_on_responder=True)
+    loop.submit(stream)
+    assert stream.asking.wait(TIMEOUT_S)
+    num_steps, deadline = len(steps), time.monotonic() + TIMEOUT_S / 2     # before a stalled check gives up
+    while len(steps) == num_steps and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(steps) > num_steps                   # a step ran while the check was still waiting
+    stream.release.set()
+    assert stream.wait().tokens == want and stream.answers == ["finish"]
+    assert stream.askers and loop.thread not in stream.askers and not stream.asked_after_final
+    loop.stop()
+
+
+def test_no_stream_is_asked_after_its_final_answer(engine):
+    streams = [StalledCheckStream(p, max_new_tokens=3 + 4 * i) for i, p in enumerate(prompts(engine, 6))]
+    for s in streams:
+        s.release.set()
+    loop = EngineLoop(engine, idle_wait_s=0.01, cancellation_check_period_s=0.0, ask_on_responder=True)
+    for s in streams:
+        loop.submit(s)
+    assert all(s.wait().answers == ["finish"] for s in streams)
+    loop.responder.wait_idle()
+    loop.stop()
+    assert all(s.askers for s in streams) and not any(s.asked_after_final for s in streams)
+    assert not loop.responder.watched
 
 
 def test_a_negative_cancellation_period_is_refused(engine):

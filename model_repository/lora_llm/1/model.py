@@ -65,7 +65,8 @@ def as_array(tensor) -> np.ndarray:
 
 class TritonStream:
     """One Triton request's response sender, for all its rows and sequences; never touched after its final
-    response. Streaming rows answer each step's new tokens, the others each sequence's whole output."""
+    response (the lock keeps a question from another thread off a final send in progress). Streaming rows answer
+    each step's new tokens, the others each sequence's whole output."""
 
     def __init__(self, request, rows, metrics: "Metrics", unary: bool = False):
         self.requests = rows
@@ -78,9 +79,11 @@ class TritonStream:
         self.logits: dict[tuple[int, int], list[np.ndarray]] = {}                # generation logits, if asked
         self.context_logits: dict[int, np.ndarray] = {}                           # batch index -> [prompt, vocab]
         self.done = False
+        self.lock = threading.Lock()
 
     def is_cancelled(self) -> bool:
-        return not self.done and self.sender.is_cancelled()
+        with self.lock:
+            return not self.done and self.sender.is_cancelled()
 
     def emit(self, out, batch_index: int, last: bool) -> None:
         if self.done:
@@ -110,10 +113,12 @@ class TritonStream:
             self.metrics.count("success")
 
     def fail(self, message: str) -> None:
-        if not self.done:
+        with self.lock:
+            if self.done:
+                return
             self.done = True
             self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
-            self.metrics.count("failure")
+        self.metrics.count("failure")
 
     def acknowledge(self) -> None:
         """The final, empty response to a `stop` request."""
@@ -135,8 +140,9 @@ class TritonStream:
                 return
             arrays = merge_rows([self.held[b] for b in sorted(self.held)])
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
-        self.done = final
-        self.sender.send(response, flags=FINAL if final else 0)
+        with self.lock:
+            self.done = final
+            self.sender.send(response, flags=FINAL if final else 0)
 
 
 class Metrics:
