@@ -1,59 +1,14 @@
 """The engine loop a server runs: faults in a step, a sender or a metrics hook fail only what they touch, the loop
 thread lives on, and every request is answered exactly once."""
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from backend import LLMEngine
-from backend.protocol import parse_request
-from backend.request import RequestLimits
 from backend.serving import EngineLoop
-from tests.helpers import random_prompts
-
-TIMEOUT_S = 60
-
-
-class FakeStream:
-    """A server's response channel, recording what the loop sends; `broken` makes every emit raise."""
-
-    def __init__(self, prompt: list[int], max_new_tokens: int = 5, broken: bool = False, **extra):
-        arrays = {"input_ids": np.array([prompt], dtype=np.int32),
-                  "request_output_len": np.array([[max_new_tokens]], dtype=np.int32)} | extra
-        self.requests = parse_request(arrays, LIMITS)
-        self.broken = broken
-        self.tokens: list[int] = []
-        self.answers: list[str] = []              # "finish", "fail: ...", "cancelled"
-        self.done = threading.Event()
-
-    def is_cancelled(self) -> bool:
-        return False
-
-    def emit(self, out, batch_index: int, last: bool) -> None:
-        if self.broken:
-            raise ConnectionError("client went away")
-        self.tokens += out.new_token_ids
-        if last:
-            self._answer("finish")
-
-    def fail(self, message: str) -> None:
-        self._answer(f"fail: {message}")
-
-    def cancelled(self) -> None:
-        self._answer("cancelled")
-
-    def _answer(self, what: str) -> None:
-        self.answers.append(what)
-        self.done.set()
-
-    def wait(self) -> "FakeStream":
-        assert self.done.wait(TIMEOUT_S), "the stream got no final answer"
-        return self
-
-
-LIMITS = RequestLimits(max_input_len=511)      # the tiny model's
+from tests.backend.loop_streams import TIMEOUT_S, FakeStream, prompts
 
 
 @pytest.fixture()
@@ -66,10 +21,6 @@ def loop(engine):
     loop = EngineLoop(engine, idle_wait_s=0.01)
     yield loop
     loop.stop()
-
-
-def prompts(engine, n: int) -> list[list[int]]:
-    return random_prompts([7 + 3 * i for i in range(n)], engine.model_config.vocab_size, seed=21)
 
 
 def test_a_failing_sender_closes_only_its_stream(engine):
@@ -114,88 +65,6 @@ def test_the_engine_steps_while_a_send_blocks_but_runs_at_most_one_step_ahead(en
     slow.release.set()
     assert slow.wait().tokens == want[id(slow)] and other.wait().tokens == want[id(other)]
     loop.stop()
-
-
-class CancellableStream(FakeStream):
-    """A client that cancels after `after` tokens; counts how often the loop asks."""
-
-    def __init__(self, prompt: list[int], after: int, **kwargs):
-        super().__init__(prompt, **kwargs)
-        self.after, self.num_checks = after, 0
-
-    def is_cancelled(self) -> bool:
-        self.num_checks += 1
-        return len(self.tokens) >= self.after
-
-
-@pytest.mark.parametrize("ask_on_responder", [False, True])
-def test_cancellation_is_asked_once_a_period_not_every_step(engine, ask_on_responder):
-    period_s = 0.05
-    loop = EngineLoop(engine, idle_wait_s=0.01, cancellation_check_period_s=period_s,
-                      ask_on_responder=ask_on_responder)
-    stream = CancellableStream(prompts(engine, 1)[0], after=60, max_new_tokens=400)
-    start = time.monotonic()
-    loop.submit(stream)
-    assert stream.wait().answers == ["cancelled"] and 60 <= len(stream.tokens) < 400
-    assert stream.num_checks <= (time.monotonic() - start) / period_s + 2 < len(stream.tokens)
-    assert engine.blocks.num_used_blocks == 0
-    loop.stop()
-
-
-class StalledCheckStream(FakeStream):
-    """A client whose first cancellation check blocks until released, as a round trip to a busy tritonserver does;
-    records the threads that ask, and any question after the final answer (which crashes tritonserver)."""
-
-    def __init__(self, prompt: list[int], **kwargs):
-        super().__init__(prompt, **kwargs)
-        self.asking, self.release = threading.Event(), threading.Event()
-        self.askers: set[threading.Thread] = set()
-        self.asked_after_final = False
-
-    def is_cancelled(self) -> bool:
-        self.askers.add(threading.current_thread())
-        self.asked_after_final |= self.done.is_set()
-        self.asking.set()
-        assert self.release.wait(TIMEOUT_S)
-        return False
-
-
-def test_cancellation_is_asked_off_the_engine_thread_which_steps_on_while_a_check_blocks(engine):
-    stream = StalledCheckStream(prompts(engine, 1)[0], max_new_tokens=30)
-    want = engine.generate([stream.requests[0].prompt_ids], max_new_tokens=30)[0]
-    steps = []                                      # the seconds of each step
-    loop = EngineLoop(engine, on_step=lambda engine, seconds: seconds is None or steps.append(seconds),
-                      idle_wait_s=0.01, cancellation_check_period_s=0.0, ask_on_responder=True)
-    loop.submit(stream)
-    assert stream.asking.wait(TIMEOUT_S)
-    num_steps, deadline = len(steps), time.monotonic() + TIMEOUT_S / 2     # before a stalled check gives up
-    while len(steps) == num_steps and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert len(steps) > num_steps                   # a step ran while the check was still waiting
-    stream.release.set()
-    assert stream.wait().tokens == want and stream.answers == ["finish"]
-    assert stream.askers and loop.thread not in stream.askers and not stream.asked_after_final
-    loop.stop()
-
-
-def test_no_stream_is_asked_after_its_final_answer(engine):
-    streams = [StalledCheckStream(p, max_new_tokens=3 + 4 * i) for i, p in enumerate(prompts(engine, 6))]
-    for s in streams:
-        s.release.set()
-    loop = EngineLoop(engine, idle_wait_s=0.01, cancellation_check_period_s=0.0, ask_on_responder=True)
-    for s in streams:
-        loop.submit(s)
-    assert all(s.wait().answers == ["finish"] for s in streams)
-    loop.responder.wait_idle()
-    loop.stop()
-    assert all(s.askers for s in streams) and not any(s.asked_after_final for s in streams)
-    assert not loop.responder.watched
-
-
-def test_a_negative_cancellation_period_is_refused(engine):
-    with pytest.raises(ValueError, match="cancellation_check_period_ms must be >= 0"):
-        EngineLoop(engine, cancellation_check_period_s=-0.001)
-
 
 def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(engine, loop, monkeypatch):
     first, second = prompts(engine, 2)
