@@ -86,8 +86,8 @@ class TeamSizer:
     and 433-469 ms sized this way; on 2 threads alone, 262 ms (waiting 0%). The server's answers, sent while a step
     computes, make it wait mostly under 10%. After W4's adapter uploads the team used to stay at one thread until
     its hold ran out (doubled by each try the uploads crowded); growing on idle cores, W4's steps with prompt
-    tokens took 9.7-14.0 s against 13.0-16.5 s (4 alternating pairs, 32 requests). One stepping thread at a time: another one, or a team
-    size set by someone else, starts it afresh."""
+    tokens took 9.7-14.0 s against 13.0-16.5 s (4 alternating pairs, 32 requests). One stepping thread at a time:
+    another one, or a team size set by someone else, starts it afresh."""
 
     def __init__(self, active: bool = True, max_wait_fraction: float = 0.2, interval_s: float = 0.2,
                  read_every_s: float = 0.02, hold_s: float = 1.0, max_hold_s: float = 30.0,

@@ -98,16 +98,16 @@ class Responder:
         elif stream in self.broken:
             return
         elif what == "emit":
-            last = args[-1]
+            final = args[-1]
             try:
                 stream.emit(*args)
             except Exception as exc:                         # a broken sender closes its own stream only
                 quietly(stream.fail, f"response failed: {exc}")
-                last = True
-                if not args[-1]:                             # not its last: the loop still runs its rows
+                if not final:                                # not its last: the loop still runs its rows
                     self.broken.add(stream)
                     self.on_broken(stream)
-            if last:
+                final = True
+            if final:
                 self.watched.pop(stream, None)
         else:                                                # fail, cancelled: a final answer
             self.watched.pop(stream, None)
