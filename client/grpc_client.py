@@ -5,10 +5,12 @@ from typing import Iterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 NOT_FOUND = "not found in cache. Please send LoRA weights with request"
-DATATYPES = {np.bool_: "BOOL", np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16"}
+DATATYPES = {np.bool_: "BOOL", np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16",
+             np.object_: "BYTES"}
 
 
 def input_arrays(input_ids: list[int], max_tokens: int, streaming: bool = True, lora_task_id: int | None = None,
@@ -43,6 +45,26 @@ def build_inputs(input_ids: list[int], max_tokens: int, streaming: bool = True, 
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+def infer_request(model: str, arrays: dict[str, np.ndarray], request_id: str = "",
+                  parameters: dict[str, str | bool] | None = None) -> service_pb2.ModelInferRequest:
+    """A ModelInferRequest as tritonclient sends one (raw contents, an empty final response asked for), for
+    clients that speak the protocol directly (grpc.aio) instead of through tritonclient's threads."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name, array in arrays.items():
+        request.inputs.add(name=name, datatype=DATATYPES[array.dtype.type], shape=array.shape)
+        if array.dtype == np.object_:
+            request.raw_input_contents.append(serialize_byte_tensor(array).item())   # length-prefixed strings
+        else:
+            request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for key, value in (parameters or {}).items():
+        if isinstance(value, bool):
+            request.parameters[key].bool_param = value
+        else:
+            request.parameters[key].string_param = value
+    return request
 
 
 class LoraLLMClient:

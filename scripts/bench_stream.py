@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from client.grpc_client import DATATYPES, NOT_FOUND
+from client.grpc_client import NOT_FOUND, infer_request
 
 METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -19,12 +19,7 @@ UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_le
 
 def serialize_request(model: str, arrays: dict[str, np.ndarray]) -> bytes:
     """A ModelInferRequest on the wire, as tritonclient sends one (raw contents, an empty final response asked)."""
-    request = service_pb2.ModelInferRequest(model_name=model)
-    for name, array in arrays.items():
-        request.inputs.add(name=name, datatype=DATATYPES[array.dtype.type], shape=array.shape)
-        request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    return request.SerializeToString()
+    return infer_request(model, arrays).SerializeToString()
 
 
 @dataclass

@@ -3,13 +3,14 @@
     python scripts/launch_server.py [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--model-dir DIR]
         [--lora-prefetch-dir DIR] [--model-repository DIR] [--models lora_llm,...] [--no-restart]
         [--decoupled_mode true|false] [--tensorrt_llm_model_name NAME] [--exit-timeout-s 30]
-When tritonserver dies it is logged (exit code or signal) and started again with backoff. Ctrl-C or SIGTERM
-stops it: in-flight requests get --exit-timeout-s to finish, then tritonserver is killed if it has not exited.
+        [--openai-port 9000 | --no-openai] [--adapter-store DIR] [--lora-separator _lora_] [--api-key-file F]
+Beside tritonserver runs the OpenAI-compatible API (python -m frontend) on its gRPC port. When either dies it is
+logged (exit code or signal) and started again with backoff (scripts/supervisor.py). Ctrl-C or SIGTERM stops
+them: in-flight requests get --exit-timeout-s to finish, then tritonserver is killed if it has not exited.
 """
 import argparse
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from render_repository import CORE, parse_bool, repository
+from supervisor import Service, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
@@ -92,89 +94,75 @@ def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if is_ready(http_port):
+            return
         time.sleep(0.5)
     raise TimeoutError(f"tritonserver not ready after {timeout_s} s")
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
-def supervise(args, env: dict[str, str]) -> int:
-    """Run tritonserver and start it again whenever it dies (backoff 1, 2, 4 ... 30 s; back to 1 s after a
-    minute up). Adapters in the prefetch dir come back with it; clients retry what was in flight."""
-    stopping_since: float | None = None
-    process: subprocess.Popen | None = None
-
-    def stop(*_):
-        nonlocal stopping_since
-        stopping_since = stopping_since or time.monotonic()
-        if process is not None:
-            process.terminate()
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    restarts, delay = 0, 1.0
-    while stopping_since is None:                     # a stop during a restart's backoff starts nothing
-        process = start_server(args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
-                               models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s)
-        started = time.monotonic()
-        print(f"[launch_server] tritonserver pid {process.pid} (restarts so far: {restarts})", flush=True)
-        try:
-            wait_ready(process, args.http_port)
-            if restarts == 0:
-                print_ready(args.grpc_port, args.http_port, args.metrics_port)
-            else:
-                print(f"[launch_server] ready again after restart {restarts}", flush=True)
-        except (RuntimeError, TimeoutError) as err:
-            if stopping_since is not None:
-                return 0
-            process.terminate()
-            if restarts == 0:                         # a server that never came up is a setup error, not a crash
-                sys.exit(str(err))
-        code = wait_exit(process, lambda: stopping_since, args.exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
-        if stopping_since is not None or not args.restart:
-            return code
-        delay = 1.0 if time.monotonic() - started > 60 else min(30.0, delay * 2 if restarts else delay)
-        restarts += 1
-        print(f"[launch_server] tritonserver died ({describe_exit(code)}); restart {restarts} in {delay:.0f} s",
-              flush=True)
-        time.sleep(delay)
-    return 0
+def start_frontend(args, model_dir: Path, adapter_store: Path | None) -> subprocess.Popen:
+    """The OpenAI-compatible API (python -m frontend) on the core model's gRPC port."""
+    cmd = [sys.executable, "-m", "frontend", "--model-dir", str(model_dir), "--grpc-url",
+           f"127.0.0.1:{args.grpc_port}", "--core-model", args.tensorrt_llm_model_name, "--port", str(args.openai_port),
+           "--lora-separator", args.lora_separator]
+    if adapter_store is not None:
+        cmd += ["--adapter-store", str(adapter_store)]
+    if args.served_model_name:
+        cmd += ["--served-model-name", args.served_model_name]
+    if args.api_key_file:
+        cmd += ["--api-key-file", args.api_key_file]
+    return subprocess.Popen(cmd, cwd=ROOT, env=server_env())
 
 
-def wait_exit(process: subprocess.Popen, stopping_since, grace_s: float) -> int:
-    """process's exit code; killed once grace_s have passed since stopping_since() (None while not stopping).
-    tritonserver does not exit on SIGTERM while a client keeps a gRPC stream open, even with nothing in flight on
-    it ("Exiting immediately" after its exit timeout, and it runs on)."""
-    while True:
-        try:
-            return process.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            since = stopping_since()
-            if since is not None and time.monotonic() - since > grace_s:
-                print(f"[launch_server] tritonserver still running {grace_s:.0f} s after SIGTERM (a client holds a "
-                      "gRPC stream open?); killing it", flush=True)
-                process.kill()
-                return process.wait()
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
-def print_ready(grpc_port: int, http_port: int, metrics_port: int) -> None:
-    print(f"\nready: gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port}, "
-          f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
+def services(args, env: dict[str, str]) -> list[Service]:
+    """tritonserver, and beside it the OpenAI-compatible API unless --no-openai (or the model has no tokenizer)."""
+    triton = Service("tritonserver", lambda: start_server(
+        args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
+        models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s),
+        ready=lambda process: is_ready(args.http_port),
+        on_ready=lambda restarts: print_ready(args) if restarts == 0 else
+        print(f"[launch_server] ready again after restart {restarts}", flush=True),
+        grace_s=args.exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
+    model_dir = Path(env.get("LORA_LLM_MODEL_DIR", ROOT / "models" / "smollm2-135m-instruct"))
+    if not args.openai:
+        return [triton]
+    if not has_tokenizer(model_dir):
+        print(f"[launch_server] {model_dir} has no tokenizer: no OpenAI-compatible API", flush=True)
+        return [triton]
+    store = args.adapter_store or args.lora_prefetch_dir
+    frontend = Service("openai", lambda: start_frontend(args, model_dir, Path(store).resolve() if store else None),
+                       ready=lambda process: is_ready(args.openai_port, "/health"),
+                       on_ready=lambda restarts: print(f"[launch_server] openai ready on http://127.0.0.1:"
+                                                       f"{args.openai_port}/v1" + (f" again after restart {restarts}"
+                                                                                  if restarts else ""), flush=True),
+                       grace_s=10)
+    return [triton, frontend]
+
+
+def print_ready(args) -> None:
+    print(f"\nready: gRPC 127.0.0.1:{args.grpc_port}, HTTP 127.0.0.1:{args.http_port}, "
+          f"metrics http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
     print("try:", flush=True)
-    print(f'  .venv/bin/python -m client --url 127.0.0.1:{grpc_port} --stream --text "What is the capital of France?"')
+    url = f"--url 127.0.0.1:{args.grpc_port}"
+    print(f'  .venv/bin/python -m client {url} --stream --text "What is the capital of France?"')
     for task_id, name in ((1, "UPPER CASE"), (2, "sign-off line")):
-        print(f'  .venv/bin/python -m client --url 127.0.0.1:{grpc_port} --stream --lora-task-id {task_id} '
+        print(f'  .venv/bin/python -m client {url} --stream --lora-task-id {task_id} '
               f'--text "Tell me about the sea."      # demo adapter: {name}')
+    if args.openai:
+        print(f"  curl http://127.0.0.1:{args.openai_port}/v1/chat/completions -H 'Content-Type: application/json' "
+              """-d '{"model": "uppercase", "messages": [{"role": "user", "content": "Tell me about the sea."}]}'""")
     print("Ctrl-C stops the server.", flush=True)
 
 
@@ -195,6 +183,12 @@ def main() -> None:
                         help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish (then it is killed)")
     parser.add_argument("--tensorrt_llm_model_name", default=CORE,
                         help="the core model's name (tensorrt_llm for clients that hard-code it)")
+    parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible API's port")
+    parser.add_argument("--no-openai", dest="openai", action="store_false", help="no OpenAI-compatible API")
+    parser.add_argument("--adapter-store", help="adapters served by name on the OpenAI API (default: the prefetch dir)")
+    parser.add_argument("--lora-separator", default="_lora_", help="OpenAI `model` may be <base><separator><adapter>")
+    parser.add_argument("--served-model-name", help="the base model's name on the OpenAI API")
+    parser.add_argument("--api-key-file", help='OpenAI API keys, JSON {"inference": KEY, "admin": KEY}')
     args = parser.parse_args()
     if args.model_repository == ROOT / "model_repository":
         args.model_repository = repository(ROOT / ".run" / "model_repository", args.decoupled_mode,
@@ -204,7 +198,7 @@ def main() -> None:
         env["LORA_LLM_MODEL_DIR"] = str(Path(args.model_dir).resolve())
     if args.lora_prefetch_dir:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(Path(args.lora_prefetch_dir).resolve())
-    sys.exit(supervise(args, env))
+    sys.exit(supervise(services(args, env), restart=args.restart))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""python -m frontend --model-dir DIR [--grpc-url 127.0.0.1:8001] [--port 9000] [--adapter-store DIR] ...
+
+The OpenAI-compatible API on tritonserver's core model. API keys come from the environment
+(LORA_LLM_OPENAI_API_KEY for completions, chat and models; LORA_LLM_OPENAI_ADMIN_KEY for adapter loading) or from
+--api-key-file (JSON: {"inference": "...", "admin": "..."}); they are never logged.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def api_keys(path: str | None) -> tuple[str | None, str | None]:
+    inference = os.environ.get("LORA_LLM_OPENAI_API_KEY") or None
+    admin = os.environ.get("LORA_LLM_OPENAI_ADMIN_KEY") or None
+    if path:
+        keys = json.loads(Path(path).read_text())
+        inference, admin = keys.get("inference") or inference, keys.get("admin") or admin
+    return inference, admin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"),
+                        help="the base model's directory (config.json and tokenizer)")
+    parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="tritonserver's gRPC address")
+    parser.add_argument("--core-model", default="lora_llm", help="the core model's name in tritonserver")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--served-model-name", help="the base model's name in `model` (default: the directory's)")
+    parser.add_argument("--adapter-store", help="a directory of adapter folders, each served under its name")
+    parser.add_argument("--lora-separator", default="_lora_", help="`model` may be <base><separator><adapter>")
+    parser.add_argument("--api-key-file", help='JSON {"inference": KEY, "admin": KEY}')
+    args = parser.parse_args()
+
+    import uvicorn
+
+    from frontend.app import FrontendConfig, create_app
+    inference_key, admin_key = api_keys(args.api_key_file)
+    config = FrontendConfig(model_dir=args.model_dir, grpc_url=args.grpc_url, core_model=args.core_model,
+                            served_model_name=args.served_model_name, adapter_store=args.adapter_store,
+                            lora_separator=args.lora_separator, api_key=inference_key, admin_key=admin_key)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

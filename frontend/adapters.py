@@ -1,0 +1,156 @@
+"""Adapters by name: the store (a directory of adapter folders), each name's task id, and when weights must travel.
+
+A folder holding a PEFT (adapter_config.json) or TensorRT-LLM (model.lora_*.npy) adapter is served under its folder
+name. Its task id, the core's cache key, is the same on every replica and after every restart:
+- a folder named by a number uses that number (the core's `lora_prefetch_dir` layout, so one directory can serve
+  as both the prefetch dir and the store);
+- `manifest.json` may name folders with fixed task ids: {"uppercase": {"path": "1", "task_id": 1}};
+- any other folder gets 63 bits of a hash of its name and its files' bytes (new weights under an old name get a
+  new id, so the core never holds two adapters under one id).
+The core keeps the weights (host and device tiers); the frontend sends them with an adapter's first request, and
+again only when the core answers that it no longer has them.
+"""
+import asyncio
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from frontend.errors import OpenAIError
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
+ADAPTER_FILES = ("adapter_config.json", "model.lora_weights.npy")
+MAX_TASK_ID = (1 << 63) - 1
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in ADAPTER_FILES)
+
+
+def content_digest(path: Path) -> bytes:
+    """A hash of every file in the adapter folder (names and bytes), in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.digest()
+
+
+def derived_task_id(name: str, path: Path) -> int:
+    digest = hashlib.blake2b(name.encode() + b"\0" + content_digest(path), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & MAX_TASK_ID
+
+
+@dataclass(eq=False)
+class Adapter:
+    """One named adapter and whether the core has accepted its weights (as far as this frontend knows)."""
+    name: str
+    path: Path
+    task_id: int
+    accepted: bool = False
+    upload: asyncio.Future | None = field(default=None, repr=False)     # set while a request carries the weights
+
+    async def begin(self) -> asyncio.Future | None:
+        """Before a request: an upload ticket when it must carry the weights, else None. While another request's
+        upload is in flight this waits for its outcome, so that one adapter is uploaded once however many requests
+        for it arrive at once."""
+        while self.upload is not None:
+            await asyncio.shield(self.upload)
+        if self.accepted:
+            return None
+        self.upload = asyncio.get_running_loop().create_future()
+        return self.upload
+
+    def end(self, upload: asyncio.Future, accepted: bool) -> None:
+        """The carrying request's first answer came (accepted) or it failed (not); once per ticket."""
+        if upload.done():
+            return
+        self.accepted = accepted
+        self.upload = None
+        upload.set_result(None)
+
+    def forget(self) -> None:
+        """The core answered "not found": its caches evicted the adapter (or it restarted)."""
+        self.accepted = False
+
+    def tensors(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lora_weights [N, R] fp16, lora_config [N, 3] int32), read from the folder (call off the event loop)."""
+        from backend.lora.peft import load_lora_dir
+        weights, config = load_lora_dir(self.path)
+        weights = weights.reshape(-1, weights.shape[-1])
+        return weights.astype(np.float16, copy=False), config.reshape(-1, 3).astype(np.int32, copy=False)
+
+
+class AdapterStore:
+    """Names -> adapters: the store's folders at start, plus those loaded and unloaded at run time."""
+
+    def __init__(self, root: Path | None, base_name: str, separator: str = "_lora_"):
+        self.base_name = base_name
+        self.separator = separator
+        self.adapters: dict[str, Adapter] = {}
+        if root is not None:
+            for name, (path, task_id) in scan(Path(root)).items():
+                self.adapters[name] = Adapter(name, path, task_id)
+
+    def resolve(self, model: str) -> Adapter | None:
+        """The adapter a request's `model` names: `<adapter>` or `<base><separator><adapter>`; None for the base."""
+        if model == self.base_name:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        prefix = self.base_name + self.separator
+        if self.separator and model.startswith(prefix) and model[len(prefix):] in self.adapters:
+            return self.adapters[model[len(prefix):]]
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
+
+    def load(self, name: str, path: str) -> Adapter:
+        """Serve the adapter in `path` under `name` (vLLM's /v1/load_lora_adapter)."""
+        if not NAME_RE.fullmatch(name or "") or name == self.base_name:
+            raise OpenAIError(400, f"lora_name {name!r} must be 1-128 letters, digits, '.', '_' or '-' and not the "
+                                   "base model's name", param="lora_name")
+        if name in self.adapters:
+            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        folder = Path(path or "")
+        if not is_adapter_dir(folder):
+            raise OpenAIError(400, f"lora_path {path!r} holds neither a PEFT adapter (adapter_config.json) nor "
+                                   "TensorRT-LLM files (model.lora_weights.npy)", param="lora_path")
+        adapter = Adapter(name, folder, derived_task_id(name, folder))
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        """Stop serving `name`; the core's caches let the weights go by their own LRU."""
+        if self.adapters.pop(name, None) is None:
+            raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
+
+
+def scan(root: Path) -> dict[str, tuple[Path, int]]:
+    """The store's adapters: name -> (folder, task id)."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"adapter store {root} is not a directory")
+    found: dict[str, tuple[Path, int]] = {}
+    manifest = root / "manifest.json"
+    named = set()
+    if manifest.is_file():
+        for name, entry in json.loads(manifest.read_text()).items():
+            folder = (root / entry["path"]).resolve()
+            if not NAME_RE.fullmatch(name) or not is_adapter_dir(folder):
+                raise ValueError(f"{manifest}: {name!r} must be a valid name and {entry['path']!r} an adapter folder")
+            task_id = int(entry["task_id"])
+            if not 0 <= task_id <= MAX_TASK_ID:
+                raise ValueError(f"{manifest}: task_id {task_id} of {name!r} is outside [0, 2^63)")
+            found[name] = (folder, task_id)
+            named.add(folder)
+    for folder in sorted(p for p in root.iterdir() if is_adapter_dir(p) and p.resolve() not in named):
+        if NAME_RE.fullmatch(folder.name) and folder.name not in found:
+            task_id = int(folder.name) if folder.name.isdigit() else derived_task_id(folder.name, folder)
+            found[folder.name] = (folder.resolve(), task_id)
+    ids = [task_id for _, task_id in found.values()]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"adapter store {root}: two adapters share a task id")
+    return found

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, adapters by name, API keys."""
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from frontend.adapters import AdapterStore
+from frontend.core import CoreClient
+from frontend.errors import OpenAIError
+from frontend.generation import Generation
+from frontend.prompts import chat_prompt, completion_prompts
+from frontend.responses import DONE, Responses, event
+from frontend.sampling import ModelInfo, check_supported, core_arrays, max_tokens
+from frontend.schemas import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, SamplingRequest,
+                              UnloadAdapterRequest)
+
+COMPLETION_MAX_TOKENS = 16                    # the legacy API's default; chat defaults to what the context leaves
+
+
+@dataclass
+class FrontendConfig:
+    model_dir: str
+    grpc_url: str = "127.0.0.1:8001"
+    core_model: str = "lora_llm"
+    served_model_name: str | None = None      # default: the model directory's name
+    adapter_store: str | None = None
+    lora_separator: str = "_lora_"
+    api_key: str | None = None                # the inference group: completions, chat, models
+    admin_key: str | None = None              # the admin group: adapter loading (the api key when unset)
+    max_body_bytes: int = 32 << 20
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+
+def create_app(config: FrontendConfig) -> FastAPI:
+    info = ModelInfo.from_dir(config.model_dir, config.served_model_name)
+    store = AdapterStore(Path(config.adapter_store) if config.adapter_store else None, info.name,
+                         config.lora_separator)
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["core"] = CoreClient(config.grpc_url, config.core_model)
+        yield
+        await state["core"].close()
+
+    app = FastAPI(title="lora-llm-triton OpenAI-compatible API", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    inference = Depends(key_check(config.api_key))
+    admin = Depends(key_check(config.admin_key or config.api_key))
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request, err: OpenAIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, err: RequestValidationError):
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"][1:]) or "body"
+        return JSONResponse(OpenAIError(400, f"{param}: {first['msg']}", param=param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        ready = await state["core"].ready()
+        return PlainTextResponse("" if ready else "core model not ready", status_code=200 if ready else 503)
+
+    @app.get("/v1/models", dependencies=[inference])
+    async def models():
+        created = int(time.time())
+        entry = {"object": "model", "created": created, "owned_by": "lora-llm-triton", "max_model_len": info.max_context}
+        data = [entry | {"id": info.name, "root": str(config.model_dir), "parent": None}]
+        data += [entry | {"id": a.name, "root": str(a.path), "parent": info.name} for a in store.adapters.values()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions", dependencies=[inference])
+    async def completions(req: CompletionRequest, request: Request):
+        prompts, texts = completion_prompts(req, info)
+        return await serve(request, req, prompts, chat=False, echo=texts if req.echo else None)
+
+    @app.post("/v1/chat/completions", dependencies=[inference])
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await serve(request, req, [chat_prompt(req, info)], chat=True)
+
+    @app.post("/v1/load_lora_adapter", dependencies=[admin])
+    async def load_adapter(req: LoadAdapterRequest):
+        await asyncio.to_thread(store.load, req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[admin])
+    async def unload_adapter(req: UnloadAdapterRequest):
+        store.unload(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    async def serve(request: Request, req: SamplingRequest, prompts: list[list[int]], chat: bool,
+                    echo: list[str] | None = None):
+        adapter = store.resolve(req.model)
+        check_supported(req)
+        log_probs = bool(req.logprobs is not None if not chat else req.logprobs)
+        budgets = [max_tokens(req, len(p), info, None if chat else COMPLETION_MAX_TOKENS) for p in prompts]
+        arrays = [core_arrays(req, p, budget, info, log_probs) for p, budget in zip(prompts, budgets)]
+        generation = Generation(state["core"], info.tokenizer, prompts, arrays, adapter, req.n, budgets, req.stop,
+                                () if req.ignore_eos else info.end_ids)
+        responses = Responses(generation.id, req.model, info.tokenizer, chat, log_probs)
+        prefixes = [text for text in (echo or []) for _ in range(req.n)] or None
+        deltas = generation.deltas()
+        if not req.stream:
+            parts = [[] for _ in generation.choices]
+            async for delta in watch(request, deltas):
+                parts[delta.index].append(delta)
+            return responses.whole(parts, generation.usage, prefixes)
+        first = await first_delta(request, deltas)               # errors before any token keep their status
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventStream(sse(first, deltas, responses, generation, include_usage, prefixes),
+                           media_type="text/event-stream")
+
+    return app
+
+
+async def sse(first, deltas, responses: Responses, generation: Generation, include_usage: bool,
+              prefixes: list[str] | None):
+    started = set()
+    try:
+        delta = first
+        while delta is not None:
+            if delta.index not in started:
+                started.add(delta.index)
+                if responses.chat:
+                    yield responses.role_chunk(delta.index)
+                if prefixes:
+                    delta.text = prefixes[delta.index] + delta.text
+            yield responses.chunk(delta)
+            delta = await anext(deltas, None)
+        if include_usage:
+            yield responses.usage_chunk(generation.usage)
+    except OpenAIError as err:                   # after the first token the status is sent: an error event
+        yield event(err.body())
+    finally:
+        await deltas.aclose()
+    yield DONE
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (a client gone included), so that
+    its core requests are cancelled at once rather than when it is collected."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def watch(request: Request, deltas):
+    """The deltas until the client disconnects; then the generation is closed (its core requests cancelled)."""
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(deltas))
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                await deltas.aclose()
+                raise OpenAIError(499, "client closed the request", code="client_closed_request")
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        gone.cancel()
+
+
+async def first_delta(request: Request, deltas):
+    watching = watch(request, deltas)
+    try:
+        return await anext(watching, None)
+    finally:
+        await watching.aclose()
+
+
+async def disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def key_check(key: str | None):
+    """A dependency that wants `Authorization: Bearer <key>` when the group has a key."""
+    async def check(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise OpenAIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
+                              "AuthenticationError", code="invalid_api_key")
+    return check
+
+
+class BodyLimit:
+    """Refuses request bodies past max_bytes (413) before they are read whole into memory."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and int(length) > self.max_bytes:
+            too_large = OpenAIError(413, f"request body of {int(length)} bytes exceeds {self.max_bytes}",
+                                    param="body", code="request_too_large")
+            return await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                return {"type": "http.disconnect"}
+            return message
+        return await self.app(scope, counted, send)

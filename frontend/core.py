@@ -1,0 +1,125 @@
+"""The core model over tritonserver's gRPC streaming API: one stream per request, tokens as they are made.
+
+Speaks the protocol through grpc.aio on one channel (tritonclient's threaded client costs ~0.5 ms of CPU a streamed
+token). Closing a request's stream early (a client gone, every choice stopped) cancels it in the core, which frees
+its KV blocks at its next cancellation check.
+"""
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from client.grpc_client import NOT_FOUND, infer_request
+from frontend.adapters import Adapter
+from frontend.errors import OpenAIError, from_core
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+READY = "/inference.GRPCInferenceService/ModelReady"
+UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+@dataclass(slots=True)
+class CoreChunk:
+    """New tokens of one sequence of a request (sequence_index: which of its num_return_sequences)."""
+    sequence_index: int
+    token_ids: list[int]
+    log_probs: list[float]
+
+
+class CoreClient:
+    def __init__(self, url: str, model: str = "lora_llm"):
+        self.url = url
+        self.model = model
+        self.channel = grpc.aio.insecure_channel(url, options=UNLIMITED)
+        self.stream = self.channel.stream_stream(STREAM, response_deserializer=
+                                                 service_pb2.ModelStreamInferResponse.FromString)
+        self.model_ready = self.channel.unary_unary(READY, response_deserializer=
+                                                    service_pb2.ModelReadyResponse.FromString)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def ready(self) -> bool:
+        try:
+            request = service_pb2.ModelReadyRequest(name=self.model)
+            return (await self.model_ready(request.SerializeToString(), timeout=5)).ready
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def generate(self, arrays: dict[str, np.ndarray], adapter: Adapter | None = None,
+                       request_id: str = "") -> AsyncIterator[CoreChunk]:
+        """Stream a request's tokens. An adapter's weights go with its first request, and once more if the core
+        answers that it no longer holds them (the TensorRT-LLM client habit)."""
+        resent = False
+        while True:
+            upload = await adapter.begin() if adapter is not None else None
+            try:
+                request = await self._request(arrays, adapter, upload is not None, request_id)
+                async for chunk in self._stream(request, adapter, upload):
+                    yield chunk
+                return
+            except AdapterNotFound as err:
+                if resent:
+                    raise from_core(str(err)) from None
+                adapter.forget()
+                resent = True
+            finally:
+                if upload is not None:
+                    adapter.end(upload, accepted=False)    # no answer came: the next request uploads again
+
+    async def _request(self, arrays: dict, adapter: Adapter | None, carries: bool, request_id: str) -> bytes:
+        arrays = dict(arrays)
+        parameters = {}
+        if adapter is not None:
+            arrays["lora_task_id"] = np.array([[adapter.task_id]], np.uint64)
+            parameters["lora_name"] = adapter.name
+        if not carries:
+            return infer_request(self.model, arrays, request_id, parameters).SerializeToString()
+
+        def with_weights() -> bytes:                    # a large adapter takes a while: off the event loop
+            weights, config = adapter.tensors()
+            arrays.update(lora_weights=weights[None], lora_config=config[None])
+            return infer_request(self.model, arrays, request_id, parameters).SerializeToString()
+        return await asyncio.to_thread(with_weights)
+
+    async def _stream(self, request: bytes, adapter: Adapter | None,
+                      upload: asyncio.Future | None) -> AsyncIterator[CoreChunk]:
+        call = self.stream()
+        try:
+            await call.write(request)
+            await call.done_writing()
+            async for response in call:
+                if response.error_message:
+                    if NOT_FOUND in response.error_message:
+                        raise AdapterNotFound(response.error_message)
+                    raise from_core(response.error_message)
+                if upload is not None:
+                    adapter.end(upload, accepted=True)     # the core took the weights
+                result = response.infer_response
+                chunk = parse(result)
+                if chunk.token_ids:
+                    yield chunk
+                if result.parameters["triton_final_response"].bool_param:
+                    return
+            raise OpenAIError(503, "the core model closed its stream before the final response",
+                              "ServiceUnavailableError", code="service_unavailable")
+        except grpc.aio.AioRpcError as err:
+            raise OpenAIError(503, f"the core model is unavailable: {err.code().name}: {err.details()}",
+                              "ServiceUnavailableError", code="service_unavailable") from None
+        finally:
+            call.cancel()                              # no-op once it ended; cancels the request in the core otherwise
+
+
+class AdapterNotFound(Exception):
+    pass
+
+
+def parse(result: service_pb2.ModelInferResponse) -> CoreChunk:
+    outputs = {out.name: raw for out, raw in zip(result.outputs, result.raw_output_contents)}
+    ids = np.frombuffer(outputs.get("output_ids", b""), dtype=np.int32)
+    log_probs = np.frombuffer(outputs.get("output_log_probs", b""), dtype=np.float32)
+    index = np.frombuffer(outputs.get("sequence_index", b""), dtype=np.int32)
+    return CoreChunk(int(index[0]) if index.size else 0, ids.tolist(), log_probs.tolist())

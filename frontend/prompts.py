@@ -1,0 +1,44 @@
+"""Prompts as token ids: the completions API's strings and id lists, and chat messages through the model's template."""
+from frontend.errors import bad_request
+from frontend.sampling import ModelInfo
+from frontend.schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_PROMPTS = 64                              # prompts in one completions request
+
+
+def completion_prompts(req: CompletionRequest, info: ModelInfo) -> tuple[list[list[int]], list[str]]:
+    """(token ids, text) of each prompt; text is what `echo` repeats."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items or len(items) > MAX_PROMPTS:
+        raise bad_request("prompt", f"must hold 1 to {MAX_PROMPTS} prompts, got {len(items)}")
+    ids, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids.append(info.tokenizer(item)["input_ids"])
+            texts.append(item)
+        else:
+            bad = [t for t in item if not 0 <= t < info.vocab_size]
+            if bad:
+                raise bad_request("prompt", f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
+            ids.append(list(item))
+            texts.append(info.tokenizer.decode(item) if req.echo else "")
+        if not ids[-1]:
+            raise bad_request("prompt", "is empty")
+    return ids, texts
+
+
+def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
+    """The messages rendered by the model's own chat template, as token ids."""
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                  tokenize=False)
+    except Exception as err:                    # a template may refuse an order of roles
+        raise bad_request("messages", f"the model's chat template refused them: {err}") from None
+    return info.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,140 @@
+"""An OpenAI request's sampling as the core model's inputs (TensorRT-LLM's tensors), checked against the model."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from frontend.errors import bad_request
+from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+MAX_STOP_TOKENS = 64                          # the core's max_word_len
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the frontend knows of the served base model: its name, tokenizer and limits."""
+    name: str
+    tokenizer: object
+    vocab_size: int
+    max_context: int                          # prompt + output tokens (max_position_embeddings)
+    end_ids: tuple[int, ...]                  # the model's end-of-sequence tokens
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, name: str | None = None) -> "ModelInfo":
+        from transformers import AutoTokenizer
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        generation = model_dir / "generation_config.json"
+        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+        eos = eos if eos is not None else config.get("eos_token_id")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        end_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(name or model_dir.name, tokenizer, config["vocab_size"], config["max_position_embeddings"],
+                   end_ids)
+
+
+def check_supported(req: SamplingRequest) -> None:
+    """Refuse, by name, what the engine cannot do rather than answer something else."""
+    if req.min_p:
+        raise bad_request("min_p", "is not supported (the engine has no min-p sampling); send 0 or leave it out")
+    if req.best_of not in (None, 1, req.n):
+        raise bad_request("best_of", f"must be 1 or n ({req.n}): choices are not ranked, got {req.best_of}")
+    if req.response_format and req.response_format.type == "json_schema" and not req.response_format.json_schema:
+        raise bad_request("response_format", "type json_schema needs json_schema.schema")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise bad_request("suffix", "is not supported (no fill-in-the-middle)")
+        if req.logprobs:
+            raise bad_request("logprobs", "top alternatives are not supported: send 0 for the chosen tokens' log "
+                                          "probs")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo", "with logprobs would need the prompt's log probs, which are not supported")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise bad_request("tools", "tool calling is not supported")
+        if req.top_logprobs:
+            raise bad_request("top_logprobs", "top alternatives are not supported: send 0, with logprobs true for "
+                                              "the chosen tokens' log probs")
+
+
+def max_tokens(req: SamplingRequest, num_prompt_tokens: int, info: ModelInfo, default: int | None) -> int:
+    """The output budget: as asked (max_completion_tokens, max_tokens), else `default`, else what the context
+    leaves; a request that cannot fit is refused naming max_tokens."""
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    room = info.max_context - num_prompt_tokens
+    if room < 1:
+        raise bad_request("prompt" if isinstance(req, CompletionRequest) else "messages",
+                          f"{num_prompt_tokens} tokens leave no room in the model's context of {info.max_context}")
+    if asked is not None and asked > room:
+        raise bad_request("max_tokens", f"prompt ({num_prompt_tokens}) + max_tokens ({asked}) exceed the model's "
+                                        f"context of {info.max_context} tokens")
+    return asked or min(default or room, room)
+
+
+def core_arrays(req: SamplingRequest, prompt_ids: list[int], num_tokens: int, info: ModelInfo,
+                log_probs: bool) -> dict[str, np.ndarray]:
+    """The core model's inputs, shaped as TensorRT-LLM clients shape them ([1, L], [1, 1], [1, 2, L])."""
+    def scalar(value, dtype) -> np.ndarray:
+        return np.array([[value]], dtype=dtype)
+
+    arrays = {"input_ids": np.array([prompt_ids], np.int32), "input_lengths": scalar(len(prompt_ids), np.int32),
+              "request_output_len": scalar(num_tokens, np.int32), "streaming": scalar(True, np.bool_),
+              "num_return_sequences": scalar(req.n, np.int32)}
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature > 0:                              # the core samples when runtime_top_p > 0
+        arrays |= {"temperature": scalar(temperature, np.float32),
+                   "runtime_top_p": scalar(req.top_p or 1.0, np.float32)}
+        if req.top_k and req.top_k > 0:
+            arrays["runtime_top_k"] = scalar(req.top_k, np.int32)
+    if req.seed is not None:
+        arrays["seed"] = scalar(req.seed % (1 << 64), np.uint64)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            arrays[name] = scalar(getattr(req, name), np.float32)
+    if req.repetition_penalty is not None:
+        arrays["repetition_penalty"] = scalar(req.repetition_penalty, np.float32)
+    if req.min_tokens:
+        arrays["min_tokens"] = scalar(req.min_tokens, np.int32)
+    end_ids = () if req.ignore_eos else info.end_ids
+    arrays["end_id"] = scalar(end_ids[0] if end_ids else -1, np.int32)
+    words = [[t] for t in end_ids[1:]] + stop_tokens(req.stop, info)
+    if words:
+        arrays["stop_words_list"] = words_list(words)[None]
+    if req.logit_bias:
+        arrays["embedding_bias"] = logit_bias(req.logit_bias, info.vocab_size)[None]
+    if log_probs:
+        arrays["return_log_probs"] = scalar(True, np.bool_)
+    if req.response_format is not None and req.response_format.type != "text":
+        guide_type, guide = ("json", "") if req.response_format.type == "json_object" else \
+            ("json_schema", json.dumps(req.response_format.json_schema.schema_))
+        arrays["guided_decoding_guide_type"] = np.array([[guide_type.encode()]], dtype=np.object_)
+        arrays["guided_decoding_guide"] = np.array([[guide.encode()]], dtype=np.object_)
+    return arrays
+
+
+def stop_tokens(stop: list[str], info: ModelInfo) -> list[list[int]]:
+    """Each stop string's tokens, so that the core ends a sequence as soon as it writes one the usual way; the
+    frontend still finds stop strings in the text, however they were tokenized."""
+    words = [info.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stop]
+    return [w for w in words if 0 < len(w) <= MAX_STOP_TOKENS]
+
+
+def words_list(words: list[list[int]]) -> np.ndarray:
+    """TensorRT-LLM's [2, L] words list: every word's ids back to back, then each word's end offset; -1 padded."""
+    ids = [t for w in words for t in w]
+    out = np.full((2, len(ids)), -1, dtype=np.int32)
+    out[0] = ids
+    out[1, :len(words)] = np.cumsum([len(w) for w in words])
+    return out
+
+
+def logit_bias(bias: dict[str, float], vocab_size: int) -> np.ndarray:
+    out = np.zeros(vocab_size, dtype=np.float32)
+    for key, value in bias.items():
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise bad_request("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        out[token] = value
+    return out

@@ -1,0 +1,109 @@
+"""Keeps a deployment's processes running: each one that dies is logged (exit code or signal) and started again with
+backoff (1, 2, 4 ... 30 s; back to 1 s after a minute up), on its own, while the others serve on. A stop (SIGINT,
+SIGTERM) ends them all: each gets its grace period, then SIGKILL."""
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MAX_BACKOFF_S = 30.0
+STABLE_S = 60.0                               # up this long, a death restarts after 1 s again
+
+
+@dataclass
+class Service:
+    name: str
+    start: Callable[[], subprocess.Popen]
+    ready: Callable[[subprocess.Popen], bool]          # polled after a start until True
+    on_ready: Callable[[int], None]                    # restart count (0: the first start)
+    grace_s: float = 35.0                              # after SIGTERM, before SIGKILL
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    delay_s: float = 1.0
+    started_at: float = 0.0
+    restart_at: float | None = None                    # monotonic time of the next start, while down
+    is_ready: bool = False
+    must_start: bool = True                            # False: a failure before the first ready ends it all
+    log: Callable[[str], None] = field(default=lambda line: print(f"[launch_server] {line}", flush=True))
+
+    def launch(self) -> None:
+        self.process = self.start()
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        self.is_ready = False
+        self.log(f"{self.name} pid {self.process.pid} (restarts so far: {self.restarts})")
+
+    def poll(self, now: float) -> str | None:
+        """Advance this service; an error message when it failed before it was ever ready."""
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.launch()
+            return None
+        code = self.process.poll()
+        if code is None:
+            if not self.is_ready and self.ready(self.process):
+                self.is_ready = True
+                self.on_ready(self.restarts)
+            return None
+        if self.restarts == 0 and not self.is_ready and self.must_start:
+            return f"{self.name} exited with {describe_exit(code)} before it was ready"
+        self.delay_s = 1.0 if now - self.started_at > STABLE_S else min(MAX_BACKOFF_S, self.delay_s * 2 if
+                                                                        self.restarts else self.delay_s)
+        self.restarts += 1
+        self.restart_at = now + self.delay_s
+        self.log(f"{self.name} died ({describe_exit(code)}); restart {self.restarts} in {self.delay_s:.0f} s")
+        return None
+
+
+def supervise(services: list[Service], restart: bool = True) -> int:
+    """Run the services until a stop; 0 on a stop, else the exit code of the first one to fail for good."""
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    for service in services:
+        service.launch()
+    code = 0
+    while not stopping:
+        now = time.monotonic()
+        for service in services:
+            if not restart and service.process.poll() is not None:
+                code = service.process.returncode
+                stopping = True
+                break
+            failure = service.poll(now)
+            if failure is not None:
+                service.log(failure)
+                code, stopping = 1, True
+                break
+        time.sleep(0.2)
+    end_all(services)
+    return code
+
+
+def end_all(services: list[Service]) -> None:
+    """SIGTERM to every running service, then SIGKILL to each still there after its grace period.
+    tritonserver does not exit on SIGTERM while a client keeps a gRPC stream open, even an idle one."""
+    running = [s for s in services if s.process is not None and s.process.poll() is None]
+    for service in running:
+        service.process.terminate()
+    since = time.monotonic()
+    for service in running:
+        try:
+            service.process.wait(timeout=max(0.0, service.grace_s - (time.monotonic() - since)))
+        except subprocess.TimeoutExpired:
+            service.log(f"{service.name} still running {service.grace_s:.0f} s after SIGTERM (a client holds a "
+                        "stream open?); killing it")
+            service.process.kill()
+            service.process.wait()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
