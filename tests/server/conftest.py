@@ -2,6 +2,7 @@
 adapters (text in, text out)."""
 import subprocess
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from backend import LLMEngine
 from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from launch_server import free_ports, start_server, wait_ready  # noqa: E402
+from launch_server import free_ports, is_ready, server_env, start_server, wait_ready  # noqa: E402
 
 
 @dataclass
@@ -84,3 +85,33 @@ def smollm2_server(tmp_path_factory, smollm2_dir, demo_adapters):
     env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_LORA_PREFETCH_DIR": str(demo_adapters),
            "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(256 << 20)}
     yield from run_server(tmp_path_factory, "smollm2-server", env)
+
+
+@dataclass
+class Frontend:
+    process: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def run_frontend(tmp_path_factory, server: Server, model_dir: Path, *args: str, env: dict | None = None):
+    """The OpenAI-compatible API (python -m frontend) on a test server's core model, until the fixture ends."""
+    [port] = free_ports(1)
+    log = tmp_path_factory.mktemp("frontend") / "frontend.log"
+    with open(log, "w") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "frontend", "--model-dir", str(model_dir), "--grpc-url",
+                                    server.grpc_url, "--port", str(port), *args], cwd=ROOT,
+                                   env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not is_ready(port, "/health"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the OpenAI frontend did not start:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+    yield Frontend(process, port, log)
+    process.terminate()
+    process.wait(timeout=30)

@@ -1,0 +1,89 @@
+"""OpenAI sampling parameters as the core model's inputs, read back through the core's own parser."""
+import json
+
+import numpy as np
+import pytest
+
+from backend.protocol import parse_request
+from backend.request import RequestLimits
+from frontend.errors import OpenAIError
+from frontend.sampling import ModelInfo, check_supported, core_arrays, max_tokens
+from frontend.schemas import ChatCompletionRequest, CompletionRequest
+
+LIMITS = RequestLimits(max_input_len=8191)
+
+
+@pytest.fixture(scope="module")
+def info(smollm2_dir):
+    return ModelInfo.from_dir(smollm2_dir)
+
+
+def parsed(info, **body):
+    req = CompletionRequest(model="m", prompt="x", **body)
+    [row] = parse_request(core_arrays(req, [5, 6, 7], 12, info, log_probs=body.get("logprobs") is not None), LIMITS)
+    return row
+
+
+def test_defaults_sample_at_temperature_one_until_the_end_token(info):
+    row = parsed(info)
+    p = row.params
+    assert row.prompt_ids == [5, 6, 7] and row.streaming and p.max_new_tokens == 12
+    assert not p.greedy and p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
+    assert p.end_id == info.end_ids[0] == 2 and p.stop_words == [] and not p.return_log_probs
+
+
+def test_temperature_zero_is_greedy(info):
+    assert parsed(info, temperature=0.0).params.greedy
+
+
+def test_every_sampling_field_reaches_the_core(info):
+    p = parsed(info, temperature=0.7, top_p=0.9, top_k=40, seed=-1, n=3, presence_penalty=0.5,
+               frequency_penalty=-0.25, repetition_penalty=1.1, min_tokens=2, logprobs=0,
+               logit_bias={"17": 5.0, "3": -100}).params
+    assert (p.temperature, p.top_p, p.top_k, p.num_return_sequences) == (pytest.approx(0.7), pytest.approx(0.9), 40, 3)
+    assert p.seed == (1 << 64) - 1 and p.min_tokens == 2 and p.return_log_probs
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, pytest.approx(1.1))
+    bias = np.zeros(info.vocab_size, np.float32)
+    bias[17], bias[3] = 5.0, -100.0
+    np.testing.assert_array_equal(p.embedding_bias, bias)
+
+
+def test_stop_strings_become_stop_words_and_ignore_eos_drops_the_end_token(info):
+    p = parsed(info, stop=["\n\n", "END"], ignore_eos=True).params
+    assert p.end_id is None
+    assert p.stop_words == [info.tokenizer(s, add_special_tokens=False)["input_ids"] for s in ("\n\n", "END")]
+
+
+def test_response_formats_become_guides(info):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = parsed(info, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).params
+    assert p.guide_type == "json_schema" and json.loads(p.guide) == schema
+    assert parsed(info, response_format={"type": "json_object"}).params.guide_type == "json"
+    assert parsed(info, response_format={"type": "text"}).params.guide_type is None
+
+
+def test_output_budgets(info):
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert max_tokens(chat, 100, info, None) == info.max_context - 100
+    assert max_tokens(chat.model_copy(update={"max_completion_tokens": 7}), 100, info, None) == 7
+    assert max_tokens(CompletionRequest(model="m", prompt="x"), 100, info, 16) == 16
+    with pytest.raises(OpenAIError, match="max_tokens"):
+        max_tokens(CompletionRequest(model="m", prompt="x", max_tokens=info.max_context), 1, info, 16)
+    with pytest.raises(OpenAIError, match="prompt"):
+        max_tokens(CompletionRequest(model="m", prompt="x"), info.max_context, info, 16)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"min_p": 0.1}, "min_p"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"), ({"logprobs": 2}, "logprobs"),
+    ({"echo": True, "logprobs": 0}, "echo")])
+def test_what_the_engine_lacks_is_refused_by_name(body, param):
+    with pytest.raises(OpenAIError) as err:
+        check_supported(CompletionRequest(model="m", prompt="x", **body))
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [({"tools": [{"type": "function"}]}, "tools"), ({"top_logprobs": 3}, "top_logprobs")])
+def test_chat_features_the_engine_lacks_are_refused_by_name(body, param):
+    with pytest.raises(OpenAIError) as err:
+        check_supported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body))
+    assert err.value.param == param

@@ -1,0 +1,274 @@
+"""The OpenAI-compatible API with the official `openai` client, on SmolLM2 behind a real tritonserver: the same
+tokens as the core model, adapters by name, streaming, stop strings, n, JSON schemas, errors and API keys."""
+import asyncio
+import json
+import shutil
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from backend.lora.peft import peft_to_trtllm
+from frontend.adapters import Adapter
+from frontend.core import CoreClient
+from tests.helpers import ALL_MODULES, ROOT, make_peft_adapters
+from tests.server.conftest import run_frontend
+from tests.server.streams import Stream, run, trtllm_inputs
+
+pytestmark = pytest.mark.slow
+BASE = "smollm2-135m-instruct"
+KEYS = {"inference": "sk-inference-test", "admin": "sk-admin-test"}
+MAX_NEW = 12
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def peft_dirs(smollm2_dir, tmp_path_factory):
+    """Two random PEFT adapters on SmolLM2 (rank 8 on every module, B scaled down so the text stays text)."""
+    return make_peft_adapters(smollm2_dir, tmp_path_factory.mktemp("peft"), scale=0.02,
+                              specs=[dict(r=8, lora_alpha=16, target_modules=ALL_MODULES)] * 2)
+
+
+@pytest.fixture(scope="module")
+def frontend(tmp_path_factory, smollm2_server, smollm2_dir, peft_dirs):
+    store = tmp_path_factory.mktemp("store")
+    shutil.copytree(ROOT / "demo_adapters" / "1", store / "upper")     # task 1's weights under a name: a new id
+    shutil.copytree(peft_dirs[0], store / "rand")
+    keys = store.parent / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    yield from run_frontend(tmp_path_factory, smollm2_server, smollm2_dir, "--adapter-store", str(store),
+                            "--api-key-file", str(keys))
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key=KEYS["inference"], max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def core_task(smollm2_server, peft_dirs):
+    """The core model's own greedy tokens for a prompt and adapter ("upper" is the server's task 1)."""
+    weights = {"rand": peft_to_trtllm(peft_dirs[0], "float16"), "rand2": peft_to_trtllm(peft_dirs[1], "float16")}
+
+    def tokens(prompt_ids: list[int], adapter: str | None, max_new: int = MAX_NEW, **extra) -> list[int]:
+        if adapter == "upper":
+            extra["lora_task_id"] = np.array([[1]], np.uint64)
+        elif adapter is not None:
+            w, c = weights[adapter]
+            extra |= {"lora_task_id": np.array([[9000 + len(adapter)]], np.uint64), "lora_weights": w[None],
+                      "lora_config": c[None]}
+        result = run(smollm2_server.grpc_url, trtllm_inputs(prompt_ids, max_new, True,
+                                                            end_id=np.array([[2]], np.int32), **extra))
+        assert result.error is None, result.error
+        return result.tokens
+    return tokens
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_models_lists_the_base_and_every_adapter_with_its_parent(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {BASE, "upper", "rand"}
+    assert models[BASE].parent is None and models["upper"].parent == BASE == models["rand"].parent
+
+
+@pytest.mark.parametrize("model", [BASE, "upper", "rand", f"{BASE}_lora_upper"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_tokens_equal_the_core_models(client, tokenizer, core_task, model, stream):
+    adapter = None if model == BASE else model.rsplit("_lora_", 1)[-1]
+    want = core_task(chat_ids(tokenizer, CHAT), adapter)
+    kwargs = dict(model=model, messages=CHAT, max_tokens=MAX_NEW, temperature=0, stream=stream)
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+    else:
+        response = client.chat.completions.create(**kwargs)
+        text, reasons, usage = response.choices[0].message.content, [response.choices[0].finish_reason], response.usage
+    assert text == tokenizer.decode(want, skip_special_tokens=True)
+    assert reasons == ["length" if len(want) == MAX_NEW and want[-1] != 2 else "stop"]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(chat_ids(tokenizer, CHAT)), len(want))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_tokens_equal_the_core_models(client, tokenizer, core_task, stream):
+    prompt = "The three largest oceans are"
+    want = core_task(tokenizer(prompt)["input_ids"], "rand", max_new=16)
+    response = client.completions.create(model="rand", prompt=prompt, max_tokens=16, temperature=0, stream=stream,
+                                         logprobs=0)
+    choices = [c.choices[0] for c in response] if stream else response.choices
+    assert "".join(c.text for c in choices) == tokenizer.decode(want, skip_special_tokens=True)
+    logprobs = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert len(logprobs) == len(want) and all(lp <= 0 for lp in logprobs)
+
+
+def test_token_id_prompts_and_a_batch_of_prompts(client, tokenizer, core_task):
+    prompts = [tokenizer("Once upon a time")["input_ids"], tokenizer("The moon is")["input_ids"]]
+    response = client.completions.create(model="upper", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice, ids in zip(response.choices, prompts):
+        assert choice.text == tokenizer.decode(core_task(ids, "upper", max_new=8), skip_special_tokens=True)
+    assert response.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_two_choices_sample_as_the_core_does_with_the_same_seed(client, tokenizer, smollm2_server):
+    ids = tokenizer("My favourite animal is")["input_ids"]
+    response = client.completions.create(model=BASE, prompt=ids, max_tokens=10, temperature=1.0, seed=1234, n=2)
+    stream = Stream(smollm2_server.grpc_url).send(trtllm_inputs(
+        ids, 10, True, end_id=np.array([[2]], np.int32), temperature=np.array([[1.0]], np.float32),
+        runtime_top_p=np.array([[1.0]], np.float32), seed=np.array([[1234]], np.uint64),
+        num_return_sequences=np.array([[2]], np.int32)))
+    per_sequence = {0: [], 1: []}
+    for result in stream.results():
+        index = result.as_numpy("sequence_index")
+        ids_out = result.as_numpy("output_ids")
+        if ids_out is not None and ids_out.size:
+            per_sequence[int(index.reshape(-1)[0])] += ids_out.reshape(-1).tolist()
+    stream.close()
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == \
+        [tokenizer.decode(per_sequence[i], skip_special_tokens=True) for i in (0, 1)]
+    assert response.usage.completion_tokens == len(per_sequence[0]) + len(per_sequence[1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_text_before_it(client, stream):
+    kwargs = dict(model=BASE, prompt="The planets of the solar system are", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full.split()[3]
+    response = client.completions.create(**kwargs, stop=[stop, "never appears"], stream=stream)
+    choices = [c.choices[0] for c in response] if stream else response.choices
+    assert "".join(c.text for c in choices) == full[:full.index(stop)]
+    assert choices[-1].finish_reason == "stop"
+
+
+def test_a_json_schema_response_parses_and_validates(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["color", "count"],
+              "properties": {"color": {"enum": ["red", "green", "blue"]},
+                             "count": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    response = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "Pick a color and a count."}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    value = json.loads(response.choices[0].message.content)
+    assert set(value) == {"color", "count"} and value["color"] in ("red", "green", "blue")
+    assert isinstance(value["count"], int) and 0 <= value["count"] <= 9
+
+
+def kv_blocks_settle_to_zero(server, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.metric("lora_llm_kv_blocks", state="used") == 0 and \
+                server.metric("lora_llm_sequences", state="running") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_kv_blocks(frontend, smollm2_server, stream):
+    body = {"model": "upper", "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+    headers = {"Authorization": f"Bearer {KEYS['inference']}"}
+    if stream:
+        with httpx.stream("POST", frontend.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data:"))
+            [next(lines) for _ in range(3)]
+            assert smollm2_server.metric("lora_llm_kv_blocks", state="used") > 0
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(frontend.url + "/v1/completions", json=body, headers=headers, timeout=2)
+    assert kv_blocks_settle_to_zero(smollm2_server)
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    assert err.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("api, body, param", [
+    ("completions", {"temperature": -1}, "temperature"), ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"n": 0}, "n"), ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 10 ** 6}, "max_tokens"), ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"), ("completions", {"stop": [""]}, "stop"),
+    ("completions", {"presence_penalty": 3}, "presence_penalty"), ("completions", {"seed": 2 ** 70}, "seed"),
+    ("completions", {"prompt": []}, "prompt"), ("completions", {"prompt": [99999999]}, "prompt"),
+    ("completions", {"logprobs": 3}, "logprobs"), ("completions", {"extra_body": {"min_p": 0.5}}, "min_p"),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"messages": []}, "messages"), ("chat", {"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format")])
+def test_a_bad_parameter_is_400_naming_it(client, api, body, param):
+    base = {"model": BASE, "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError) as err:
+        if api == "chat":
+            client.chat.completions.create(**({"messages": CHAT} | base | body))
+        else:
+            kwargs = {"prompt": "hi"} | base | body
+            if "response_format" in kwargs:
+                kwargs["extra_body"] = {"response_format": kwargs.pop("response_format")}
+            client.completions.create(**kwargs)
+    assert err.value.status_code == 400 and err.value.body["param"].startswith(param)
+    assert param in err.value.body["message"]
+
+
+def test_keys_guard_each_group(frontend):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=frontend.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(frontend.url + "/v1/models").status_code == 401
+    assert httpx.get(frontend.url + "/health").status_code == 200
+    body = {"lora_name": "x", "lora_path": "/nonexistent"}
+    for key in (None, KEYS["inference"]):                     # the inference key is not the admin key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert httpx.post(frontend.url + "/v1/load_lora_adapter", json=body, headers=headers).status_code == 401
+    admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+    assert httpx.post(frontend.url + "/v1/load_lora_adapter", json=body, headers=admin).status_code == 400
+    assert KEYS["admin"] not in frontend.log.read_text() and KEYS["inference"] not in frontend.log.read_text()
+
+
+def test_adapters_load_and_unload_at_run_time(frontend, client, tokenizer, core_task, peft_dirs):
+    admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+    r = httpx.post(frontend.url + "/v1/load_lora_adapter", json={"lora_name": "rand2", "lora_path": str(peft_dirs[1])},
+                   headers=admin)
+    assert r.status_code == 200, r.text
+    assert "rand2" in {m.id for m in client.models.list().data}
+
+    async def four_at_once():                                 # its first requests: the weights travel once
+        async with openai.AsyncOpenAI(base_url=frontend.url + "/v1", api_key=KEYS["inference"]) as aclient:
+            return await asyncio.gather(*(aclient.chat.completions.create(
+                model="rand2", messages=CHAT, max_tokens=MAX_NEW, temperature=0) for _ in range(4)))
+    texts = {r.choices[0].message.content for r in asyncio.run(four_at_once())}
+    assert texts == {tokenizer.decode(core_task(chat_ids(tokenizer, CHAT), "rand2"), skip_special_tokens=True)}
+    r = httpx.post(frontend.url + "/v1/unload_lora_adapter", json={"lora_name": "rand2"}, headers=admin)
+    assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="rand2", messages=CHAT, max_tokens=2)
+    assert httpx.post(frontend.url + "/v1/unload_lora_adapter", json={"lora_name": "rand2"},
+                      headers=admin).status_code == 404
+
+
+def test_weights_are_sent_again_when_the_core_no_longer_has_them(smollm2_server, tokenizer, core_task, peft_dirs):
+    ids = tokenizer("Rivers flow into")["input_ids"]
+    arrays = {"input_ids": np.array([ids], np.int32), "request_output_len": np.array([[MAX_NEW]], np.int32),
+              "end_id": np.array([[2]], np.int32), "streaming": np.array([[True]])}
+    ghost = Adapter("ghost", peft_dirs[1], task_id=987_654_321, accepted=True)     # believed sent, never was
+
+    async def generate():
+        core = CoreClient(smollm2_server.grpc_url)
+        try:
+            return [t async for chunk in core.generate(arrays, ghost) for t in chunk.token_ids]
+        finally:
+            await core.close()
+    assert asyncio.run(generate()) == core_task(ids, "rand2") and ghost.accepted
