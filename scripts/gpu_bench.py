@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path.insert(0, str(ROOT))
 
-from backend.model.config import ModelConfig                      # noqa: E402
-from bench_baselines import run_hf                                 # noqa: E402
-from bench_engine import make_engine, run_engine                   # noqa: E402
-from bench_profile import decode_attention_vs_bound, decode_step_profile, sync   # noqa: E402
-from bench_roofline import weight_bytes                            # noqa: E402
-from bench_workloads import WORKLOADS, make_requests               # noqa: E402
+from backend.model.config import ModelConfig                                        # noqa: E402
+from bench.engine import make_engine, run_engine                                    # noqa: E402
+from bench.hf import run_hf                                                         # noqa: E402
+from bench.roofline import weight_bytes                                             # noqa: E402
+from bench.step_profile import decode_attention_vs_bound, decode_step_profile, sync   # noqa: E402
+from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
          "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02}

@@ -1,17 +1,15 @@
-"""scripts/bench_stream.py, the benchmarks' lean gRPC client, against a real tritonserver: the tokens it counts are
+"""bench/stream.py, the benchmarks' lean gRPC client, against a real tritonserver: the tokens it counts are
 the engine's, a request the server answers "not found" is sent again with its adapter, and an error stops the run."""
 import asyncio
-import sys
 from functools import partial
 
 import pytest
 
 from backend.lora.peft import peft_to_trtllm
 from client.grpc_client import input_arrays
-from tests.helpers import ROOT, random_prompts
+from tests.helpers import random_prompts
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_stream import Prepared, serialize_request, stream_requests   # noqa: E402
+from bench.stream import Prepared, serialize_request, stream_requests
 
 MAX_NEW = 6
 

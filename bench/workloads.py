@@ -23,7 +23,7 @@ class Workload:
     def setup(self, engine) -> None:
         """Register the workload's adapters with the engine (none for base-only workloads)."""
         if self.adapter_ranks:
-            from bench_adapters import register_adapters
+            from bench.adapters import register_adapters
             register_adapters(engine, self)
 
 

@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32,
                         kernel_backend: str = "auto") -> dict:
-    from bench_adapters import adapter_dirs
-    from bench_engine import own_cpu_seconds, percentile
-    from bench_stream import Prepared, serialize_request, stream_requests
+    from bench.adapters import adapter_dirs
+    from bench.engine import own_cpu_seconds, percentile
+    from bench.stream import Prepared, serialize_request, stream_requests
     from launch_server import free_ports, start_server, wait_ready
 
     from backend.lora.peft import peft_to_trtllm

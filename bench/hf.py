@@ -13,7 +13,7 @@ def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_siz
     adapter_names = None
     churn = len(workload.adapter_ranks) > workload.max_loras     # W5: adapters come and go, batch by batch
     if workload.adapter_ranks:
-        from bench_adapters import attach_peft_adapters
+        from bench.adapters import attach_peft_adapters
         model, adapter_names = attach_peft_adapters(model, workload, loaded=1 if churn else None)
     num_tokens = 0
     start = time.perf_counter()
@@ -28,7 +28,7 @@ def run_hf(model_dir: str, requests: list[dict], dtype: str, workload, batch_siz
         new = chunk[0]["max_new_tokens"]
         kwargs = {}
         if churn:
-            from bench_adapters import swap_adapters
+            from bench.adapters import swap_adapters
             swap_adapters(model, workload, {r["lora_task_id"] for r in chunk} - {None})
         if adapter_names is not None:
             kwargs["adapter_names"] = [adapter_names.get(r["lora_task_id"], "__base__") for r in chunk]

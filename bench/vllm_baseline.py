@@ -2,7 +2,7 @@
 the same run. `bench.py --baseline vllm` calls `run_vllm`, which installs the build into .venv-vllm/ on first use
 (~3.4 GB, a few minutes) and runs this file there as a worker:
 
-    .venv-vllm/bin/python scripts/bench_vllm.py JOB.json OUT.json
+    .venv-vllm/bin/python bench/vllm_baseline.py JOB.json OUT.json
 Workloads that need no adapter share one engine without LoRA (as a vLLM user would serve them); the others share
 one with LoRA. Every adapter is loaded once before the clock starts; outputs are forced to their full length.
 """
@@ -40,7 +40,7 @@ def ensure_vllm() -> Path:
 
 def run_vllm(model_dir: str, runs: dict[str, tuple[list[dict], object]], dtype: str) -> dict[str, dict]:
     """{workload name: (requests, Workload)} -> {workload name: {"tok_s", "seconds", "output_tokens"}}."""
-    from bench_adapters import adapter_dirs
+    from bench.adapters import adapter_dirs
     python = ensure_vllm()
     results: dict[str, dict] = {}
     for with_lora in (False, True):

@@ -1,13 +1,8 @@
-"""scripts/bench_report.py: the warning when the machine's own speed moved during a bench run, and rounds of a
+"""bench/report.py: the warning when the machine's own speed moved during a bench run, and rounds of a
 run (--repeat) combined."""
-import sys
-
 import pytest
 
-from tests.helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_report import combine_rounds, median_ratios, print_drift   # noqa: E402
+from bench.report import combine_rounds, median_ratios, print_drift
 
 
 @pytest.mark.parametrize("gflops_after,gbps_after,warned", [(120, 26, False), (108, 23, False), (77, 26, True),

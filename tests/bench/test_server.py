@@ -1,12 +1,9 @@
-"""scripts/bench_server.py: the CPU tritonserver and its stubs use, read from /proc for a process and its children."""
+"""bench/server.py: the CPU tritonserver and its stubs use, read from /proc for a process and its children."""
 import os
 import subprocess
 import sys
 
-from tests.helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_server import tree_cpu_seconds   # noqa: E402
+from bench.server import tree_cpu_seconds
 
 BUSY = ("import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
         "print('done', flush=True)\ntime.sleep(60)")
