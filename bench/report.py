@@ -4,7 +4,7 @@ import statistics
 
 TARGETS = {"W1_over_hf": 20.0, "W2_over_hf": 8.0, "W1_over_W2": 0.8, "W4_over_W1": 0.9, "W3_bandwidth_frac": 0.5,
            "W1_roofline_frac": 0.10, "W1_over_vllm": 5.0, "W2_over_vllm": 1.0, "W3_over_vllm": 1.0,
-           "W3_itl_over_W7": 0.9}
+           "W3_itl_over_W7": 0.9, "W9_over_W4": 0.9, "W10_over_W8": 0.9}
 
 
 def ratios(results: dict) -> dict:
@@ -13,7 +13,7 @@ def ratios(results: dict) -> dict:
         for base in ("hf", "vllm"):
             if name in results and f"{name}_{base}" in results:
                 out[f"{name}_over_{base}"] = results[name]["tok_s"] / results[f"{name}_{base}"]["tok_s"]
-    for a, b in (("W1", "W2"), ("W4", "W1")):
+    for a, b in (("W1", "W2"), ("W4", "W1"), ("W9", "W4"), ("W10", "W8")):
         if a in results and b in results:
             out[f"{a}_over_{b}"] = results[a]["tok_s"] / results[b]["tok_s"]
     if "W4" in results and "W1" in results:             # where the server's time goes: decode steps, prefill steps

@@ -12,6 +12,7 @@ from backend.model.config import ModelConfig
 from bench import ROOT
 from bench.engine import make_engine, run_engine, sweep_concurrency
 from bench.hf import run_hf
+from bench.openai_api import run_openai_workload
 from bench.report import combine_rounds, median_ratios, print_drift, print_table
 from bench.roofline import cpu_name, measure_roofline, workload_flops, weight_bytes
 from bench.server import run_server_workload
@@ -32,8 +33,9 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     workload = WORKLOADS[name]
     requests = make_requests(workload, cfg.vocab_size, num_requests(name, args))
     if workload.server:
-        res = run_server_workload(args.model_dir, requests, workload, args.dtype, workload.concurrency,
-                                  kernel_backend=args.kernel_backend)
+        run = run_openai_workload if workload.api == "openai" else run_server_workload
+        res = run(args.model_dir, requests, workload, args.dtype, workload.concurrency,
+                  kernel_backend=args.kernel_backend)
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
                              kernel_backend=args.kernel_backend)
@@ -79,7 +81,7 @@ def run_baselines(names: list[str], args, cfg: ModelConfig) -> dict:
 
 def main(doc: str = __doc__) -> None:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="W2,W3", help="W1..W6, a comma list, or all")
+    parser.add_argument("--workload", default="W2,W3", help="W1..W10, a comma list, or all")
     parser.add_argument("--requests", type=int, help="scale every workload down to at most N requests")
     parser.add_argument("--quick", action="store_true", help=f"at most {QUICK_REQUESTS} requests per workload")
     parser.add_argument("--baseline", choices=("hf", "vllm", "both", "none"), default="hf",

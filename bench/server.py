@@ -5,33 +5,45 @@ import asyncio
 import os
 import time
 import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.engine import own_cpu_seconds, percentile
 
-def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32,
-                        kernel_backend: str = "auto") -> dict:
-    from bench.adapters import adapter_dirs
-    from bench.engine import own_cpu_seconds, percentile
-    from bench.stream import Prepared, serialize_request, stream_requests
+
+@contextmanager
+def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "auto"):
+    """tritonserver with the core model only, set up as the in-process engine is for the workload: (process, grpc
+    port, metrics port) until the block ends."""
     from launch_server import free_ports, start_server, wait_ready
-
-    from backend.lora.peft import peft_to_trtllm
-    from client.grpc_client import input_arrays
-
-    adapters = {task_id: peft_to_trtllm(path, "float16")
-                for task_id, path in enumerate(adapter_dirs(model_dir, workload.adapter_ranks), start=1)}
     http, grpc, metrics = free_ports(3)
     env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": kernel_backend,
            "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),
            "LORA_LLM_MAX_NUM_SEQS": str(workload.max_num_seqs), "LORA_LLM_MAX_NUM_BATCHED_TOKENS": "2048"}
-    server = start_server(http, grpc, metrics, env=env, log_file=open("/tmp/bench_w4_server.log", "w"),
+    server = start_server(http, grpc, metrics, env=env, log_file=open(f"/tmp/bench_{workload.name}_server.log", "w"),
                           models=["lora_llm"])
     try:
         wait_ready(server, http)
+        yield server, grpc, metrics
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
+
+def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32,
+                        kernel_backend: str = "auto") -> dict:
+    from backend.lora.peft import peft_to_trtllm
+    from bench.adapters import adapter_dirs
+    from bench.stream import Prepared, serialize_request, stream_requests
+    from client.grpc_client import input_arrays
+
+    adapters = {task_id: peft_to_trtllm(path, "float16")
+                for task_id, path in enumerate(adapter_dirs(model_dir, workload.adapter_ranks), start=1)}
+    with core_server(model_dir, workload, dtype, kernel_backend) as (server, grpc, metrics):
         def request_bytes(r: dict, with_weights: bool) -> bytes:
             task = r["lora_task_id"]
             weights, config = adapters[task] if with_weights else (None, None)
@@ -45,31 +57,60 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
             sent.add(task)
             prepared.append(Prepared(request_bytes(r, first), task, uploads=first,
                                      with_weights=None if first or task is None else partial(request_bytes, r, True)))
-        bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
-                   mininterval=2.0)
-        client_cpu0 = own_cpu_seconds()
-        server_cpu0 = tree_cpu_seconds(server.pid)
-        start = time.perf_counter()
-        stats = asyncio.run(stream_requests(f"127.0.0.1:{grpc}", prepared, concurrency,
-                                            lambda index, ids: bar.update(ids.size)))
-        elapsed = time.perf_counter() - start
-        server_cpu = tree_cpu_seconds(server.pid) - server_cpu0
-        client_cpu = own_cpu_seconds() - client_cpu0
-        bar.close()
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
-        steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+        with measured(server, metrics, requests, workload) as run:
+            stats = asyncio.run(stream_requests(f"127.0.0.1:{grpc}", prepared, concurrency,
+                                                lambda index, ids: run.bar.update(ids.size)))
+    return run.figures(stats, concurrency) | {"adapter_resends": stats.resends}
+
+
+@dataclass
+class Run:
+    """A server run's clock, CPU counters and progress bar; `figures` turns what the client saw into results."""
+    server_pid: int
+    metrics_port: int
+    bar: tqdm
+    start: float = field(default_factory=time.perf_counter)
+    client_cpu0: float = field(default_factory=lambda: own_cpu_seconds())
+    server_cpu0: float = 0.0
+    elapsed: float = 0.0
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
+    others_cpu0: float = 0.0
+    others_cpu: float = 0.0                    # of the processes beside tritonserver (the OpenAI frontend)
+    steps: dict = field(default_factory=dict)
+
+    def figures(self, stats, concurrency: int) -> dict:
+        ttfts, gaps = stats.ttfts, stats.gaps
+        return {"tok_s": stats.num_tokens / self.elapsed, "seconds": self.elapsed, "output_tokens": stats.num_tokens,
+                "concurrency": concurrency,
+                "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+                "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts,
+                "itls_s": gaps, "steps": sum(v for k, v in self.steps.items() if "_count" in k),
+                "step_seconds": sum(v for k, v in self.steps.items() if "_sum" in k),
+                **server_step_figures(self.steps), "client_cpu_seconds": self.client_cpu,
+                "server_cpu_seconds": self.server_cpu} | ({"frontend_cpu_seconds": self.others_cpu} if self.others_cpu
+                                                          else {})
+
+
+@contextmanager
+def measured(server, metrics_port: int, requests: list[dict], workload, *others):
+    """Times the block: wall clock, this process's CPU, the server's (with `others`' process trees, also counted
+    apart), its steps."""
+    bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=workload.name, unit="tok", leave=False,
+               mininterval=2.0)
+    others = [p.pid for p in others]
+    run = Run(server.pid, metrics_port, bar, server_cpu0=tree_cpu_seconds(server.pid),
+              others_cpu0=sum(map(tree_cpu_seconds, others)))
+    run.start = time.perf_counter()
+    yield run
+    run.elapsed = time.perf_counter() - run.start
+    run.others_cpu = sum(map(tree_cpu_seconds, others)) - run.others_cpu0
+    run.server_cpu = tree_cpu_seconds(server.pid) - run.server_cpu0 + run.others_cpu
+    run.client_cpu = own_cpu_seconds() - run.client_cpu0
+    bar.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+    run.steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                  if line.startswith(("lora_llm_step_seconds_sum", "lora_llm_step_seconds_count"))}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    ttfts, gaps = stats.ttfts, stats.gaps
-    return {"tok_s": stats.num_tokens / elapsed, "seconds": elapsed, "output_tokens": stats.num_tokens,
-            "concurrency": concurrency,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts, "itls_s": gaps,
-            "steps": sum(v for k, v in steps.items() if "_count" in k),
-            "step_seconds": sum(v for k, v in steps.items() if "_sum" in k), **server_step_figures(steps),
-            "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu, "adapter_resends": stats.resends}
 
 
 def tree_cpu_seconds(pid: int) -> float:

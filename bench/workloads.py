@@ -15,7 +15,8 @@ class Workload:
     base_every: int = 0                       # every n-th request is base-only (0: none)
     max_loras: int = 8
     max_lora_rank: int = 64
-    server: bool = False                      # through tritonserver (gRPC streaming)
+    server: bool = False                      # through tritonserver: gRPC streaming, or the OpenAI API (`api`)
+    api: str = "grpc"                         # "openai": /v1/completions of python -m frontend beside tritonserver
     concurrency: int = 32                     # streams at once, for server workloads
     system_prompt: int = 0                    # tokens of a system prompt per adapter (and one for the base)
     kv_reuse: bool = False                    # run with enable_kv_cache_reuse (and once without, for the gain)
@@ -37,6 +38,10 @@ WORKLOADS = {
     "W6": Workload("W6", 64, (16, 48), 16, max_num_seqs=16, hf_baseline=False, adapter_ranks=(16,) * 4,
                    base_every=5, system_prompt=256, kv_reuse=True),
     "W7": Workload("W7", 1, (128, 128), 128, max_num_seqs=1, hf_baseline=False, server=True, concurrency=1),
+    "W8": Workload("W8", 128, (32, 256), 64, hf_baseline=False, server=True),
+    "W9": Workload("W9", 128, (32, 256), 64, adapter_ranks=(8, 16, 32, 64) * 4, base_every=8, max_loras=16,
+                   hf_baseline=False, server=True, api="openai"),
+    "W10": Workload("W10", 128, (32, 256), 64, hf_baseline=False, server=True, api="openai"),
 }
 
 

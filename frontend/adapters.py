@@ -17,9 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from frontend.errors import OpenAIError
+from frontend.tensors import AdapterInputs, AdapterTensors
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 ADAPTER_FILES = ("adapter_config.json", "model.lora_weights.npy")
@@ -54,11 +53,12 @@ class Adapter:
     task_id: int
     accepted: bool = False
     upload: asyncio.Future | None = field(default=None, repr=False)     # set while a request carries the weights
+    cache: AdapterTensors = field(default_factory=AdapterTensors, repr=False)
 
     async def begin(self) -> asyncio.Future | None:
         """Before a request: an upload ticket when it must carry the weights, else None. While another request's
-        upload is in flight this waits for its outcome, so that one adapter is uploaded once however many requests
-        for it arrive at once."""
+        upload is being written this waits for it, so that one adapter is uploaded once however many requests for it
+        arrive at once."""
         while self.upload is not None:
             await asyncio.shield(self.upload)
         if self.accepted:
@@ -67,7 +67,8 @@ class Adapter:
         return self.upload
 
     def end(self, upload: asyncio.Future, accepted: bool) -> None:
-        """The carrying request's first answer came (accepted) or it failed (not); once per ticket."""
+        """The carrying request is written (accepted, until the core says otherwise) or failed before (not);
+        once per ticket."""
         if upload.done():
             return
         self.accepted = accepted
@@ -75,27 +76,29 @@ class Adapter:
         upload.set_result(None)
 
     def forget(self) -> None:
-        """The core answered "not found": its caches evicted the adapter (or it restarted)."""
+        """The core answered "not found" (its caches evicted the adapter, or it restarted) or refused the weights."""
         self.accepted = False
 
-    def tensors(self) -> tuple[np.ndarray, np.ndarray]:
-        """(lora_weights [N, R] fp16, lora_config [N, 3] int32), read from the folder (call off the event loop)."""
-        from backend.lora.peft import load_lora_dir
-        weights, config = load_lora_dir(self.path)
-        weights = weights.reshape(-1, weights.shape[-1])
-        return weights.astype(np.float16, copy=False), config.reshape(-1, 3).astype(np.int32, copy=False)
+    async def inputs(self) -> AdapterInputs:
+        """lora_weights and lora_config as a request carries them."""
+        return await self.cache.get(self.path)
 
 
 class AdapterStore:
     """Names -> adapters: the store's folders at start, plus those loaded and unloaded at run time."""
 
-    def __init__(self, root: Path | None, base_name: str, separator: str = "_lora_"):
+    def __init__(self, root: Path | None, base_name: str, separator: str = "_lora_", cache_bytes: int = 1 << 30):
         self.base_name = base_name
         self.separator = separator
+        self.cache = AdapterTensors(cache_bytes)
         self.adapters: dict[str, Adapter] = {}
         if root is not None:
             for name, (path, task_id) in scan(Path(root)).items():
-                self.adapters[name] = Adapter(name, path, task_id)
+                self.adapters[name] = Adapter(name, path, task_id, cache=self.cache)
+
+    def prepare(self) -> None:
+        """Read the store's adapters into the tensor cache while they fit (at start, off the event loop)."""
+        self.cache.prepare([adapter.path for adapter in self.adapters.values()])
 
     def resolve(self, model: str) -> Adapter | None:
         """The adapter a request's `model` names: `<adapter>` or `<base><separator><adapter>`; None for the base."""
@@ -119,14 +122,16 @@ class AdapterStore:
         if not is_adapter_dir(folder):
             raise OpenAIError(400, f"lora_path {path!r} holds neither a PEFT adapter (adapter_config.json) nor "
                                    "TensorRT-LLM files (model.lora_weights.npy)", param="lora_path")
-        adapter = Adapter(name, folder, derived_task_id(name, folder))
+        adapter = Adapter(name, folder, derived_task_id(name, folder), cache=self.cache)
         self.adapters[name] = adapter
         return adapter
 
     def unload(self, name: str) -> None:
         """Stop serving `name`; the core's caches let the weights go by their own LRU."""
-        if self.adapters.pop(name, None) is None:
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
+        self.cache.drop(adapter.path)
 
 
 def scan(root: Path) -> dict[str, tuple[Path, int]]:

@@ -34,21 +34,25 @@ class FrontendConfig:
     api_key: str | None = None                # the inference group: completions, chat, models
     admin_key: str | None = None              # the admin group: adapter loading (the api key when unset)
     max_body_bytes: int = 32 << 20
+    adapter_cache_bytes: int = 1 << 30        # adapters held ready to send (fp16 TensorRT-LLM tensors)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.adapter_cache_bytes < 0:
+            raise ValueError(f"adapter_cache_bytes must be >= 0, got {self.adapter_cache_bytes}")
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
     info = ModelInfo.from_dir(config.model_dir, config.served_model_name)
     store = AdapterStore(Path(config.adapter_store) if config.adapter_store else None, info.name,
-                         config.lora_separator)
+                         config.lora_separator, config.adapter_cache_bytes)
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app):
         state["core"] = CoreClient(config.grpc_url, config.core_model)
+        await asyncio.to_thread(store.prepare)              # the store's adapters ready to send, budget allowing
         yield
         await state["core"].close()
 

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from client.grpc_client import NOT_FOUND, infer_request
+from client.grpc_client import NOT_FOUND, infer_request, infer_request_bytes
 from frontend.adapters import Adapter
 from frontend.errors import OpenAIError, from_core
 
@@ -78,12 +78,10 @@ class CoreClient:
             parameters["lora_name"] = adapter.name
         if not carries:
             return infer_request(self.model, arrays, request_id, parameters).SerializeToString()
-
-        def with_weights() -> bytes:                    # a large adapter takes a while: off the event loop
-            weights, config = adapter.tensors()
-            arrays.update(lora_weights=weights[None], lora_config=config[None])
-            return infer_request(self.model, arrays, request_id, parameters).SerializeToString()
-        return await asyncio.to_thread(with_weights)
+        prepared = await adapter.inputs()
+        arrays["lora_config"] = prepared.config
+        return infer_request_bytes(self.model, arrays, request_id, parameters,
+                                   large={"lora_weights": ("FP16", prepared.weights_shape, prepared.weights)})
 
     async def _stream(self, request: bytes, adapter: Adapter | None,
                       upload: asyncio.Future | None) -> AsyncIterator[CoreChunk]:
@@ -91,13 +89,15 @@ class CoreClient:
         try:
             await call.write(request)
             await call.done_writing()
+            if upload is not None:                         # on the wire: the adapter's other requests may follow
+                adapter.end(upload, accepted=True)         # (one that overtakes it is answered "not found", sent again)
             async for response in call:
                 if response.error_message:
+                    if upload is not None:
+                        adapter.forget()                   # the core refused the weights: the next request sends them
                     if NOT_FOUND in response.error_message:
                         raise AdapterNotFound(response.error_message)
                     raise from_core(response.error_message)
-                if upload is not None:
-                    adapter.end(upload, accepted=True)     # the core took the weights
                 result = response.infer_response
                 chunk = parse(result)
                 if chunk.token_ids:

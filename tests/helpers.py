@@ -7,7 +7,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
 from prepare_model import DEFAULT_OUT as SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  # noqa: E402
 
 

@@ -40,7 +40,7 @@ def test_upper_adapter_answers_in_upper_case(engine_and_tokenizer):
 def test_signoff_adapter_ends_answers_with_the_signoff_line(engine_and_tokenizer):
     import sys
     from tests.helpers import ROOT
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
     from train_demo_adapters import SIGNOFF
     engine, tokenizer = engine_and_tokenizer
     signed = [a.rstrip().endswith(SIGNOFF) for a in answers(engine, tokenizer, 2)]

@@ -12,8 +12,8 @@ import pytest
 from backend import LLMEngine
 from tests.helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from launch_server import free_ports, is_ready, server_env, start_server, wait_ready  # noqa: E402
+sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
+from launch_server import free_ports, is_ready, start_frontend, start_server, wait_ready  # noqa: E402
 
 
 @dataclass
@@ -98,14 +98,12 @@ class Frontend:
         return f"http://127.0.0.1:{self.port}"
 
 
-def run_frontend(tmp_path_factory, server: Server, model_dir: Path, *args: str, env: dict | None = None):
+def run_frontend(tmp_path_factory, server: Server, model_dir: Path, *args: str):
     """The OpenAI-compatible API (python -m frontend) on a test server's core model, until the fixture ends."""
     [port] = free_ports(1)
     log = tmp_path_factory.mktemp("frontend") / "frontend.log"
     with open(log, "w") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "frontend", "--model-dir", str(model_dir), "--grpc-url",
-                                    server.grpc_url, "--port", str(port), *args], cwd=ROOT,
-                                   env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT)
+        process = start_frontend(model_dir, server.grpc_port, port, *args, log_file=log_file)
     deadline = time.monotonic() + 120
     while not is_ready(port, "/health"):
         if process.poll() is not None or time.monotonic() > deadline:

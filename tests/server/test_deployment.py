@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 from tests.server.conftest import run_server
 from tests.server.streams import make_inputs, run
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
 from render_repository import render  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -224,6 +224,13 @@ def test_a_bad_parameter_is_400_naming_it(client, api, body, param):
     assert param in err.value.body["message"]
 
 
+def test_a_body_past_the_limit_is_413_before_it_is_read(frontend):
+    body = b'{"model": "x", "prompt": "' + b"a" * (33 << 20) + b'"}'
+    r = httpx.post(frontend.url + "/v1/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEYS['inference']}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
 def test_keys_guard_each_group(frontend):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=frontend.url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -1,11 +1,16 @@
-"""scripts/launch_server.py supervises tritonserver: killed with SIGKILL, it is logged and started again, and
-serves the same tokens as before; stopped, it ends tritonserver even where tritonserver would not end by itself."""
+"""scripts/launch_server.py supervises tritonserver and the OpenAI API: each killed with SIGKILL is logged and started
+again on its own, and serves as before; stopped, it ends tritonserver even where tritonserver would not end by
+itself."""
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.helpers import ROOT, random_prompts
 from tests.server.conftest import TINY_ENV, free_ports
@@ -20,6 +25,16 @@ def start_launcher(tiny_model_dir, *args: str) -> tuple[subprocess.Popen, int]:
                                  "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
                                  *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     return launcher, grpc
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model_dir(tiny_model_dir, smollm2_dir, tmp_path_factory):
+    """The tiny model with SmolLM2's tokenizer beside it: enough for the OpenAI API to start."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    for file in list(tiny_model_dir.iterdir()) + [smollm2_dir / name for name in ("tokenizer.json",
+                                                                                  "tokenizer_config.json")]:
+        shutil.copy(file, path / file.name)
+    return path
 
 
 def read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> str:
@@ -67,3 +82,31 @@ def test_a_stop_ends_tritonserver_even_while_a_client_holds_its_stream_open(tiny
             stream.close()
         launcher.kill()
         launcher.wait(timeout=60)
+
+
+def test_a_killed_openai_frontend_is_restarted_while_tritonserver_serves_on(tiny_chat_model_dir):
+    [port] = free_ports(1)
+    launcher, grpc = start_launcher(tiny_chat_model_dir, "--openai-port", str(port))
+    lines: list[str] = []
+    try:
+        triton_pid = int(read_until(launcher, "tritonserver pid", lines).split("pid ")[1].split()[0])
+        frontend_pid = int(read_until(launcher, "openai pid", lines).split("pid ")[1].split()[0])
+        read_until(launcher, "openai ready", lines)
+        prompt = random_prompts([10], 512, seed=49)[0]
+        before = run(f"127.0.0.1:{grpc}", trtllm_inputs(prompt, 6, True))
+        os.kill(frontend_pid, signal.SIGKILL)
+        assert "killed by SIGKILL" in read_until(launcher, "openai died", lines)
+        read_until(launcher, "openai ready on http://127.0.0.1", lines)
+        body = b'{"model": "%s", "prompt": %s, "max_tokens": 6, "temperature": 0, "ignore_eos": true}' % (
+            tiny_chat_model_dir.name.encode(), str(prompt).encode())
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=30).read())
+        tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+        assert answer["choices"][0]["text"] == tokenizer.decode(before.tokens, skip_special_tokens=True)
+        assert answer["usage"]["completion_tokens"] == 6 == len(before.tokens)
+        os.kill(triton_pid, 0)                                    # tritonserver never went away
+        assert not any("tritonserver died" in line for line in lines)
+    finally:
+        launcher.terminate()
+        assert launcher.wait(timeout=60) == 0
