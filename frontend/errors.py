@@ -37,8 +37,7 @@ def from_core(message: str) -> OpenAIError:
     """The core's error text (`field: message`, or the server's own) as the OpenAI error a client expects."""
     if "queue full" in message or "retry later" in message:
         return OpenAIError(429, message, "RateLimitError", code="rate_limit_exceeded")
-    if message.startswith("engine unavailable") or "failed to connect" in message.lower() \
-            or "unavailable" in message.lower() and "model" in message.lower():
+    if message.startswith("engine unavailable"):
         return OpenAIError(503, message, "ServiceUnavailableError", code="service_unavailable")
     if NOT_FOUND in message:
         return OpenAIError(503, message, "ServiceUnavailableError", code="adapter_unavailable")
