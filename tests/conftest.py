@@ -21,6 +21,17 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model_dir(tiny_model_dir, smollm2_dir, tmp_path_factory):
+    """The tiny model with SmolLM2's tokenizer beside it: enough for the OpenAI API to start."""
+    import shutil
+    path = tmp_path_factory.mktemp("tiny-chat")
+    for file in list(tiny_model_dir.iterdir()) + [smollm2_dir / name for name in ("tokenizer.json",
+                                                                                  "tokenizer_config.json")]:
+        shutil.copy(file, path / file.name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     build_tiny(path, seed=1, architecture="qwen2")

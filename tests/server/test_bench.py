@@ -7,26 +7,27 @@ import sys
 from tests.helpers import ROOT
 
 
-def test_bench_all_workloads_quick(tiny_model_dir, tmp_path):
+def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
     out, plots = tmp_path / "results.json", tmp_path / "plots"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "all", "--quick", "--requests", "3",
-           "--model-dir", str(tiny_model_dir), "--out", str(out), "--plot", str(plots)]
+           "--model-dir", str(tiny_chat_model_dir), "--out", str(out), "--plot", str(plots)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["roofline_gflops"] > 0 and results["memory_gbps"] > 0 and results["machine"]
     assert results["roofline_after"]["roofline_gflops"] > 0 and results["roofline_after"]["memory_gbps"] > 0
-    for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W6_no_reuse", "W7"):
+    for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W6_no_reuse", "W7", "W8", "W9", "W10"):
         res = results[name]
         assert res["tok_s"] > 0 and res["output_tokens"] > 0 and res["roofline_frac"] > 0, name
         for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
             assert res[key] > 0, (name, key)
-        if name not in ("W4", "W6", "W6_no_reuse", "W7"):
+        if name not in ("W4", "W6", "W6_no_reuse", "W7", "W8", "W9", "W10"):
             assert results[f"{name}_hf"]["tok_s"] > 0
     assert [p["concurrency"] for p in results["W1"]["sweep"]] == [1, 2]
     assert set(results["ratios"]) >= {"W1_over_hf", "W2_over_hf", "W1_over_W2", "W4_over_W1", "W3_bandwidth_frac",
                                       "W1_roofline_frac", "W6_ttft_p50_gain", "W6_kv_reuse_hit_rate", "W3_itl_over_W7",
-                                      "W4_over_W1_decode_step", "W4_over_W1_prefill_s"}
+                                      "W4_over_W1_decode_step", "W4_over_W1_prefill_s", "W9_over_W4", "W10_over_W8"}
+    assert results["W9"]["frontend_cpu_seconds"] > 0 and results["W9"]["output_tokens"] == results["W4"]["output_tokens"]
     for name in ("W1", "W4"):                      # in process, and from the server's step histogram by kind
         res = results[name]
         assert res["num_decode_steps"] > 0 and res["num_prefill_steps"] > 0 and res["decode_step_mean_s"] > 0

@@ -3,7 +3,6 @@ again on its own, and serves as before; stopped, it ends tritonserver even where
 itself."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,14 +26,6 @@ def start_launcher(tiny_model_dir, *args: str) -> tuple[subprocess.Popen, int]:
     return launcher, grpc
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_model_dir(tiny_model_dir, smollm2_dir, tmp_path_factory):
-    """The tiny model with SmolLM2's tokenizer beside it: enough for the OpenAI API to start."""
-    path = tmp_path_factory.mktemp("tiny-chat")
-    for file in list(tiny_model_dir.iterdir()) + [smollm2_dir / name for name in ("tokenizer.json",
-                                                                                  "tokenizer_config.json")]:
-        shutil.copy(file, path / file.name)
-    return path
 
 
 def read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> str:
