@@ -16,7 +16,7 @@ from backend.model.config import ModelConfig
 from backend.model.runner import ModelRunner
 from backend.request import (RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence, Status,
                              validate_prompt)
-from backend.scheduler import Scheduler
+from backend.scheduler import Scheduler, StepSummary
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
@@ -79,6 +79,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_step_kind = "decode"                      # or "prefill": the last step held prompt tokens
+        self.last_step = StepSummary()
         self._ids = itertools.count()
         if self.config.lora.prefetch_dir:
             for task_id, path in prefetch_dirs(self.config.lora.prefetch_dir):
@@ -110,10 +111,10 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     lora_task_id: int | None = None, request_id: Hashable | None = None,
                     lora_weights=None, lora_config=None, lora_adapter: LoraAdapter | None = None,
-                    **sampling) -> Hashable:
+                    lora_name: str | None = None, **sampling) -> Hashable:
         """Validate and queue one request; raises RequestError naming the field at fault. The first request
         for an adapter brings lora_weights and lora_config (or them parsed already: lora_adapter, see
-        LoraCache.parse); later ones send only lora_task_id."""
+        LoraCache.parse); later ones send only lora_task_id. lora_name: what the metrics call the adapter."""
         unknown = set(sampling) - SAMPLING_FIELDS
         if unknown:
             raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
@@ -153,6 +154,8 @@ class LLMEngine:
             params.grammar = params.grammar or self.compile_guide(params)
         for _ in range(params.num_return_sequences):
             self.lora_cache.ref(lora_task_id)                # raises for an adapter the cache lacks
+        if lora_name and lora_task_id is not None:
+            self.lora_cache.names[lora_task_id] = lora_name
         adapter_key = self.lora_cache.key(lora_task_id)
         members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i, adapter_key=adapter_key)
                    for i in range(params.num_return_sequences)]
@@ -186,6 +189,7 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.last_step_kind = "decode" if batch.is_decode else "prefill"
+        self.last_step = batch.summary(time.time())
         try:
             if self.num_steps in self.config.inject_fault_steps:
                 raise RuntimeError(f"injected fault at step {self.num_steps}")

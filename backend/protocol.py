@@ -24,6 +24,7 @@ class ParsedRequest:
     lora_weights: np.ndarray | None = None
     lora_config: np.ndarray | None = None
     lora_adapter: object | None = None        # the weights parsed off the engine thread (backend/lora/format.py)
+    lora_name: str | None = None              # what the client calls the adapter (request parameter lora_name)
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False

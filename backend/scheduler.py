@@ -32,9 +32,24 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """A step's composition, as TensorRT-LLM's inflight batcher reports it."""
+    num_scheduled: int = 0                    # sequences in the step
+    num_context: int = 0                      # of them, with prompt tokens (a chunk of their context phase)
+    num_context_tokens: int = 0               # those prompt tokens
+    num_generation: int = 0                   # sequences decoding one generated token
+    time: float = 0.0                         # when it was scheduled (time.time())
+
+
 @dataclass(slots=True)
 class Batch:
     items: list[ScheduledSeq]
+
+    def summary(self, now: float) -> StepSummary:
+        context = [item.num_new_tokens for item in self.items
+                   if item.seq.num_computed_tokens < len(item.seq.prompt_ids)]
+        return StepSummary(len(self.items), len(context), sum(context), len(self.items) - len(context), now)
 
     @property
     def is_decode(self) -> bool:
@@ -56,6 +71,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_paused(self) -> int:
+        """Waiting sequences that ran before and were preempted (TensorRT-LLM's paused requests)."""
+        return sum(1 for seq in self.waiting if seq.num_preemptions)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

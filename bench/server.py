@@ -129,7 +129,8 @@ def tree_cpu_seconds(pid: int) -> float:
 def server_step_figures(steps: dict[str, float]) -> dict:
     """bench_engine.step_figures from the server's lora_llm_step_seconds histogram (sums and counts by kind)."""
     def get(stat: str, kind: str) -> float:
-        return steps.get(f'lora_llm_step_seconds_{stat}{{kind="{kind}"}}', 0.0)
+        return sum(value for key, value in steps.items()
+                   if key.startswith(f"lora_llm_step_seconds_{stat}{{") and f'kind="{kind}"' in key)
     num_decode = get("count", "decode")
     return {"decode_step_mean_s": get("sum", "decode") / num_decode if num_decode else float("nan"),
             "num_decode_steps": int(num_decode), "prefill_step_seconds": get("sum", "prefill"),

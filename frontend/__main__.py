@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--adapter-store", help="a directory of adapter folders, each served under its name")
     parser.add_argument("--lora-separator", default="_lora_", help="`model` may be <base><separator><adapter>")
     parser.add_argument("--api-key-file", help='JSON {"inference": KEY, "admin": KEY}')
+    parser.add_argument("--core-metrics-url", help="tritonserver's metrics (e.g. http://127.0.0.1:8002/metrics), "
+                                                   "served with the frontend's own at /metrics")
     parser.add_argument("--adapter-cache-bytes", type=int, default=1 << 30,
                         help="adapters held ready to send, read at start while they fit (fp16 TensorRT-LLM tensors)")
     args = parser.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
     config = FrontendConfig(model_dir=args.model_dir, grpc_url=args.grpc_url, core_model=args.core_model,
                             served_model_name=args.served_model_name, adapter_store=args.adapter_store,
                             lora_separator=args.lora_separator, api_key=inference_key, admin_key=admin_key,
-                            adapter_cache_bytes=args.adapter_cache_bytes)
+                            adapter_cache_bytes=args.adapter_cache_bytes, core_metrics_url=args.core_metrics_url)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

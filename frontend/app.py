@@ -14,6 +14,7 @@ from frontend.adapters import AdapterStore
 from frontend.core import CoreClient
 from frontend.errors import OpenAIError
 from frontend.generation import Generation
+from frontend.metrics import RequestCounter, exposition
 from frontend.prompts import chat_prompt, completion_prompts
 from frontend.responses import DONE, Responses, event
 from frontend.sampling import ModelInfo, check_supported, core_arrays, max_tokens
@@ -35,6 +36,7 @@ class FrontendConfig:
     admin_key: str | None = None              # the admin group: adapter loading (the api key when unset)
     max_body_bytes: int = 32 << 20
     adapter_cache_bytes: int = 1 << 30        # adapters held ready to send (fp16 TensorRT-LLM tensors)
+    core_metrics_url: str | None = None       # tritonserver's metrics, served with ours at /metrics
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -58,6 +60,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     app = FastAPI(title="lora-llm-triton OpenAI-compatible API", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(RequestCounter)
     inference = Depends(key_check(config.api_key))
     admin = Depends(key_check(config.admin_key or config.api_key))
 
@@ -75,6 +78,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def health():
         ready = await state["core"].ready()
         return PlainTextResponse("" if ready else "core model not ready", status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(await exposition(config.core_metrics_url),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=[inference])
     async def models():

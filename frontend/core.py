@@ -15,6 +15,7 @@ from tritonclient.grpc import service_pb2
 from client.grpc_client import NOT_FOUND, infer_request, infer_request_bytes
 from frontend.adapters import Adapter
 from frontend.errors import OpenAIError, from_core
+from frontend.metrics import UPLOADS
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 READY = "/inference.GRPCInferenceService/ModelReady"
@@ -91,6 +92,7 @@ class CoreClient:
             await call.done_writing()
             if upload is not None:                         # on the wire: the adapter's other requests may follow
                 adapter.end(upload, accepted=True)         # (one that overtakes it is answered "not found", sent again)
+                UPLOADS.labels(adapter.name).inc()
             async for response in call:
                 if response.error_message:
                     if upload is not None:

@@ -122,7 +122,8 @@ def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice:
 
 
 def frontend_args(args, adapter_store: Path | None) -> list[str]:
-    out = ["--core-model", args.tensorrt_llm_model_name, "--lora-separator", args.lora_separator]
+    out = ["--core-model", args.tensorrt_llm_model_name, "--lora-separator", args.lora_separator,
+           "--core-metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics"]
     if adapter_store is not None:
         out += ["--adapter-store", str(adapter_store)]
     if args.served_model_name:

@@ -49,6 +49,7 @@ class LoraCache:
         self.idle_slots: OrderedDict[int, None] = OrderedDict(     # unpinned, LRU first
             (s, None) for s in range(cfg.max_loras))
         self.stats = LoraCacheStats()
+        self.names: dict[int, str] = {}                               # what requests called each cached adapter
 
     # host tier ------------------------------------------------------------------------------------------
     def parse(self, weights, config) -> LoraAdapter:
@@ -85,6 +86,9 @@ class LoraCache:
         """The identity of the adapter a task id names now (its weights may change after an eviction)."""
         return b"" if task_id is None else f"{task_id}.{self.versions[task_id]}".encode()
 
+    def name(self, task_id: int) -> str:
+        return self.names.get(task_id, str(task_id))
+
     def contains(self, task_id: int) -> bool:
         return task_id in self.host
 
@@ -120,6 +124,7 @@ class LoraCache:
             self.stats.device_bytes -= self.host[task_id].num_bytes
             self.stats.device_evictions += 1
         adapter = self.host.pop(task_id)
+        self.names.pop(task_id, None)
         self.stats.host_bytes -= adapter.num_bytes
         self.stats.host_evictions += 1
 

@@ -36,6 +36,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        self.device_bytes: int | None = None                   # weights, KV cache and adapter slots
         self.team = TeamSizer(active=self.device.type == "cpu")     # the stepping thread's OpenMP team
 
     def allocate_kv_cache(self) -> int:
@@ -90,6 +91,18 @@ class ModelRunner:
             with on(self.device), torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
                                            self.block_size, self.device)
+
+    def memory_bytes(self, lora_cache: LoraCache) -> dict[str, int]:
+        """Memory the runtime holds, as TensorRT-LLM reports it: on the GPU, and on the host (pinned, else cpu):
+        weights, KV cache and the adapters' device tier on the engine's device, the host tier beside it."""
+        if self.device_bytes is None:                            # fixed once the KV cache is there
+            self.device_bytes = sum(t.nelement() * t.element_size() for t in self.model.w.values())
+            self.device_bytes += sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+            self.device_bytes += lora_cache.slots.num_bytes_per_slot * lora_cache.slots.num_slots
+        device, host = self.device_bytes, lora_cache.stats.host_bytes
+        if self.device.type == "cuda":
+            return {"gpu": device, "pinned": host, "cpu": 0}
+        return {"gpu": 0, "pinned": 0, "cpu": device + host}
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination) in every layer's K and V cache, in stream order."""

@@ -1,5 +1,6 @@
 """Real tritonservers for the server tests: one on the tiny model (fp32, exact), one on SmolLM2 with the demo
 adapters (text in, text out)."""
+import re
 import subprocess
 import sys
 import time
@@ -30,13 +31,13 @@ class Server:
         return f"127.0.0.1:{self.grpc_port}"
 
     def metric(self, name: str, **labels) -> float:
-        """One sample from the metrics port, e.g. metric("lora_llm_kv_blocks", state="used")."""
+        """One sample from the metrics port, e.g. metric("lora_llm_kv_blocks", state="used") (other labels, such as
+        the model and version every sample carries, may be there too)."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
         for line in text.splitlines():
-            if line.startswith(name + ("{" if labels else " ")):
+            if line.startswith(name + "{") or line.startswith(name + " "):
                 head, value = line.rsplit(" ", 1)
-                if ",".join(sorted(head[len(name):].strip("{}").split(","))) == want or not labels:
+                if labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', head)).items():
                     return float(value)
         raise KeyError(f"{name}{labels} not in metrics")
 
@@ -103,7 +104,8 @@ def run_frontend(tmp_path_factory, server: Server, model_dir: Path, *args: str):
     [port] = free_ports(1)
     log = tmp_path_factory.mktemp("frontend") / "frontend.log"
     with open(log, "w") as log_file:
-        process = start_frontend(model_dir, server.grpc_port, port, *args, log_file=log_file)
+        process = start_frontend(model_dir, server.grpc_port, port, "--core-metrics-url",
+                                 f"http://127.0.0.1:{server.metrics_port}/metrics", *args, log_file=log_file)
     deadline = time.monotonic() + 120
     while not is_ready(port, "/health"):
         if process.poll() is not None or time.monotonic() > deadline:

@@ -46,9 +46,10 @@ class Stream:
         self.seen: list = []                                     # responses taken by wait_first, not yet collected
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
-    def send(self, arrays: dict, model: str = "lora_llm", request_id: str = "") -> "Stream":
+    def send(self, arrays: dict, model: str = "lora_llm", request_id: str = "",
+             parameters: dict | None = None) -> "Stream":
         self.client.async_stream_infer(model, make_inputs(**arrays), request_id=request_id,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, parameters=parameters)
         return self
 
     def collect(self, timeout_s: float = 120, output: str = "output_ids") -> StreamResult:

@@ -191,6 +191,17 @@ def test_a_client_that_disconnects_frees_its_kv_blocks(frontend, smollm2_server,
     assert kv_blocks_settle_to_zero(smollm2_server)
 
 
+def test_metrics_hold_ours_and_the_core_models(frontend, client):
+    client.completions.create(model="upper", prompt="hi", max_tokens=2)
+    text = httpx.get(frontend.url + "/metrics").text
+    uploads = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("lora_llm_openai_adapter_uploads_total{")}
+    assert uploads["upper"] == 1                          # however many requests used it
+    assert 'lora_llm_openai_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'nv_trt_llm_request_metrics{model="lora_llm",request_type="waiting",version="1"}' in text
+    assert "vllm:lora_requests_info{" in text and 'running_lora_adapters="' in text
+
+
 def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)

@@ -3,7 +3,6 @@
 No scheduling, model math or LoRA parsing here: `execute` parses and enqueues, then returns at once; the
 engine loop thread (backend/serving.py) steps the engine and answers through each request's sender.
 """
-import gc
 import json
 import os
 import sys
@@ -18,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from backend import LLMEngine, RequestError                    # noqa: E402
+from backend.metrics import ServerMetrics                       # noqa: E402
 from backend.protocol import (extra_arrays, generation_logits, merge_rows, output_arrays,   # noqa: E402
                               parse_request)
-from backend.lora.cache import LoraCacheStats                 # noqa: E402
 from backend.serving import EngineLoop                         # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -31,7 +30,6 @@ FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
 INT_LIST_PARAMS = ("inject_fault_steps",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir")
-LORA_STATS = LoraCacheStats.__slots__
 
 
 def engine_kwargs(model_config: dict) -> dict:
@@ -68,7 +66,7 @@ class TritonStream:
     response (the lock keeps a question from another thread off a final send in progress). Streaming rows answer
     each step's new tokens, the others each sequence's whole output."""
 
-    def __init__(self, request, rows, metrics: "Metrics", unary: bool = False):
+    def __init__(self, request, rows, metrics: ServerMetrics, unary: bool = False):
         self.requests = rows
         self.unary = unary                         # not decoupled: every row's output in one response
         self.held: dict[int, dict[str, np.ndarray]] = {}                          # unary rows done so far
@@ -89,7 +87,7 @@ class TritonStream:
         if self.done:
             return
         if not self.outputs:
-            self.metrics.observe("ttft", time.perf_counter() - self.start)
+            self.metrics.observe_ttft(time.perf_counter() - self.start)
         row = self.requests[batch_index]
         tokens, log_probs = self.outputs.setdefault((batch_index, out.sequence_index), ([], []))
         tokens += out.new_token_ids
@@ -145,79 +143,19 @@ class TritonStream:
             self.sender.send(response, flags=FINAL if final else 0)
 
 
-class Metrics:
-    """pb_utils metric families, updated under one lock (concurrent updates crash tritonserver 2.51). Each update is
-    a round trip to tritonserver (~45 us on 2 busy cores), so a step sends only the gauges that changed, and the
-    generated tokens once per step (the engine's count): 18 updates a step were 0.8 ms of a 33 ms single-stream decode
-    step."""
+def metric_family(name: str, description: str, kind: str):
+    kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
+             "histogram": pb_utils.MetricFamily.HISTOGRAM}
+    return pb_utils.MetricFamily(name, description, kinds[kind])
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        fam = pb_utils.MetricFamily
-        self.families = [
-            requests := fam("lora_llm_requests_total", "Finished requests by outcome", fam.COUNTER),
-            tokens := fam("lora_llm_generated_tokens_total", "Generated tokens", fam.COUNTER),
-            seqs := fam("lora_llm_sequences", "Sequences by state", fam.GAUGE),
-            blocks := fam("lora_llm_kv_blocks", "Paged KV cache blocks by state", fam.GAUGE),
-            lora := fam("lora_llm_lora_cache", "LoRA cache counters and bytes per tier", fam.GAUGE),
-            ttft := fam("lora_llm_time_to_first_token_seconds", "Time to first token", fam.HISTOGRAM),
-            step := fam("lora_llm_step_seconds", "Engine step latency, by kind: decode, or prefill (the step holds "
-                        "prompt tokens)", fam.HISTOGRAM),
-            alive := fam("lora_llm_engine_alive", "1 while the engine loop serves requests, 0 once it cannot",
-                         fam.GAUGE),
-            reuse := fam("lora_llm_kv_cache_reuse", "KV cache reuse: prompt blocks looked up, found, and the hit rate",
-                         fam.GAUGE),
-        ]
-        buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-        self.counters = {s: requests.Metric(labels={"status": s}) for s in ("success", "failure", "cancelled")}
-        self.counters["tokens"] = tokens.Metric(labels={})
-        self.gauges = {f"seqs_{s}": seqs.Metric(labels={"state": s}) for s in ("running", "waiting")}
-        self.gauges |= {f"kv_{s}": blocks.Metric(labels={"state": s}) for s in ("used", "free")}
-        self.gauges |= {f"reuse_{s}": reuse.Metric(labels={"stat": s}) for s in ("lookups", "hits", "hit_rate")}
-        self.gauges |= {f"lora_{name}": lora.Metric(labels={"tier": name.split("_")[0], "stat": name.split("_", 1)[1]})
-                        for name in LORA_STATS}
-        self.gauges["alive"] = alive.Metric(labels={})
-        self.shown: dict[str, float] = {}                  # what each gauge was last set to
-        self.num_tokens_shown = 0                          # the token counter's value
-        self.histograms = {"ttft": ttft.Metric(labels={}, buckets=buckets)}
-        self.histograms |= {f"step_{kind}": step.Metric(labels={"kind": kind}, buckets=buckets)
-                            for kind in ("decode", "prefill")}
 
-    def count(self, name: str, value: int = 1) -> None:
-        with self.lock:
-            if self.families:
-                self.counters[name].increment(value)
-
-    def observe(self, name: str, value: float) -> None:
-        with self.lock:
-            if self.families:
-                self.histograms[name].observe(value)
-
-    def close(self) -> None:
-        """Frees every metric while the stub still talks to the server: freed at interpreter exit, they crash it."""
-        with self.lock:
-            self.families, self.counters, self.gauges, self.histograms = [], {}, {}, {}
-            gc.collect()
-
-    def on_step(self, engine: LLMEngine, seconds: float | None, alive: bool = True) -> None:
-        """After a step, before its responses (seconds: its latency), or after a change without one (None)."""
-        stats = engine.stats()
-        lookups, hits = stats["kv_reuse_lookups"], stats["kv_reuse_hits"]
-        values = {name: stats[name] for name in ("seqs_running", "seqs_waiting", "kv_used", "kv_free")}
-        values |= {"reuse_lookups": lookups, "reuse_hits": hits, "reuse_hit_rate": hits / lookups if lookups else 0.0}
-        values |= {f"lora_{name}": stats["lora"][name] for name in LORA_STATS} | {"alive": 1 if alive else 0}
-        with self.lock:
-            if not self.families:
-                return
-            if seconds is not None:
-                self.histograms[f"step_{engine.last_step_kind}"].observe(seconds)
-            if stats["tokens_generated"] > self.num_tokens_shown:
-                self.counters["tokens"].increment(stats["tokens_generated"] - self.num_tokens_shown)
-                self.num_tokens_shown = stats["tokens_generated"]
-            for name, value in values.items():
-                if self.shown.get(name) != value:
-                    self.gauges[name].set(value)
-                    self.shown[name] = value
+def lora_name(request) -> str | None:
+    """The adapter's name a client gave in the request's parameters (the OpenAI frontend does), for the metrics."""
+    try:
+        name = json.loads(request.parameters() or "{}").get("lora_name")
+    except (AttributeError, ValueError):
+        return None
+    return name if isinstance(name, str) and 0 < len(name) <= 128 else None
 
 
 def check_unary(rows) -> None:
@@ -233,7 +171,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.metrics = Metrics()
+        self.metrics = ServerMetrics(metric_family, {"model": args["model_name"], "version": args["model_version"]})
         kwargs = engine_kwargs(config)
         check_period_ms = kwargs.pop("cancellation_check_period_ms", 100)
         self.engine = LLMEngine(**kwargs)
@@ -255,6 +193,8 @@ class TritonPythonModel:
 
     def _accept(self, request) -> None:
         rows = parse_request({t.name(): as_array(t) for t in request.inputs()}, self.engine.limits)
+        for row in rows:
+            row.lora_name = lora_name(request)
         if not self.decoupled:
             check_unary(rows)
         stream = TritonStream(request, rows, self.metrics, unary=not self.decoupled)

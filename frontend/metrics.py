@@ -1,0 +1,40 @@
+"""The frontend's own Prometheus metrics, served at /metrics together with the core model's (tritonserver's metrics
+port): one endpoint holds everything a scraper wants, the inference gateway's endpoint picker included (it reads
+the pool's target port, this one)."""
+import httpx
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+REGISTRY = CollectorRegistry()
+REQUESTS = Counter("lora_llm_openai_requests", "OpenAI API requests by endpoint and HTTP status",
+                   ["endpoint", "status"], registry=REGISTRY)
+UPLOADS = Counter("lora_llm_openai_adapter_uploads", "Adapter weights sent to the core model, by adapter name",
+                  ["adapter"], registry=REGISTRY)
+
+
+class RequestCounter:
+    """Counts every API response by path and status (ASGI middleware)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                REQUESTS.labels(scope["path"], str(message["status"])).inc()
+            await send(message)
+        return await self.app(scope, receive, counted)
+
+
+async def exposition(core_metrics_url: str | None) -> bytes:
+    """Ours, then the core's when it answers within a second."""
+    text = generate_latest(REGISTRY)
+    if core_metrics_url:
+        try:
+            async with httpx.AsyncClient(timeout=1.0) as client:
+                text += (await client.get(core_metrics_url)).content
+        except httpx.HTTPError:
+            pass
+    return text
