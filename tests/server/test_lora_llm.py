@@ -125,7 +125,7 @@ def wait_for(predicate, timeout_s: float = 20) -> bool:
 def test_client_cancel_mid_stream_frees_the_kv_blocks(tiny_server):
     stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([5] * 40, 400, True))
     stream.wait_first()
-    assert tiny_server.metric("lora_llm_kv_blocks", state="used") > 0
+    assert wait_for(lambda: tiny_server.metric("lora_llm_kv_blocks", state="used") > 0)   # gauges: every 0.1 s
     before = tiny_server.metric("lora_llm_requests_total", status="cancelled")
     stream.close(cancel=True)
     assert wait_for(lambda: tiny_server.metric("lora_llm_kv_blocks", state="used") == 0)
