@@ -35,3 +35,13 @@ if [ "$(cat "$KERNELS_STAMP" 2>/dev/null)" != "$want" ]; then
     echo "[setup] ERROR: the compiled CPU kernels did not build (above); kernel_backend auto serves with torch" >&2
   fi
 fi
+
+# nginx (Debian's nginx-light), for scripts/replicas.sh and its tests: installed when missing and apt can.
+ensure_nginx() {
+  if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+    echo "[setup] installing nginx-light (Debian)"
+    if ! { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) >/dev/null 2>&1; }; then
+      echo "[setup] WARNING: could not install nginx-light (apt-get as root): scripts/replicas.sh and its test need it" >&2
+    fi
+  fi
+}

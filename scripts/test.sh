@@ -4,5 +4,6 @@
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"
 cd "$ROOT"
+ensure_nginx
 python scripts/prepare_model.py
 exec python -m pytest "$@"
