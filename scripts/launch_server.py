@@ -66,7 +66,9 @@ def backend_dir() -> Path:
 def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"          # the stub finds the venv here
-    libs = [sysconfig.get_config_var("LIBDIR"), str(pytriton_dir().parent / "nvidia_pytriton.libs")]
+    libs = [sysconfig.get_config_var("LIBDIR")]
+    if not os.environ.get("LORA_LLM_TRITONSERVER"):
+        libs.append(str(pytriton_dir().parent / "nvidia_pytriton.libs"))
     env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
     env["HF_HUB_OFFLINE"] = "1"
     env.update(overrides or {})
@@ -75,14 +77,18 @@ def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
 
 def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  model_repository: Path = ROOT / "model_repository", env: dict[str, str] | None = None,
-                 log_file=None, models: list[str] | None = None,
-                 exit_timeout_s: int = EXIT_TIMEOUT_S) -> subprocess.Popen:
+                 log_file=None, models: list[str] | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S,
+                 host: str = "127.0.0.1") -> subprocess.Popen:
     """Start tritonserver in the background; `models` loads only those (all of the repository by default).
-    exit_timeout_s: how long a SIGTERM waits for in-flight requests (tritonserver's --exit-timeout-secs)."""
-    binary = pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
-    cmd = [str(binary), "--model-repository", str(model_repository), "--backend-directory", str(backend_dir()),
-           "--disable-auto-complete-config", "--allow-gpu-metrics", "false", "--pinned-memory-pool-byte-size", "0",
-           "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
+    exit_timeout_s: how long a SIGTERM waits for in-flight requests (tritonserver's --exit-timeout-secs).
+    The server is the one nvidia-pytriton bundles, or an installed one (an NGC tritonserver image's):
+    LORA_LLM_TRITONSERVER names its binary and LORA_LLM_BACKEND_DIRECTORY its backends."""
+    binary = os.environ.get("LORA_LLM_TRITONSERVER") or pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+    backends = os.environ.get("LORA_LLM_BACKEND_DIRECTORY") or backend_dir()
+    gpu_metrics = str(bool(os.environ.get("LORA_LLM_TRITONSERVER"))).lower()
+    cmd = [str(binary), "--model-repository", str(model_repository), "--backend-directory", str(backends),
+           "--disable-auto-complete-config", "--allow-gpu-metrics", gpu_metrics, "--pinned-memory-pool-byte-size", "0",
+           "--http-address", host, "--grpc-address", host, "--metrics-address", host,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
            "--exit-timeout-secs", str(exit_timeout_s)]
     if models:
@@ -110,13 +116,13 @@ def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
 
 
 def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice: int = FRONTEND_NICE,
-                   log_file=None) -> subprocess.Popen:
+                   log_file=None, host: str = "127.0.0.1") -> subprocess.Popen:
     """The OpenAI-compatible API (python -m frontend) on a core model's gRPC port, `nice` below the engine: where
     they share cores, a step waits for every thread of its team, and a frontend that preempts one delays them all
     (W10 at 32 requests, this 2-core machine: decode steps 51.8-53.1 ms at nice 0, 48.1-51.8 at 10, against
     44.2-47.8 ms through gRPC alone)."""
     cmd = ["nice", "-n", str(nice), sys.executable, "-m", "frontend", "--model-dir", str(model_dir), "--grpc-url",
-           f"127.0.0.1:{grpc_port}", "--port", str(port), *args]
+           f"127.0.0.1:{grpc_port}", "--host", host, "--port", str(port), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=log_file,
                             stderr=subprocess.STDOUT if log_file else None)
 
@@ -141,7 +147,7 @@ def services(args, env: dict[str, str]) -> list[Service]:
     """tritonserver, and beside it the OpenAI-compatible API unless --no-openai (or the model has no tokenizer)."""
     triton = Service("tritonserver", lambda: start_server(
         args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
-        models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s),
+        models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s, host=args.host),
         ready=lambda process: is_ready(args.http_port),
         on_ready=lambda restarts: print_ready(args) if restarts == 0 else
         print(f"[launch_server] ready again after restart {restarts}", flush=True),
@@ -155,7 +161,7 @@ def services(args, env: dict[str, str]) -> list[Service]:
         return [triton]
     store = args.adapter_store or settings.get("LORA_LLM_LORA_PREFETCH_DIR")
     frontend = Service("openai", lambda: start_frontend(model_dir, args.grpc_port, args.openai_port, *frontend_args(
-                           args, Path(store).resolve() if store else None), nice=args.openai_nice),
+                           args, Path(store).resolve() if store else None), nice=args.openai_nice, host=args.host),
                        ready=lambda process: is_ready(args.openai_port, "/health"),
                        on_ready=lambda restarts: print(f"[launch_server] openai ready on http://127.0.0.1:"
                                                        f"{args.openai_port}/v1" + (f" again after restart {restarts}"
@@ -181,6 +187,7 @@ def print_ready(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="the address every port listens on (0.0.0.0 in a pod)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)

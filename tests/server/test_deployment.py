@@ -184,3 +184,13 @@ def test_a_cancelled_unary_text_request_stops_its_core_request(unary_server):
     assert unary_server.metric("lora_llm_requests_total", status="cancelled") == before + 1
     assert unary_server.metric("lora_llm_kv_blocks", state="used") == 0
     client.close()
+
+
+def test_the_kubernetes_probes_answer(tiny_server):
+    """deploy/kubernetes/server.yaml's probes, on a real server."""
+    import yaml
+    docs = yaml.safe_load_all((ROOT / "deploy/kubernetes/server.yaml").read_text())
+    [c] = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        path = c[probe]["httpGet"]["path"]
+        assert urllib.request.urlopen(f"http://127.0.0.1:{tiny_server.http_port}{path}", timeout=5).status == 200
