@@ -1,5 +1,13 @@
-"""The serving engine: imports and runs without Triton server."""
-from backend.engine import LLMEngine, StepOutput
-from backend.request import RequestError, SamplingParams
-
+"""The serving engine: imports and runs without Triton server. Its names load on first use, so that a process that
+needs only a light part of it (the text models' tokenizer) does not import torch."""
 __all__ = ["LLMEngine", "StepOutput", "RequestError", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name in ("LLMEngine", "StepOutput"):
+        from backend import engine
+        return getattr(engine, name)
+    if name in ("RequestError", "SamplingParams"):
+        from backend import request
+        return getattr(request, name)
+    raise AttributeError(f"module 'backend' has no attribute {name!r}")

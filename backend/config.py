@@ -43,6 +43,8 @@ class EngineConfig:
     kernel_backend: str = "auto"
     cuda_graph_mode: bool = True              # decode steps replay CUDA graphs (CUDA, Triton kernels); False: eager
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
+    tensor_parallel_size: int = 1             # ranks the model is split over: this process and N-1 workers
+    tensor_parallel_timeout_s: float = 60.0   # a collective that takes longer: a worker hangs, the engine is broken
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
     inject_fault_steps: tuple[int, ...] = ()  # test hook: these steps (counted from 1) fail as a broken forward would
 
@@ -57,7 +59,7 @@ class EngineConfig:
         if not DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "kv_cache_memory_bytes",
-                     "max_queue_size", "max_words", "max_word_len"):
+                     "max_queue_size", "max_words", "max_word_len", "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_block_size & (self.kv_block_size - 1):
@@ -65,5 +67,7 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
                              f"got {self.kv_cache_free_gpu_mem_fraction}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

@@ -17,6 +17,7 @@ from backend.model.runner import ModelRunner
 from backend.request import (RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence, Status,
                              validate_prompt)
 from backend.scheduler import Scheduler, StepSummary
+from backend.sequences import RequestTable
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
@@ -58,7 +59,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_config)
         lora_dtype = resolve_lora_dtype(self.config.lora.dtype, self.runner.dtype, self.runner.ops.name)
         self.lora_cache = LoraCache(self.config.lora, self.model_config, lora_dtype, self.runner.device,
-                                    rank_major_a=self.runner.lora_rank_major_a)
+                                    rank_major_a=self.runner.lora_rank_major_a, tp=self.runner.tp)
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.runner.capture_graphs(self.lora_cache)
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,
@@ -74,8 +75,7 @@ class LLMEngine:
                 self.guided_off = f"no tokenizer in {tokenizer_dir} ({type(err).__name__})"
         self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
                                     self.config.max_word_len)
-        self.seqs: dict[Hashable, list[Sequence]] = {}     # a request's sequences, by sequence index
-        self.forks: dict[Sequence, list[Sequence]] = {}    # sequences that start once their first has its prompt
+        self.seqs = RequestTable()                          # a request's sequences, by sequence index
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_step_kind = "decode"                      # or "prefill": the last step held prompt tokens
@@ -84,6 +84,10 @@ class LLMEngine:
         if self.config.lora.prefetch_dir:
             for task_id, path in prefetch_dirs(self.config.lora.prefetch_dir):
                 self.add_lora_dir(task_id, path)
+
+    def close(self) -> None:
+        """Stop what the engine started beside itself (tensor-parallel workers)."""
+        self.runner.close()
 
     @property
     def has_unfinished(self) -> bool:
@@ -162,10 +166,8 @@ class LLMEngine:
         if params.grammar is not None:
             for seq in members:
                 seq.matcher = self.guided.matcher(params.grammar)
-        self.seqs[request_id] = members
+        self.seqs.add(request_id, members)
         self.scheduler.add(members[0])
-        if len(members) > 1:
-            self.forks[members[0]] = members[1:]
         return request_id
 
     def compile_guide(self, params: SamplingParams):
@@ -222,14 +224,15 @@ class LLMEngine:
             seq.top_p = p.top_p if token == p.top_p_reset_id else max(seq.top_p * p.top_p_decay, p.top_p_min)
         if seq.matcher is not None:
             seq.matcher.accept_token(token)
-        if seq in self.forks:
-            self._fork(seq, self.forks.pop(seq))
+        forks = self.seqs.take_forks(seq)
+        if forks:
+            self._fork(seq, forks)
         out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
                          metrics=replace(m))
         if seq.context_logits and len(seq.output_ids) == 1:
             out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
             seq.context_logits = {}
-        reason = self._finish_reason(seq)
+        reason = seq.stop_reason()
         if reason is not None:
             out = self._finish(seq, reason, out)
         return out
@@ -246,18 +249,6 @@ class LLMEngine:
         if copies:
             self.runner.copy_kv_blocks(copies)
 
-    @staticmethod
-    def _finish_reason(seq: Sequence) -> str | None:
-        p, out = seq.params, seq.output_ids
-        if seq.matcher is not None and seq.matcher.is_terminated():
-            return "stop"                      # the guide is complete
-        if len(out) >= p.min_tokens:
-            if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
-                return "stop"
-            if any(out[-len(word):] == word for word in p.stop_words):
-                return "stop"
-        return "length" if len(out) >= p.max_new_tokens else None
-
     def _finish(self, seq: Sequence, reason: str, out: StepOutput | None = None) -> StepOutput:
         """Take one sequence out; the request ends with its last sequence."""
         if seq.status is not Status.FINISHED:
@@ -269,17 +260,13 @@ class LLMEngine:
             self.lora_cache.unref(seq.lora_task_id)
         out = out or StepOutput(seq.request_id, [], sequence_index=seq.sequence_index, metrics=replace(seq.metrics))
         out.finished, out.finish_reason = True, reason
-        members = self.seqs.get(seq.request_id, [])
-        if all(member.status is Status.FINISHED for member in members):
-            self.seqs.pop(seq.request_id, None)
-            out.request_finished = True
+        out.request_finished = self.seqs.done(seq.request_id)
         return out
 
     def _finish_request(self, request_id: Hashable, reason: str, error: str | None = None) -> StepOutput:
         """End every sequence of a request at once (abort, failure): one final output."""
-        members = self.seqs.get(request_id, [])
-        self.forks.pop(members[0], None)
-        for seq in members:
+        self.seqs.drop_forks(request_id)
+        for seq in self.seqs.get(request_id, []):
             out = self._finish(seq, reason)
         out.error = error
         return out

@@ -10,9 +10,9 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 class GuidedDecoding:
     def __init__(self, tokenizer_dir: str, vocab_size: int):
         import xgrammar
-        from transformers import AutoTokenizer
+        from backend.text import tokenizer_from_dir
         self.xgr = xgrammar
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = tokenizer_from_dir(tokenizer_dir)
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1)
 

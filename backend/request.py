@@ -191,3 +191,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def stop_reason(self) -> str | None:
+        """Why the sequence ends with its last token: "stop" (a complete guide, the end token or a stop word, once
+        min_tokens are out), "length" (max_new_tokens), or None: it goes on."""
+        p, out = self.params, self.output_ids
+        if self.matcher is not None and self.matcher.is_terminated():
+            return "stop"
+        if len(out) >= p.min_tokens:
+            if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
+                return "stop"
+            if any(out[-len(word):] == word for word in p.stop_words):
+                return "stop"
+        return "length" if len(out) >= p.max_new_tokens else None

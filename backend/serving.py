@@ -14,6 +14,7 @@ from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.protocol import ParsedRequest
 from backend.request import RequestError
 from backend.responder import Responder, client_cancelled
+from backend.uploads import Uploads
 
 
 class Stream(Protocol):
@@ -60,8 +61,7 @@ class EngineLoop:
         self.broken: str | None = None                      # why the engine can serve no more, once it cannot
         self.num_step_failures = 0                          # in a row
         self.num_hook_errors = 0
-        self.pending_adapter_bytes = 0                      # parsed adapters in the inbox, bounded by the host budget
-        self._pending_lock = threading.Lock()
+        self.uploads = Uploads(engine)                      # parsing and compiling off the loop, bounded
         self._running = True
         self._aborted_while_idle = False
         self.responder = Responder(on_broken=lambda stream: self.inbox.put(("broken", stream, "")),
@@ -83,43 +83,14 @@ class EngineLoop:
         try:
             with one_openmp_thread():                       # beside the loop's threads, not against them
                 for r in stream.requests:
-                    self._compile_guide(r)
-                    self._parse_adapter(r)
+                    self.uploads.prepare(r)
         except RequestError as err:
-            self._uncount(stream)
+            self.uploads.release(stream.requests)
             stream.fail(str(err))
             return
         finally:
             release_openmp_pool()                           # what parsing started (see release_openmp_pool)
         self.inbox.put(("add", stream, name))
-
-    def _compile_guide(self, r: ParsedRequest) -> None:
-        if r.params.guide_type is not None and r.params.grammar is None:
-            r.params.grammar = self.engine.compile_guide(r.params)
-
-    def _parse_adapter(self, r: ParsedRequest) -> None:
-        if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:
-            return
-        if self.engine.lora_cache.holds(r.lora_task_id, r.lora_weights, r.lora_config):
-            r.lora_weights = r.lora_config = None                   # the same adapter is cached: the id is enough
-            return
-        budget = self.engine.config.lora.host_memory_bytes
-        if self.pending_adapter_bytes + r.lora_weights.nbytes > budget:
-            raise RequestError("lora_weights", f"adapter uploads waiting for the engine exceed "
-                                               f"lora_cache_host_memory_bytes {budget}; retry later")
-        r.lora_adapter = self.engine.lora_cache.parse(r.lora_weights, r.lora_config)
-        r.lora_weights = r.lora_config = None
-        self._count_pending(r.lora_adapter.num_bytes)
-
-    def _uncount(self, stream: Stream) -> None:
-        """The stream's parsed adapters leave the inbox (into the engine, or refused)."""
-        for r in stream.requests:
-            if r.lora_adapter is not None:
-                self._count_pending(-r.lora_adapter.num_bytes)
-
-    def _count_pending(self, num_bytes: int) -> None:
-        with self._pending_lock:
-            self.pending_adapter_bytes += num_bytes
 
     def cancel(self, name: str) -> bool:
         """Abort the in-flight request with this client request id. False if there is none."""
@@ -187,7 +158,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if op == "add":
-                self._uncount(stream)
+                self.uploads.release(stream.requests)
                 self.responder.fail(stream, message)
             elif op == "broken":
                 self.responder.forget(stream)
@@ -222,7 +193,7 @@ class EngineLoop:
             self._stop(stream)
             self.responder.forget(stream)
         elif op == "add":
-            self._uncount(stream)
+            self.uploads.release(stream.requests)
             if name and name in self.names:
                 self.responder.fail(stream, f"request_id: {name!r} is already in flight; send a stop request "
                                             "first or use another id")

@@ -39,8 +39,8 @@ def main() -> None:
     scalars = dict(temperature=args.temperature, runtime_top_k=args.top_k, runtime_top_p=args.top_p, seed=args.seed)
     detok = None
     if args.text is not None:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+        from backend.text import tokenizer_from_dir
+        tokenizer = tokenizer_from_dir(args.tokenizer_dir)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.text}], add_generation_prompt=True,
                                             tokenize=True)
         input_ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -22,13 +22,13 @@ class ModelInfo:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name: str | None = None) -> "ModelInfo":
-        from transformers import AutoTokenizer
+        from backend.text import tokenizer_from_dir
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         generation = model_dir / "generation_config.json"
         eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
         eos = eos if eos is not None else config.get("eos_token_id")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = tokenizer_from_dir(model_dir)
         eos = eos if eos is not None else tokenizer.eos_token_id
         end_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(name or model_dir.name, tokenizer, config["vocab_size"], config["max_position_embeddings"],

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
-from kernels.dispatch import compose_linear_lora
+from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",

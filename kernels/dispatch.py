@@ -4,17 +4,10 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.compose import compose_linear_lora
+
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
             "lora_apply", "linear_lora")
-
-
-def compose_linear_lora(linear, lora_apply):
-    """linear_lora where a backend has no fused one: its GEMM, then its LoRA added in place."""
-    def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
-        out = linear(x, weight, bias)
-        lora_apply(x, proj, segments, out)
-        return out
-    return linear_lora
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:

@@ -132,6 +132,16 @@ def error_kind(message: str) -> str:
     return message[:80]
 
 
+def second_half_growth(samples: list[dict]) -> float:
+    """The server's RSS (every process) at the end over its RSS at the middle of the run, minus 1."""
+    def total(sample: dict) -> int:
+        return sum(v for k, v in sample.items() if k == "tritonserver" or k.startswith("stub"))
+    if len(samples) < 2:
+        return 0.0
+    middle = min(samples, key=lambda s: abs(s["t"] - samples[-1]["t"] / 2))
+    return total(samples[-1]) / total(middle) - 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=256)
@@ -142,6 +152,8 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=200)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=64, help="KV pool in blocks of 16 tokens (forces preemption)")
+    parser.add_argument("--host-memory-mb", type=int, default=256,
+                        help="the host adapter tier's budget: below the adapters' total, so that it fills and evicts")
     parser.add_argument("--request-timeout", type=float, default=600, help="seconds without a response: unanswered")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--out", type=Path)
@@ -154,11 +166,13 @@ def main() -> None:
         threads = [threading.Thread(target=soak.worker, args=(i, start + args.duration)) for i in range(args.streams)]
         for t in threads:
             t.start()
-        timeline = []                                                 # is memory growth the host tier filling up?
+        samples = []                                                  # every 10 s: does memory plateau?
         while any(t.is_alive() for t in threads):
-            if not timeline or time.monotonic() - start >= timeline[-1][0] + 30:
-                timeline.append([round(time.monotonic() - start), round(server.rss_bytes() / 2**20),
-                                 round(server.metric("lora_llm_lora_cache", tier="host", stat="bytes") / 2**20)])
+            if not samples or time.monotonic() - start >= samples[-1]["t"] + 10:
+                samples.append({"t": round(time.monotonic() - start),
+                                **{k: round(v / 2**20) for k, v in server.rss_by_process().items()},
+                                "host_adapter_mb": round(server.metric("lora_llm_lora_cache", tier="host",
+                                                                       stat="bytes") / 2**20)})
             time.sleep(1)
         for t in threads:
             t.join()
@@ -168,12 +182,14 @@ def main() -> None:
                   "requests_answered": sum(n for k, n in soak.outcomes.items() if k != "unanswered"),
                   "outcomes": dict(soak.outcomes), "tokens_per_s": soak.num_tokens / elapsed,
                   "server_rss_start_mb": start_rss / 2**20, "server_rss_end_mb": server.rss_bytes() / 2**20,
-                  "restarts": server.restarts(), "seconds_rss_mb_host_adapter_mb": timeline, **end}
+                  "restarts": server.restarts(), "server_rss_mb_samples": samples,
+                  "rss_growth_second_half": second_half_growth(samples), **end}
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     ok = (report["requests_answered"] == report["requests_sent"] and report["kv_blocks_used"] == 0
           and report["adapter_pins"] == 0)
+    print(f"server RSS growth over the second half: {100 * report['rss_growth_second_half']:+.1f}%")
     print("soak: " + ("passed" if ok else "FAILED: unanswered requests or leaked blocks/pins"))
     sys.exit(0 if ok else 1)
 

@@ -16,7 +16,7 @@ class SoakServer:
     def __init__(self, args, cfg, ports: list[int]):
         self.http_port, self.grpc_port, self.metrics_port = ports
         kv_block_bytes = 2 * cfg.num_layers * 16 * cfg.kv_size * 4                  # fp32 worst case
-        self.host_budget = 1 << 30
+        self.host_budget = args.host_memory_mb << 20
         self.env = os.environ | {
             "LORA_LLM_MODEL_DIR": str(Path(args.model_dir).resolve()), "LORA_LLM_KV_BLOCK_SIZE": "16",
             "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(args.kv_blocks * kv_block_bytes),
@@ -59,22 +59,25 @@ class SoakServer:
         return int(re.search(r"pid (\d+)", line)[1])
 
     def rss_bytes(self) -> int:
-        """Resident memory of tritonserver and its children (the Python backend stub)."""
-        pids, total = {self.server_pid()}, 0
+        """Resident memory of tritonserver and its children (the Python backend stubs)."""
+        return sum(self.rss_by_process().values())
+
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident bytes of tritonserver and of each child apart (a stub by its model's name)."""
+        root, out = self.server_pid(), {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) in pids:
-                    pids.add(int(stat.parent.name))
-            except (OSError, ValueError, IndexError):
-                continue
-        for pid in pids:
-            try:
+                pid, fields = int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
+                if pid != root and int(fields[1]) != root:
+                    continue
                 status = Path(f"/proc/{pid}/status").read_text()
-                total += int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024
-            except (OSError, TypeError):
+                rss = int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024
+                cmdline = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            except (OSError, ValueError, IndexError, TypeError):
                 continue
-        return total
+            stub = next((Path(arg).parent.parent.name for arg in cmdline if arg.endswith("model.py")), None)
+            out["tritonserver" if pid == root else f"stub {stub or pid}"] = rss
+        return out
 
     def metric(self, name: str, **labels) -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()

@@ -1,5 +1,5 @@
-"""Keeps a deployment's processes running: each one that dies is logged (exit code or signal) and started again with
-backoff (1, 2, 4 ... 30 s; back to 1 s after a minute up), on its own, while the others serve on. A stop (SIGINT,
+"""Keeps a deployment's processes running: each one that dies is logged (exit code or signal) and started again on its
+own, while the others serve on: at once after a minute up, else with backoff (1, 2, 4 ... 30 s). A stop (SIGINT,
 SIGTERM) ends them all: each gets its grace period, then SIGKILL."""
 import signal
 import subprocess
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_BACKOFF_S = 30.0
-STABLE_S = 60.0                               # up this long, a death restarts after 1 s again
+STABLE_S = 60.0                               # up this long, a death restarts at once
 
 
 @dataclass
@@ -20,8 +20,9 @@ class Service:
     grace_s: float = 35.0                              # after SIGTERM, before SIGKILL
     process: subprocess.Popen | None = None
     restarts: int = 0
-    delay_s: float = 1.0
+    delay_s: float = 0.0
     started_at: float = 0.0
+    died_at: float | None = None                       # monotonic time of its last death, until it is ready again
     restart_at: float | None = None                    # monotonic time of the next start, while down
     is_ready: bool = False
     must_start: bool = True                            # False: a failure before the first ready ends it all
@@ -44,13 +45,17 @@ class Service:
         if code is None:
             if not self.is_ready and self.ready(self.process):
                 self.is_ready = True
+                if self.died_at is not None:
+                    self.log(f"{self.name} serving again {now - self.died_at:.1f} s after it died")
+                    self.died_at = None
                 self.on_ready(self.restarts)
             return None
         if self.restarts == 0 and not self.is_ready and self.must_start:
             return f"{self.name} exited with {describe_exit(code)} before it was ready"
-        self.delay_s = 1.0 if now - self.started_at > STABLE_S else min(MAX_BACKOFF_S, self.delay_s * 2 if
-                                                                        self.restarts else self.delay_s)
+        stable = now - self.started_at > STABLE_S
+        self.delay_s = 0.0 if stable else min(MAX_BACKOFF_S, max(1.0, self.delay_s * 2))
         self.restarts += 1
+        self.died_at = self.died_at or now
         self.restart_at = now + self.delay_s
         self.log(f"{self.name} died ({describe_exit(code)}); restart {self.restarts} in {self.delay_s:.0f} s")
         return None

@@ -11,6 +11,7 @@ import torch
 
 from backend.config import LoraCacheConfig
 from backend.lora.format import LoraAdapter, check_lora, parse_lora
+from backend.lora.shard import shard_adapter
 from backend.lora.slots import DeviceSlots
 from backend.model.config import ModelConfig
 from backend.request import RequestError
@@ -35,7 +36,9 @@ class LoraCacheStats:
 
 class LoraCache:
     def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device="cpu",
-                 rank_major_a: bool | None = None):
+                 rank_major_a: bool | None = None, tp=None):
+        """tp: the tensor-parallel group (backend/model/parallel.py), whose ranks each hold their share of every
+        adapter in a device slot (backend/lora/shard.py); the host tier keeps the whole adapters, on rank 0."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.dtype = dtype
@@ -43,7 +46,10 @@ class LoraCache:
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()      # least recently used first
         self.versions: dict[int, int] = {}                            # adapters inserted under each task id
         self.in_use: Counter[int] = Counter()                          # waiting + running requests per task
-        self.slots = DeviceSlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype, self.device, rank_major_a)
+        self.tp = tp
+        tp_size = tp.size if tp is not None else 1
+        self.slots = DeviceSlots(model_cfg.shard(tp_size), cfg.max_loras, cfg.max_lora_rank, dtype, self.device,
+                                 rank_major_a)
         self.slot_of: dict[int, int] = {}
         self.pins = [0] * cfg.max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict(     # unpinned, LRU first
@@ -181,7 +187,13 @@ class LoraCache:
             del self.slot_of[owner]
             self.stats.device_evictions += 1
             self.stats.device_bytes -= self.host[owner].num_bytes
-        self.slots.load(slot, self.host[task_id])
+        adapter = self.host[task_id]
+        if self.tp is None:
+            self.slots.load(slot, adapter)
+        else:
+            shares = [shard_adapter(adapter, self.model_cfg, self.tp.size, rank) for rank in range(self.tp.size)]
+            self.tp.load_adapter(slot, shares)
+            self.slots.load(slot, shares[0])
         self.slot_of[task_id] = slot
         self.stats.device_bytes += self.host[task_id].num_bytes
 

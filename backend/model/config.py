@@ -1,6 +1,6 @@
 """The model's shape, read from a Hugging Face config.json."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -30,6 +30,17 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_kv_heads}")
+
+    def shard(self, tp_size: int) -> "ModelConfig":
+        """One tensor-parallel rank's share: its attention heads, KV heads and MLP columns (hidden and vocab whole)."""
+        if tp_size == 1:
+            return self
+        for name, count in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("intermediate_size", self.intermediate_size)):
+            if count % tp_size:
+                raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {name} {count}")
+        return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
+                       intermediate_size=self.intermediate_size // tp_size)
 
     @property
     def q_size(self) -> int:

@@ -66,6 +66,17 @@ class StepInputs:
             "context_indices": torch.tensor(context_indices, dtype=torch.int32),
         }
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "StepInputs":
+        """The inputs another rank built (`tensors` as sent to a tensor-parallel worker)."""
+        inputs = cls.__new__(cls)
+        inputs.tensors = tensors
+        inputs.query_starts = tensors["query_starts"].tolist()
+        inputs.seq_lens = tensors["seq_lens"].tolist()
+        inputs.max_query_len = max(b - a for a, b in zip(inputs.query_starts, inputs.query_starts[1:]))
+        inputs.context_chunks = []
+        return inputs
+
     def context(self, t: dict[str, torch.Tensor]) -> StepContext:
         """The context over `t`: these tensors, or their device copies."""
         attn = AttentionMetadata(

@@ -4,7 +4,7 @@ import torch
 
 from backend import sampler
 from backend.config import EngineConfig
-from backend.device import StepStaging, on, resolve_device, resolve_dtype
+from backend.device import StepStaging, on, resolve_device, resolve_dtype, resolve_lora_dtype
 from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
@@ -13,6 +13,7 @@ from backend.model.context import StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
+from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
@@ -29,8 +30,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.ops = load_ops(config.kernel_backend, self.device)
         self.lora_rank_major_a = self.device.type == "cpu" and self.ops.name != "cpu"   # the LoRA A layout it reads
-        weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device))
-        self.model = LlamaModel(cfg, weights, self.ops)
+        tp_size = config.tensor_parallel_size
+        self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
+        self.tp = self._start_workers(config) if tp_size > 1 else None
+        weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
+        self.model = LlamaModel(self.shard_config, weights, self.ops,
+                                all_reduce=self.tp.all_reduce if self.tp else None)
         self.block_size = config.kv_block_size
         self.staging = StepStaging(self.device)
         self.num_blocks = 0
@@ -50,16 +55,20 @@ class ModelRunner:
             budget = int((free - peak) * self.config.kv_cache_free_gpu_mem_fraction)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
-        self.num_blocks = num_kv_blocks(max(budget, 0), self.block_size, cfg.num_layers, cfg.num_kv_heads,
-                                        cfg.head_dim, self.dtype.itemsize)
+        self.num_blocks = num_kv_blocks(max(budget, 0), self.block_size, cfg.num_layers,
+                                        self.shard_config.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
         self.kv_caches = self._kv_tensors(self.num_blocks)
+        if self.tp is not None:
+            self.tp.send(INIT, {"num_blocks": torch.tensor([self.num_blocks], dtype=torch.int32)})
         return self.num_blocks
 
     def _kv_tensors(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model_config
+        cfg = self.shard_config
         shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        # uninitialized: attention never reads a position no step wrote (a cache full of NaN changes no token), and
+        # zeroing 1 GiB on CPU took 1.6 s of every start and restart
+        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
 
     def _activation_peak_bytes(self) -> int:
         """Peak memory of a warm-up forward over max_num_batched_tokens prompt tokens (on a cache just big enough)."""
@@ -87,10 +96,28 @@ class ModelRunner:
     def capture_graphs(self, lora_cache: LoraCache) -> None:
         """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache: on CUDA with the Triton
         kernels, unless cuda_graph_mode is off."""
-        if self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton":
+        if self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton" and not self.tp:
             with on(self.device), torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
                                            self.block_size, self.device)
+
+    def _start_workers(self, config: EngineConfig) -> TensorParallelGroup:
+        cfg, size = self.model_config, config.tensor_parallel_size
+        max_blocks = -(-cfg.max_position_embeddings // config.kv_block_size)
+        capacity = message_capacity(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, cfg.num_layers)
+        lora_dtype = resolve_lora_dtype(config.lora.dtype, self.dtype, self.ops.name)
+        args = {"model_dir": config.model_dir, "dtype": str(self.dtype).removeprefix("torch."),
+                "lora_dtype": str(lora_dtype).removeprefix("torch."), "kernel_backend": self.ops.name,
+                "device": str(self.device), "block_size": config.kv_block_size, "max_loras": config.lora.max_loras,
+                "max_lora_rank": config.lora.max_lora_rank, "rank_major_a": str(self.lora_rank_major_a).lower(),
+                "threads": max(1, torch.get_num_threads() // size)}
+        return TensorParallelGroup(size, args, self.device, capacity, config.tensor_parallel_timeout_s)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     def memory_bytes(self, lora_cache: LoraCache) -> dict[str, int]:
         """Memory the runtime holds, as TensorRT-LLM reports it: on the GPU, and on the host (pinned, else cpu):
@@ -106,6 +133,8 @@ class ModelRunner:
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination) in every layer's K and V cache, in stream order."""
+        if self.tp is not None:
+            self.tp.copy_kv(pairs)
         with on(self.device):
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([d for _, d in pairs], device=self.device)
@@ -155,6 +184,10 @@ class ModelRunner:
         segments = None
         if any(slot >= 0 for slot in token_slots):
             segments = LoraSegments.from_token_slots(token_slots)
+        if self.tp is not None:                                   # the workers run the same step beside us
+            num_tokens = inputs.tensors["input_ids"].numel()
+            self.tp.step(inputs.tensors | {"token_slots": torch.tensor(token_slots or [-1] * num_tokens,
+                                                                        dtype=torch.int32)})
         t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
         ctx = inputs.context(t)
         ctx.between_layers = self.team.checkpoint if self.team.active else None

@@ -143,7 +143,7 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
     loop.submit(stream)
     assert stream.requests[0].lora_weights is None and stream.requests[0].lora_adapter is not None   # parsed already
     assert stream.wait().answers == ["finish"] and engine.lora_cache.contains(3)
-    assert loop.pending_adapter_bytes == 0
+    assert loop.uploads.pending_bytes == 0
     again = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
                        lora_weights=weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(again)                              # cached already: its weights are not parsed again

@@ -20,5 +20,6 @@ def test_thirty_second_soak_answers_everything_and_leaks_nothing(tiny_model_dir,
     assert report["outcomes"]["error: invalid input"] > 0                      # NaN temperatures were refused
     assert report["kv_blocks_used"] == 0 and report["adapter_pins"] == 0 and report["engine_alive"] == 1
     assert report["restarts"] == 0 and report["host_adapter_bytes"] <= report["host_adapter_budget"]
-    first_sample = report["seconds_rss_mb_host_adapter_mb"][0]                  # memory over time, from the start
-    assert first_sample[0] <= 2 and first_sample[1] > 100
+    samples = report["server_rss_mb_samples"]                                  # memory every 10 s, from the start
+    assert samples[0]["t"] <= 2 and samples[0]["stub lora_llm"] > 100 and samples[0]["tritonserver"] > 10
+    assert [s["t"] for s in samples] == sorted(s["t"] for s in samples) and len(samples) >= 3

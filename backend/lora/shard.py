@@ -1,0 +1,40 @@
+"""An adapter's share on one tensor-parallel rank, as TensorRT-LLM splits LoRA under tensor parallelism.
+
+A column-parallel projection (q, k, v, gate, up: its output split across ranks) keeps the whole A [rank, in] on
+every rank and splits B [out, rank] by output rows. A row-parallel one (o, down: its input split) splits A by input
+columns and keeps the whole B. The row-parallel shrink x_r A_r^T is then a partial sum, but the expand is linear, so
+each rank expands its partial shrink with the whole B and the layer's own all-reduce sums the LoRA delta with the
+base output: sum_r (x_r A_r^T) B^T = (x A^T) B^T, no reduction of its own.
+"""
+import torch
+
+from backend.lora.format import LoraAdapter
+from backend.model.config import ModelConfig
+
+COLUMN_MODULES = (0, 1, 2, 3, 5, 7)           # attn_qkv, attn_q, attn_k, attn_v, mlp_h_to_4h (gate), mlp_gate (up)
+ROW_MODULES = (4, 6)                          # attn_dense (o), mlp_4h_to_h (down)
+
+
+def _part(t: torch.Tensor, dim: int, tp_size: int, rank: int) -> torch.Tensor:
+    size = t.shape[dim] // tp_size
+    return t.narrow(dim, rank * size, size)
+
+
+def shard_module(module_id: int, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig, tp_size: int,
+                 rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one module on one rank; cfg is the whole model's."""
+    if module_id in ROW_MODULES:
+        return _part(a, 1, tp_size, rank).contiguous(), b
+    if module_id == 0:                         # fused qkv: each of q, k, v split on its own
+        q, kv = cfg.q_size, cfg.kv_size
+        parts = b.split([q, kv, kv], dim=0)
+        return a, torch.cat([_part(p, 0, tp_size, rank) for p in parts]).contiguous()
+    return a, _part(b, 0, tp_size, rank).contiguous()
+
+
+def shard_adapter(adapter: LoraAdapter, cfg: ModelConfig, tp_size: int, rank: int) -> LoraAdapter:
+    """The adapter's share on `rank` of `tp_size` (the adapter itself at tp_size 1)."""
+    if tp_size == 1:
+        return adapter
+    return LoraAdapter({(layer, module_id): shard_module(module_id, a, b, cfg, tp_size, rank)
+                        for (layer, module_id), (a, b) in adapter.weights.items()})

@@ -1,0 +1,123 @@
+"""A tensor-parallel worker (rank 1..N-1): its share of the weights, of the KV cache (its KV heads) and of each
+adapter in the device slots; it runs every step rank 0 broadcasts and joins each layer's all-reduce. It handles no
+request, samples nothing and computes no logits (rank 0 does). Started by backend/model/parallel.py:
+
+    python -m backend.model.tp_worker --rank R --size N --port P --capacity C --model_dir DIR --dtype ... ...
+It dies with its parent (PR_SET_PDEATHSIG), and when a collective fails."""
+import argparse
+import ctypes
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from backend.lora.batch import LoraBatch, LoraSegments
+from backend.lora.format import LoraAdapter
+from backend.lora.slots import DeviceSlots
+from backend.model.config import ModelConfig
+from backend.model.context import StepInputs
+from backend.model.llama import LlamaModel
+from backend.model.loader import load_weights
+from backend.model.parallel import COPY_KV, INIT, LOAD, STEP, STOP, unpack
+from kernels.dispatch import load_ops
+
+
+def die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Worker:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = getattr(torch, args.dtype)
+        full = ModelConfig.from_dir(args.model_dir)
+        self.cfg = full.shard(args.size)
+        self.ops = load_ops(args.kernel_backend, self.device)
+        weights = self.ops.prepare_weights(load_weights(args.model_dir, full, self.dtype, self.device, args.size,
+                                                        args.rank))
+        self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
+        self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
+                                 self.device, rank_major_a=args.rank_major_a == "true")
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.message_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def run(self) -> None:
+        message = torch.empty(self.args.capacity, dtype=torch.int32, device=self.message_device)
+        while True:
+            dist.broadcast(message, src=0)
+            command, t = unpack(message.cpu())
+            if command == STOP:
+                return
+            if command == INIT:
+                self.allocate(int(t["num_blocks"]))
+            elif command == STEP:
+                self.step(t)
+            elif command == LOAD:
+                self.load(int(t["slot"]), t["layout"].tolist())
+            elif command == COPY_KV:
+                self.copy_kv(t["pairs"].to(self.device))
+
+    def allocate(self, num_blocks: int) -> None:
+        shape = (self.cfg.num_kv_heads, num_blocks, self.args.block_size, self.cfg.head_dim)
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(self.cfg.num_layers)]
+
+    @torch.inference_mode()
+    def step(self, t: dict[str, torch.Tensor]) -> None:
+        token_slots = t.pop("token_slots").tolist()
+        inputs = StepInputs.from_tensors(t)
+        segments = LoraSegments.from_token_slots(token_slots) if any(s >= 0 for s in token_slots) else None
+        device_t = {name: x.to(self.device) for name, x in (inputs.tensors | (segments.tensors if segments else
+                                                                              {})).items()}
+        ctx = inputs.context(device_t)
+        if segments is not None:
+            segments.use(device_t)
+            ctx.lora = LoraBatch(self.slots, segments, self.ops)
+        self.model.forward(ctx, self.kv_caches, logits=False)
+
+    def load(self, slot: int, layout: list[list[int]]) -> None:
+        dtype = self.slots.a[0]["qkv"].dtype
+        sizes = [(rank * in_dim, out_dim * rank) for _, _, rank, in_dim, out_dim in layout]
+        data = torch.empty(sum(a + b for a, b in sizes) * dtype.itemsize, dtype=torch.uint8,
+                           device=self.message_device)
+        dist.recv(data, src=0)
+        flat, weights, offset = data.cpu().view(dtype), {}, 0
+        for (layer, module, rank, in_dim, out_dim), (na, nb) in zip(layout, sizes):
+            weights[(layer, module)] = (flat[offset:offset + na].view(rank, in_dim),
+                                        flat[offset + na:offset + na + nb].view(out_dim, rank))
+            offset += na + nb
+        self.slots.load(slot, LoraAdapter(weights))
+
+    def copy_kv(self, pairs: torch.Tensor) -> None:
+        src, dst = pairs[:, 0].long(), pairs[:, 1].long()
+        for k, v in self.kv_caches:
+            k.index_copy_(1, dst, k.index_select(1, src))
+            v.index_copy_(1, dst, v.index_select(1, src))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name, kind in (("rank", int), ("size", int), ("port", int), ("capacity", int), ("timeout-s", float),
+                       ("model_dir", str), ("dtype", str), ("lora_dtype", str), ("kernel_backend", str),
+                       ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
+                       ("rank_major_a", str), ("threads", int)):
+        parser.add_argument(f"--{name}", type=kind, required=True)
+    args = parser.parse_args()
+    die_with_parent()
+    torch.set_num_threads(max(1, args.threads))
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.size,
+                            rank=args.rank, timeout=timedelta(seconds=args.timeout_s))
+    try:
+        Worker(args).run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

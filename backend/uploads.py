@@ -1,0 +1,44 @@
+"""Work a request brings that must not run on the engine loop: its adapter's weights parsed and its grammar compiled,
+on the thread that hands the request in. Parsed adapters wait in the loop's inbox, and their bytes are bounded by
+the host tier's budget, so that uploads arriving faster than the engine takes them cannot grow memory without
+bound."""
+import threading
+
+from backend.engine import LLMEngine
+from backend.protocol import ParsedRequest
+from backend.request import RequestError
+
+
+class Uploads:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.pending_bytes = 0                               # parsed adapters not yet in the engine
+        self.lock = threading.Lock()
+
+    def prepare(self, r: ParsedRequest) -> None:
+        """Compile the request's grammar and parse its adapter (or drop weights the host tier holds already)."""
+        if r.params.guide_type is not None and r.params.grammar is None:
+            r.params.grammar = self.engine.compile_guide(r.params)
+        if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:
+            return
+        cache = self.engine.lora_cache
+        if cache.holds(r.lora_task_id, r.lora_weights, r.lora_config):
+            r.lora_weights = r.lora_config = None                   # the same adapter is cached: the id is enough
+            return
+        budget = self.engine.config.lora.host_memory_bytes
+        if self.pending_bytes + r.lora_weights.nbytes > budget:
+            raise RequestError("lora_weights", f"adapter uploads waiting for the engine exceed "
+                                               f"lora_cache_host_memory_bytes {budget}; retry later")
+        r.lora_adapter = cache.parse(r.lora_weights, r.lora_config)
+        r.lora_weights = r.lora_config = None
+        self._count(r.lora_adapter.num_bytes)
+
+    def release(self, requests: list[ParsedRequest]) -> None:
+        """These requests' parsed adapters left the inbox (into the engine, or refused)."""
+        for r in requests:
+            if r.lora_adapter is not None:
+                self._count(-r.lora_adapter.num_bytes)
+
+    def _count(self, num_bytes: int) -> None:
+        with self.lock:
+            self.pending_bytes += num_bytes

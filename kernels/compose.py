@@ -1,0 +1,11 @@
+"""Ops built from other ops, for backends that have no fused kernel of their own (kernels/dispatch.py, cpu_ops.py)."""
+import torch
+
+
+def compose_linear_lora(linear, lora_apply):
+    """linear_lora where a backend has no fused one: its GEMM, then its LoRA added in place."""
+    def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
+        out = linear(x, weight, bias)
+        lora_apply(x, proj, segments, out)
+        return out
+    return linear_lora
