@@ -14,8 +14,8 @@ from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
 from backend.model.runner import ModelRunner
-from backend.request import (RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence, Status,
-                             validate_prompt)
+from backend.request import (FatalEngineError, RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence,
+                             Status, validate_prompt)
 from backend.scheduler import Scheduler, StepSummary
 from backend.sequences import RequestTable
 
@@ -198,6 +198,8 @@ class LLMEngine:
             waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
             tokens, log_probs, logits = self.runner.run(batch, self.lora_cache,
                                                         prefetch=[seq.lora_task_id for seq in waiting])
+        except FatalEngineError:             # the engine itself cannot go on: its loop fails everything
+            raise
         except Exception as exc:             # a failed step fails its batch, never the engine
             failed = dict.fromkeys(item.seq.request_id for item in batch.items)
             return [self._finish_request(request_id, "error", error=f"engine failure: {exc}") for request_id in failed]

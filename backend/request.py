@@ -19,6 +19,10 @@ class RequestError(ValueError):
         self.message = message
 
 
+class FatalEngineError(RuntimeError):
+    """Not a request's fault and not one step's: the engine cannot go on (a tensor-parallel worker died or hangs)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """Bounds on one request, checked before any work that grows with its size."""

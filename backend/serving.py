@@ -12,7 +12,7 @@ from typing import Callable, Protocol
 from backend.engine import LLMEngine, StepOutput
 from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.protocol import ParsedRequest
-from backend.request import RequestError
+from backend.request import FatalEngineError, RequestError
 from backend.responder import Responder, client_cancelled
 from backend.uploads import Uploads
 
@@ -31,7 +31,8 @@ class Stream(Protocol):
 class EngineLoop:
     """Steps the engine on its own thread and never lets an exception end that thread: a failed step fails the
     requests in flight, a failing sender closes only its stream, and after `max_step_failures` failed steps in
-    a row the engine is declared broken: every pending and new request is answered with an error at once.
+    a row (or one FatalEngineError) the engine is declared broken: every pending and new request is answered with
+    an error at once.
     Whether a client cancelled is asked every `cancellation_check_period_s`, as TensorRT-LLM's backend does with
     its `cancellation_check_period_ms`: a round trip per stream in Triton (~0.13 ms; 32 streams 4-5 ms). With
     `ask_on_responder` the responder asks between its answers and sends the cancelled streams back through the
@@ -130,10 +131,11 @@ class EngineLoop:
             self._deliver(out)
 
     def _step_failed(self, exc: Exception) -> None:
-        """A failure outside any one request's input: fail every request in flight; break after several in a row."""
+        """A failure outside any one request's input: fail every request in flight; break after several in a row, or
+        at once where the engine says it cannot go on."""
         self.num_step_failures += 1
         message = f"engine failure: {type(exc).__name__}: {exc}"
-        if self.num_step_failures >= self.max_step_failures:
+        if self.num_step_failures >= self.max_step_failures or isinstance(exc, FatalEngineError):
             self.broken = f"{message} ({self.num_step_failures} steps failed in a row)"
             self._fail_everything(f"engine unavailable: {self.broken}")
         else:

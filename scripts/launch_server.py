@@ -11,6 +11,7 @@ them: in-flight requests get --exit-timeout-s to finish, then tritonserver is ki
 import argparse
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -115,6 +116,17 @@ def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
         return False
 
 
+def engine_alive(metrics_port: int) -> bool:
+    """False once a model's engine reports it cannot serve (lora_llm_engine_alive 0: a tensor-parallel worker lost,
+    steps failing in a row); True while it serves, and when the metrics cannot be read (readiness covers that)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return True
+    return re.search(r"^lora_llm_engine_alive\{[^}]*\} 0(\.0)?$", text, re.MULTILINE) is None
+
+
 def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice: int = FRONTEND_NICE,
                    log_file=None, host: str = "127.0.0.1") -> subprocess.Popen:
     """The OpenAI-compatible API (python -m frontend) on a core model's gRPC port, `nice` below the engine: where
@@ -151,7 +163,7 @@ def services(args, env: dict[str, str]) -> list[Service]:
         ready=lambda process: is_ready(args.http_port),
         on_ready=lambda restarts: print_ready(args) if restarts == 0 else
         print(f"[launch_server] ready again after restart {restarts}", flush=True),
-        grace_s=args.exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
+        grace_s=args.exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S, healthy=lambda: engine_alive(args.metrics_port))
     settings = os.environ | env                                    # the engine's: LORA_LLM_* from either
     model_dir = Path(settings.get("LORA_LLM_MODEL_DIR", ROOT / "models" / "smollm2-135m-instruct"))
     if not args.openai:
@@ -201,6 +213,8 @@ def main() -> None:
                         help="false: one response per request (unary ModelInfer, HTTP generate), no streaming")
     parser.add_argument("--exit-timeout-s", type=int, default=EXIT_TIMEOUT_S,
                         help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish (then it is killed)")
+    parser.add_argument("--tensor_parallel_size", type=int,
+                        help="ranks the model is split over (model parameter tensor_parallel_size; default 1)")
     parser.add_argument("--tensorrt_llm_model_name", default=CORE,
                         help="the core model's name (tensorrt_llm for clients that hard-code it)")
     parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible API's port")
@@ -218,6 +232,8 @@ def main() -> None:
     env = {}
     if args.model_dir:
         env["LORA_LLM_MODEL_DIR"] = str(Path(args.model_dir).resolve())
+    if args.tensor_parallel_size:
+        env["LORA_LLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
     if args.lora_prefetch_dir:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(Path(args.lora_prefetch_dir).resolve())
     sys.exit(supervise(services(args, env), restart=args.restart))

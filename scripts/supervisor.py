@@ -1,6 +1,7 @@
 """Keeps a deployment's processes running: each one that dies is logged (exit code or signal) and started again on its
-own, while the others serve on: at once after a minute up, else with backoff (1, 2, 4 ... 30 s). A stop (SIGINT,
-SIGTERM) ends them all: each gets its grace period, then SIGKILL."""
+own, while the others serve on: at once after a minute up, else with backoff (1, 2, 4 ... 30 s). One that runs but
+says it cannot serve (its `healthy` check fails twice in a row) is killed and started again the same way. A stop
+(SIGINT, SIGTERM) ends them all: each gets its grace period, then SIGKILL."""
 import signal
 import subprocess
 import time
@@ -26,6 +27,10 @@ class Service:
     restart_at: float | None = None                    # monotonic time of the next start, while down
     is_ready: bool = False
     must_start: bool = True                            # False: a failure before the first ready ends it all
+    healthy: Callable[[], bool] | None = None          # polled every health_period_s once ready
+    health_period_s: float = 1.0
+    next_health_check: float = 0.0
+    num_unhealthy: int = 0                             # failed health checks in a row
     log: Callable[[str], None] = field(default=lambda line: print(f"[launch_server] {line}", flush=True))
 
     def launch(self) -> None:
@@ -43,7 +48,9 @@ class Service:
             return None
         code = self.process.poll()
         if code is None:
-            if not self.is_ready and self.ready(self.process):
+            if self.is_ready:
+                self._check_health(now)
+            elif self.ready(self.process):
                 self.is_ready = True
                 if self.died_at is not None:
                     self.log(f"{self.name} serving again {now - self.died_at:.1f} s after it died")
@@ -59,6 +66,16 @@ class Service:
         self.restart_at = now + self.delay_s
         self.log(f"{self.name} died ({describe_exit(code)}); restart {self.restarts} in {self.delay_s:.0f} s")
         return None
+
+    def _check_health(self, now: float) -> None:
+        if self.healthy is None or now < self.next_health_check:
+            return
+        self.next_health_check = now + self.health_period_s
+        self.num_unhealthy = 0 if self.healthy() else self.num_unhealthy + 1
+        if self.num_unhealthy >= 2:
+            self.log(f"{self.name} is running but cannot serve (its health check failed twice); killing it")
+            self.num_unhealthy = 0
+            self.process.kill()
 
 
 def supervise(services: list[Service], restart: bool = True) -> int:

@@ -15,20 +15,24 @@ COLUMN_MODULES = (0, 1, 2, 3, 5, 7)           # attn_qkv, attn_q, attn_k, attn_v
 ROW_MODULES = (4, 6)                          # attn_dense (o), mlp_4h_to_h (down)
 
 
-def _part(t: torch.Tensor, dim: int, tp_size: int, rank: int) -> torch.Tensor:
-    size = t.shape[dim] // tp_size
-    return t.narrow(dim, rank * size, size)
+def _part(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    size = t.shape[dim] // parts
+    return t.narrow(dim, index * size, size)
 
 
 def shard_module(module_id: int, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig, tp_size: int,
                  rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) of one module on one rank; cfg is the whole model's."""
+    """(A, B) of one module on one rank; cfg is the whole model's. k and v split by KV heads, as the base weights
+    (ModelConfig.kv_head_part: a head on several ranks where there are fewer KV heads than ranks)."""
+    kv_parts, kv_index, _ = cfg.kv_head_part(tp_size, rank)
     if module_id in ROW_MODULES:
         return _part(a, 1, tp_size, rank).contiguous(), b
     if module_id == 0:                         # fused qkv: each of q, k, v split on its own
-        q, kv = cfg.q_size, cfg.kv_size
-        parts = b.split([q, kv, kv], dim=0)
-        return a, torch.cat([_part(p, 0, tp_size, rank) for p in parts]).contiguous()
+        q, k, v = b.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
+        return a, torch.cat([_part(q, 0, tp_size, rank), _part(k, 0, kv_parts, kv_index),
+                             _part(v, 0, kv_parts, kv_index)]).contiguous()
+    if module_id in (2, 3):
+        return a, _part(b, 0, kv_parts, kv_index).contiguous()
     return a, _part(b, 0, tp_size, rank).contiguous()
 
 

@@ -32,15 +32,24 @@ class ModelConfig:
                              f"num_key_value_heads {self.num_kv_heads}")
 
     def shard(self, tp_size: int) -> "ModelConfig":
-        """One tensor-parallel rank's share: its attention heads, KV heads and MLP columns (hidden and vocab whole)."""
+        """One tensor-parallel rank's share: its attention heads, KV heads and MLP columns (hidden and vocab whole).
+        With fewer KV heads than ranks each KV head is replicated on tp_size / num_kv_heads ranks, as vLLM does."""
         if tp_size == 1:
             return self
-        for name, count in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
-                            ("intermediate_size", self.intermediate_size)):
+        for name, count in (("num_attention_heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
             if count % tp_size:
                 raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {name} {count}")
-        return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
+        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp_size} and the model's num_key_value_heads "
+                             f"{self.num_kv_heads}: neither divides the other")
+        return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.kv_head_part(tp_size, 0)[2],
                        intermediate_size=self.intermediate_size // tp_size)
+
+    def kv_head_part(self, tp_size: int, rank: int) -> tuple[int, int, int]:
+        """(parts, index, heads): the KV heads split into `parts` equal parts, of which `rank` holds part `index`
+        of `heads` heads: its own share, or (fewer KV heads than ranks) the one head its query heads read."""
+        parts = min(tp_size, self.num_kv_heads)
+        return parts, rank * parts // tp_size, self.num_kv_heads // parts
 
     @property
     def q_size(self) -> int:

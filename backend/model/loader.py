@@ -13,7 +13,8 @@ from backend.model.config import ModelConfig
 class Source:
     """Checkpoint tensors that make one of our parameters, concatenated along dim 0, and how TP splits them."""
     keys: tuple[str, ...]
-    split: str = "none"                       # "column" (dim 0 of each part), "row" (dim 1), "none"
+    split: str = "none"                       # "column" (dim 0 of each part), "row" (dim 1), "none", or "qkv":
+                                              # q by heads, k and v by KV heads (ModelConfig.kv_head_part)
 
 
 def translation_table(cfg: ModelConfig) -> dict[str, Source]:
@@ -28,14 +29,14 @@ def translation_table(cfg: ModelConfig) -> dict[str, Source]:
         attn = [f"{p}.self_attn.{name}_proj" for name in ("q", "k", "v")]
         table |= {
             f"layers.{i}.input_norm": Source((f"{p}.input_layernorm.weight",)),
-            f"layers.{i}.qkv_proj": Source(tuple(a + ".weight" for a in attn), "column"),
+            f"layers.{i}.qkv_proj": Source(tuple(a + ".weight" for a in attn), "qkv"),
             f"layers.{i}.o_proj": Source((f"{p}.self_attn.o_proj.weight",), "row"),
             f"layers.{i}.post_attn_norm": Source((f"{p}.post_attention_layernorm.weight",)),
             f"layers.{i}.gate_up_proj": Source((f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"), "column"),
             f"layers.{i}.down_proj": Source((f"{p}.mlp.down_proj.weight",), "row"),
         }
         if cfg.qkv_bias:
-            table[f"layers.{i}.qkv_bias"] = Source(tuple(a + ".bias" for a in attn), "column")
+            table[f"layers.{i}.qkv_bias"] = Source(tuple(a + ".bias" for a in attn), "qkv")
     return table
 
 
@@ -74,19 +75,27 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return key_files
 
 
-def _read_slice(handle, key: str, shape: tuple[int, ...], split: str, tp_size: int, tp_rank: int) -> torch.Tensor:
+def _read_slice(handle, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
+    """Part `index` of `parts` equal parts along `dim` (None: the whole tensor)."""
     tensor = handle.get_slice(key)
     actual = tuple(tensor.get_shape())
     if actual != shape:
         raise ValueError(f"checkpoint tensor {key} has shape {list(actual)}, expected {list(shape)}")
-    dim = {"column": 0, "row": 1}.get(split)
-    if dim is None or tp_size == 1:
+    if dim is None or parts == 1:
         return tensor[:]
-    if shape[dim] % tp_size:
-        raise ValueError(f"{key}: dim {dim} of size {shape[dim]} does not split into tp_size {tp_size}")
-    part = shape[dim] // tp_size
-    lo, hi = tp_rank * part, (tp_rank + 1) * part
+    if shape[dim] % parts:
+        raise ValueError(f"{key}: dim {dim} of size {shape[dim]} does not split into {parts} parts")
+    size = shape[dim] // parts
+    lo, hi = index * size, (index + 1) * size
     return tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
+
+
+def _part(cfg: ModelConfig, split: str, key: str, tp_size: int, tp_rank: int) -> tuple[int | None, int, int]:
+    """(dim, parts, index) of the slice of checkpoint tensor `key` that rank tp_rank reads."""
+    if split == "qkv" and not key.split(".")[-2].startswith("q_"):
+        parts, index, _ = cfg.kv_head_part(tp_size, tp_rank)
+        return 0, parts, index
+    return {"column": 0, "qkv": 0, "row": 1}.get(split), tp_size, tp_rank
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
@@ -109,7 +118,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 path = key_files[key]
                 if path not in handles:
                     handles[path] = safe_open(path, framework="pt")
-                part = _read_slice(handles[path], key, shapes[key], source.split, tp_size, tp_rank)
+                part = _read_slice(handles[path], key, shapes[key], *_part(cfg, source.split, key, tp_size, tp_rank))
                 parts.append(part.to(device).to(dtype))
             weights[name] = (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).contiguous()
     finally:

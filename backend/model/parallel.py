@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from backend.request import FatalEngineError
+
 ROOT = Path(__file__).resolve().parents[2]
 STEP, INIT, LOAD, COPY_KV, STOP = range(5)
 NAMES = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens", "block_tables", "logits_indices",
@@ -27,7 +29,7 @@ NAMES = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens", "
 HEADER = 2 + 4 * len(NAMES)                  # command, entries; then (name, ndim, dim0, dim1) per entry
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(FatalEngineError):
     """A collective failed or timed out: a worker died or hangs. Fatal for the engine."""
 
 
@@ -88,6 +90,8 @@ class TensorParallelGroup:
              "--port", str(port), "--capacity", str(capacity), "--timeout-s", str(timeout_s),
              *(f"--{k}={v}" for k, v in worker_args.items())], cwd=ROOT, env=env) for rank in range(1, size)]
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=size, rank=0,
                                 timeout=timedelta(seconds=timeout_s))
         self.message_device = device if backend == "nccl" else torch.device("cpu")

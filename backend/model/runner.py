@@ -57,18 +57,20 @@ class ModelRunner:
             budget = CPU_KV_CACHE_BYTES
         self.num_blocks = num_kv_blocks(max(budget, 0), self.block_size, cfg.num_layers,
                                         self.shard_config.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
-        self.kv_caches = self._kv_tensors(self.num_blocks)
-        if self.tp is not None:
-            self.tp.send(INIT, {"num_blocks": torch.tensor([self.num_blocks], dtype=torch.int32)})
+        self._set_kv_cache(self.num_blocks)
         return self.num_blocks
 
-    def _kv_tensors(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _set_kv_cache(self, num_blocks: int) -> None:
+        """This rank's KV cache (its KV heads) of num_blocks blocks, and the workers' theirs."""
         cfg = self.shard_config
         shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
+        self.kv_caches = []
         # uninitialized: attention never reads a position no step wrote (a cache full of NaN changes no token), and
         # zeroing 1 GiB on CPU took 1.6 s of every start and restart
-        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        if self.tp is not None:
+            self.tp.send(INIT, {"num_blocks": torch.tensor([num_blocks], dtype=torch.int32)})
 
     def _activation_peak_bytes(self) -> int:
         """Peak memory of a warm-up forward over max_num_batched_tokens prompt tokens (on a cache just big enough)."""
@@ -82,14 +84,14 @@ class ModelRunner:
             seq = Sequence(-1 - s, [0] * n, SamplingParams(max_new_tokens=1))
             seq.block_table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
             items.append(ScheduledSeq(seq, n))
-        self.kv_caches = self._kv_tensors(num_seqs * blocks_per_seq)
+        self._set_kv_cache(num_seqs * blocks_per_seq)
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
             self.run(Batch(items))
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.kv_caches = []
+        self._set_kv_cache(0)
         torch.cuda.empty_cache()
         return peak
 
@@ -102,7 +104,11 @@ class ModelRunner:
                                            self.block_size, self.device)
 
     def _start_workers(self, config: EngineConfig) -> TensorParallelGroup:
+        """Ranks 1..N-1 as processes of their own; on CUDA rank r runs on the r-th device after this one's."""
         cfg, size = self.model_config, config.tensor_parallel_size
+        if self.device.type == "cuda" and self.device.index + size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices from {self.device}, "
+                             f"{torch.cuda.device_count()} visible")
         max_blocks = -(-cfg.max_position_embeddings // config.kv_block_size)
         capacity = message_capacity(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, cfg.num_layers)
         lora_dtype = resolve_lora_dtype(config.lora.dtype, self.dtype, self.ops.name)

@@ -30,10 +30,20 @@ def die_with_parent() -> None:
         pass
 
 
+def worker_device(rank0_device: str, rank: int) -> torch.device:
+    """Rank r runs r devices after rank 0's (cuda:r from cuda:0, as CUDA_VISIBLE_DEVICES numbers them)."""
+    device = torch.device(rank0_device)
+    if device.type != "cuda":
+        return device
+    device = torch.device("cuda", (device.index or 0) + rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 class Worker:
     def __init__(self, args):
         self.args = args
-        self.device = torch.device(args.device)
+        self.device = worker_device(args.device, args.rank)
         self.dtype = getattr(torch, args.dtype)
         full = ModelConfig.from_dir(args.model_dir)
         self.cfg = full.shard(args.size)
@@ -64,6 +74,9 @@ class Worker:
 
     def allocate(self, num_blocks: int) -> None:
         shape = (self.cfg.num_kv_heads, num_blocks, self.args.block_size, self.cfg.head_dim)
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(self.cfg.num_layers)]
 
@@ -111,6 +124,7 @@ def main() -> None:
     die_with_parent()
     torch.set_num_threads(max(1, args.threads))
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    worker_device(args.device, args.rank)                 # NCCL binds the rank to the current device
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.size,
                             rank=args.rank, timeout=timedelta(seconds=args.timeout_s))
     try:

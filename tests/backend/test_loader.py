@@ -44,11 +44,13 @@ def test_tensor_parallel_slices_reassemble_the_full_weights(tiny_model_dir, tp_s
     cfg = ModelConfig.from_dir(tiny_model_dir)
     full = load_weights(tiny_model_dir, cfg, torch.float32)
     ranks = [load_weights(tiny_model_dir, cfg, torch.float32, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
-    q, kv = cfg.q_size // tp_size, cfg.kv_size // tp_size
-    parts = [r["layers.0.qkv_proj"].split([q, kv, kv]) for r in ranks]
-    for j in range(3):                                     # each of q, k, v is split on its own
-        assert torch.equal(torch.cat([p[j] for p in parts]), full["layers.0.qkv_proj"].split(
-            [cfg.q_size, cfg.kv_size, cfg.kv_size])[j])
+    shard = cfg.shard(tp_size)
+    parts = [r["layers.0.qkv_proj"].split([shard.q_size, shard.kv_size, shard.kv_size]) for r in ranks]
+    full_q, full_k, full_v = full["layers.0.qkv_proj"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+    assert torch.equal(torch.cat([p[0] for p in parts]), full_q)        # q by heads
+    for rank, p in enumerate(parts):                                    # k, v by KV heads (2 heads: 4 ranks share)
+        num_parts, index, _ = cfg.kv_head_part(tp_size, rank)
+        assert torch.equal(p[1], full_k.chunk(num_parts)[index]) and torch.equal(p[2], full_v.chunk(num_parts)[index])
     assert torch.equal(torch.cat([r["layers.0.o_proj"] for r in ranks], dim=1), full["layers.0.o_proj"])
     assert torch.equal(torch.cat([r["layers.0.down_proj"] for r in ranks], dim=1), full["layers.0.down_proj"])
     assert torch.equal(ranks[1]["embed_tokens"], full["embed_tokens"])

@@ -25,7 +25,7 @@ from backend.serving import EngineLoop                         # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
-              "max_words", "max_word_len", "cancellation_check_period_ms")
+              "max_words", "max_word_len", "cancellation_check_period_ms", "tensor_parallel_size")
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
 INT_LIST_PARAMS = ("inject_fault_steps",)
@@ -212,4 +212,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.stop()
+        self.engine.close()                        # tensor-parallel workers end with the model, also on unload
         self.metrics.close()

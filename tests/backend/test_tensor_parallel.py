@@ -1,0 +1,217 @@
+"""Tensor parallelism in process on CPU (gloo, the workers as real processes): TP=2 and TP=4 answer TP=1's tokens
+for the base model and a mixed batch of adapters through every feature the engine has; each module's adapter
+shares recombine to PEFT's LoRA delta; a worker that dies fails the step with a clear error."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from backend import LLMEngine
+from backend.lora.format import LoraAdapter, parse_lora
+from backend.lora.peft import load_lora_dir
+from backend.lora.shard import ROW_MODULES, shard_adapter
+from backend.model.config import ModelConfig
+from backend.serving import EngineLoop
+from backend.text import load_tokenizer
+from tests.backend.loop_streams import FakeStream, prompts
+from tests.helpers import CPU_BACKENDS, cpu_kernels_build, kv_bytes_for_blocks, peft_model_with, random_prompts
+
+LOGITS_ATOL = 1e-4             # fp32: the all-reduce adds the ranks' partial sums in another order than one GEMM
+PEFT_MODULES = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+# request i: adapter TASKS[i] (None: base), options OPTIONS.get(i); request ABORTED stops after two tokens
+TASKS = [1, 2, None, 3, 4, 1, 3, None, 2, 4]
+LENGTHS = [40, 21, 9, 14, 33, 3, 17, 26, 11, 8]
+OPTIONS = {1: dict(num_return_sequences=2, temperature=0.9, top_k=20, seed=7), 2: dict(return_context_logits=True),
+           4: dict(return_generation_logits=True), 6: dict(temperature=1.1, top_p=0.8, seed=3, return_log_probs=True)}
+ABORTED = 8
+SHARED_PREFIX = (0, 9)         # request 9 starts with request 0's first 32 tokens: a KV reuse hit
+
+
+@pytest.fixture(scope="module")
+def tiny_peft(tiny_model_dir, tiny_adapters):
+    return peft_model_with(tiny_model_dir, tiny_adapters)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("module", list(PEFT_MODULES))
+def test_adapter_shares_recombine_to_peft_delta(tiny_model_dir, tiny_adapters, tiny_peft, module, tp_size):
+    """Column-parallel modules: each rank's B rows give its output columns (k, v by KV heads, a head on two ranks
+    at TP=4); row-parallel ones: each rank's A columns over its input slice give partial sums that add up."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    adapter = parse_lora(*load_lora_dir(tiny_adapters[0]), cfg, torch.float32, 64, 1 << 30)
+    layer, module_id = 1, PEFT_MODULES[module]
+    parent = tiny_peft.base_model.model.model.layers[layer]
+    peft_module = getattr(parent.self_attn if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else
+                          parent.mlp, module)
+    x = torch.randn(5, peft_module.in_features, generator=torch.Generator().manual_seed(module_id))
+    with torch.no_grad():
+        want = peft_module.lora_B["a0"](peft_module.lora_A["a0"](x)) * peft_module.scaling["a0"]
+    shares = [shard_adapter(adapter, cfg, tp_size, rank).weights[(layer, module_id)] for rank in range(tp_size)]
+    if module_id in ROW_MODULES:
+        got = sum(x_r @ a.T @ b.T for x_r, (a, b) in zip(x.chunk(tp_size, dim=1), shares))
+    else:
+        outputs = [x @ a.T @ b.T for a, b in shares]
+        if module_id in (2, 3):                  # a KV head's ranks hold the same part: take one of each
+            parts = {cfg.kv_head_part(tp_size, rank)[1]: out for rank, out in enumerate(outputs)}
+            outputs = [parts[i] for i in sorted(parts)]
+        got = torch.cat(outputs, dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_qkv_adapter_splits_q_k_v_each_by_heads(tiny_model_dir):
+    """A TensorRT-LLM attn_qkv module (one A, B over q, k, v) splits each of q, k, v on its own, as the fused
+    base weight does."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    a, b = torch.randn(8, cfg.hidden_size), torch.randn(cfg.q_size + 2 * cfg.kv_size, 8)
+    for tp_size in (2, 4):
+        shard = cfg.shard(tp_size)
+        for rank in range(tp_size):
+            a_r, b_r = shard_adapter(LoraAdapter({(0, 0): (a, b)}), cfg, tp_size, rank).weights[(0, 0)]
+            q, k, v = b.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            num_parts, index, _ = cfg.kv_head_part(tp_size, rank)
+            assert torch.equal(a_r, a)
+            assert torch.equal(b_r, torch.cat([q.chunk(tp_size)[rank], k.chunk(num_parts)[index],
+                                               v.chunk(num_parts)[index]]))
+            assert b_r.shape[0] == shard.q_size + 2 * shard.kv_size
+
+
+def run_scenario(engine: LLMEngine, adapters) -> tuple[dict, dict]:
+    """Staggered arrivals over four adapters in two slots, a KV pool small enough to preempt, n=2, sampling with
+    seeds, both kinds of logits, KV reuse, an abort: (tokens, logits) by (request, sequence)."""
+    for task_id, path in enumerate(adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    prompts = random_prompts(LENGTHS, engine.model_config.vocab_size, seed=31)
+    first, later = SHARED_PREFIX
+    prompts[later] = prompts[first][:32] + prompts[later]
+    tokens, logits = {}, {}
+    pending = list(range(len(prompts)))
+    while pending or engine.has_unfinished:
+        if pending:
+            i = pending.pop(0)
+            engine.add_request(prompts[i], request_id=i, lora_task_id=TASKS[i], max_new_tokens=12, end_id=None,
+                               **OPTIONS.get(i, {}))
+        for out in engine.step():
+            assert out.error is None, out.error
+            key = (out.request_id, out.sequence_index)
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            for kind in ("generation_logits", "context_logits"):
+                if getattr(out, kind) is not None:
+                    logits.setdefault((*key, kind), []).append(getattr(out, kind))
+            if out.request_id == ABORTED and len(tokens[key]) == 2:
+                assert engine.abort(ABORTED)
+    return tokens, logits
+
+
+def scenario_engine(model_dir, tp_size: int, kernel_backend: str) -> LLMEngine:
+    cfg = ModelConfig.from_dir(model_dir).shard(tp_size)          # the KV budget is each rank's, for its KV heads
+    return LLMEngine(model_dir, dtype="float32", kernel_backend=kernel_backend, tensor_parallel_size=tp_size,
+                     max_loras=2, max_num_seqs=4, max_num_batched_tokens=24, enable_kv_cache_reuse=True,
+                     kv_cache_memory_bytes=kv_bytes_for_blocks(6, 16, cfg))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir, tiny_adapters):
+    """TP=1's answers (TP=1 equals PEFT: test_lora_peft.py, test_device.py)."""
+    return {backend: run_scenario(scenario_engine(tiny_model_dir, 1, backend), tiny_adapters)
+            for backend in ("torch", "cpu") if backend == "torch" or cpu_kernels_build()}
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_answers_equal_one_rank(tiny_model_dir, tiny_adapters, expected, tp_size, kernel_backend):
+    engine = scenario_engine(tiny_model_dir, tp_size, kernel_backend)
+    try:
+        tokens, logits = run_scenario(engine, tiny_adapters)
+        assert engine.scheduler.num_preemptions > 0 and engine.lora_cache.stats.device_evictions > 0
+        assert engine.blocks.num_hits > 0 and engine.blocks.num_used_blocks == 0
+    finally:
+        engine.close()
+    want_tokens, want_logits = expected[kernel_backend]
+    assert tokens == want_tokens
+    assert len(tokens[(1, 1)]) == 12 and len(tokens[(ABORTED, 0)]) == 2
+    assert logits.keys() == want_logits.keys() and logits
+    for key, got in logits.items():
+        torch.testing.assert_close(torch.stack(got), torch.stack(want_logits[key]), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_the_workers_end_with_the_engine(tiny_model_dir):
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+                       kv_cache_memory_bytes=1 << 20)
+    workers = list(engine.runner.tp.workers)
+    engine.close()
+    assert all(w.poll() is not None for w in workers)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_lost_worker_fails_every_stream_and_breaks_the_engine(tiny_model_dir, fault):
+    """A worker killed (the collective fails) or stopped (it outlasts tensor_parallel_timeout_s) mid-stream: each
+    open stream, and each later one, gets an error as its final answer, and the loop reports the engine dead."""
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+                       kv_cache_memory_bytes=1 << 20, tensor_parallel_timeout_s=3)
+    loop = EngineLoop(engine)
+    worker = engine.runner.tp.workers[0]
+    try:
+        streams = [FakeStream(p, max_new_tokens=400) for p in prompts(engine, 3)]
+        for stream in streams:
+            loop.submit(stream)
+        while not any(stream.tokens for stream in streams):
+            time.sleep(0.01)
+        os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        for stream in streams:
+            assert stream.wait().answers == [stream.answers[0]] and "tensor parallel" in stream.answers[0]
+        assert not loop.alive
+        late = FakeStream(prompts(engine, 1)[0])
+        loop.submit(late)
+        assert late.wait().answers[0].startswith("fail: engine unavailable")
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        loop.stop()
+        engine.close()
+
+
+@pytest.mark.parametrize(("tp_size", "message"), [
+    (3, "tensor_parallel_size 3 does not divide the model's num_attention_heads 4"),
+    (8, "tensor_parallel_size 8 does not divide the model's num_attention_heads 4")])
+def test_a_size_the_model_does_not_split_into_is_refused(tiny_model_dir, tp_size, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(tiny_model_dir, dtype="float32", tensor_parallel_size=tp_size)
+
+
+def test_guided_decoding_on_smollm2_at_three_ranks(smollm2_dir):
+    """SmolLM2-135M (9 heads, 3 KV heads) at TP=3: a JSON schema's output equals TP=1's."""
+    from tests.backend.test_guided import PROMPT, SCHEMA
+    tokenizer = load_tokenizer(str(smollm2_dir))
+    ids = tokenizer(PROMPT)["input_ids"]
+    outputs = []
+    for tp_size in (1, 3):
+        engine = LLMEngine(smollm2_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp_size,
+                           guided_decoding_backend="xgrammar", max_num_batched_tokens=64)
+        try:
+            outputs.append(engine.generate([ids], max_new_tokens=40, guide_type="json_schema",
+                                           guide=json.dumps(SCHEMA), end_id=tokenizer.eos_token_id)[0])
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]
+    json.loads(tokenizer.decode(outputs[1], skip_special_tokens=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensor_parallel_on_cuda_with_nccl(tiny_model_dir, tiny_adapters):
+    """The scenario at TP=2 over NCCL (cuda:0, cuda:1) with the Triton kernels equals TP=1 on cuda:0."""
+    answers = []
+    for tp_size in (1, 2):
+        cfg = ModelConfig.from_dir(tiny_model_dir).shard(tp_size)
+        engine = LLMEngine(tiny_model_dir, dtype="float32", device="cuda:0", kernel_backend="triton",
+                           tensor_parallel_size=tp_size, max_loras=2, max_num_seqs=4, max_num_batched_tokens=24,
+                           enable_kv_cache_reuse=True, kv_cache_memory_bytes=kv_bytes_for_blocks(6, 16, cfg))
+        try:
+            answers.append(run_scenario(engine, tiny_adapters))
+        finally:
+            engine.close()
+    assert answers[0][0] == answers[1][0]
+    for key, got in answers[1][1].items():
+        torch.testing.assert_close(torch.stack(got), torch.stack(answers[0][1][key]), atol=LOGITS_ATOL, rtol=0)
