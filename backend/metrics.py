@@ -43,7 +43,8 @@ FAMILIES = [Family(*spec) for spec in (
     (LORA_INFO, "Running stats on LoRA requests (vLLM's): adapters in device memory and those waiting for it; "
                 "the value is the time of the last update", "gauge"),
 )]
-TRTLLM_LABEL = {"nv_trt_llm_request_metrics": "request_type", "nv_trt_llm_kv_cache_block_metrics": "kv_cache_block_type",
+TRTLLM_LABEL = {"nv_trt_llm_request_metrics": "request_type",
+                "nv_trt_llm_kv_cache_block_metrics": "kv_cache_block_type",
                 "nv_trt_llm_inflight_batcher_metrics": "inflight_batcher_specific_metric",
                 "nv_trt_llm_general_metrics": "general_type", "nv_trt_llm_runtime_memory_metrics": "memory_type"}
 

@@ -38,10 +38,11 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
                   kernel_backend=args.kernel_backend)
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
-                             kernel_backend=args.kernel_backend)
+                             kernel_backend=args.kernel_backend, tensor_parallel_size=args.tensor_parallel_size)
         res = run_engine(engine, requests, name)
         if sweep and name in ("W1", "W2"):
             res["sweep"] = sweep_concurrency(engine, requests, name)
+        engine.close()
         del engine
     samples[name if kv_reuse is not False else f"{name}_no_reuse"] = {"TTFT": res.pop("ttfts_s"),
                                                                       "ITL": res.pop("itls_s")}
@@ -89,6 +90,8 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "cpu"),
                         help="auto: the compiled CPU kernels where they build, else torch")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="the engine workloads over N ranks (processes; on one CPU a functional figure only)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
@@ -109,7 +112,8 @@ def main(doc: str = __doc__) -> None:
     cfg = ModelConfig.from_dir(args.model_dir)
     roofline = measure_roofline(args.dtype)
     results: dict = {"machine": f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
-                                f"torch {torch.__version__}, {args.dtype}, kernels {args.kernel_backend}",
+                                f"torch {torch.__version__}, {args.dtype}, kernels {args.kernel_backend}, "
+                                f"tensor_parallel_size {args.tensor_parallel_size}",
                      **roofline,
                      "model": Path(args.model_dir).name, "quick": args.quick}
     print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "

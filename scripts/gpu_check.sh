@@ -5,6 +5,8 @@
 #   1. the environment (GPU, versions); 2. every kernel configuration compiled for sm_80/sm_90 by this Triton;
 #   3. the tests marked `cuda` (kernels vs the torch references at real shapes, engine greedy == transformers/PEFT
 #      in fp32, bf16 within tolerance, adapter churn, a step under torch.cuda.set_sync_debug_mode("error"));
+#      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/
+#      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
 #   4. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT).
 #
 #   scripts/gpu_check.sh [--tests-only | --bench-only] [gpu_bench.py arguments, e.g. --out $OUT/gpu.json]
@@ -45,6 +47,10 @@ compile_all() {                           # print the failures and the summary, 
 if [ "$part" != bench ]; then
   step compile "kernels compiled for sm_80 and sm_90 by this Triton" compile_all
   step tests "tests on CUDA" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/backend
+  if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -gt 1 ]; then
+    step tensor_parallel "tensor parallel over NCCL (TP=2 == TP=1)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
+      tests/backend/test_tensor_parallel.py -k cuda
+  fi
 fi
 if [ "$part" != tests ]; then
   step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"

@@ -132,14 +132,16 @@ def error_kind(message: str) -> str:
     return message[:80]
 
 
-def second_half_growth(samples: list[dict]) -> float:
-    """The server's RSS (every process) at the end over its RSS at the middle of the run, minus 1."""
-    def total(sample: dict) -> int:
-        return sum(v for k, v in sample.items() if k == "tritonserver" or k.startswith("stub"))
-    if len(samples) < 2:
-        return 0.0
-    middle = min(samples, key=lambda s: abs(s["t"] - samples[-1]["t"] / 2))
-    return total(samples[-1]) / total(middle) - 1
+def second_half_growth(samples: list[dict], duration_s: float) -> dict[str, float]:
+    """Each server process's RSS at the last sample under load over its RSS at the middle of the load, minus 1
+    (samples taken while the last requests drain come after the load, when memory may have been given back)."""
+    under_load = [s for s in samples if s["t"] <= duration_s]
+    if len(under_load) < 2:
+        return {}
+    last = under_load[-1]
+    middle = min(under_load, key=lambda s: abs(s["t"] - last["t"] / 2))
+    return {name: last[name] / middle[name] - 1 for name in last
+            if name == "tritonserver" or name.startswith("stub")}
 
 
 def main() -> None:
@@ -183,13 +185,14 @@ def main() -> None:
                   "outcomes": dict(soak.outcomes), "tokens_per_s": soak.num_tokens / elapsed,
                   "server_rss_start_mb": start_rss / 2**20, "server_rss_end_mb": server.rss_bytes() / 2**20,
                   "restarts": server.restarts(), "server_rss_mb_samples": samples,
-                  "rss_growth_second_half": second_half_growth(samples), **end}
+                  "rss_growth_second_half": second_half_growth(samples, args.duration), **end}
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     ok = (report["requests_answered"] == report["requests_sent"] and report["kv_blocks_used"] == 0
           and report["adapter_pins"] == 0)
-    print(f"server RSS growth over the second half: {100 * report['rss_growth_second_half']:+.1f}%")
+    for name, growth in report["rss_growth_second_half"].items():
+        print(f"{name} RSS growth over the second half of the load: {100 * growth:+.1f}%")
     print("soak: " + ("passed" if ok else "FAILED: unanswered requests or leaked blocks/pins"))
     sys.exit(0 if ok else 1)
 

@@ -78,15 +78,16 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(self.cfg.num_layers)]
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.cfg.num_layers)]
 
     @torch.inference_mode()
     def step(self, t: dict[str, torch.Tensor]) -> None:
         token_slots = t.pop("token_slots").tolist()
         inputs = StepInputs.from_tensors(t)
         segments = LoraSegments.from_token_slots(token_slots) if any(s >= 0 for s in token_slots) else None
-        device_t = {name: x.to(self.device) for name, x in (inputs.tensors | (segments.tensors if segments else
-                                                                              {})).items()}
+        host_t = inputs.tensors | (segments.tensors if segments is not None else {})
+        device_t = {name: x.to(self.device) for name, x in host_t.items()}
         ctx = inputs.context(device_t)
         if segments is not None:
             segments.use(device_t)
