@@ -24,6 +24,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+DEVICE_FAULT_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
+                        "CUBLAS_STATUS", "NCCL error")
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """A CUDA error is sticky: once one is raised every later launch in the process fails too, so the engine
+    cannot go on (torch raises AcceleratorError, or a RuntimeError naming the CUDA error)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in DEVICE_FAULT_MARKERS)
+
+
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: without either, bf16 matmuls on CPU run several times slower than fp32."""
     try:
@@ -34,9 +47,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 where it is fast (CUDA, CPUs with native bf16) and float32 elsewhere."""
+    """"auto" is bfloat16 where it is fast (CUDA from sm_80 on, CPUs with native bf16), float16 on older GPUs (a
+    bf16 tl.dot needs sm_80) and float32 on other CPUs."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return getattr(torch, name)
 
 
@@ -58,7 +74,13 @@ def on(device: torch.device):
 
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Page-locked host copy of t when the device is a GPU (so uploads can be asynchronous), t itself on CPU."""
-    return t.pin_memory() if device.type == "cuda" else t
+    if device.type != "cuda":
+        return t
+    with on(device):                          # pinning outside it makes a context on GPU 0 when serving on cuda:N
+        return t.pin_memory()
+
+
+ALIGN_INTS = 4                                # 16 bytes: Triton's pointer specialization
 
 
 class StepStaging:
@@ -69,39 +91,57 @@ class StepStaging:
     def __init__(self, device: torch.device):
         self.device = device
         self.host_in = torch.empty(0, dtype=torch.int32)
-        self.host_out = torch.empty(0, dtype=torch.float64)
+        self.host_out: list[torch.Tensor] = []
 
     def upload(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host int32 / int64 / float32 / bool tensors -> the same on the device (int64 and bool as int32)."""
+        """Host int32 / int64 / float32 / bool tensors -> the same on the device (int64 and bool as int32). Each
+        view starts 16 bytes aligned, as Triton assumes of the pointers it specializes on: an unaligned view
+        would compile another variant of every kernel it reaches, on the engine thread, mid-serving."""
         if self.device.type == "cpu":
             return tensors
         flat = [_as_int32(t) for t in tensors.values()]
-        total = sum(f.numel() for f in flat)
+        offsets, total = aligned_offsets([f.numel() for f in flat])
         if self.host_in.numel() < total:
             self.host_in = torch.empty(max(total, 2 * self.host_in.numel()), dtype=torch.int32).pin_memory()
         host = self.host_in[:total]
-        if flat:
-            torch.cat(flat, out=host)
+        for f, offset in zip(flat, offsets):
+            host[offset:offset + f.numel()].copy_(f)
         dev = host.to(self.device, non_blocking=True)
-        views, offset = {}, 0
-        for (name, t), f in zip(tensors.items(), flat):
+        views = {}
+        for (name, t), f, offset in zip(tensors.items(), flat, offsets):
             view = dev[offset:offset + f.numel()].view(t.shape)
             views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
-            offset += f.numel()
         return views
 
-    def download(self, t: torch.Tensor) -> torch.Tensor:
-        """The step's one device -> host copy (float64), waited for: its values are on the host on return."""
+    def download(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The step's one device -> host transfer (of one tensor or a few, each in a pinned buffer of its own),
+        waited for once: the values are on the host on return."""
         if self.device.type == "cpu":
-            return t.to(torch.float64)
-        if self.host_out.numel() < t.numel():
-            self.host_out = torch.empty(max(t.numel(), 2 * self.host_out.numel()), dtype=torch.float64).pin_memory()
-        host = self.host_out[:t.numel()].view(t.shape)
-        host.copy_(t, non_blocking=True)
+            return list(tensors)
+        hosts = []
+        for i, t in enumerate(tensors):
+            if len(self.host_out) <= i:
+                self.host_out.append(torch.empty(0, dtype=t.dtype))
+            buffer = self.host_out[i]
+            if buffer.dtype != t.dtype or buffer.numel() < t.numel():
+                buffer = torch.empty(max(t.numel(), 2 * buffer.numel()), dtype=t.dtype).pin_memory()
+                self.host_out[i] = buffer
+            host = buffer[:t.numel()].view(t.shape)
+            host.copy_(t, non_blocking=True)
+            hosts.append(host)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         done.synchronize()
-        return host
+        return hosts
+
+
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of `sizes` int32 values starts in one buffer, each start a multiple of ALIGN_INTS; and the total."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN_INTS) * ALIGN_INTS
+    return offsets, total
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Hashable
 import torch
 
 from backend.config import EngineConfig, LoraCacheConfig
-from backend.device import resolve_lora_dtype
+from backend.device import is_device_fault, resolve_lora_dtype
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
 from backend.lora.format import LoraAdapter
@@ -201,6 +201,8 @@ class LLMEngine:
         except FatalEngineError:             # the engine itself cannot go on: its loop fails everything
             raise
         except Exception as exc:             # a failed step fails its batch, never the engine
+            if is_device_fault(exc):
+                raise FatalEngineError(f"device fault (every later step would fail too): {exc}") from exc
             failed = dict.fromkeys(item.seq.request_id for item in batch.items)
             return [self._finish_request(request_id, "error", error=f"engine failure: {exc}") for request_id in failed]
         sampled = [item for item in batch.items if item.samples]

@@ -125,8 +125,11 @@ def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, HEA
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :])
-    w = tl.exp(m - tl.max(m, 0))                 # splits that saw no key have m = -inf: weight 0
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)    # a row with no key at all (a graph's padding row)
+    w = tl.exp(m - m_max)                        # splits that saw no key have m = -inf: weight 0
+    denominator = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denominator == 0.0, 1.0, denominator)    # such a row: zeros
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 

@@ -47,7 +47,8 @@ class LoraAdapter:
         """The adapter in page-locked memory when it will be uploaded to a GPU (asynchronous copies need it)."""
         if device.type != "cuda":
             return self
-        return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()})
+        with torch.cuda.device(device):       # not a context on GPU 0 when serving on cuda:N
+            return LoraAdapter({key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()})
 
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(

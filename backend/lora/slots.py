@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.device import SideCopies, pin
+from backend.device import SideCopies, on, pin
 from backend.lora.format import LoraAdapter, module_columns
 from backend.model.config import ModelConfig
 
@@ -113,7 +113,7 @@ class DeviceSlots:
         so only the rank rows the old adapter used past the new one's ranks are cleared. On CUDA the copies run on
         a side stream; `copies.wait([slot])` orders a step after them."""
         ranks = torch.zeros(self.cfg.num_layers, len(PROJS), MAX_BANDS, dtype=torch.int32)
-        with self.copies.copying():
+        with on(self.device), self.copies.copying():
             for (layer, module_id), (a, b) in adapter.weights.items():
                 for module, b_part in self._split_fused(module_id, b):
                     proj, band = BAND_OF_MODULE[module]

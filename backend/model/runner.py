@@ -4,7 +4,7 @@ import torch
 
 from backend import sampler
 from backend.config import EngineConfig
-from backend.device import StepStaging, on, resolve_device, resolve_dtype, resolve_lora_dtype
+from backend.device import StepStaging, on, pin, resolve_device, resolve_dtype, resolve_lora_dtype
 from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
@@ -141,9 +141,9 @@ class ModelRunner:
         """Copy whole blocks (source, destination) in every layer's K and V cache, in stream order."""
         if self.tp is not None:
             self.tp.copy_kv(pairs)
-        with on(self.device):
-            src = torch.tensor([s for s, _ in pairs], device=self.device)
-            dst = torch.tensor([d for _, d in pairs], device=self.device)
+        with on(self.device):                                     # pinned, then asynchronous: no host sync
+            src = pin(torch.tensor([s for s, _ in pairs]), self.device).to(self.device, non_blocking=True)
+            dst = pin(torch.tensor([d for _, d in pairs]), self.device).to(self.device, non_blocking=True)
             for k, v in self.kv_caches:
                 k.index_copy_(1, dst, k.index_select(1, src))
                 v.index_copy_(1, dst, v.index_select(1, src))
@@ -176,12 +176,16 @@ class ModelRunner:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
                   if seq.params.return_generation_logits]
-        raw = logits[wanted].clone() if wanted else None          # before sampling changes them in place
+        raw = None
+        if wanted:                                                # before sampling changes them in place
+            rows = pin(torch.tensor(wanted), self.device).to(self.device, non_blocking=True)
+            raw = logits.index_select(0, rows).float()
         tokens, log_probs = sampler.sample(logits, plan)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
-        host = self.staging.download(torch.stack([tokens.double(), log_probs.double()]))
-        raw = {} if raw is None else dict(zip(wanted, raw.cpu()))     # a second copy, only when asked for
+        host, *host_raw = self.staging.download(torch.stack([tokens.double(), log_probs.double()]),
+                                                *([raw] if raw is not None else []))
+        raw = dict(zip(wanted, host_raw[0].clone())) if host_raw else {}    # the pinned buffer is reused
         return host[0].long().tolist(), host[1].tolist(), raw
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],

@@ -5,6 +5,7 @@ import torch
 
 from backend import LLMEngine
 from backend.config import EngineConfig
+from backend.device import StepStaging, aligned_offsets, resolve_dtype
 from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, kv_bytes_for_blocks, needs_cuda, peft_greedy,
                            peft_model_with, random_prompts)
 
@@ -21,6 +22,14 @@ def test_device_names_are_checked():
         EngineConfig(model_dir="m", device="gpu")
     with pytest.raises(ValueError, match="kv_cache_free_gpu_mem_fraction"):
         EngineConfig(model_dir="m", kv_cache_free_gpu_mem_fraction=1.5)
+
+
+@pytest.mark.parametrize(("capability", "dtype"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                                                   ((9, 0), torch.bfloat16)])
+def test_dtype_auto_on_cuda_follows_the_compute_capability(monkeypatch, capability, dtype):
+    """bf16 tl.dot needs sm_80: a T4 (sm_75) serves fp16."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == dtype
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -172,3 +181,19 @@ def test_an_adversarial_adapter_changes_no_other_requests_tokens(tiny_model_dir)
     assert mixed[:5] == clean
     assert any(not torch.isfinite(k).all() for k, _ in engine.runner.kv_caches), "its blocks hold inf/NaN now"
     assert engine.generate(prompts, max_new_tokens=8, lora_task_ids=[None, 7, None, 7, None]) == clean
+
+
+def test_step_inputs_are_packed_at_16_byte_offsets():
+    """Triton specializes pointer arguments on 16-byte alignment: views at 4-byte offsets (a 9-token prompt's
+    positions after its 9 token ids) would compile new kernel variants mid-serving."""
+    offsets, total = aligned_offsets([9, 9, 2, 1, 3, 0, 4])
+    assert offsets == [0, 12, 24, 28, 32, 36, 36] and total == 40
+
+
+@needs_cuda
+def test_every_uploaded_view_is_16_byte_aligned():
+    staging = StepStaging(torch.device("cuda"))
+    views = staging.upload({"input_ids": torch.arange(9), "positions": torch.arange(9), "query_starts":
+                            torch.tensor([0, 9]), "scale": torch.ones(3), "mask": torch.ones(5, dtype=torch.bool)})
+    assert all(view.data_ptr() % 16 == 0 for view in views.values())
+    assert views["positions"].tolist() == list(range(9)) and views["scale"].tolist() == [1.0] * 3

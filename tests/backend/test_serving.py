@@ -102,6 +102,22 @@ def test_steps_failing_in_a_row_break_the_engine_and_every_request_is_answered_a
     assert late.done.is_set() and late.answers[0].startswith("fail: engine unavailable")
 
 
+@pytest.mark.parametrize("fault", ["CUDA error: an illegal memory access was encountered",
+                                   "CUDA error: device-side assert triggered"])
+def test_one_device_fault_breaks_the_engine_at_once(engine, loop, monkeypatch, fault):
+    """A CUDA error is sticky (every later launch fails too): the first one makes the engine unavailable, so the
+    alive gauge drops and the supervisor restarts the server, instead of failing step after step while healthy."""
+    def faulting(*args, **kwargs):
+        raise RuntimeError(fault)
+
+    monkeypatch.setattr(engine.runner, "run", faulting)
+    victim = FakeStream(prompts(engine, 1)[0])
+    loop.submit(victim)
+    assert victim.wait().answers[0].startswith("fail: engine unavailable: engine failure: FatalEngineError: device "
+                                               "fault")
+    assert not loop.alive and fault in loop.broken and loop.num_step_failures == 1
+
+
 def test_a_metrics_hook_that_raises_costs_no_request(engine):
     def broken_hook(engine, seconds):
         raise ValueError("metrics backend down")

@@ -167,7 +167,7 @@ def test_a_lost_worker_fails_every_stream_and_breaks_the_engine(tiny_model_dir, 
         loop.submit(late)
         assert late.wait().answers[0].startswith("fail: engine unavailable")
     finally:
-        os.kill(worker.pid, signal.SIGKILL)
+        worker.kill()                                           # a stopped one, not yet gone
         loop.stop()
         engine.close()
 

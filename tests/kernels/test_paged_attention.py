@@ -1,4 +1,6 @@
 """Paged attention: the Triton kernel against the torch reference (interpreter on CPU)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -151,3 +153,19 @@ def test_llama_8b_decode_with_a_graphs_fixed_split_count_matches_reference(devic
     # splits of the short ones find no key)
     seq_lens = [1000, 517, 64, 3]
     check(*make_batch(seq_lens, [1] * 4, 32, 8, 128, 16, torch.bfloat16, device), torch.bfloat16, num_splits=8)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_a_padding_row_with_no_context_gives_zeros_not_nan(device, num_splits):
+    """A CUDA graph pads a decode step with rows of seq_len 0: every split of such a row sees no key. Its output
+    is zeros (the reduce used to compute exp(-inf - -inf): NaN), and the real rows still match the reference."""
+    q, k_cache, v_cache, meta = make_batch([40, 1], [1, 1], 4, 1, 64, 16, torch.float32, device)
+    meta.seq_lens[1] = 0
+    meta.seq_lens_list[1] = 0
+    got = paged_attention(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    want = reference.paged_attention(q[:1], k_cache, v_cache, replace(meta, query_starts=meta.query_starts[:2],
+                                     seq_lens=meta.seq_lens[:1], block_tables=meta.block_tables[:1],
+                                     query_starts_list=[0, 1], seq_lens_list=[40]), 0.125)
+    torch.testing.assert_close(got[:1], want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
