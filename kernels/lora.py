@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.metadata import UNSPECIALIZED_ARGS
+
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
 
 
@@ -27,7 +29,7 @@ def _segment(seg_starts_ptr, seg_slots_ptr, seg, m_block, BLOCK_M: tl.constexpr)
     return slot, offs_m, offs_m < end, (slot < 0) | (start + m_block * BLOCK_M >= end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_shrink_kernel"])
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr, in_dim, cap, max_rank,
                    stride_xt, stride_as, stride_ar, stride_ak, stride_rb, stride_hs, stride_ht,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -64,7 +66,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr
     tl.store(h_ptr + h_rows[:, None] + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_expand_kernel"])
 def _expand_kernel(h_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr, bounds_ptr, max_rank,
                    num_n_blocks, stride_hs, stride_ht, stride_bs, stride_bn, stride_bk, stride_rb, stride_ot,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,

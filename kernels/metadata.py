@@ -16,3 +16,11 @@ class AttentionMetadata:
     max_seq_len: int
     torch_plan: object | None = None          # kernels/reference.py's per-step split, built by its first layer
     num_splits: int | None = None             # attention's context splits, fixed (CUDA graphs); None: per step
+
+
+# Integer kernel arguments that change from step to step (sequence counts, block-table widths, token counts in a
+# stride) or between projections (column blocks): Triton would otherwise compile a variant for each of "== 1",
+# "divisible by 16" and neither, on the engine thread, the first time a step happens to produce one
+# (tests/kernels/test_specializations.py).
+UNSPECIALIZED_ARGS = {"_attention_kernel": ("num_seqs", "stride_bt"), "_shrink_kernel": ("stride_hs",),
+                      "_expand_kernel": ("num_n_blocks", "stride_hs")}

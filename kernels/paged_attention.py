@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import UNSPECIALIZED_ARGS, AttentionMetadata
 
 # triton 3.7's interpreter computes garbage for bf16 tl.dot: there (only) the dots run in fp32
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -38,7 +38,7 @@ def _find_sequence(query_starts_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_attention_kernel"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr,
                       query_starts_ptr, seq_lens_ptr, num_seqs, scale, window, stride_qt, stride_qh, stride_ot,
                       stride_oh, stride_ch, stride_cb, stride_cs, stride_bt, GROUP: tl.constexpr,

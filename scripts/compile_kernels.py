@@ -1,12 +1,16 @@
 """Compile every Triton kernel, in every configuration the launchers can choose, ahead of time for real GPUs
 (PTX and cubin, no GPU needed), and check shared memory against each device's limit.
 
-    python scripts/compile_kernels.py [--targets 80,90] [--jobs 2]
-Exit status 1 if any configuration fails to compile or needs more shared memory than the device has.
+    python scripts/compile_kernels.py [--targets 80,90] [--jobs 2] [--resources]
+--resources adds what ptxas (Triton's own) reports for each: registers per thread, spilled bytes, shared memory,
+and the occupancy bound they give (warps per SM of 64). Exit status 1 if any configuration fails to compile or
+needs more shared memory than the device has, and (with --resources) if a hot configuration spills.
 """
 import argparse
 import itertools
 import os
+import re
+import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -22,16 +26,19 @@ GROUPS = tuple(range(1, 9))                       # query heads per KV head
 SPLITS = (1, 2, 4, 8, 16)                         # split-K counts num_kv_splits can choose
 
 
-def runtime_signature(args: dict) -> tuple[dict, dict, dict]:
+def runtime_signature(args: dict, fixed: set[str] = frozenset()) -> tuple[dict, dict, dict]:
     """Signature, specialization attributes and extra constexprs as Triton's launcher derives them from the
-    values it is given: an int equal to 1 becomes a constant, an int divisible by 16 and every pointer (our
-    tensors are 16-byte aligned) get tt.divisibility=16. Pointers are given as their type string ("*bf16")."""
+    values it is given: an int equal to 1 becomes a constant, an int divisible by 16 and every pointer (the
+    staging buffer's views and torch's allocations start 16-byte aligned) get tt.divisibility=16; ints the kernel
+    names in do_not_specialize (`fixed`) get neither. Pointers are given as their type string ("*bf16")."""
     signature, attrs, constants = {}, {}, {}
     for i, (name, value) in enumerate(args.items()):
         if isinstance(value, str):
             signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif name in fixed:
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
         elif value == 1:
             signature[name], constants[name] = "constexpr", 1
         else:
@@ -117,8 +124,38 @@ def configurations():
                    expand_config() | {"SPLIT_K": cfg["SPLIT_K"], "DOT_FP32": False})
 
 
-def compile_one(job) -> tuple[str, int, int | None, str]:
-    label, module, kernel, args, constexprs, cc = job
+HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "add_rms_norm bf16",
+       "silu_and_mul bf16", "rotary_and_cache bf16 d128")      # what an 8B decode step runs
+REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers per thread and spilled bytes of a kernel, from `ptxas -v` (Triton's bundled ptxas)."""
+    import tempfile
+
+    import triton
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        out = subprocess.run([str(ptxas), "-v", "--gpu-name", arch, str(Path(tmp) / "k.ptx"), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
+    return {"registers": int(re.search(r"Used (\d+) registers", out).group(1)), "spill_bytes": sum(spills)}
+
+
+def occupancy_warps(registers: int, shared: int, num_warps: int, cc: int) -> int:
+    """Resident warps per SM that the registers and shared memory allow (CUDA's occupancy rules: registers in
+    units of 256 per warp, 1 KiB of shared memory reserved per block)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    blocks = min(MAX_BLOCKS_PER_SM, REGISTERS_PER_SM // per_warp // num_warps, MAX_WARPS_PER_SM // num_warps)
+    if shared:
+        blocks = min(blocks, SHARED_LIMIT[cc] // (shared + 1024))
+    return blocks * num_warps
+
+
+def compile_one(job) -> tuple[str, int, int | None, str, dict]:
+    label, module, kernel, args, constexprs, cc, resources = job
     import importlib
 
     import triton
@@ -126,29 +163,45 @@ def compile_one(job) -> tuple[str, int, int | None, str]:
     from triton.compiler import ASTSource
     fn = getattr(importlib.import_module(module), kernel)
     try:
-        signature, attrs, constants = runtime_signature(args)
+        fixed = {p.name for p in fn.params if p.do_not_specialize}
+        signature, attrs, constants = runtime_signature(args, fixed)
         signature |= {name: "constexpr" for name in constexprs}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs | constants, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32))
         assert compiled.asm["cubin"]
-        return label, cc, compiled.metadata.shared, ""
+        report = {}
+        if resources:
+            report = ptxas_report(compiled.asm["ptx"]) | {"num_warps": compiled.metadata.num_warps}
+            report["warps_per_sm"] = occupancy_warps(report["registers"], compiled.metadata.shared,
+                                                     report["num_warps"], cc)
+        return label, cc, compiled.metadata.shared, "", report
     except Exception as err:                       # report every failure, not just the first
-        return label, cc, None, f"{type(err).__name__}: {str(err)[:300]}"
+        return label, cc, None, f"{type(err).__name__}: {str(err)[:300]}", {}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="80,90")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--resources", action="store_true", help="registers, spills and occupancy from ptxas -v")
+    parser.add_argument("--only", help="configurations whose label starts with one of these (a comma list; 'hot': "
+                                       "what an 8B decode step runs)")
     args = parser.parse_args()
-    jobs = [c + (int(cc),) for cc in args.targets.split(",") for c in configurations()]
+    only = HOT if args.only == "hot" else tuple(args.only.split(",")) if args.only else ("",)
+    jobs = [c + (int(cc), args.resources) for cc in args.targets.split(",") for c in configurations()
+            if c[0].startswith(only)]
     failures = 0
     with ProcessPoolExecutor(args.jobs) as pool:
-        for label, cc, shared, error in pool.map(compile_one, jobs):
+        for label, cc, shared, error, report in pool.map(compile_one, jobs):
             ok = not error and shared <= SHARED_LIMIT[cc]
-            failures += not ok
+            hot_spill = report.get("spill_bytes", 0) > 0 and label.startswith(HOT)
+            failures += not ok or hot_spill
             detail = error or f"shared {shared} B (limit {SHARED_LIMIT[cc]})"
-            print(f"{'ok  ' if ok else 'FAIL'} sm_{cc} {label:44s} {detail}", flush=True)
+            if report:
+                detail += (f", {report['registers']} registers, {report['spill_bytes']} B spilled, "
+                           f"{report['num_warps']} warps: {report['warps_per_sm']}/{MAX_WARPS_PER_SM} warps per SM"
+                           + (" (a hot configuration spills)" if hot_spill else ""))
+            print(f"{'ok  ' if ok and not hot_spill else 'FAIL'} sm_{cc} {label:44s} {detail}", flush=True)
     print(f"{len(jobs) - failures} compiled, {failures} failed")
     sys.exit(1 if failures else 0)
 

@@ -20,3 +20,25 @@ def test_every_kernel_configuration_compiles_for_a100_and_h100():
                   "sm_80 rotary_and_cache bf16 d80", "sm_90 add_rms_norm fp32 h8192",
                   "sm_90 lora_shrink bf16 adapters bf16 splitk8", "sm_80 lora_expand fp32 adapters fp16 splitk1"):
         assert label in run.stdout
+
+
+def test_resources_of_the_hot_configurations_show_no_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, ROOT / "scripts" / "compile_kernels.py", "--targets", "80,90",
+                          "--resources", "--only", "hot"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
+    assert len(rows) >= 20 and all(" 0 B spilled" in row and "warps per SM" in row for row in rows)
+    assert any(row.startswith("ok   sm_90 attention decode bf16 d128 bs16 g4 splits1") for row in rows)
+
+
+def test_occupancy_follows_registers_and_shared_memory():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from compile_kernels import occupancy_warps, runtime_signature
+    assert occupancy_warps(168, 39168, 4, 90) == 12          # 5376 registers a warp: 12 warps, 3 blocks of 4
+    assert occupancy_warps(32, 0, 4, 90) == 64               # the SM's 64-warp limit
+    assert occupancy_warps(32, 100 * 1024, 4, 80) == 4       # one 100 KiB block fits in 164 KiB
+    signature, attrs, constants = runtime_signature({"p": "*bf16", "num_seqs": 1, "stride_bt": 32}, {"num_seqs",
+                                                                                                    "stride_bt"})
+    assert signature == {"p": "*bf16", "num_seqs": "i32", "stride_bt": "i32"} and list(attrs) == [(0,)]
+    assert not constants
