@@ -43,6 +43,8 @@ class EngineConfig:
     kernel_backend: str = "auto"
     cuda_graph_mode: bool = True              # decode steps replay CUDA graphs (CUDA, Triton kernels); False: eager
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
+    kernel_self_check: str = "auto"          # the Triton kernels checked at start (backend/model/self_check.py):
+                                              # true, strict (a failure refuses to start), false; auto: on CUDA
     tensor_parallel_size: int = 1             # ranks the model is split over: this process and N-1 workers
     tensor_parallel_timeout_s: float = 60.0   # a collective that takes longer: a worker hangs, the engine is broken
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
@@ -67,6 +69,8 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
                              f"got {self.kv_cache_free_gpu_mem_fraction}")
+        if self.kernel_self_check not in ("auto", "true", "strict", "false"):
+            raise ValueError(f"kernel_self_check must be true, strict, false or auto, got {self.kernel_self_check!r}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         if not 0.0 <= self.kv_watermark < 1.0:

@@ -34,6 +34,8 @@ FAMILIES = [Family(*spec) for spec in (
     ("lora_llm_step_seconds", "Engine step latency, by kind: decode, or prefill (the step holds prompt tokens)",
      "histogram"),
     ("lora_llm_engine_alive", "1 while the engine loop serves requests, 0 once it cannot", "gauge"),
+    ("lora_llm_kernel_fallback", "1 for each kernel family the start-up self-check moved to the torch reference "
+                                 "(attention, lora, fused) and for CUDA graphs turned off by it", "gauge"),
     ("lora_llm_kv_cache_reuse", "KV cache reuse: prompt blocks looked up, found, and the hit rate", "gauge"),
     ("nv_trt_llm_request_metrics", "TRT LLM request metrics", "gauge"),
     ("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", "gauge"),
@@ -61,6 +63,8 @@ def gauges(engine, alive: bool) -> dict[tuple[str, tuple], float]:
            ("lora_llm_kv_cache_reuse", (("stat", "hits"),)): hits,
            ("lora_llm_kv_cache_reuse", (("stat", "hit_rate"),)): hits / lookups if lookups else 0.0,
            ("lora_llm_engine_alive", ()): 1 if alive else 0}
+    for kernel in ("attention", "lora", "fused", "graphs"):
+        out[("lora_llm_kernel_fallback", (("kernel", kernel),))] = int(kernel in engine.runner.kernel_fallbacks)
     for name in LORA_STATS:
         tier, stat = name.split("_", 1)
         out[("lora_llm_lora_cache", (("stat", stat), ("tier", tier)))] = stats["lora"][name]

@@ -14,6 +14,7 @@ from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
+from backend.model.self_check import check_graphs, check_kernels_or_fall_back
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
@@ -37,6 +38,10 @@ class ModelRunner:
         self.model = LlamaModel(self.shard_config, weights, self.ops,
                                 all_reduce=self.tp.all_reduce if self.tp else None)
         self.block_size = config.kv_block_size
+        self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
+        if self.ops.name == "triton" and config.kernel_self_check != "false" and (
+                config.kernel_self_check != "auto" or self.device.type == "cuda"):
+            self.kernel_fallbacks = check_kernels_or_fall_back(self, config)
         self.staging = StepStaging(self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -98,10 +103,15 @@ class ModelRunner:
     def capture_graphs(self, lora_cache: LoraCache) -> None:
         """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache: on CUDA with the Triton
         kernels, unless cuda_graph_mode is off."""
-        if self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton" and not self.tp:
+        if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton" and not self.tp
+                and not self.kernel_fallbacks):         # the torch fallbacks do not take a graph's padding rows
             with on(self.device), torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
                                            self.block_size, self.device)
+            if self.config.kernel_self_check != "false":
+                error = check_graphs(self, lora_cache)
+                if error is not None:
+                    self.kernel_fallbacks["graphs"], self.graphs = error, None
 
     def _start_workers(self, config: EngineConfig) -> TensorParallelGroup:
         """Ranks 1..N-1 as processes of their own; on CUDA rank r runs on the r-th device after this one's."""

@@ -1,0 +1,238 @@
+"""The start-up self-check of the Triton kernels on the serving device (`kernel_self_check`), before the model
+reports ready: each op family once at the served model's shapes against the torch reference on the same device.
+A family whose kernel fails to compile, raises at launch or disagrees beyond its dtype's tolerance is served by the
+torch reference instead (`apply_fallbacks`), and the failure is logged with its shapes and its max error; `strict`
+refuses to start. The decode-graph check lives with the runner (ModelRunner.check_graphs).
+
+    attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens) and a prompt chunk of 37
+               tokens after 20 cached ones, over the configured page size, GQA group and head dim, split and not
+    lora:      every projection of layer 0 with two adapters (max_lora_rank and a quarter of it, on every module)
+               and base rows, for 7 tokens (a decode step: split-K) and 80 (a prompt chunk: no split)
+    fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
+"""
+import logging
+from copy import copy
+from dataclasses import dataclass, replace
+
+import torch
+
+from backend import sampler
+from backend.device import on, resolve_lora_dtype
+
+from backend.lora.batch import LoraSegments
+from backend.lora.format import LoraAdapter, module_shape
+from backend.lora.slots import PROJS, DeviceSlots, proj_shape
+from backend.model.config import ModelConfig
+from backend.model.context import StepInputs
+from backend.request import SamplingParams, Sequence
+from backend.scheduler import Batch, ScheduledSeq
+from kernels import reference
+from kernels.compose import compose_linear_lora
+from kernels.metadata import AttentionMetadata
+
+FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",),
+            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache")}
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Check:
+    family: str
+    what: str                                 # the case and its shapes
+    error: str | None = None                  # None: passed; else the exception or the max error
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+
+
+def compare(family: str, what: str, run, dtype: torch.dtype) -> Check:
+    """run() -> [(kernel's result, reference's)]: a Check that names the case and, if it failed, why."""
+    try:
+        pairs = run()
+        worst = max(max_error(got, want) for got, want in pairs)
+    except Exception as err:                   # a compile or launch failure is a result too
+        return Check(family, what, f"{type(err).__name__}: {str(err)[:300]}")
+    if not worst <= TOLERANCE[dtype]:          # NaN fails too
+        return Check(family, what, f"max error {worst:.3g} > {TOLERANCE[dtype]:g}")
+    return Check(family, what)
+
+
+def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[Check]:
+    g = torch.Generator().manual_seed(0)
+    seq_lens, query_lens = [1, 3 * block_size + block_size // 2, 70, 57], [1, 1, 1, 37]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    for s, n in enumerate(blocks):
+        table[s, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(2))
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], cfg.num_heads, cfg.head_dim, generator=g).to(device, dtype)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32, device=device)   # noqa: E731
+    meta = AttentionMetadata(ints(starts), ints(seq_lens), table.to(device), ints([]), starts, seq_lens,
+                             max(query_lens), max(seq_lens))
+    scale = cfg.head_dim ** -0.5
+    what = (f"decode contexts {seq_lens[:3]} + a {query_lens[3]}-token chunk, page {block_size}, "
+            f"{cfg.num_heads} heads on {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}")
+    want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    checks = []
+    for splits in (None, 4):
+        run = lambda: [(ops.paged_attention(q, k_cache, v_cache, meta, scale, num_splits=splits), want)]  # noqa: E731
+        checks.append(compare("attention", what + (f", {splits} splits" if splits else ""), run, dtype))
+    return checks
+
+
+def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator) -> LoraAdapter:
+    weights = {}
+    for module_id in range(1, 8):                 # q, k, v, o, gate, down, up of layer 0
+        in_dim, out_dim = module_shape(cfg, module_id)
+        weights[(0, module_id)] = ((torch.randn(rank, in_dim, generator=g) * in_dim ** -0.5).to(dtype),
+                                   (torch.randn(out_dim, rank, generator=g) * rank ** -0.5).to(dtype))
+    return LoraAdapter(weights)
+
+
+def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int, rank_major_a: bool) -> list[Check]:
+    g = torch.Generator().manual_seed(1)
+    slots = DeviceSlots(replace(cfg, num_layers=1), 2, max_rank, lora_dtype, device, rank_major_a)
+    slots.load(0, random_adapter(cfg, max_rank, lora_dtype, g))
+    slots.load(1, random_adapter(cfg, max(1, max_rank // 4), lora_dtype, g))
+    slots.copies.wait([0, 1])
+    checks = []
+    for token_slots in ([-1, -1, 0, 0, 0, 1, 1], [-1] * 10 + [0] * 40 + [1] * 30):
+        segments = LoraSegments.from_token_slots(token_slots)
+        segments.use({name: t.to(device) for name, t in segments.tensors.items()})
+        for proj in PROJS:
+            in_dim, out_dim = proj_shape(cfg, proj)
+            x = torch.randn(len(token_slots), in_dim, generator=g).to(device, dtype)
+            base = torch.randn(len(token_slots), out_dim, generator=g).to(device, dtype)
+
+            def run(x=x, base=base, proj=proj):
+                got, want = base.clone(), base.float()
+                ops.lora_apply(x, slots.projections[0][proj], segments, got)
+                reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
+                return [(got, want)]
+            what = (f"{proj} {in_dim}->{out_dim}, ranks {max_rank} and {max(1, max_rank // 4)}, "
+                    f"{len(token_slots)} tokens, {dtype} on {lora_dtype} adapters")
+            checks.append(compare("lora", what, run, dtype))
+    return checks
+
+
+def float_projection(slots: DeviceSlots, proj: str):
+    """Layer 0's projection with its slots in fp32, for the reference."""
+    p = copy(slots.projections[0][proj])
+    p.bands = [copy(band) for band in p.bands]
+    for band in p.bands:
+        band.a, band.b = band.a.float(), band.b.float()
+    return p
+
+
+def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[Check]:
+    g = torch.Generator().manual_seed(2)
+    n, hidden, inter, d = 13, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)      # noqa: E731
+    x, residual, weight, gate_up = rand(n, hidden), rand(n, hidden), rand(hidden), rand(n, 2 * inter)
+
+    def norm():
+        got, got_sum = ops.add_rms_norm(x, residual.clone(), weight, cfg.rms_norm_eps)
+        want, want_sum = reference.add_rms_norm(x.float(), residual.float(), weight.float(), cfg.rms_norm_eps)
+        return [(got, want), (got_sum, want_sum)]
+
+    def rotary():
+        q, k, v = rand(n, cfg.num_heads, d), rand(n, cfg.num_kv_heads, d), rand(n, cfg.num_kv_heads, d)
+        positions = torch.randint(0, 4096, (n,), generator=g, dtype=torch.int32).to(device)
+        cos_sin = torch.randn(4096, d, generator=g).to(device)
+        slot_mapping = torch.randperm(2 * block_size, generator=g)[:n].to(device, torch.int32)
+        slot_mapping[0] = -1                                      # a graph's padding row: the kernel writes nothing
+        shape = (cfg.num_kv_heads, 2, block_size, d)
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+        want_caches = [torch.zeros(shape, device=device) for _ in range(2)]
+        got = ops.rotary_and_cache(q, k, v, positions, cos_sin, *caches, slot_mapping)
+        want = reference.rotary_and_cache(q[1:].float(), k[1:].float(), v[1:].float(), positions[1:], cos_sin,
+                                          *want_caches, slot_mapping[1:])
+        return [(got[1:], want), (caches[0], want_caches[0]), (caches[1], want_caches[1])]
+
+    tag = f"{n} tokens, hidden {hidden}, intermediate {inter}, {dtype}"
+    return [compare("fused", f"add_rms_norm {tag}", norm, dtype),
+            compare("fused", f"silu_and_mul {tag}", lambda: [(ops.silu_and_mul(gate_up),
+                                                              reference.silu_and_mul(gate_up.float()))], dtype),
+            compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
+
+
+def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int, max_rank: int,
+                  rank_major_a: bool) -> list[Check]:
+    """Every op family of the Triton kernels once, at the served shapes (cfg: this rank's share)."""
+    with torch.inference_mode():
+        return (attention_checks(ops, cfg, dtype, device, block_size) +
+                lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank, rank_major_a) +
+                fused_checks(ops, cfg, dtype, device, block_size))
+
+
+def apply_fallbacks(ops, families: set[str]) -> None:
+    """Serve these op families with the torch reference instead of the Triton kernels."""
+    for family in families:
+        for name in FAMILIES[family]:
+            setattr(ops, name, getattr(reference, name))
+    if "lora" in families:
+        ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
+
+
+def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
+    """The runner's Triton op families checked at its shapes; each that fails is served by the torch reference from
+    now on (strict: refuses to start). Returns the families that fell back, with why."""
+    lora_dtype = resolve_lora_dtype(config.lora.dtype, runner.dtype, runner.ops.name)
+    with on(runner.device):
+        checks = check_kernels(runner.ops, runner.shard_config, runner.dtype, lora_dtype, runner.device,
+                               runner.block_size, config.lora.max_lora_rank, runner.lora_rank_major_a)
+    fallbacks: dict[str, str] = {}
+    for check in checks:
+        if check.error is None:
+            continue
+        if config.kernel_self_check == "strict":
+            raise RuntimeError(f"kernel_self_check strict: the {check.family} kernel failed on {runner.device} "
+                               f"({check.what}): {check.error}")
+        fallbacks.setdefault(check.family, f"{check.what}: {check.error}")
+    for family, why in fallbacks.items():
+        log.warning("kernel self-check on %s: the Triton %s kernel failed (%s); serving %s with the torch "
+                    "reference", runner.device, family, why, family)
+    apply_fallbacks(runner.ops, set(fallbacks))
+    log.info("kernel self-check on %s: %d of %d cases passed", runner.device,
+             sum(c.error is None for c in checks), len(checks))
+    return fallbacks
+
+
+def check_graphs(runner, lora_cache) -> str | None:
+    """A decode step of three sequences replayed through its graph against the same step run eagerly (after an
+    eager prefill writes their KV): why they differ (logits beyond the dtype's tolerance, or greedy tokens), or
+    None. Used on the runner's KV cache before any request: the blocks it writes are free again after."""
+    seqs, next_block = [], 0
+    for i in range(3):
+        seq = Sequence(-1 - i, [(7 * i + j) % runner.model_config.vocab_size for j in range(5 + 9 * i)],
+                       SamplingParams(max_new_tokens=2))
+        num_blocks = -(-(seq.num_tokens + 1) // runner.block_size)
+        seq.block_table, next_block = list(range(next_block, next_block + num_blocks)), next_block + num_blocks
+        seqs.append(seq)
+    with on(runner.device), torch.inference_mode():
+        tokens, _, _ = runner.run(Batch([ScheduledSeq(seq, seq.num_tokens) for seq in seqs]))
+        for seq, token in zip(seqs, tokens):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.output_ids.append(token)
+        batch = Batch([ScheduledSeq(seq, 1) for seq in seqs])
+        vocab = runner.model_config.vocab_size
+        inputs = StepInputs(batch, runner.block_size)
+        graphed = runner.graphs.run(runner.graphs.bucket_for(inputs), inputs, [], runner.staging,
+                                    sampler.prepare(seqs, vocab), lora_cache).float().clone()
+        eager = runner._forward(batch, StepInputs(batch, runner.block_size), sampler.prepare(seqs, vocab), [],
+                                lora_cache).float()
+    error = max_error(graphed, eager)
+    if error <= TOLERANCE[runner.dtype] and torch.equal(graphed.argmax(-1), eager.argmax(-1)):
+        return None
+    log.warning("kernel self-check on %s: a CUDA graph's decode step differs from the same step run eagerly (max "
+                "logit error %.3g); serving without graphs", runner.device, error)
+    return f"a decode step of 3 sequences: max logit error {error:.3g}"
