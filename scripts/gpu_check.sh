@@ -8,6 +8,9 @@
 #      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/
 #      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
 #   4. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT).
+# Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part
+# and writes everything to $GPU_CHECK_REPORT (gpu_check_report.txt): the file to attach to a bug report. The GPU
+# path has never run on a GPU before this: run this first on a new GPU machine.
 #
 #   scripts/gpu_check.sh [--tests-only | --bench-only] [gpu_bench.py arguments, e.g. --out $OUT/gpu.json]
 # Each part fits a 10-minute call: run `--tests-only`, then `--bench-only --models smollm2-135m-shape` and
@@ -18,34 +21,68 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
+REPORT="${GPU_CHECK_REPORT:-gpu_check_report.txt}"      # everything below, for a bug report
+exec > >(tee "$REPORT") 2>&1
 part=all
 case "${1:-}" in
   --tests-only) part=tests; shift ;;
   --bench-only) part=bench; shift ;;
 esac
 
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PYTHON" - <<'EOF'
-import sys
-import peft, torch, transformers, triton
-assert torch.cuda.is_available(), "gpu_check: torch sees no CUDA device"
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
-      f"transformers {transformers.__version__}, peft {peft.__version__}, {torch.cuda.get_device_name()}")
-EOF
-
+verdicts=()
 failed=()
 step() {                                  # step LABEL TITLE COMMAND...: a failure is reported at the end
   local label=$1 title=$2
   shift 2
   echo "== $title"
-  "$@" || failed+=("$label")
+  if "$@"; then
+    verdicts+=("gpu_check verdict: $label: passed")
+  else
+    verdicts+=("gpu_check verdict: $label: FAILED")
+    failed+=("$label")
+  fi
 }
 compile_all() {                           # print the failures and the summary, not the "ok" lines
   "$PYTHON" scripts/compile_kernels.py --targets 80,90 --jobs "$(nproc)" | grep -v "^ok "
 }
+environment() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  "$PYTHON" - <<'PY'
+import sys
+import peft, torch, transformers, triton
+assert torch.cuda.is_available(), "gpu_check: torch sees no CUDA device"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"transformers {transformers.__version__}, peft {peft.__version__}, {torch.cuda.get_device_name()}, "
+      f"compute capability {torch.cuda.get_device_capability()}, {torch.cuda.device_count()} GPU(s)")
+PY
+}
+self_check() {                            # the start-up self-check on this GPU at SmolLM2's and 8B's shapes, strict
+  "$PYTHON" - <<'PY'
+import torch
+from backend.device import resolve_dtype
+from backend.model.config import ModelConfig
+from backend.model.self_check import check_kernels
+from kernels.dispatch import load_ops
+device = torch.device("cuda")
+dtype = resolve_dtype("auto", device)
+shapes = {"smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3),
+          "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                               num_key_value_heads=8)}
+failed = 0
+for name, shape in shapes.items():
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "num_hidden_layers": 1,
+                               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape})
+    for check in check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, False):
+        print(f"{'ok  ' if check.error is None else 'FAIL'} {name} {check.family}: {check.what}"
+              + (f": {check.error}" if check.error else ""))
+        failed += check.error is not None
+raise SystemExit(1 if failed else 0)
+PY
+}
+step environment "environment" environment
 if [ "$part" != bench ]; then
   step compile "kernels compiled for sm_80 and sm_90 by this Triton" compile_all
+  step self_check "kernel self-check on this GPU (SmolLM2 and Llama-3.1-8B shapes)" self_check
   step tests "tests on CUDA" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/backend
   if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -gt 1 ]; then
     step tensor_parallel "tensor parallel over NCCL (TP=2 == TP=1)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
@@ -55,6 +92,8 @@ fi
 if [ "$part" != tests ]; then
   step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"
 fi
+printf '%s\n' "${verdicts[@]}"
+echo "gpu_check: the whole output is in $REPORT (attach it to a bug report)"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: FAILED: ${failed[*]}"
   exit 1
