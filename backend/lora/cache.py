@@ -59,9 +59,10 @@ class LoraCache:
 
     # host tier ------------------------------------------------------------------------------------------
     def parse(self, weights, config) -> LoraAdapter:
-        """Validate and convert TRT-LLM tensors. Touches no cache state: servers call it off the engine thread."""
+        """Validate and convert TRT-LLM tensors, pinned where the device is a GPU. Touches no cache state: servers
+        call it off the engine thread."""
         return parse_lora(weights, config, self.model_cfg, self.dtype, self.cfg.max_lora_rank,
-                          self.cfg.max_adapter_bytes)
+                          self.cfg.max_adapter_bytes).pinned(self.device)
 
     def add(self, task_id: int, weights, config) -> None:
         self.insert(task_id, self.parse(weights, config))

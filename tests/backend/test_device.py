@@ -53,6 +53,10 @@ def test_weights_cache_slots_and_host_tier_live_where_they_should(tiny_model_dir
     a, b = next(iter(engine.lora_cache.host[1].weights.values()))
     assert a.device.type == b.device.type == "cpu"
     assert a.is_pinned() == b.is_pinned() == (device == "cuda")               # page-locked for async uploads
+    if device == "cuda":                                     # one pinned buffer, made by parse (off the loop)
+        storages = {t.untyped_storage().data_ptr() for pair in engine.lora_cache.host[1].weights.values()
+                    for t in pair}
+        assert len(storages) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
