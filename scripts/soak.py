@@ -79,6 +79,9 @@ class Soak:
                 kwargs, kind = self.request(rng)
                 cancel_after = rng.randint(0, 8) if rng.random() < self.args.cancel_share else None
                 self.run_one(client, kwargs, cancel_after)
+                if self.args.connection_per_request:
+                    client.close()
+                    client = grpcclient.InferenceServerClient(self.url)
         finally:
             client.close()
 
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=64, help="KV pool in blocks of 16 tokens (forces preemption)")
     parser.add_argument("--host-memory-mb", type=int, default=256,
                         help="the host adapter tier's budget: below the adapters' total, so that it fills and evicts")
+    parser.add_argument("--connection-per-request", action="store_true",
+                        help="a new gRPC connection for each request (default: one per client thread for the run)")
     parser.add_argument("--request-timeout", type=float, default=600, help="seconds without a response: unanswered")
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--out", type=Path)

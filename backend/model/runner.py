@@ -33,15 +33,15 @@ class ModelRunner:
         self.lora_rank_major_a = self.device.type == "cpu" and self.ops.name != "cpu"   # the LoRA A layout it reads
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
-        self.tp = self._start_workers(config) if tp_size > 1 else None
-        weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
-        self.model = LlamaModel(self.shard_config, weights, self.ops,
-                                all_reduce=self.tp.all_reduce if self.tp else None)
         self.block_size = config.kv_block_size
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
         if self.ops.name == "triton" and config.kernel_self_check != "false" and (
                 config.kernel_self_check != "auto" or self.device.type == "cuda"):
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)
+        self.tp = self._start_workers(config) if tp_size > 1 else None
+        weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
+        self.model = LlamaModel(self.shard_config, weights, self.ops,
+                                all_reduce=self.tp.all_reduce if self.tp else None)
         self.staging = StepStaging(self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -126,7 +126,8 @@ class ModelRunner:
                 "lora_dtype": str(lora_dtype).removeprefix("torch."), "kernel_backend": self.ops.name,
                 "device": str(self.device), "block_size": config.kv_block_size, "max_loras": config.lora.max_loras,
                 "max_lora_rank": config.lora.max_lora_rank, "rank_major_a": str(self.lora_rank_major_a).lower(),
-                "threads": max(1, torch.get_num_threads() // size)}
+                "threads": max(1, torch.get_num_threads() // size),
+                "kernel_fallbacks": ",".join(self.kernel_fallbacks) or "none"}     # rank 0's self-check holds
         return TensorParallelGroup(size, args, self.device, capacity, config.tensor_parallel_timeout_s)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from backend.model.context import StepInputs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import COPY_KV, INIT, LOAD, STEP, STOP, unpack
+from backend.model.self_check import apply_fallbacks
 from kernels.dispatch import load_ops
 
 
@@ -48,6 +49,7 @@ class Worker:
         full = ModelConfig.from_dir(args.model_dir)
         self.cfg = full.shard(args.size)
         self.ops = load_ops(args.kernel_backend, self.device)
+        apply_fallbacks(self.ops, set(args.kernel_fallbacks.split(",")) - {"none"})
         weights = self.ops.prepare_weights(load_weights(args.model_dir, full, self.dtype, self.device, args.size,
                                                         args.rank))
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
@@ -119,7 +121,7 @@ def main() -> None:
     for name, kind in (("rank", int), ("size", int), ("port", int), ("capacity", int), ("timeout-s", float),
                        ("model_dir", str), ("dtype", str), ("lora_dtype", str), ("kernel_backend", str),
                        ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
-                       ("rank_major_a", str), ("threads", int)):
+                       ("rank_major_a", str), ("threads", int), ("kernel_fallbacks", str)):
         parser.add_argument(f"--{name}", type=kind, required=True)
     args = parser.parse_args()
     die_with_parent()

@@ -97,3 +97,15 @@ def test_a_graph_that_differs_from_the_eager_step_is_caught(tiny_model_dir):
     replay = runner.graphs.run
     runner.graphs.run = lambda *args: replay(*args) + 0.5 * torch.arange(replay(*args).shape[-1])
     assert "max logit error" in check_graphs(runner, engine.lora_cache)
+
+
+def test_tensor_parallel_workers_take_rank_0s_verdict(tiny_model_dir, hf_tiny, monkeypatch):
+    """The check runs on rank 0's device before the workers start; they serve the same families by the reference."""
+    monkeypatch.setattr(triton_ops, "paged_attention", raises_at_launch)
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kernel_self_check="true",
+                       kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2)
+    try:
+        assert set(engine.runner.kernel_fallbacks) == {"attention"}
+        assert engine.generate(PROMPTS, max_new_tokens=4) == [hf_greedy(hf_tiny, p, 4) for p in PROMPTS]
+    finally:
+        engine.close()
