@@ -4,8 +4,9 @@ A family whose kernel fails to compile, raises at launch or disagrees beyond its
 torch reference instead (`apply_fallbacks`), and the failure is logged with its shapes and its max error; `strict`
 refuses to start. The decode-graph check lives with the runner (ModelRunner.check_graphs).
 
-    attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens) and a prompt chunk of 37
-               tokens after 20 cached ones, over the configured page size, GQA group and head dim, split and not
+    attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens), and the same beside a prompt
+               chunk of 37 tokens after 20 cached ones, over the configured page size, GQA group and head dim, at
+               every split count (on a GPU: every variant eager steps compile, warmed before the first request)
     lora:      every projection of layer 0 with two adapters (max_lora_rank and a quarter of it, on every module)
                and base rows, for 7 tokens (a decode step: split-K) and 80 (a prompt chunk: no split)
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
@@ -32,6 +33,7 @@ from kernels.metadata import AttentionMetadata
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache")}
+SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
 log = logging.getLogger(__name__)
 
@@ -60,16 +62,34 @@ def compare(family: str, what: str, run, dtype: torch.dtype) -> Check:
 
 
 def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[Check]:
+    """A decode step and a step with a prompt chunk (the two tile shapes), each at every split count a step can
+    choose: on a GPU this also compiles every variant eager steps will use, before the first request."""
     g = torch.Generator().manual_seed(0)
-    seq_lens, query_lens = [1, 3 * block_size + block_size // 2, 70, 57], [1, 1, 1, 37]
+    cases = {"decode": ([1, 3 * block_size + block_size // 2, 70], [1, 1, 1]),
+             "prompt chunk": ([1, 3 * block_size + block_size // 2, 70, 57], [1, 1, 1, 37])}
+    checks = []
+    for case, (seq_lens, query_lens) in cases.items():
+        q, k_cache, v_cache, meta = attention_inputs(cfg, dtype, device, block_size, seq_lens, query_lens, g)
+        scale = cfg.head_dim ** -0.5
+        want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+        what = (f"{case}: contexts {seq_lens}, queries {query_lens}, page {block_size}, {cfg.num_heads} heads on "
+                f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}")
+        for splits in (None,) + SPLITS:
+            run = lambda: [(ops.paged_attention(q, k_cache, v_cache, meta, scale, num_splits=splits), want)]  # noqa
+            checks.append(compare("attention", what + (f", {splits} splits" if splits else ""), run, dtype))
+    return checks
+
+
+def attention_inputs(cfg: ModelConfig, dtype, device, block_size: int, seq_lens: list[int], query_lens: list[int],
+                     g: torch.Generator):
+    """Random queries and caches, each sequence's pages scattered through the pool."""
     blocks = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks)
     table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    order = torch.randperm(num_blocks, generator=g).tolist()
+    order = torch.randperm(sum(blocks), generator=g).tolist()
     for s, n in enumerate(blocks):
         table[s, :n] = torch.tensor(order[:n], dtype=torch.int32)
         order = order[n:]
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, sum(blocks), block_size, cfg.head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(2))
     starts = [0]
     for n in query_lens:
@@ -78,15 +98,7 @@ def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> l
     ints = lambda values: torch.tensor(values, dtype=torch.int32, device=device)   # noqa: E731
     meta = AttentionMetadata(ints(starts), ints(seq_lens), table.to(device), ints([]), starts, seq_lens,
                              max(query_lens), max(seq_lens))
-    scale = cfg.head_dim ** -0.5
-    what = (f"decode contexts {seq_lens[:3]} + a {query_lens[3]}-token chunk, page {block_size}, "
-            f"{cfg.num_heads} heads on {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}")
-    want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    checks = []
-    for splits in (None, 4):
-        run = lambda: [(ops.paged_attention(q, k_cache, v_cache, meta, scale, num_splits=splits), want)]  # noqa: E731
-        checks.append(compare("attention", what + (f", {splits} splits" if splits else ""), run, dtype))
-    return checks
+    return q, k_cache, v_cache, meta
 
 
 def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator) -> LoraAdapter:
