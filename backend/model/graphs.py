@@ -47,9 +47,11 @@ def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int,
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list, lora_slots, max_num_seqs: int, block_size: int,
-                 device: torch.device, capture: bool = True):
+                 device: torch.device, capture: bool = True, logits: bool = True):
+        """logits=False: a tensor-parallel worker's graphs, which run the layers only (rank 0 computes logits)."""
         cfg = model.cfg
         self.model = model
+        self.logits = logits
         self.kv_caches = kv_caches
         self.lora_slots = lora_slots
         self.device = device
@@ -98,7 +100,7 @@ class DecodeGraphs:
             logits = self.outputs[key]
         else:
             logits = self._forward(*key)
-        return logits[:len(inputs.seq_lens)]
+        return logits[:len(inputs.seq_lens)] if self.logits else None
 
     def _forward(self, bucket: int, with_lora: bool) -> torch.Tensor:
         """The model over the first `bucket` rows of the buffers: what a graph records."""
@@ -112,7 +114,7 @@ class DecodeGraphs:
             segments = LoraSegments(b["lora_starts"], b["lora_slots"], [0] * (self.num_segments + 1),
                                     [-1] * self.num_segments, bucket)
             ctx.lora = LoraBatch(self.lora_slots, segments, self.model.ops)
-        return self.model.forward(ctx, self.kv_caches)
+        return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
     def _capture_all(self) -> None:
         """Each bucket, largest first, over buffers that make every row padding; the graphs share one memory pool

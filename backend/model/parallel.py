@@ -6,6 +6,8 @@ Every command to the workers is one broadcast of a fixed-size int32 message (a s
 positions, cache slots, attention tables and LoRA slots; or an adapter load, a KV block copy, the KV cache's size,
 stop). An adapter's shares follow its load message point to point, each worker receiving only its own. Inside the
 forward each rank runs its heads and MLP columns, and the row-parallel projections (o, down) end in one all-reduce.
+Decode steps replay each rank's CUDA graph of the step's bucket (the all-reduces recorded in them), captured on
+every rank in the same order at start.
 A collective that fails (a worker gone) or outlasts `timeout_s` (one hung) raises TensorParallelError: the engine
 cannot go on, and its loop declares it broken.
 """
@@ -23,9 +25,9 @@ import torch.distributed as dist
 from backend.request import FatalEngineError
 
 ROOT = Path(__file__).resolve().parents[2]
-STEP, INIT, LOAD, COPY_KV, STOP = range(5)
+STEP, INIT, LOAD, COPY_KV, STOP, GRAPHS = range(6)
 NAMES = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens", "block_tables", "logits_indices",
-         "context_indices", "token_slots", "layout", "pairs", "num_blocks", "slot")
+         "context_indices", "token_slots", "layout", "pairs", "num_blocks", "slot", "bucket", "capture")
 HEADER = 2 + 4 * len(NAMES)                  # command, entries; then (name, ndim, dim0, dim1) per entry
 
 
@@ -102,8 +104,17 @@ class TensorParallelGroup:
     def send(self, command: int, tensors: dict[str, torch.Tensor]) -> None:
         self._checked(dist.broadcast, pack(command, tensors, self.capacity).to(self.message_device), src=0)
 
-    def step(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.send(STEP, tensors)
+    def step(self, tensors: dict[str, torch.Tensor], token_slots: list[int], bucket: int | None = None) -> None:
+        """The workers run this step beside rank 0: eagerly, or through their graph of `bucket`."""
+        num_tokens = tensors["input_ids"].numel()
+        extra = {"token_slots": torch.tensor(token_slots or [-1] * num_tokens, dtype=torch.int32)}
+        if bucket is not None:
+            extra["bucket"] = torch.tensor([bucket], dtype=torch.int32)
+        self.send(STEP, tensors | extra)
+
+    def start_graphs(self, capture: bool) -> None:
+        """The workers build their decode graphs now, as rank 0 does (captures run collectives: in step)."""
+        self.send(GRAPHS, {"capture": torch.tensor([int(capture)], dtype=torch.int32)})
 
     def copy_kv(self, pairs: list[tuple[int, int]]) -> None:
         self.send(COPY_KV, {"pairs": torch.tensor(pairs, dtype=torch.int32).view(-1, 2)})

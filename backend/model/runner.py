@@ -103,15 +103,28 @@ class ModelRunner:
     def capture_graphs(self, lora_cache: LoraCache) -> None:
         """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache: on CUDA with the Triton
         kernels, unless cuda_graph_mode is off."""
-        if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton" and not self.tp
+        if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton"
                 and not self.kernel_fallbacks):         # the torch fallbacks do not take a graph's padding rows
-            with on(self.device), torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
-                                           self.block_size, self.device)
+            self.start_graphs(lora_cache, capture=True)
             if self.config.kernel_self_check != "false":
                 error = check_graphs(self, lora_cache)
                 if error is not None:
                     self.kernel_fallbacks["graphs"], self.graphs = error, None
+
+    def start_graphs(self, lora_cache: LoraCache, capture: bool) -> None:
+        """Decode graphs on this rank and on the workers (capture=False: their padded steps run eagerly, the CPU
+        tests' mode)."""
+        if self.tp is not None:
+            self.tp.start_graphs(capture)
+        with on(self.device), torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
+                                       self.block_size, self.device, capture)
+
+    def graph_step(self, bucket: int, inputs: StepInputs, token_slots: list[int], plan, lora_cache) -> torch.Tensor:
+        """A decode step through the graphs of `bucket`, on every rank."""
+        if self.tp is not None:
+            self.tp.step(inputs.tensors, token_slots, bucket)
+        return self.graphs.run(bucket, inputs, token_slots, self.staging, plan, lora_cache)
 
     def _start_workers(self, config: EngineConfig) -> TensorParallelGroup:
         """Ranks 1..N-1 as processes of their own; on CUDA rank r runs on the r-th device after this one's."""
@@ -127,7 +140,8 @@ class ModelRunner:
                 "device": str(self.device), "block_size": config.kv_block_size, "max_loras": config.lora.max_loras,
                 "max_lora_rank": config.lora.max_lora_rank, "rank_major_a": str(self.lora_rank_major_a).lower(),
                 "threads": max(1, torch.get_num_threads() // size),
-                "kernel_fallbacks": ",".join(self.kernel_fallbacks) or "none"}     # rank 0's self-check holds
+                "kernel_fallbacks": ",".join(self.kernel_fallbacks) or "none",     # rank 0's self-check holds
+                "max_num_seqs": config.max_num_seqs}
         return TensorParallelGroup(size, args, self.device, capacity, config.tensor_parallel_timeout_s)
 
     def close(self) -> None:
@@ -182,7 +196,7 @@ class ModelRunner:
         plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         if bucket is not None:
-            logits = self.graphs.run(bucket, inputs, token_slots, self.staging, plan, lora_cache)
+            logits = self.graph_step(bucket, inputs, token_slots, plan, lora_cache)
         else:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
@@ -206,9 +220,7 @@ class ModelRunner:
         if any(slot >= 0 for slot in token_slots):
             segments = LoraSegments.from_token_slots(token_slots)
         if self.tp is not None:                                   # the workers run the same step beside us
-            num_tokens = inputs.tensors["input_ids"].numel()
-            self.tp.step(inputs.tensors | {"token_slots": torch.tensor(token_slots or [-1] * num_tokens,
-                                                                        dtype=torch.int32)})
+            self.tp.step(inputs.tensors, token_slots)
         t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
         ctx = inputs.context(t)
         ctx.between_layers = self.team.checkpoint if self.team.active else None

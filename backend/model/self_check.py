@@ -238,8 +238,8 @@ def check_graphs(runner, lora_cache) -> str | None:
         batch = Batch([ScheduledSeq(seq, 1) for seq in seqs])
         vocab = runner.model_config.vocab_size
         inputs = StepInputs(batch, runner.block_size)
-        graphed = runner.graphs.run(runner.graphs.bucket_for(inputs), inputs, [], runner.staging,
-                                    sampler.prepare(seqs, vocab), lora_cache).float().clone()
+        graphed = runner.graph_step(runner.graphs.bucket_for(inputs), inputs, [], sampler.prepare(seqs, vocab),
+                                    lora_cache).float().clone()
         eager = runner._forward(batch, StepInputs(batch, runner.block_size), sampler.prepare(seqs, vocab), [],
                                 lora_cache).float()
     error = max_error(graphed, eager)

@@ -8,18 +8,21 @@ import argparse
 import ctypes
 import signal
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from backend.device import StepStaging
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.format import LoraAdapter
 from backend.lora.slots import DeviceSlots
 from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
+from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
-from backend.model.parallel import COPY_KV, INIT, LOAD, STEP, STOP, unpack
+from backend.model.parallel import COPY_KV, GRAPHS, INIT, LOAD, STEP, STOP, unpack
 from backend.model.self_check import apply_fallbacks
 from kernels.dispatch import load_ops
 
@@ -29,6 +32,9 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+NO_SAMPLING = SimpleNamespace(t={})           # a worker's graph steps upload no sampling tensors
 
 
 def worker_device(rank0_device: str, rank: int) -> torch.device:
@@ -56,6 +62,8 @@ class Worker:
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
                                  self.device, rank_major_a=args.rank_major_a == "true")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
+        self.staging = StepStaging(self.device)
         self.message_device = self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def run(self) -> None:
@@ -69,6 +77,9 @@ class Worker:
                 self.allocate(int(t["num_blocks"]))
             elif command == STEP:
                 self.step(t)
+            elif command == GRAPHS:
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.slots, self.args.max_num_seqs,
+                                           self.args.block_size, self.device, bool(int(t["capture"])), logits=False)
             elif command == LOAD:
                 self.load(int(t["slot"]), t["layout"].tolist())
             elif command == COPY_KV:
@@ -86,7 +97,11 @@ class Worker:
     @torch.inference_mode()
     def step(self, t: dict[str, torch.Tensor]) -> None:
         token_slots = t.pop("token_slots").tolist()
+        bucket = t.pop("bucket", None)
         inputs = StepInputs.from_tensors(t)
+        if bucket is not None:                                 # rank 0 replays its graph: this rank replays its own
+            self.graphs.run(int(bucket), inputs, token_slots, self.staging, NO_SAMPLING, self)
+            return
         segments = LoraSegments.from_token_slots(token_slots) if any(s >= 0 for s in token_slots) else None
         host_t = inputs.tensors | (segments.tensors if segments is not None else {})
         device_t = {name: x.to(self.device) for name, x in host_t.items()}
@@ -95,6 +110,10 @@ class Worker:
             segments.use(device_t)
             ctx.lora = LoraBatch(self.slots, segments, self.ops)
         self.model.forward(ctx, self.kv_caches, logits=False)
+
+    def wait_for_slots(self, slots: list[int]) -> None:
+        """What DecodeGraphs.run asks of a LoRA cache: the step waits for these slots' uploads."""
+        self.slots.copies.wait({slot for slot in slots if slot >= 0})
 
     def load(self, slot: int, layout: list[list[int]]) -> None:
         dtype = self.slots.a[0]["qkv"].dtype
@@ -121,7 +140,8 @@ def main() -> None:
     for name, kind in (("rank", int), ("size", int), ("port", int), ("capacity", int), ("timeout-s", float),
                        ("model_dir", str), ("dtype", str), ("lora_dtype", str), ("kernel_backend", str),
                        ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
-                       ("rank_major_a", str), ("threads", int), ("kernel_fallbacks", str)):
+                       ("rank_major_a", str), ("threads", int), ("kernel_fallbacks", str),
+                       ("max_num_seqs", int)):
         parser.add_argument(f"--{name}", type=kind, required=True)
     args = parser.parse_args()
     die_with_parent()

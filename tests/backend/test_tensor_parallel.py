@@ -17,7 +17,8 @@ from backend.model.config import ModelConfig
 from backend.serving import EngineLoop
 from backend.text import load_tokenizer
 from tests.backend.loop_streams import FakeStream, prompts
-from tests.helpers import CPU_BACKENDS, cpu_kernels_build, kv_bytes_for_blocks, peft_model_with, random_prompts
+from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, cpu_kernels_build, kv_bytes_for_blocks, peft_model_with,
+                           random_prompts)
 
 LOGITS_ATOL = 1e-4             # fp32: the all-reduce adds the ranks' partial sums in another order than one GEMM
 PEFT_MODULES = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
@@ -135,6 +136,29 @@ def test_tensor_parallel_answers_equal_one_rank(tiny_model_dir, tiny_adapters, e
     assert logits.keys() == want_logits.keys() and logits
     for key, got in logits.items():
         torch.testing.assert_close(torch.stack(got), torch.stack(want_logits[key]), atol=LOGITS_ATOL, rtol=0)
+
+
+@INTERPRETER_MARK
+def test_decode_graphs_on_every_rank_answer_the_eager_tokens(tiny_model_dir, tiny_adapters):
+    """Decode steps through each rank's graphs (on CPU their padded fixed-buffer steps run without capture, through
+    the Triton kernels in the interpreter), the all-reduces inside them: TP=2 answers TP=1's eager tokens."""
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=52)
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", tensor_parallel_size=tp_size,
+                           kv_cache_memory_bytes=1 << 20, max_num_seqs=6)
+        try:
+            for task_id, path in enumerate(tiny_adapters[:2], start=1):
+                engine.add_lora_dir(task_id, path)
+            if tp_size > 1:
+                engine.runner.start_graphs(engine.lora_cache, capture=False)
+                replays = []
+                run_graph = engine.runner.graphs.run
+                engine.runner.graphs.run = lambda bucket, *args: replays.append(bucket) or run_graph(bucket, *args)
+            answers.append(engine.generate(prompts, max_new_tokens=6, lora_task_ids=[1, None, 2, 1, None]))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0] and len(replays) >= 5
 
 
 def test_the_workers_end_with_the_engine(tiny_model_dir):
