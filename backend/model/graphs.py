@@ -4,7 +4,8 @@ captured at start over fixed device buffers and replayed for every step whose se
 A step of n sequences runs the graph of the smallest bucket B >= n: its inputs are padded to B rows (token 0 at
 position 0, cache slot -1 so nothing is written, an empty context so nothing is read) and copied into the buffers;
 the logits of the first n rows come out. Everything a kernel launch depends on is fixed per bucket: the grids, the
-attention's split count and the LoRA segment count (max_loras + 2: base rows, one per adapter slot, padding).
+attention's split count and the LoRA segment count (max_loras + 2: base rows, one per adapter slot, padding). Each
+bucket has a graph per context class (CONTEXT_CLASSES), whose split count suits the longest context it holds.
 Steps with prompt chunks, or asking for prompt logits, run eagerly. capture=False runs the same padded steps
 eagerly: how the CPU tests check everything but the capture itself.
 """
@@ -16,6 +17,8 @@ from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
 INPUTS = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens")
+CONTEXT_CLASSES = (256, 2048)                 # graphs per bucket for contexts up to these, and up to the model's max:
+                                              # a short context's step does not pay a long one's split count
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -67,30 +70,37 @@ class DecodeGraphs:
         self.buffers["lora_starts"] = torch.zeros(self.num_segments + 1, dtype=torch.int32, device=device)
         self.buffers["lora_slots"] = torch.full((self.num_segments,), -1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_len, dtype=torch.int32, device=device)
-        self.splits = {bucket: decode_graph_splits(bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
-                                                   self.max_seq_len, device) for bucket in self.buckets}
+        self.contexts = sorted({min(bound, self.max_seq_len) for bound in CONTEXT_CLASSES + (self.max_seq_len,)})
+        self.splits = {(bucket, context): decode_graph_splits(bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                              block_size, context, device)
+                       for bucket in self.buckets for context in self.contexts}
         self.capture = capture
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[tuple[int, int], bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}
         if capture:
             self._capture_all()
 
-    def bucket_for(self, inputs: StepInputs) -> int | None:
-        """The bucket of a step that can replay a graph (every sequence decodes one token and samples it)."""
+    def bucket_for(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph of a step that can replay one (every sequence decodes one token and samples it): its bucket of
+        rows and its context class (the longest context it can hold, which fixes its split count)."""
         num_seqs = len(inputs.seq_lens)
         if inputs.max_query_len != 1 or inputs.context_chunks or num_seqs > self.buckets[-1] \
                 or inputs.tensors["logits_indices"].shape[0] != num_seqs:
             return None
-        return next(bucket for bucket in self.buckets if bucket >= num_seqs)
+        longest = max(inputs.seq_lens)
+        return (next(bucket for bucket in self.buckets if bucket >= num_seqs),
+                next(context for context in self.contexts if context >= longest))
 
-    def run(self, bucket: int, inputs: StepInputs, token_slots: list[int], staging, plan, lora_cache) -> torch.Tensor:
+    def run(self, bucket: tuple[int, int], inputs: StepInputs, token_slots: list[int], staging, plan,
+            lora_cache) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode step (plan.t goes up with the inputs, in the same copy)."""
-        host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), bucket, self.num_segments)
+        rows, _ = bucket
+        host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), rows, self.num_segments)
         t = staging.upload(host | plan.t)
         plan.t = {name: t[name] for name in plan.t}
         for name in INPUTS + ("lora_starts", "lora_slots"):
             self.buffers[name][:t[name].shape[0]].copy_(t[name])
-        self.buffers["block_tables"][:bucket, :t["block_tables"].shape[1]].copy_(t["block_tables"])
+        self.buffers["block_tables"][:rows, :t["block_tables"].shape[1]].copy_(t["block_tables"])
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
             lora_cache.wait_for_slots(token_slots)
@@ -102,17 +112,18 @@ class DecodeGraphs:
             logits = self._forward(*key)
         return logits[:len(inputs.seq_lens)] if self.logits else None
 
-    def _forward(self, bucket: int, with_lora: bool) -> torch.Tensor:
-        """The model over the first `bucket` rows of the buffers: what a graph records."""
-        b = self.buffers
-        attn = AttentionMetadata(b["query_starts"][:bucket + 1], b["seq_lens"][:bucket], b["block_tables"][:bucket],
-                                 b["slot_mapping"][:bucket], list(range(bucket + 1)), [0] * bucket, 1,
-                                 self.max_seq_len, num_splits=self.splits[bucket])
-        ctx = StepContext(b["input_ids"][:bucket], b["positions"][:bucket], attn, self.logits_indices[:bucket],
+    def _forward(self, bucket: tuple[int, int], with_lora: bool) -> torch.Tensor:
+        """The model over the first rows of the buffers, for contexts up to the bucket's class: what a graph
+        records."""
+        (rows, context), b = bucket, self.buffers
+        attn = AttentionMetadata(b["query_starts"][:rows + 1], b["seq_lens"][:rows], b["block_tables"][:rows],
+                                 b["slot_mapping"][:rows], list(range(rows + 1)), [0] * rows, 1, context,
+                                 num_splits=self.splits[bucket])
+        ctx = StepContext(b["input_ids"][:rows], b["positions"][:rows], attn, self.logits_indices[:rows],
                           self.logits_indices[:0])
         if with_lora:
             segments = LoraSegments(b["lora_starts"], b["lora_slots"], [0] * (self.num_segments + 1),
-                                    [-1] * self.num_segments, bucket)
+                                    [-1] * self.num_segments, rows)
             ctx.lora = LoraBatch(self.lora_slots, segments, self.model.ops)
         return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
@@ -120,7 +131,7 @@ class DecodeGraphs:
         """Each bucket, largest first, over buffers that make every row padding; the graphs share one memory pool
         (they never run at once)."""
         pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.buckets):
+        for bucket in sorted(self.splits, reverse=True):
             for with_lora in (False, True):
                 self._forward(bucket, with_lora)                        # compiles the kernels, outside the capture
                 torch.cuda.synchronize(self.device)

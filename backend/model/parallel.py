@@ -104,12 +104,13 @@ class TensorParallelGroup:
     def send(self, command: int, tensors: dict[str, torch.Tensor]) -> None:
         self._checked(dist.broadcast, pack(command, tensors, self.capacity).to(self.message_device), src=0)
 
-    def step(self, tensors: dict[str, torch.Tensor], token_slots: list[int], bucket: int | None = None) -> None:
-        """The workers run this step beside rank 0: eagerly, or through their graph of `bucket`."""
+    def step(self, tensors: dict[str, torch.Tensor], token_slots: list[int],
+             bucket: tuple[int, int] | None = None) -> None:
+        """The workers run this step beside rank 0: eagerly, or through their graph of `bucket` (DecodeGraphs)."""
         num_tokens = tensors["input_ids"].numel()
         extra = {"token_slots": torch.tensor(token_slots or [-1] * num_tokens, dtype=torch.int32)}
         if bucket is not None:
-            extra["bucket"] = torch.tensor([bucket], dtype=torch.int32)
+            extra["bucket"] = torch.tensor(bucket, dtype=torch.int32)
         self.send(STEP, tensors | extra)
 
     def start_graphs(self, capture: bool) -> None:

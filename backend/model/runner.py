@@ -120,8 +120,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
                                        self.block_size, self.device, capture)
 
-    def graph_step(self, bucket: int, inputs: StepInputs, token_slots: list[int], plan, lora_cache) -> torch.Tensor:
-        """A decode step through the graphs of `bucket`, on every rank."""
+    def graph_step(self, bucket: tuple[int, int], inputs: StepInputs, token_slots: list[int], plan,
+                   lora_cache) -> torch.Tensor:
+        """A decode step through the graph of `bucket` (rows, context class: DecodeGraphs.bucket_for), on every
+        rank."""
         if self.tp is not None:
             self.tp.step(inputs.tensors, token_slots, bucket)
         return self.graphs.run(bucket, inputs, token_slots, self.staging, plan, lora_cache)

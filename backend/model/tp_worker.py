@@ -100,7 +100,7 @@ class Worker:
         bucket = t.pop("bucket", None)
         inputs = StepInputs.from_tensors(t)
         if bucket is not None:                                 # rank 0 replays its graph: this rank replays its own
-            self.graphs.run(int(bucket), inputs, token_slots, self.staging, NO_SAMPLING, self)
+            self.graphs.run(tuple(bucket.tolist()), inputs, token_slots, self.staging, NO_SAMPLING, self)
             return
         segments = LoraSegments.from_token_slots(token_slots) if any(s >= 0 for s in token_slots) else None
         host_t = inputs.tensors | (segments.tensors if segments is not None else {})

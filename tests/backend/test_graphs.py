@@ -1,6 +1,8 @@
 """CUDA graphs of decode steps (backend/model/graphs.py): the padded fixed-buffer steps a graph records give the
 eager steps' tokens (run eagerly on CPU, through the Triton interpreter; captured and replayed on CUDA), and a
 decode step launches a fixed, small number of kernels."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def count_graph_steps(graphs: DecodeGraphs) -> list[int]:
     """Wrap graphs.run: the buckets of the steps that went through it."""
     buckets, run_graph = [], graphs.run
     def counted(bucket, *args):
-        buckets.append(bucket)
+        buckets.append(bucket[0])
         return run_graph(bucket, *args)
     graphs.run = counted
     return buckets
@@ -45,6 +47,23 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
     assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
     assert bucket_sizes(1) == [1]
+
+
+@INTERPRETER_MARK
+def test_a_step_replays_the_graph_of_its_rows_and_its_longest_context(tiny_model_dir, tiny_adapters):
+    """Graphs per bucket and context class (256 tokens, then the model's 512): the class fixes the split count."""
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
+                          runner.device, capture=False)
+    assert graphs.contexts == [256, 512]
+    assert set(graphs.splits) == {(rows, context) for rows in bucket_sizes(6) for context in (256, 512)}
+
+    def step_of(seq_lens):
+        inputs = SimpleNamespace(seq_lens=seq_lens, max_query_len=1, context_chunks=[],
+                                 tensors={"logits_indices": torch.zeros(len(seq_lens))})
+        return graphs.bucket_for(inputs)
+    assert step_of([30, 256, 7]) == (4, 256) and step_of([257]) == (1, 512) and step_of([5] * 6) == (6, 256)
 
 
 @INTERPRETER_MARK
@@ -91,7 +110,8 @@ def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
-    assert len(engine.runner.graphs.graphs) == 2 * len(bucket_sizes(6))    # each bucket, with and without adapters
+    graphs = engine.runner.graphs              # each bucket and context class, with and without adapters
+    assert len(graphs.graphs) == 2 * len(bucket_sizes(6)) * len(graphs.contexts)
     buckets = count_graph_steps(engine.runner.graphs)
     assert run(engine, prompts) == want
     assert {6, 4, 2, 1} <= set(buckets), buckets

@@ -108,6 +108,9 @@ def test_tiles_and_splits_follow_the_step():
     assert num_kv_splits(8, 100_000, 132) == 16
     assert num_kv_splits(256, 100_000, 132) == 1                       # the grid already fills the GPU
     assert num_kv_splits(8, 100, 132) == 1                             # one key tile: nothing to split
+    assert num_kv_splits(160, 100_000, 132) == 2                       # 1.2 waves: a second one 79% idle
+    assert num_kv_splits(264, 100_000, 132) == 1                       # two whole waves: splitting gains nothing
+    assert num_kv_splits(1, 100_000, 1) == 1                           # the interpreter: one "SM"
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
