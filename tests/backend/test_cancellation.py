@@ -50,8 +50,12 @@ class StalledCheckStream(FakeStream):
         self.asking, self.release = threading.Event(), threading.Event()
         self.askers: set[threading.Thread] = set()
         self.asked_after_final = False
+        self.steps: list = []                     # the loop's steps so far, if the test counts them
+        self.steps_when_asked: int | None = None
 
     def is_cancelled(self) -> bool:
+        if self.steps_when_asked is None:
+            self.steps_when_asked = len(self.steps)
         self.askers.add(threading.current_thread())
         self.asked_after_final |= self.done.is_set()
         self.asking.set()
@@ -62,12 +66,13 @@ class StalledCheckStream(FakeStream):
 def test_cancellation_is_asked_off_the_engine_thread_which_steps_on_while_a_check_blocks(engine):
     stream = StalledCheckStream(prompts(engine, 1)[0], max_new_tokens=30)
     want = engine.generate([stream.requests[0].prompt_ids], max_new_tokens=30)[0]
-    steps = []                                      # the seconds of each step
+    steps = stream.steps                            # the seconds of each step
     loop = EngineLoop(engine, on_step=lambda engine, seconds: seconds is None or steps.append(seconds),
                       idle_wait_s=0.01, cancellation_check_period_s=0.0, ask_on_responder=True)
     loop.submit(stream)
     assert stream.asking.wait(TIMEOUT_S)
-    num_steps, deadline = len(steps), time.monotonic() + TIMEOUT_S / 2     # before a stalled check gives up
+    # counted as the check began (the loop may run its one step ahead before this thread looks)
+    num_steps, deadline = stream.steps_when_asked, time.monotonic() + TIMEOUT_S / 2   # before a stalled check gives up
     while len(steps) == num_steps and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(steps) > num_steps                   # a step ran while the check was still waiting

@@ -62,7 +62,7 @@ def uploads_per_replica(balance: str, model_dir, store) -> list[dict[str, float]
             for i in np.roll(np.arange(NUM_ADAPTERS), r):         # each round in another order
                 answer = json.loads(get(f"http://127.0.0.1:{port}/v1/completions",
                                         {"model": f"adapter{i:02d}", "prompt": [5, 6, 7], "max_tokens": 2}))
-                assert answer["usage"]["completion_tokens"] == 2
+                assert 1 <= answer["usage"]["completion_tokens"] <= 2       # sampled: the end token may come first
         counts = []
         for r in range(2):
             text = get(f"http://127.0.0.1:{base + 10 * r + 3}/metrics").decode()
