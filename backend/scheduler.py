@@ -111,6 +111,8 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, num_new, keep_watermark=True):
                 if num_reused:
                     self.blocks.free(seq)            # back to evictable, matched again next time
+                if not self.running and not items and self._reclaim_waiting_blocks(seq):
+                    continue                         # the head again, with what waiting forks held
                 break
             self.waiting.popleft()
             if self.adapters is not None:
@@ -148,6 +150,15 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _reclaim_waiting_blocks(self, head: Sequence) -> bool:
+        """Nothing runs and the head of the queue does not fit: free the blocks that other waiting sequences hold
+        (forks of n > 1 requests wait with their first's prompt blocks), which they compute again once admitted.
+        Without it those blocks would wait for the head, and the head for them. True if any were freed."""
+        holders = [seq for seq in self.waiting if seq is not head and seq.block_table]
+        for seq in holders:
+            self.blocks.free(seq)
+        return bool(holders)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq)

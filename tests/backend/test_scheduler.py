@@ -72,6 +72,26 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out():
     assert list(sched.waiting) == [b] and sched.num_preemptions == 1
 
 
+def test_a_waiting_fork_holding_blocks_does_not_stall_the_queue():
+    """A fork (the second sample of an n=2 request) waits with its first's prompt blocks; when nothing runs and the
+    head of the queue needs those blocks, the fork gives them up (and computes its prompt again later) instead of
+    the two waiting on each other forever."""
+    sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
+    first = Sequence(0, list(range(8)), SamplingParams())
+    sched.add(first)
+    sched.schedule()
+    first.num_computed_tokens = 8
+    fork = Sequence(0, list(range(8)), SamplingParams(), sequence_index=1)
+    assert sched.blocks.fork(first, fork, 7) is not None            # shares a block, takes a fresh one
+    sched.finish(first, "stop")
+    head = Sequence(1, list(range(13)), SamplingParams())           # needs all 4 blocks
+    sched.waiting.appendleft(head)
+    sched.waiting.append(fork)
+    assert sched.blocks.num_free_blocks == 2
+    items = sched.schedule().items
+    assert [i.seq.request_id for i in items] == [1] and fork.block_table == [] and fork.num_computed_tokens == 0
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_with_aborts_leaks_nothing(tiny_model_dir, seed):
     rng = random.Random(seed)
