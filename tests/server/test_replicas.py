@@ -7,7 +7,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -44,24 +46,32 @@ def uploads_per_replica(balance: str, model_dir, store) -> list[dict[str, float]
     """Start two replicas behind nginx, send 3 requests for each adapter through nginx (a round over the adapters at
     a time, each round shifted by one: in a fixed order, round-robin would give each adapter the same replica every
     round), read each replica's uploads."""
-    port, base = free_ports(1)[0], 20000 + (os.getpid() % 2000) * 10
+    # each call its own ports: a replica of the call before may still be letting go of its own
+    port, base = free_ports(1)[0], 20000 + (os.getpid() % 1000) * 40 + (balance == "hash") * 20
     env = os.environ | TINY_ENV
     process = subprocess.Popen([sys.executable, "-u", str(ROOT / "scripts" / "replicas.py"), "--replicas", "2",
                                 "--port", str(port), "--base-port", str(base), "--balance", balance, "--model-dir",
                                 str(model_dir), "--adapter-store", str(store), "--", "--models", "lora_llm"],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
     try:
         ready = 0
         for line in process.stdout:
+            lines.append(line)
             ready += "[replicas] replica" in line and " ready:" in line
             if ready == 2:
                 break
-        assert ready == 2, "replicas did not start"
+        assert ready == 2, "replicas did not start:\n" + "".join(lines[-40:])
+        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()   # the log, if needed
         time.sleep(0.5)
         for r in range(REQUESTS_PER_ADAPTER):
             for i in np.roll(np.arange(NUM_ADAPTERS), r):         # each round in another order
-                answer = json.loads(get(f"http://127.0.0.1:{port}/v1/completions",
-                                        {"model": f"adapter{i:02d}", "prompt": [5, 6, 7], "max_tokens": 2}))
+                try:
+                    answer = json.loads(get(f"http://127.0.0.1:{port}/v1/completions",
+                                            {"model": f"adapter{i:02d}", "prompt": [5, 6, 7], "max_tokens": 2}))
+                except urllib.error.HTTPError as err:
+                    raise AssertionError(f"adapter{i:02d}: {err.code} {err.read()[:500]!r}\n"
+                                         + "".join(lines[-60:])) from err
                 assert 1 <= answer["usage"]["completion_tokens"] <= 2       # sampled: the end token may come first
         counts = []
         for r in range(2):
