@@ -57,6 +57,13 @@ class LLMEngine:
         self.config = EngineConfig(model_dir=str(model_dir), lora=LoraCacheConfig(**lora_kwargs), **engine_kwargs)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(self.config, self.model_config)
+        try:
+            self._start()
+        except BaseException:
+            self.runner.close()                                  # a failed start leaves no workers behind
+            raise
+
+    def _start(self) -> None:
         lora_dtype = resolve_lora_dtype(self.config.lora.dtype, self.runner.dtype, self.runner.ops.name)
         self.lora_cache = LoraCache(self.config.lora, self.model_config, lora_dtype, self.runner.device,
                                     rank_major_a=self.runner.lora_rank_major_a, tp=self.runner.tp)
@@ -68,7 +75,7 @@ class LLMEngine:
         self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if self.config.guided_decoding_backend == "xgrammar":
             from backend.guided import GuidedDecoding
-            tokenizer_dir = self.config.tokenizer_dir or model_dir
+            tokenizer_dir = self.config.tokenizer_dir or self.config.model_dir
             try:
                 self.guided = GuidedDecoding(tokenizer_dir, self.model_config.vocab_size)
             except (OSError, ValueError) as err:      # a token-ids-only deployment: no tokenizer, no grammars

@@ -94,8 +94,14 @@ class TensorParallelGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=size, rank=0,
-                                timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=size, rank=0,
+                                    timeout=timedelta(seconds=timeout_s))
+        except BaseException:
+            for w in self.workers:
+                w.kill()
+                w.wait()
+            raise
         self.message_device = device if backend == "nccl" else torch.device("cpu")
 
     def all_reduce(self, t: torch.Tensor) -> None:

@@ -39,7 +39,11 @@ class ModelRunner:
                 config.kernel_self_check != "auto" or self.device.type == "cuda"):
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)
         self.tp = self._start_workers(config) if tp_size > 1 else None
-        weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
+        try:
+            weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
+        except BaseException:
+            self.close()                                         # no workers or process group left behind
+            raise
         self.model = LlamaModel(self.shard_config, weights, self.ops,
                                 all_reduce=self.tp.all_reduce if self.tp else None)
         self.staging = StepStaging(self.device)

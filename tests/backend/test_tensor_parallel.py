@@ -8,12 +8,15 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from backend import LLMEngine
 from backend.lora.format import LoraAdapter, parse_lora
 from backend.lora.peft import load_lora_dir
 from backend.lora.shard import ROW_MODULES, shard_adapter
 from backend.model.config import ModelConfig
+from backend.model.parallel import TensorParallelGroup
+from backend.model.runner import ModelRunner
 from backend.serving import EngineLoop
 from backend.text import load_tokenizer
 from tests.backend.loop_streams import FakeStream, prompts
@@ -167,6 +170,30 @@ def test_the_workers_end_with_the_engine(tiny_model_dir):
     workers = list(engine.runner.tp.workers)
     engine.close()
     assert all(w.poll() is not None for w in workers)
+
+
+def test_an_engine_that_fails_to_start_leaves_no_workers_or_process_group(tiny_model_dir, monkeypatch):
+    """A start that fails once the workers run (here the KV cache) stops them and leaves the group, so that the
+    process can start an engine again (it could not: 'the default process group' was initialized twice)."""
+    started = []
+    real_init = TensorParallelGroup.__init__
+
+    def recorded_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.extend(self.workers)
+
+    def failing_allocation(self):
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(TensorParallelGroup, "__init__", recorded_init)
+    with monkeypatch.context() as patched:
+        patched.setattr(ModelRunner, "allocate_kv_cache", failing_allocation)
+        with pytest.raises(RuntimeError, match="no memory for the KV cache"):
+            LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+    assert started and all(w.poll() is not None for w in started) and not dist.is_initialized()
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+                       kv_cache_memory_bytes=1 << 20)
+    engine.close()
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
