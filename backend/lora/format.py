@@ -4,6 +4,7 @@ lora_config rows are [module_id, layer_idx, rank]; the matching lora_weights row
 flattened row-major, then B [out_dim, rank] flattened row-major, then zero padding. The scale is already
 folded into B.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,35 +35,35 @@ def module_columns(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
     return start, start + module_shape(cfg, module_id)[1]
 
 
+Key = tuple[int, int]                          # (layer, module_id)
+
+
 @dataclass(slots=True)
 class LoraAdapter:
-    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype."""
-    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype;
+    `buffer`, when set, is the one tensor they are views of, laid out as `packed_views` says."""
+    weights: dict[Key, tuple[torch.Tensor, torch.Tensor]]
+    buffer: torch.Tensor | None = None
 
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    @property
+    def shapes(self) -> dict[Key, tuple[torch.Size, torch.Size]]:
+        return {key: (a.shape, b.shape) for key, (a, b) in self.weights.items()}
 
     def is_pinned(self) -> bool:
         return all(t.is_pinned() for pair in self.weights.values() for t in pair)
 
     def pinned(self, device: torch.device) -> "LoraAdapter":
         """The adapter in page-locked memory when it will be uploaded to a GPU (asynchronous copies need it): one
-        pinned buffer for all its matrices (one page-locking call, not two per module), made where the adapter is
+        pinned buffer (one page-locking call, not two per module) filled in one copy, made where the adapter is
         parsed, off the engine thread."""
         if device.type != "cuda" or self.is_pinned():
             return self
-        tensors = [t for pair in self.weights.values() for t in pair]
         with torch.cuda.device(device):       # not a context on GPU 0 when serving on cuda:N
-            buffer = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
-        weights, offset = {}, 0
-        for key, pair in self.weights.items():
-            views = []
-            for t in pair:
-                views.append(buffer[offset:offset + t.numel()].view(t.shape).copy_(t))
-                offset += t.numel()
-            weights[key] = tuple(views)
-        return LoraAdapter(weights)
+            return packed(self.weights, pin=True, like=self)
 
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(
@@ -75,6 +76,40 @@ class LoraAdapter:
         return len(rows) == len(self.weights) and all(
             key in self.weights and _equal(a, self.weights[key][0]) and _equal(b, self.weights[key][1])
             for key, a, b in _row_views(weights, rows, cfg))
+
+
+def packed_views(buffer: torch.Tensor, shapes: dict[Key, tuple]) -> dict[Key, tuple[torch.Tensor, torch.Tensor]]:
+    """An adapter's matrices as views of its one buffer, module by module: every layer's A (in layer order), then
+    every layer's B. So a module's A (or B) over consecutive layers of equal rank is one contiguous block, which the
+    device tier copies in one go (backend/lora/slots.py)."""
+    views: dict[Key, list[torch.Tensor]] = {}
+    offset = 0
+    for module in sorted({module for _, module in shapes}):
+        keys = sorted(key for key in shapes if key[1] == module)
+        for i in (0, 1):
+            for key in keys:
+                numel = math.prod(shapes[key][i])
+                views.setdefault(key, []).append(buffer[offset:offset + numel].view(shapes[key][i]))
+                offset += numel
+    assert offset == buffer.numel(), "the buffer holds exactly the adapter"
+    return {key: tuple(pair) for key, pair in views.items()}
+
+
+def packed(pairs: dict[Key, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None, pin: bool = False,
+           like: LoraAdapter | None = None) -> LoraAdapter:
+    """The pairs copied into one new buffer (`packed_views`' layout), in `dtype` (default: theirs), page-locked
+    when asked; `like`: an adapter already packed the same way, copied in one go."""
+    shapes = {key: (a.shape, b.shape) for key, (a, b) in pairs.items()}
+    dtype = dtype or next(iter(pairs.values()))[0].dtype
+    buffer = torch.empty(sum(a.numel() + b.numel() for a, b in pairs.values()), dtype=dtype, pin_memory=pin)
+    views = packed_views(buffer, shapes)
+    if like is not None and like.buffer is not None:
+        buffer.copy_(like.buffer)
+    else:
+        for key, (a, b) in pairs.items():
+            views[key][0].copy_(a)
+            views[key][1].copy_(b)
+    return LoraAdapter(views, buffer)
 
 
 def _as_tensor(name: str, value) -> torch.Tensor:
@@ -131,17 +166,10 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
                max_adapter_bytes: int) -> LoraAdapter:
     """Validate (`check_lora`, then finite values) and convert TRT-LLM lora_weights and lora_config."""
     weights, config, rows = check_lora(weights, config, cfg, dtype, max_rank, max_adapter_bytes)
-    kept = torch.empty(sum(need for *_, need in rows), dtype=dtype)   # one buffer of our own, without the padding
-    parsed, offset = {}, 0
-    for key, *sent in _row_views(weights, rows, cfg):
-        pair = []
-        for t in sent:
-            pair.append(kept[offset:offset + t.numel()].view(t.shape).copy_(t))
-            offset += t.numel()
-        parsed[key] = tuple(pair)
-    if not _all_finite(kept):
+    adapter = packed({key: tuple(sent) for key, *sent in _row_views(weights, rows, cfg)}, dtype)
+    if not _all_finite(adapter.buffer):
         raise RequestError("lora_weights", f"contains NaN or Inf values, or values beyond {dtype}'s range")
-    return LoraAdapter(parsed)
+    return adapter
 
 
 def _row_views(weights: torch.Tensor, rows: list[tuple[int, int, int, int]], cfg: ModelConfig):

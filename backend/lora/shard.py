@@ -8,7 +8,7 @@ base output: sum_r (x_r A_r^T) B^T = (x A^T) B^T, no reduction of its own.
 """
 import torch
 
-from backend.lora.format import LoraAdapter
+from backend.lora.format import LoraAdapter, packed
 from backend.model.config import ModelConfig
 
 COLUMN_MODULES = (0, 1, 2, 3, 5, 7)           # attn_qkv, attn_q, attn_k, attn_v, mlp_h_to_4h (gate), mlp_gate (up)
@@ -26,19 +26,20 @@ def shard_module(module_id: int, a: torch.Tensor, b: torch.Tensor, cfg: ModelCon
     (ModelConfig.kv_head_part: a head on several ranks where there are fewer KV heads than ranks)."""
     kv_parts, kv_index, _ = cfg.kv_head_part(tp_size, rank)
     if module_id in ROW_MODULES:
-        return _part(a, 1, tp_size, rank).contiguous(), b
+        return _part(a, 1, tp_size, rank), b
     if module_id == 0:                         # fused qkv: each of q, k, v split on its own
         q, k, v = b.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
         return a, torch.cat([_part(q, 0, tp_size, rank), _part(k, 0, kv_parts, kv_index),
-                             _part(v, 0, kv_parts, kv_index)]).contiguous()
+                             _part(v, 0, kv_parts, kv_index)])
     if module_id in (2, 3):
-        return a, _part(b, 0, kv_parts, kv_index).contiguous()
-    return a, _part(b, 0, tp_size, rank).contiguous()
+        return a, _part(b, 0, kv_parts, kv_index)
+    return a, _part(b, 0, tp_size, rank)
 
 
 def shard_adapter(adapter: LoraAdapter, cfg: ModelConfig, tp_size: int, rank: int) -> LoraAdapter:
-    """The adapter's share on `rank` of `tp_size` (the adapter itself at tp_size 1)."""
+    """The adapter's share on `rank` of `tp_size` (the adapter itself at tp_size 1), packed in a buffer of its own
+    (backend/lora/format.py: the layout the device tier copies fastest, the bytes sent to the rank's worker)."""
     if tp_size == 1:
         return adapter
-    return LoraAdapter({(layer, module_id): shard_module(module_id, a, b, cfg, tp_size, rank)
-                        for (layer, module_id), (a, b) in adapter.weights.items()})
+    return packed({(layer, module_id): shard_module(module_id, a, b, cfg, tp_size, rank)
+                   for (layer, module_id), (a, b) in adapter.weights.items()})

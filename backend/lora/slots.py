@@ -13,6 +13,7 @@ whose shrink runs along contiguous input rows; on GPU both are stored as shown, 
 loads. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
 """
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -32,11 +33,35 @@ def proj_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
     return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}[proj]
 
 
-def _zeros(num_slots: int, rows: int, cols: int, dtype: torch.dtype, device, column_major: bool) -> torch.Tensor:
-    """[num_slots, rows, cols], stored column-major per slot when asked (see the module docstring)."""
+def _zeros(num_layers: int, num_slots: int, rows: int, cols: int, dtype: torch.dtype, device,
+           column_major: bool) -> torch.Tensor:
+    """[num_layers, num_slots, rows, cols], stored column-major per slot when asked (see the module docstring)."""
     if column_major:
-        return torch.zeros(num_slots, cols, rows, dtype=dtype, device=device).transpose(1, 2)
-    return torch.zeros(num_slots, rows, cols, dtype=dtype, device=device)
+        return torch.zeros(num_layers, num_slots, cols, rows, dtype=dtype, device=device).transpose(2, 3)
+    return torch.zeros(num_layers, num_slots, rows, cols, dtype=dtype, device=device)
+
+
+def _follows(prev: torch.Tensor, t: torch.Tensor) -> bool:
+    """t starts where prev ends in one buffer, both contiguous and of one shape."""
+    return (t.shape == prev.shape and t.is_contiguous() and prev.is_contiguous()
+            and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and t.storage_offset() == prev.storage_offset() + prev.numel())
+
+
+def _blocks(pieces: list[tuple[int, torch.Tensor]]) -> list[tuple[slice, torch.Tensor]]:
+    """(layer, matrix) pieces in layer order, merged where consecutive layers' matrices lie back to back (a packed
+    adapter's, backend/lora/format.py): (layers, [num_layers, ...] block) pairs, one copy each."""
+    runs: list[list[torch.Tensor]] = []
+    first_layers: list[int] = []
+    for layer, t in pieces:
+        if runs and layer == first_layers[-1] + len(runs[-1]) and _follows(runs[-1][-1], t):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+            first_layers.append(layer)
+    return [(slice(first, first + len(run)),
+             run[0].as_strided((len(run), *run[0].shape), (run[0].numel(), *run[0].stride()), run[0].storage_offset()))
+            for first, run in zip(first_layers, runs)]
 
 
 @dataclass(slots=True)
@@ -77,16 +102,15 @@ class DeviceSlots:
         self.band_columns = {proj: [module_columns(cfg, module) for module in BANDS[proj]] for proj in PROJS}
         self.num_slots = num_slots
         self.max_rank = max_rank
-        self.a: list[dict[str, torch.Tensor]] = []                 # [num_slots, cap, in_dim] per projection
-        self.b: list[dict[str, torch.Tensor]] = []                 # [num_slots, out_dim, cap]
-        for _ in range(cfg.num_layers):
-            self.a.append({})
-            self.b.append({})
-            for proj in PROJS:
-                in_dim, out_dim = proj_shape(cfg, proj)
-                cap = len(BANDS[proj]) * max_rank
-                self.a[-1][proj] = _zeros(num_slots, cap, in_dim, dtype, device, rank_major_a)
-                self.b[-1][proj] = _zeros(num_slots, out_dim, cap, dtype, device, on_cpu)
+        self.a_stacks: dict[str, torch.Tensor] = {}                # [num_layers, num_slots, cap, in_dim]
+        self.b_stacks: dict[str, torch.Tensor] = {}                # [num_layers, num_slots, out_dim, cap]
+        for proj in PROJS:
+            in_dim, out_dim = proj_shape(cfg, proj)
+            cap = len(BANDS[proj]) * max_rank
+            self.a_stacks[proj] = _zeros(cfg.num_layers, num_slots, cap, in_dim, dtype, device, rank_major_a)
+            self.b_stacks[proj] = _zeros(cfg.num_layers, num_slots, out_dim, cap, dtype, device, on_cpu)
+        self.a = [{proj: self.a_stacks[proj][layer] for proj in PROJS} for layer in range(cfg.num_layers)]
+        self.b = [{proj: self.b_stacks[proj][layer] for proj in PROJS} for layer in range(cfg.num_layers)]
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
         # the same on the host: [layer][proj][band][slot]
         self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()
@@ -110,34 +134,44 @@ class DeviceSlots:
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into a slot, replacing whatever was there. A slot is zero wherever no adapter row lies,
-        so only the rank rows the old adapter used past the new one's ranks are cleared. On CUDA the copies run on
-        a side stream; `copies.wait([slot])` orders a step after them."""
-        ranks = torch.zeros(self.cfg.num_layers, len(PROJS), MAX_BANDS, dtype=torch.int32)
+        so only the rank rows the old adapter used past the new one's ranks are cleared. A module's matrices over
+        consecutive layers go in one copy where they lie back to back (a packed adapter: 14 copies for an
+        all-modules adapter, not 2 per layer and module). On CUDA the copies run on a side stream;
+        `copies.wait([slot])` orders a step after them."""
+        bands: dict[tuple[str, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        ranks = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
+        for (layer, module_id), (a, b) in sorted(adapter.weights.items()):
+            for module, b_part in self._split_fused(module_id, b):
+                proj, band = BAND_OF_MODULE[module]
+                bands.setdefault((proj, band), []).append((layer, a, b_part))
+                ranks[layer][PROJS.index(proj)][band] = a.shape[0]
         with on(self.device), self.copies.copying():
-            for (layer, module_id), (a, b) in adapter.weights.items():
-                for module, b_part in self._split_fused(module_id, b):
-                    proj, band = BAND_OF_MODULE[module]
-                    start, rank = band * self.max_rank, a.shape[0]
-                    col_start, col_end = module_columns(self.cfg, module)
-                    self.a[layer][proj][slot, start:start + rank].copy_(a, non_blocking=True)
-                    self.b[layer][proj][slot, col_start:col_end, start:start + rank].copy_(b_part, non_blocking=True)
-                    ranks[layer, PROJS.index(proj), band] = rank
-            self._replace_ranks(slot, ranks.tolist())
-            self.ranks[:, :, :, slot].copy_(pin(ranks, self.device), non_blocking=True)
+            self._replace_ranks(slot, ranks)
+            for (proj, band), pieces in bands.items():
+                start, columns = band * self.max_rank, slice(*self.band_columns[proj][band])
+                for layers, a in _blocks([(layer, a) for layer, a, _ in pieces]):
+                    self.a_stacks[proj][layers, slot, start:start + a.shape[1]].copy_(a, non_blocking=True)
+                for layers, b in _blocks([(layer, b) for layer, _, b in pieces]):
+                    self.b_stacks[proj][layers, slot, columns, start:start + b.shape[2]].copy_(b, non_blocking=True)
+            self.ranks[:, :, :, slot].copy_(pin(torch.tensor(ranks, dtype=torch.int32), self.device), non_blocking=True)
         self.copies.done(slot)
 
     def _replace_ranks(self, slot: int, new_ranks: list[list[list[int]]]) -> None:
-        """Zero each band's rank rows [new rank, old rank) of a slot (what the old adapter left past the new one),
-        then record the new ranks."""
-        for layer, per_proj in enumerate(new_ranks):
-            for p, proj in enumerate(PROJS):
-                for band, columns in enumerate(self.band_columns[proj]):
-                    new, old = per_proj[p][band], self.ranks_list[layer][p][band][slot]
+        """Zero each band's rank rows [new rank, old rank) of a slot (what the old adapter left past the new one;
+        one zero_ per run of layers alike), then record the new ranks."""
+        for p, proj in enumerate(PROJS):
+            for band, columns in enumerate(self.band_columns[proj]):
+                def change(layer: int) -> tuple[int, int]:
+                    return new_ranks[layer][p][band], self.ranks_list[layer][p][band][slot]
+                for (new, old), run in groupby(range(self.cfg.num_layers), key=change):
                     if old > new:
-                        rows = slice(band * self.max_rank + new, band * self.max_rank + old)
-                        self.a[layer][proj][slot, rows].zero_()
-                        self.b[layer][proj][slot, slice(*columns), rows].zero_()
-                    self.ranks_list[layer][p][band][slot] = new
+                        run = list(run)
+                        layers, rows = slice(run[0], run[-1] + 1), slice(band * self.max_rank + new,
+                                                                         band * self.max_rank + old)
+                        self.a_stacks[proj][layers, slot, rows].zero_()
+                        self.b_stacks[proj][layers, slot, slice(*columns), rows].zero_()
+                for layer in range(self.cfg.num_layers):
+                    self.ranks_list[layer][p][band][slot] = new_ranks[layer][p][band]
 
     def _split_fused(self, module_id: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         if module_id != FUSED_QKV:

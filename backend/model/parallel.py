@@ -127,16 +127,14 @@ class TensorParallelGroup:
         self.send(COPY_KV, {"pairs": torch.tensor(pairs, dtype=torch.int32).view(-1, 2)})
 
     def load_adapter(self, slot: int, shares: list) -> None:
-        """Worker r (1..) gets shares[r] (a LoraAdapter) into `slot`: the layout in a broadcast, the bytes point to
-        point."""
-        keys = sorted(shares[1].weights)
-        layout = torch.tensor([[layer, module, *shares[1].weights[(layer, module)][0].shape,
-                                shares[1].weights[(layer, module)][1].shape[0]] for layer, module in keys],
-                              dtype=torch.int32)
+        """Worker r (1..) gets shares[r] (a packed LoraAdapter, backend/lora/shard.py) into `slot`: the shapes in a
+        broadcast, the buffer point to point."""
+        layout = torch.tensor([[layer, module, *a_shape, b_shape[0]]
+                               for (layer, module), (a_shape, b_shape) in shares[1].shapes.items()], dtype=torch.int32)
         self.send(LOAD, {"slot": torch.tensor([slot], dtype=torch.int32), "layout": layout})
         for rank in range(1, self.size):
-            flat = torch.cat([t.reshape(-1) for key in keys for t in shares[rank].weights[key]])
-            self._checked(dist.send, flat.view(torch.uint8).contiguous().to(self.message_device), dst=rank)
+            flat = shares[rank].buffer.view(torch.uint8)
+            self._checked(dist.send, flat.to(self.message_device), dst=rank)
 
     def _checked(self, collective, *args, **kwargs) -> None:
         dead = [w.pid for w in self.workers if w.poll() is not None]

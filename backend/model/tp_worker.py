@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from backend.device import StepStaging
 from backend.lora.batch import LoraBatch, LoraSegments
-from backend.lora.format import LoraAdapter
+from backend.lora.format import LoraAdapter, packed_views
 from backend.lora.slots import DeviceSlots
 from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
@@ -117,16 +117,12 @@ class Worker:
 
     def load(self, slot: int, layout: list[list[int]]) -> None:
         dtype = self.slots.a[0]["qkv"].dtype
-        sizes = [(rank * in_dim, out_dim * rank) for _, _, rank, in_dim, out_dim in layout]
-        data = torch.empty(sum(a + b for a, b in sizes) * dtype.itemsize, dtype=torch.uint8,
-                           device=self.message_device)
+        shapes = {(layer, module): ((rank, in_dim), (out_dim, rank)) for layer, module, rank, in_dim, out_dim in layout}
+        data = torch.empty(sum(rank * (in_dim + out_dim) for *_, rank, in_dim, out_dim in layout) * dtype.itemsize,
+                           dtype=torch.uint8, device=self.message_device)
         dist.recv(data, src=0)
-        flat, weights, offset = data.cpu().view(dtype), {}, 0
-        for (layer, module, rank, in_dim, out_dim), (na, nb) in zip(layout, sizes):
-            weights[(layer, module)] = (flat[offset:offset + na].view(rank, in_dim),
-                                        flat[offset + na:offset + na + nb].view(out_dim, rank))
-            offset += na + nb
-        self.slots.load(slot, LoraAdapter(weights))
+        flat = data.cpu().view(dtype)
+        self.slots.load(slot, LoraAdapter(packed_views(flat, shapes), flat))
 
     def copy_kv(self, pairs: torch.Tensor) -> None:
         src, dst = pairs[:, 0].long(), pairs[:, 1].long()

@@ -1,9 +1,12 @@
-"""The device tier's slots: an adapter loaded over another leaves the slot as if it had been loaded alone."""
+"""The device tier's slots: a loaded adapter lies where the LoRA ops read it, an adapter loaded over another leaves
+the slot as if it had been loaded alone, and a packed adapter goes in with one copy per module."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.lora.format import parse_lora
-from backend.lora.slots import DeviceSlots
+from backend.lora.format import LoraAdapter, module_columns, parse_lora
+from backend.lora.shard import shard_adapter
+from backend.lora.slots import BAND_OF_MODULE, DeviceSlots
 from backend.model.config import ModelConfig
 from tests.backend.test_lora_cache import make_adapter
 
@@ -40,3 +43,68 @@ def test_a_slot_reloaded_with_a_smaller_adapter_equals_one_loaded_alone(model_cf
         assert all(torch.equal(x, y) for x, y in zip(state(reused, slot), state(fresh, slot)))
     assert reused.ranks_list == fresh.ranks_list
     assert any(t.abs().sum() > 0 for t in state(reused, 1)[:-1])           # the new adapter is there
+
+
+def expected_slot(slots: DeviceSlots, adapter: LoraAdapter) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer and projection, (A [cap, in], B [out, cap]) of one slot placed by hand from the module docstring."""
+    cfg, r = slots.cfg, slots.max_rank
+    want = [{proj: (torch.zeros_like(slots.a[layer][proj][0]), torch.zeros_like(slots.b[layer][proj][0]))
+             for proj in slots.a[layer]} for layer in range(cfg.num_layers)]
+    for (layer, module_id), (a, b) in adapter.weights.items():
+        parts = {1: b[:cfg.q_size], 2: b[cfg.q_size:cfg.q_size + cfg.kv_size], 3: b[cfg.q_size + cfg.kv_size:]} \
+            if module_id == 0 else {module_id: b}
+        for module, b_part in parts.items():
+            proj, band = BAND_OF_MODULE[module]
+            rank, (start, end) = a.shape[0], module_columns(cfg, module)
+            want[layer][proj][0][band * r:band * r + rank] = a
+            want[layer][proj][1][start:end, band * r:band * r + rank] = b_part
+    return want
+
+
+def uneven(cfg: ModelConfig) -> LoraAdapter:
+    """Separate tensors (not packed), ranks changing from layer to layer, a module missing in layer 0."""
+    g = torch.Generator().manual_seed(3)
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for module_id, (in_dim, out_dim) in ((1, (cfg.hidden_size, cfg.q_size)), (6, (cfg.intermediate_size,
+                                                                                        cfg.hidden_size))):
+            if (layer, module_id) != (0, 6):
+                rank = 2 + layer % 3
+                weights[(layer, module_id)] = (torch.randn(rank, in_dim, generator=g),
+                                               torch.randn(out_dim, rank, generator=g))
+    return LoraAdapter(weights)
+
+
+@pytest.mark.parametrize("rank_major_a", [True, False])
+def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, rank_major_a):
+    adapters = [adapter(model_cfg, MAX_RANK, 0, (0, 4, 5, 6, 7)), adapter(model_cfg, 4, 1, (1, 2, 3, 4, 5, 6, 7)),
+                uneven(model_cfg), shard_adapter(adapter(model_cfg, 8, 2, (0, 4, 6)), model_cfg, 2, 1)]
+    for a in adapters:
+        cfg = model_cfg.shard(2) if a is adapters[-1] else model_cfg
+        slots = DeviceSlots(cfg, 2, MAX_RANK, torch.float32, rank_major_a=rank_major_a)
+        slots.load(1, adapters[0] if a is not adapters[0] and cfg is model_cfg else a)   # something to replace
+        slots.load(1, a)
+        for layer, per_proj in enumerate(expected_slot(slots, a)):
+            for proj, (want_a, want_b) in per_proj.items():
+                assert torch.equal(slots.a[layer][proj][1], want_a), (layer, proj)
+                assert torch.equal(slots.b[layer][proj][1], want_b), (layer, proj)
+                assert not slots.a[layer][proj][0].any() and not slots.b[layer][proj][0].any()
+
+
+class CountCopies(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.num_copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.num_copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_packed_adapter_goes_in_with_one_copy_per_module_whatever_the_number_of_layers(model_cfg):
+    assert model_cfg.num_layers > 1
+    every_module = adapter(model_cfg, 8, 0, (1, 2, 3, 4, 5, 6, 7))
+    slots = DeviceSlots(model_cfg, 1, MAX_RANK, torch.float32)
+    with CountCopies() as counted:
+        slots.load(0, every_module)
+    assert counted.num_copies == 2 * 7 + 1                                  # A and B per module, then the ranks
