@@ -4,6 +4,7 @@ import json
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +195,18 @@ def test_the_kubernetes_probes_answer(tiny_server):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         path = c[probe]["httpGet"]["path"]
         assert urllib.request.urlopen(f"http://127.0.0.1:{tiny_server.http_port}{path}", timeout=5).status == 200
+
+
+def test_tritonserver_returns_freed_request_memory_and_the_engine_keeps_its_malloc(tiny_server):
+    """scripts/launch_server.py fixes glibc's mmap threshold for tritonserver (multi-MB adapter uploads go back to
+    the system when freed) and its stub wrapper leaves the engine's process with glibc's own behaviour."""
+    def environ(pid: int) -> dict[str, str]:
+        pairs = (item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+        return dict(pairs)
+
+    server_pid = tiny_server.process.pid
+    stub_pids = [int(pid) for task in Path(f"/proc/{server_pid}/task").iterdir()
+                 for pid in (task / "children").read_text().split()]
+    assert stub_pids and all("triton_python_backend_stub" in open(f"/proc/{pid}/cmdline").read() for pid in stub_pids)
+    assert environ(server_pid).get("MALLOC_MMAP_THRESHOLD_") == str(128 << 10)
+    assert all("MALLOC_MMAP_THRESHOLD_" not in environ(pid) for pid in stub_pids)
