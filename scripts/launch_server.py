@@ -53,7 +53,9 @@ def pytriton_dir() -> Path:
 
 
 def backend_dir() -> Path:
-    """BE/python/ with the Python backend library, its utils and the 3.11 stub side by side."""
+    """BE/python/ with the Python backend library, its utils and the 3.11 stub side by side; the stub through a
+    wrapper that runs it without tritonserver's malloc setting. Each is renamed into place, so that servers starting
+    at once never find one missing."""
     tritonserver = pytriton_dir() / "tritonserver"
     be = Path(sys.prefix) / "triton_backends"
     (be / "python").mkdir(parents=True, exist_ok=True)
@@ -63,13 +65,14 @@ def backend_dir() -> Path:
              "triton_python_backend_stub": tritonserver / f"python_backend_stubs/{version}/triton_python_backend_stub"}
     for name, target in links.items():
         link = be / "python" / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        if name == "triton_python_backend_stub":              # tritonserver's malloc setting is not the engine's
-            link.write_text(f"#!/bin/sh\nunset {MMAP_THRESHOLD_VAR}\nexec '{target}' \"$@\"\n")
-            link.chmod(0o755)
+        staged = link.with_name(f".{name}.{os.getpid()}")
+        staged.unlink(missing_ok=True)
+        if name == "triton_python_backend_stub":
+            staged.write_text(f"#!/bin/sh\nunset {MMAP_THRESHOLD_VAR}\nexec '{target}' \"$@\"\n")
+            staged.chmod(0o755)
         else:
-            link.symlink_to(target)
+            staged.symlink_to(target)
+        os.replace(staged, link)
     return be
 
 
