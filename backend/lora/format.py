@@ -51,7 +51,7 @@ class LoraAdapter:
 
     @property
     def shapes(self) -> dict[Key, tuple[torch.Size, torch.Size]]:
-        return {key: (a.shape, b.shape) for key, (a, b) in self.weights.items()}
+        return _shapes(self.weights)
 
     def is_pinned(self) -> bool:
         return all(t.is_pinned() for pair in self.weights.values() for t in pair)
@@ -63,7 +63,10 @@ class LoraAdapter:
         if device.type != "cuda" or self.is_pinned():
             return self
         with torch.cuda.device(device):       # not a context on GPU 0 when serving on cuda:N
-            return packed(self.weights, pin=True, like=self)
+            if self.buffer is None:
+                return packed(self.weights, pin=True)
+            buffer = torch.empty_like(self.buffer, pin_memory=True).copy_(self.buffer)
+        return LoraAdapter(packed_views(buffer, self.shapes), buffer)
 
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(
@@ -95,21 +98,21 @@ def packed_views(buffer: torch.Tensor, shapes: dict[Key, tuple]) -> dict[Key, tu
     return {key: tuple(pair) for key, pair in views.items()}
 
 
-def packed(pairs: dict[Key, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None, pin: bool = False,
-           like: LoraAdapter | None = None) -> LoraAdapter:
+def packed(pairs: dict[Key, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None,
+           pin: bool = False) -> LoraAdapter:
     """The pairs copied into one new buffer (`packed_views`' layout), in `dtype` (default: theirs), page-locked
-    when asked; `like`: an adapter already packed the same way, copied in one go."""
-    shapes = {key: (a.shape, b.shape) for key, (a, b) in pairs.items()}
+    when asked."""
     dtype = dtype or next(iter(pairs.values()))[0].dtype
     buffer = torch.empty(sum(a.numel() + b.numel() for a, b in pairs.values()), dtype=dtype, pin_memory=pin)
-    views = packed_views(buffer, shapes)
-    if like is not None and like.buffer is not None:
-        buffer.copy_(like.buffer)
-    else:
-        for key, (a, b) in pairs.items():
-            views[key][0].copy_(a)
-            views[key][1].copy_(b)
+    views = packed_views(buffer, _shapes(pairs))
+    for key, (a, b) in pairs.items():
+        views[key][0].copy_(a)
+        views[key][1].copy_(b)
     return LoraAdapter(views, buffer)
+
+
+def _shapes(pairs: dict[Key, tuple[torch.Tensor, torch.Tensor]]) -> dict[Key, tuple[torch.Size, torch.Size]]:
+    return {key: (a.shape, b.shape) for key, (a, b) in pairs.items()}
 
 
 def _as_tensor(name: str, value) -> torch.Tensor:

@@ -41,11 +41,11 @@ class ModelRunner:
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
             weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
+            self.model = LlamaModel(self.shard_config, weights, self.ops,
+                                    all_reduce=self.tp.all_reduce if self.tp else None)
         except BaseException:
             self.close()                                         # no workers or process group left behind
             raise
-        self.model = LlamaModel(self.shard_config, weights, self.ops,
-                                all_reduce=self.tp.all_reduce if self.tp else None)
         self.staging = StepStaging(self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
