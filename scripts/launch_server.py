@@ -31,6 +31,11 @@ KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, befor
 # soak, 2 GB after the load stopped); the threshold fixed at its initial 128 KiB maps each such block and returns it
 # when freed. The engine's stub runs without it (its step tensors are reused from the heap).
 MMAP_THRESHOLD_VAR, MMAP_THRESHOLD_BYTES = "MALLOC_MMAP_THRESHOLD_", 128 << 10
+# Triton's gRPC frontend keeps request objects for reuse, and a reused protobuf keeps the capacity of the largest
+# message it held: every request object in circulation ends up holding a multi-MB adapter upload (tritonserver grew
+# ~40 MB/min under the soak with the mmap threshold fixed, and ~6 MB per request in flight). Without the pool its
+# memory follows the requests in flight.
+GRPC_REQUEST_POOL_SIZE = 0
 FRONTEND_NICE = 10                     # the OpenAI frontend's niceness (see start_frontend)
 
 
@@ -104,7 +109,8 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
            "--disable-auto-complete-config", "--allow-gpu-metrics", gpu_metrics, "--pinned-memory-pool-byte-size", "0",
            "--http-address", host, "--grpc-address", host, "--metrics-address", host,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-           "--exit-timeout-secs", str(exit_timeout_s)]
+           "--exit-timeout-secs", str(exit_timeout_s),
+           "--grpc-infer-allocation-pool-size", str(GRPC_REQUEST_POOL_SIZE)]
     if models:
         cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
     return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None)

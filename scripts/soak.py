@@ -53,6 +53,7 @@ class Soak:
         self.outcomes: Counter = Counter()     # answered: finished / error kinds / cancelled by the client
         self.num_sent = 0
         self.num_tokens = 0
+        self.weight_bytes_in_flight = 0        # adapter weights of the requests sent and not yet answered
 
     def request(self, rng: random.Random) -> tuple[dict, str]:
         """One random request's inputs and its kind."""
@@ -92,8 +93,10 @@ class Soak:
             kwargs = kwargs | dict(zip(("lora_weights", "lora_config"), self.adapters[task_id - 1]))
         responses: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        weight_bytes = kwargs["lora_weights"].nbytes if "lora_weights" in kwargs else 0
         with self.lock:
             self.num_sent += 1
+            self.weight_bytes_in_flight += weight_bytes
         outcome, received, accepted = "unanswered", 0, False
         try:
             client.async_stream_infer("lora_llm", build_inputs(**kwargs), enable_empty_final_response=True)
@@ -117,6 +120,7 @@ class Soak:
         finally:
             client.stop_stream(cancel_requests=outcome == "cancelled by client")
         with self.lock:
+            self.weight_bytes_in_flight -= weight_bytes
             self.outcomes[outcome] += 1
             self.num_tokens += received
             if accepted and "lora_weights" in kwargs and task_id <= len(self.adapters):
@@ -179,7 +183,10 @@ def main() -> None:
                 samples.append({"t": round(time.monotonic() - start),
                                 **{k: round(v / 2**20) for k, v in server.rss_by_process().items()},
                                 "host_adapter_mb": round(server.metric("lora_llm_lora_cache", tier="host",
-                                                                       stat="bytes") / 2**20)})
+                                                                       stat="bytes") / 2**20),
+                                "weights_in_flight_mb": round(soak.weight_bytes_in_flight / 2**20),
+                                **{state: server.metric("lora_llm_sequences", state=state)
+                                   for state in ("running", "waiting")}})
             time.sleep(1)
         for t in threads:
             t.join()

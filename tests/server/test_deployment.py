@@ -1,6 +1,7 @@
 """TensorRT-LLM's deployment choices: decoupled mode off (unary ModelInfer, HTTP generate) and the core model
 under the name `tensorrt_llm`, on SmolLM2 with the text models, against the in-process engine."""
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -13,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from backend import LLMEngine
 from tests.helpers import ROOT
 from tests.server.conftest import run_server
-from tests.server.streams import make_inputs, run
+from tests.server.streams import Stream, make_inputs, run, trtllm_inputs
 
 sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
 from render_repository import render  # noqa: E402
@@ -210,3 +211,27 @@ def test_tritonserver_returns_freed_request_memory_and_the_engine_keeps_its_mall
     assert stub_pids and all("triton_python_backend_stub" in open(f"/proc/{pid}/cmdline").read() for pid in stub_pids)
     assert environ(server_pid).get("MALLOC_MMAP_THRESHOLD_") == str(128 << 10)
     assert all("MALLOC_MMAP_THRESHOLD_" not in environ(pid) for pid in stub_pids)
+
+
+def anon_rss_mb(pid: int) -> float:
+    return int(re.search(r"RssAnon:\s+(\d+) kB", open(f"/proc/{pid}/status").read())[1]) / 1024
+
+
+def test_tritonserver_memory_follows_the_requests_in_flight_not_the_largest_ever_seen(tiny_server):
+    """Triton's gRPC frontend reuses its request objects, and a reused protobuf keeps the capacity of the largest
+    message it held: with reuse, each recycled request object keeps a multi-MB adapter upload for good (tritonserver
+    grew ~40 MB/min in the soak). launch_server turns the reuse off (--grpc-infer-allocation-pool-size 0)."""
+    def uploads(num_rounds: int, width: int) -> None:           # rounds of 8 concurrent uploads the model refuses
+        upload = {"lora_task_id": np.array([[77]], np.uint64), "lora_weights": np.zeros((1, 4, width), np.float16),
+                  "lora_config": np.array([[[1, 0, 4]] * 4], np.int32)}
+        for _ in range(num_rounds):
+            streams = [Stream(tiny_server.grpc_url).send(trtllm_inputs([5, 6], 4, True, **upload)) for _ in range(8)]
+            for stream in streams:
+                assert "lora_weights" in stream.collect().error
+                stream.close()
+
+    uploads(3, 1 << 14)                                         # threads, connections, buffers: warm
+    before = anon_rss_mb(tiny_server.process.pid)
+    uploads(3, 1 << 20)                                         # 8 MB each
+    time.sleep(1)
+    assert anon_rss_mb(tiny_server.process.pid) - before < 16   # 8 reused objects would keep 64 MB
