@@ -10,6 +10,7 @@ import time
 from typing import Callable, Protocol
 
 from backend.engine import LLMEngine, StepOutput
+from backend.heap import HeapTrimmer
 from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.protocol import ParsedRequest
 from backend.request import FatalEngineError, RequestError
@@ -63,6 +64,7 @@ class EngineLoop:
         self.num_step_failures = 0                          # in a row
         self.num_hook_errors = 0
         self.uploads = Uploads(engine)                      # parsing and compiling off the loop, bounded
+        self.heap = HeapTrimmer().start()                   # freed uploads' pages back to the system
         self._running = True
         self._aborted_while_idle = False
         self.responder = Responder(on_broken=lambda stream: self.inbox.put(("broken", stream, "")),
@@ -105,6 +107,7 @@ class EngineLoop:
         self.thread.join(timeout=30)
         self._fail_everything(message)
         self.responder.stop()
+        self.heap.stop()
 
     def _run(self) -> None:
         while self._running:

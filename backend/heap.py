@@ -1,0 +1,55 @@
+"""Gives the heap's free pages back to the system now and then: glibc's malloc_trim(0), every few seconds, on a
+thread of its own.
+
+A serving process parses multi-MB adapter uploads and frees them between blocks the engine keeps; glibc keeps the
+freed pages between live blocks resident, so the engine's process grew for minutes under the soak (250-340 MB free
+inside its arenas, ~+5% per 5 minutes) though what it held alive stayed flat. malloc_trim(0) hands back every
+whole free page of every arena (each block stays where it is). It takes milliseconds to tens of milliseconds (one
+madvise per free run), holding one arena's lock at a time: off the engine's thread, which only waits where it
+allocates from the arena being trimmed. Without glibc this does nothing.
+"""
+import ctypes
+import threading
+import time
+
+TRIM_PERIOD_S = 10.0
+
+
+class HeapTrimmer:
+    def __init__(self, period_s: float = TRIM_PERIOD_S):
+        if period_s <= 0:
+            raise ValueError(f"period_s must be > 0, got {period_s}")
+        try:
+            self._malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):                  # not glibc
+            self._malloc_trim = None
+        self.period_s = period_s
+        self.num_trims = 0
+        self.max_trim_s = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def available(self) -> bool:
+        return self._malloc_trim is not None
+
+    def start(self) -> "HeapTrimmer":
+        if self.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="heap-trimmer", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def trim(self) -> None:
+        start = time.perf_counter()
+        self._malloc_trim(0)
+        self.max_trim_s = max(self.max_trim_s, time.perf_counter() - start)
+        self.num_trims += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.trim()
