@@ -6,8 +6,8 @@ position 0, cache slot -1 so nothing is written, an empty context so nothing is 
 the logits of the first n rows come out. Everything a kernel launch depends on is fixed per bucket: the grids, the
 attention's split count and the LoRA segment count (max_loras + 2: base rows, one per adapter slot, padding). Each
 bucket has a graph per context class (CONTEXT_CLASSES), whose split count suits the longest context it holds.
-Steps with prompt chunks, or asking for prompt logits, run eagerly. capture=False runs the same padded steps
-eagerly: how the CPU tests check everything but the capture itself.
+Steps with prompt chunks go to the piecewise graphs (backend/model/piecewise.py) or run eagerly. capture=False
+runs the same padded steps eagerly: how the CPU tests check everything but the capture itself.
 """
 import torch
 
@@ -27,24 +27,49 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_tokens: int,
+                  num_segments: int) -> dict[str, torch.Tensor]:
+    """A step's per-token host tensors padded to num_tokens (token 0 at position 0, cache slot -1 so nothing is
+    written), and its LoRA segments (adapter slot per token, -1 for none) padded to num_segments (empty ones at the
+    end)."""
+    zeros = torch.zeros(num_tokens - len(token_slots), dtype=torch.int32)
+    segments = LoraSegments.from_token_slots(token_slots + [-1] * len(zeros))
+    num_empty = num_segments - len(segments.slots_list)
+    assert num_empty >= 0, "more LoRA segments than a graph can have"
+    return {
+        "input_ids": torch.cat([tensors["input_ids"], zeros]),
+        "positions": torch.cat([tensors["positions"], zeros]),
+        "slot_mapping": torch.cat([tensors["slot_mapping"], zeros - 1]),
+        "lora_starts": torch.cat([segments.starts, torch.full((num_empty,), num_tokens, dtype=torch.int32)]),
+        "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
+    }
+
+
+def lora_buffers(num_segments: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A graph's fixed LoRA segment buffers, as padding (every segment empty, no adapter)."""
+    return {"lora_starts": torch.zeros(num_segments + 1, dtype=torch.int32, device=device),
+            "lora_slots": torch.full((num_segments,), -1, dtype=torch.int32, device=device)}
+
+
+def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, ops) -> LoraBatch:
+    """A graph's adapters: segments read from its buffers on the device (their host lists are unknown at capture),
+    kernel grids for num_tokens rows in any segment."""
+    num_segments = buffers["lora_slots"].shape[0]
+    segments = LoraSegments(buffers["lora_starts"], buffers["lora_slots"], [0] * (num_segments + 1),
+                            [-1] * num_segments, num_tokens)
+    return LoraBatch(lora_slots, segments, ops)
+
+
 def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int,
                   num_segments: int) -> dict[str, torch.Tensor]:
-    """A decode step's host tensors padded to `bucket` rows, and its LoRA segments (adapter slot per token, -1 for
-    none) padded to num_segments (empty ones at the end)."""
+    """A decode step's host tensors padded to `bucket` rows (padding rows read an empty context), its LoRA segments
+    to num_segments."""
     t, num_pad = inputs.tensors, bucket - len(inputs.seq_lens)
     zeros = torch.zeros(num_pad, dtype=torch.int32)
-    segments = LoraSegments.from_token_slots(token_slots + [-1] * num_pad)
-    num_empty = num_segments - len(segments.slots_list)
-    assert num_empty >= 0, "more LoRA segments than a decode step can have"
-    return {
-        "input_ids": torch.cat([t["input_ids"], zeros]),
-        "positions": torch.cat([t["positions"], zeros]),
-        "slot_mapping": torch.cat([t["slot_mapping"], zeros - 1]),
+    return padded_tokens(t, token_slots, bucket, num_segments) | {
         "query_starts": torch.arange(bucket + 1, dtype=torch.int32),
         "seq_lens": torch.cat([t["seq_lens"], zeros]),
         "block_tables": torch.cat([t["block_tables"], zeros[:, None].expand(-1, t["block_tables"].shape[1])]),
-        "lora_starts": torch.cat([segments.starts, torch.full((num_empty,), bucket, dtype=torch.int32)]),
-        "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
     }
 
 
@@ -67,8 +92,7 @@ class DecodeGraphs:
         self.buffers["query_starts"] = torch.arange(max_len + 1, dtype=torch.int32, device=device)
         self.buffers["slot_mapping"].fill_(-1)                         # as padding: captures write nothing
         self.buffers["block_tables"] = torch.zeros(max_len, max_blocks, dtype=torch.int32, device=device)
-        self.buffers["lora_starts"] = torch.zeros(self.num_segments + 1, dtype=torch.int32, device=device)
-        self.buffers["lora_slots"] = torch.full((self.num_segments,), -1, dtype=torch.int32, device=device)
+        self.buffers |= lora_buffers(self.num_segments, device)
         self.logits_indices = torch.arange(max_len, dtype=torch.int32, device=device)
         self.contexts = sorted({min(bound, self.max_seq_len) for bound in CONTEXT_CLASSES + (self.max_seq_len,)})
         self.splits = {(bucket, context): decode_graph_splits(bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -122,9 +146,7 @@ class DecodeGraphs:
         ctx = StepContext(b["input_ids"][:rows], b["positions"][:rows], attn, self.logits_indices[:rows],
                           self.logits_indices[:0])
         if with_lora:
-            segments = LoraSegments(b["lora_starts"], b["lora_slots"], [0] * (self.num_segments + 1),
-                                    [-1] * self.num_segments, rows)
-            ctx.lora = LoraBatch(self.lora_slots, segments, self.model.ops)
+            ctx.lora = fixed_lora(b, self.lora_slots, rows, self.model.ops)
         return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
     def _capture_all(self) -> None:

@@ -24,28 +24,26 @@ class LlamaModel:
                 with_context: bool = False, logits: bool = True) -> torch.Tensor | None:
         """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step, then
         (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]. logits=False (a tensor
-        parallel worker) runs the layers only."""
-        cfg, w, ops = self.cfg, self.w, self.ops
-        h = F.embedding(ctx.input_ids, w["embed_tokens"])          # [num_tokens, hidden]
-        residual = None                                             # the stream the layers add to
-        for i in range(cfg.num_layers):
-            x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
-            h = self._attention(i, x, ctx, kv_caches[i])
-            x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
-            gate_up = linear(ops, x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
-            h = linear(ops, ops.silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
-            if self.all_reduce is not None:
-                self.all_reduce(h)
-            if ctx.between_layers is not None:
-                ctx.between_layers()
+        parallel worker) runs the layers only. The pieces below are what piecewise graphs record between the
+        attention calls (backend/model/piecewise.py)."""
+        h, residual = self.embed(ctx), None                         # [num_tokens, hidden]; the stream layers add to
+        for i in range(self.cfg.num_layers):
+            q, residual = self.before_attention(i, h, residual, ctx, kv_caches[i])
+            h, residual = self.after_attention(i, self.attention(i, q, ctx, kv_caches[i]), residual, ctx)
         if not logits:
             return None
         rows = torch.cat([ctx.logits_indices, ctx.context_indices]) if with_context else ctx.logits_indices
-        last, _ = ops.add_rms_norm(h[rows], residual[rows], w["norm"], cfg.rms_norm_eps)
-        return ops.linear(last, w["lm_head"], None).float()
+        return self.logits(h, residual, rows)
 
-    def _attention(self, i: int, x: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:
+    def embed(self, ctx: StepContext) -> torch.Tensor:
+        return F.embedding(ctx.input_ids, self.w["embed_tokens"])
+
+    def before_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext,
+                         kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to its attention: the norm, q/k/v (with adapters), RoPE and the new tokens' K/V into the
+        cache. Returns q [num_tokens, num_heads, head_dim] and the residual stream."""
         cfg, w, ops = self.cfg, self.w, self.ops
+        x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
         qkv = linear(ops, x, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"), ctx.lora, i, "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                 # [num_tokens, num_heads, head_dim]
@@ -53,8 +51,30 @@ class LlamaModel:
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache
         q = ops.rotary_and_cache(q, k, v, ctx.positions, self.cos_sin, k_cache, v_cache, ctx.attn.slot_mapping)
-        o = ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, cfg.sliding_window)
-        out = linear(ops, o.flatten(1), w[f"layers.{i}.o_proj"], None, ctx.lora, i, "o")
+        return q, residual
+
+    def attention(self, i: int, q: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:
+        """[num_tokens, num_heads * head_dim]: each token's attention over its sequence's cached context."""
+        k_cache, v_cache = kv_cache
+        return self.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, self.cfg.sliding_window).flatten(1)
+
+    def after_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, ctx: StepContext,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i from its attention's output: o (with adapters), the norm, the MLP (with adapters)."""
+        cfg, w, ops = self.cfg, self.w, self.ops
+        h = linear(ops, o, w[f"layers.{i}.o_proj"], None, ctx.lora, i, "o")
         if self.all_reduce is not None:
-            self.all_reduce(out)
-        return out
+            self.all_reduce(h)
+        x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
+        gate_up = linear(ops, x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
+        h = linear(ops, ops.silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
+        if self.all_reduce is not None:
+            self.all_reduce(h)
+        if ctx.between_layers is not None:
+            ctx.between_layers()
+        return h, residual
+
+    def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), vocab] fp32: the final norm and the LM head over the rows asked for."""
+        last, _ = self.ops.add_rms_norm(h[rows], residual[rows], self.w["norm"], self.cfg.rms_norm_eps)
+        return self.ops.linear(last, self.w["lm_head"], None).float()

@@ -14,7 +14,8 @@ from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
-from backend.model.self_check import check_graphs, check_kernels_or_fall_back
+from backend.model.piecewise import PiecewiseGraphs
+from backend.model.self_check import check_graphs, check_kernels_or_fall_back, check_piecewise_graphs
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
@@ -50,6 +51,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None          # steps with prompt chunks (one device only)
         self.device_bytes: int | None = None                   # weights, KV cache and adapter slots
         self.team = TeamSizer(active=self.device.type == "cpu")     # the stepping thread's OpenMP team
 
@@ -111,18 +113,24 @@ class ModelRunner:
                 and not self.kernel_fallbacks):         # the torch fallbacks do not take a graph's padding rows
             self.start_graphs(lora_cache, capture=True)
             if self.config.kernel_self_check != "false":
+                error = check_piecewise_graphs(self, lora_cache)
+                if error is not None:
+                    self.kernel_fallbacks["piecewise_graphs"], self.piecewise = error, None
                 error = check_graphs(self, lora_cache)
                 if error is not None:
                     self.kernel_fallbacks["graphs"], self.graphs = error, None
 
     def start_graphs(self, lora_cache: LoraCache, capture: bool) -> None:
-        """Decode graphs on this rank and on the workers (capture=False: their padded steps run eagerly, the CPU
-        tests' mode)."""
+        """Decode graphs on this rank and on the workers, piecewise graphs on one device (capture=False: their
+        padded steps run eagerly, the CPU tests' mode)."""
         if self.tp is not None:
             self.tp.start_graphs(capture)
         with on(self.device), torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.kv_caches, lora_cache.slots, self.config.max_num_seqs,
                                        self.block_size, self.device, capture)
+            if self.tp is None:
+                self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, lora_cache.slots,
+                                                 self.config.max_num_batched_tokens, self.device, capture)
 
     def graph_step(self, bucket: tuple[int, int], inputs: StepInputs, token_slots: list[int], plan,
                    lora_cache) -> torch.Tensor:
@@ -201,8 +209,11 @@ class ModelRunner:
         inputs = StepInputs(batch, self.block_size)
         plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        num_tokens = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
         if bucket is not None:
             logits = self.graph_step(bucket, inputs, token_slots, plan, lora_cache)
+        elif num_tokens is not None:
+            logits = self.piecewise.run(num_tokens, inputs, token_slots, self.staging, plan, lora_cache)
         else:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)

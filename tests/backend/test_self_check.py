@@ -10,7 +10,8 @@ from backend import LLMEngine
 from backend.metrics import gauges
 from backend.model.config import ModelConfig
 from backend.model.graphs import DecodeGraphs
-from backend.model.self_check import check_graphs, check_kernels
+from backend.model.piecewise import PiecewiseGraphs
+from backend.model.self_check import check_graphs, check_kernels, check_piecewise_graphs
 from kernels.dispatch import load_ops
 from tests.helpers import INTERPRETER_MARK, hf_greedy, random_prompts
 
@@ -97,6 +98,18 @@ def test_a_graph_that_differs_from_the_eager_step_is_caught(tiny_model_dir):
     replay = runner.graphs.run
     runner.graphs.run = lambda *args: replay(*args) + 0.5 * torch.arange(replay(*args).shape[-1])
     assert "max logit error" in check_graphs(runner, engine.lora_cache)
+
+
+def test_piecewise_graphs_whose_step_differs_from_the_eager_step_are_caught(tiny_model_dir):
+    """The same for the pieces of steps with prompt chunks (backend/model/piecewise.py)."""
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kv_cache_memory_bytes=1 << 20)
+    runner = engine.runner
+    runner.piecewise = PiecewiseGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 64, runner.device,
+                                       capture=False)
+    assert check_piecewise_graphs(runner, engine.lora_cache) is None
+    pieces = runner.piecewise.run
+    runner.piecewise.run = lambda *args: pieces(*args) + 0.5 * torch.arange(pieces(*args).shape[-1])
+    assert "a step of 3 prompts: max logit error" in check_piecewise_graphs(runner, engine.lora_cache)
 
 
 def test_tensor_parallel_workers_take_rank_0s_verdict(tiny_model_dir, hf_tiny, monkeypatch):
