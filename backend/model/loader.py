@@ -99,9 +99,10 @@ def _part(cfg: ModelConfig, split: str, key: str, tp_size: int, tp_rank: int) ->
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
-                 tp_size: int = 1, tp_rank: int = 0) -> dict[str, torch.Tensor]:
+                 tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True) -> dict[str, torch.Tensor]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
-    checkpoint tensor at a time passes through host memory, never the whole model."""
+    checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
+    LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     model_dir = Path(model_dir)
@@ -111,6 +112,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     weights = {}
     try:
         for name, source in translation_table(cfg).items():
+            if name == "lm_head" and not lm_head:
+                continue
             parts = []
             for key in source.keys:
                 if key not in key_files:

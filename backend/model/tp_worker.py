@@ -57,7 +57,7 @@ class Worker:
         self.ops = load_ops(args.kernel_backend, self.device)
         apply_fallbacks(self.ops, set(args.kernel_fallbacks.split(",")) - {"none"})
         weights = self.ops.prepare_weights(load_weights(args.model_dir, full, self.dtype, self.device, args.size,
-                                                        args.rank))
+                                                        args.rank, lm_head=False))          # rank 0's logits
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
                                  self.device, rank_major_a=args.rank_major_a == "true")

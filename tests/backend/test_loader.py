@@ -56,6 +56,14 @@ def test_tensor_parallel_slices_reassemble_the_full_weights(tiny_model_dir, tp_s
     assert torch.equal(ranks[1]["embed_tokens"], full["embed_tokens"])
 
 
+def test_a_tensor_parallel_worker_loads_no_lm_head(tiny_model_dir):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    share = load_weights(tiny_model_dir, cfg, torch.float32, tp_size=2, tp_rank=1)
+    worker = load_weights(tiny_model_dir, cfg, torch.float32, tp_size=2, tp_rank=1, lm_head=False)
+    assert set(share) - set(worker) == {"lm_head"}
+    assert all(torch.equal(worker[name], share[name]) for name in worker)
+
+
 def test_tied_embeddings_reuse_the_embedding_matrix(tiny_model_dir, tmp_path):
     path = copy_model(tiny_model_dir, tmp_path / "tied")
     config = json.loads((path / "config.json").read_text())
