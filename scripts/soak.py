@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from statistics import mean
 from pathlib import Path
+from statistics import mean
 
 import numpy as np
 
