@@ -162,9 +162,9 @@ def second_half_growth(samples: list[dict], duration_s: float, window_s: float =
     last = [s for s in under_load if s["t"] >= end - window_s]
     middle = [s for s in under_load if abs(s["t"] - end / 2) <= window_s / 2] or \
         [min(under_load, key=lambda s: abs(s["t"] - end / 2))]
-    names = [name for name in under_load[-1] if name.startswith(("tritonserver", "stub", "weights"))]
-    return {name: mean(s[name] for s in last) / mean(s[name] for s in middle) - 1 for name in names
-            if mean(s[name] for s in middle) > 0}
+    base = {name: mean(s[name] for s in middle) for name in under_load[-1]
+            if name.startswith(("tritonserver", "stub", "weights"))}
+    return {name: mean(s[name] for s in last) / value - 1 for name, value in base.items() if value > 0}
 
 
 def main() -> None:

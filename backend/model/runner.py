@@ -209,11 +209,11 @@ class ModelRunner:
         inputs = StepInputs(batch, self.block_size)
         plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
-        num_tokens = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
+        token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
         if bucket is not None:
             logits = self.graph_step(bucket, inputs, token_slots, plan, lora_cache)
-        elif num_tokens is not None:
-            logits = self.piecewise.run(num_tokens, inputs, token_slots, self.staging, plan, lora_cache)
+        elif token_bucket is not None:
+            logits = self.piecewise.run(token_bucket, inputs, token_slots, self.staging, plan, lora_cache)
         else:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
         wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)

@@ -232,6 +232,12 @@ def probe_sequences(runner) -> list[Sequence]:
     return seqs
 
 
+def eager_logits(runner, batch: Batch, seqs: list[Sequence], lora_cache) -> torch.Tensor:
+    """The same step run eagerly (fresh inputs and sampling plan: the graphed run consumed its own), fp32."""
+    return runner._forward(batch, StepInputs(batch, runner.block_size),
+                           sampler.prepare(seqs, runner.model_config.vocab_size), [], lora_cache).float()
+
+
 def differs(runner, what: str, graphed: torch.Tensor, eager: torch.Tensor) -> str | None:
     """Why a graphed step's logits differ from the eager step's (beyond the dtype's tolerance, or greedy tokens), or
     None."""
@@ -255,8 +261,7 @@ def check_piecewise_graphs(runner, lora_cache) -> str | None:
     with on(runner.device), torch.inference_mode():
         graphed = runner.piecewise.run(bucket, inputs, [], runner.staging, sampler.prepare(seqs, vocab),
                                        lora_cache).float().clone()
-        eager = runner._forward(batch, StepInputs(batch, runner.block_size), sampler.prepare(seqs, vocab), [],
-                                lora_cache).float()
+        eager = eager_logits(runner, batch, seqs, lora_cache)
     return differs(runner, "a step of 3 prompts", graphed, eager)
 
 
@@ -273,6 +278,5 @@ def check_graphs(runner, lora_cache) -> str | None:
         inputs = StepInputs(batch, runner.block_size)
         graphed = runner.graph_step(runner.graphs.bucket_for(inputs), inputs, [], sampler.prepare(seqs, vocab),
                                     lora_cache).float().clone()
-        eager = runner._forward(batch, StepInputs(batch, runner.block_size), sampler.prepare(seqs, vocab), [],
-                                lora_cache).float()
+        eager = eager_logits(runner, batch, seqs, lora_cache)
     return differs(runner, "a decode step of 3 sequences", graphed, eager)
