@@ -1,10 +1,11 @@
 """Guided decoding (TensorRT-LLM's guided_decoding_backend "xgrammar"): a request's output follows a JSON schema,
-any JSON, a regex or an EBNF grammar. Grammars compile once (cached by xgrammar) off the engine loop; each step
-the sampler's host half fills one token bitmask row per guided sequence from its matcher, and the device half
-masks those rows (backend/sampler.py)."""
+any JSON, a regex or an EBNF grammar. Grammars compile once (cached by xgrammar, within GRAMMAR_CACHE_BYTES) off the
+engine loop; each step the sampler's host half fills one token bitmask row per guided sequence from its matcher, and
+the device half masks those rows (backend/sampler.py)."""
 from backend.request import RequestError
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+GRAMMAR_CACHE_BYTES = 256 << 20               # compiled grammars kept for reuse; the least recently used go first
 
 
 class GuidedDecoding:
@@ -14,7 +15,7 @@ class GuidedDecoding:
         self.xgr = xgrammar
         tokenizer = tokenizer_from_dir(tokenizer_dir)
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1)
+        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     def compile(self, guide_type: str, guide: str):
         """The compiled grammar of a request, or a RequestError naming what is wrong with it."""

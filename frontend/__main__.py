@@ -3,6 +3,9 @@
 The OpenAI-compatible API on tritonserver's core model. API keys come from the environment
 (LORA_LLM_OPENAI_API_KEY for completions, chat and models; LORA_LLM_OPENAI_ADMIN_KEY for adapter loading) or from
 --api-key-file (JSON: {"inference": "...", "admin": "..."}); they are never logged.
+Loading adapters at run time is off unless --allow-runtime-lora-updating (or LORA_LLM_ALLOW_RUNTIME_LORA_UPDATING=true)
+turns it on; then it needs an admin key distinct from the inference key (both keys off loopback), and loads only
+from the adapter store and --lora-roots.
 """
 import argparse
 import json
@@ -41,17 +44,34 @@ def main() -> None:
                                                    "served with the frontend's own at /metrics")
     parser.add_argument("--adapter-cache-bytes", type=int, default=1 << 30,
                         help="adapters held ready to send, read at start while they fit (fp16 TensorRT-LLM tensors)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        default=env_flag("LORA_LLM_ALLOW_RUNTIME_LORA_UPDATING"),
+                        help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (needs an admin key)")
+    parser.add_argument("--lora-roots", default="",
+                        help="comma list of folders, besides the adapter store, that adapters may be loaded from")
+    parser.add_argument("--max-lora-rank", type=int, default=int(os.environ.get("LORA_LLM_MAX_LORA_RANK", 64)),
+                        help="the engine's max_lora_rank: loaded adapters are checked against it")
     args = parser.parse_args()
 
     import uvicorn
 
     from frontend.app import FrontendConfig, create_app
     inference_key, admin_key = api_keys(args.api_key_file)
-    config = FrontendConfig(model_dir=args.model_dir, grpc_url=args.grpc_url, core_model=args.core_model,
-                            served_model_name=args.served_model_name, adapter_store=args.adapter_store,
-                            lora_separator=args.lora_separator, api_key=inference_key, admin_key=admin_key,
-                            adapter_cache_bytes=args.adapter_cache_bytes, core_metrics_url=args.core_metrics_url)
+    try:
+        config = FrontendConfig(model_dir=args.model_dir, grpc_url=args.grpc_url, core_model=args.core_model,
+                                served_model_name=args.served_model_name, adapter_store=args.adapter_store,
+                                lora_separator=args.lora_separator, api_key=inference_key, admin_key=admin_key,
+                                adapter_cache_bytes=args.adapter_cache_bytes, core_metrics_url=args.core_metrics_url,
+                                allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                                lora_roots=tuple(r for r in args.lora_roots.split(",") if r),
+                                max_lora_rank=args.max_lora_rank, host=args.host)
+    except ValueError as err:
+        sys.exit(f"[frontend] refusing to start: {err}")
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ again only when the core answers that it no longer has them.
 import asyncio
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from frontend.errors import OpenAIError
-from frontend.tensors import AdapterInputs, AdapterTensors
+from frontend.tensors import AdapterInputs, AdapterInvalid, AdapterLimits, AdapterTensors
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 ADAPTER_FILES = ("adapter_config.json", "model.lora_weights.npy")
@@ -54,6 +55,7 @@ class Adapter:
     accepted: bool = False
     upload: asyncio.Future | None = field(default=None, repr=False)     # set while a request carries the weights
     cache: AdapterTensors = field(default_factory=AdapterTensors, repr=False)
+    in_store: bool = False                            # one of the store's: never unloaded
 
     async def begin(self) -> asyncio.Future | None:
         """Before a request: an upload ticket when it must carry the weights, else None. While another request's
@@ -85,20 +87,29 @@ class Adapter:
 
 
 class AdapterStore:
-    """Names -> adapters: the store's folders at start, plus those loaded and unloaded at run time."""
+    """Names -> adapters: the store's folders at start, plus those loaded and unloaded at run time (when the
+    operator allows it) from folders under the store or the allowed roots."""
 
-    def __init__(self, root: Path | None, base_name: str, separator: str = "_lora_", cache_bytes: int = 1 << 30):
+    def __init__(self, root: Path | None, base_name: str, separator: str = "_lora_", cache_bytes: int = 1 << 30,
+                 limits: AdapterLimits | None = None, roots: tuple[str, ...] = ()):
         self.base_name = base_name
         self.separator = separator
-        self.cache = AdapterTensors(cache_bytes)
+        self.cache = AdapterTensors(cache_bytes, limits)
         self.adapters: dict[str, Adapter] = {}
+        self.loading: set[str] = set()                      # names whose load is under way: one at a time
+        self.roots = [Path(os.path.realpath(r)) for r in ([root] if root is not None else []) + list(roots)]
         if root is not None:
             for name, (path, task_id) in scan(Path(root)).items():
-                self.adapters[name] = Adapter(name, path, task_id, cache=self.cache)
+                self.adapters[name] = Adapter(name, path, task_id, cache=self.cache, in_store=True)
 
-    def prepare(self) -> None:
-        """Read the store's adapters into the tensor cache while they fit (at start, off the event loop)."""
-        self.cache.prepare([adapter.path for adapter in self.adapters.values()])
+    def prepare(self) -> list[str]:
+        """Read the store's adapters into the tensor cache while they fit (at start, off the event loop); those
+        that cannot be served are dropped. -> a line for each dropped."""
+        broken = dict(self.cache.prepare([adapter.path for adapter in self.adapters.values()]))
+        dropped = {name: broken[a.path] for name, a in self.adapters.items() if a.path in broken}
+        for name in dropped:
+            del self.adapters[name]
+        return [f"adapter {name!r} is not served: {why}" for name, why in dropped.items()]
 
     def resolve(self, model: str) -> Adapter | None:
         """The adapter a request's `model` names: `<adapter>` or `<base><separator><adapter>`; None for the base."""
@@ -111,26 +122,58 @@ class AdapterStore:
             return self.adapters[model[len(prefix):]]
         raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
-    def load(self, name: str, path: str) -> Adapter:
-        """Serve the adapter in `path` under `name` (vLLM's /v1/load_lora_adapter)."""
+    async def load(self, name: str, path: str) -> Adapter:
+        """Serve the adapter in `path` under `name` (vLLM's /v1/load_lora_adapter), checked whole, off the event
+        loop, before it is registered; a second load of a name under way is refused."""
         if not NAME_RE.fullmatch(name or "") or name == self.base_name:
             raise OpenAIError(400, f"lora_name {name!r} must be 1-128 letters, digits, '.', '_' or '-' and not the "
                                    "base model's name", param="lora_name")
-        if name in self.adapters:
-            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        folder = Path(path or "")
-        if not is_adapter_dir(folder):
-            raise OpenAIError(400, f"lora_path {path!r} holds neither a PEFT adapter (adapter_config.json) nor "
-                                   "TensorRT-LLM files (model.lora_weights.npy)", param="lora_path")
-        adapter = Adapter(name, folder, derived_task_id(name, folder), cache=self.cache)
-        self.adapters[name] = adapter
-        return adapter
+        if name in self.adapters or name in self.loading:
+            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded"
+                                   f"{'' if name in self.adapters else ' (its load is under way)'}.",
+                              param="lora_name")
+        self.loading.add(name)
+        try:
+            folder = self.allowed(path)
+            try:
+                await self.cache.get(folder)
+            except AdapterInvalid as err:
+                raise OpenAIError(400, f"lora_path {path!r} is not a valid adapter for this model: {err}",
+                                  param="lora_path") from None
+            task_id = await asyncio.to_thread(derived_task_id, name, folder)
+            adapter = Adapter(name, folder, task_id, cache=self.cache)
+            self.adapters[name] = adapter
+            return adapter
+        finally:
+            self.loading.discard(name)
+
+    def allowed(self, path: str) -> Path:
+        """The real folder `path` names, when it and everything in it lie under one of the roots (a relative path is
+        taken from the store); anything else is refused without saying what exists outside."""
+        if not self.roots:
+            raise OpenAIError(400, "lora_path: no adapter roots are configured (--adapter-store, --lora-roots)",
+                              param="lora_path")
+        folder = Path(os.path.realpath(self.roots[0] / (path or "")))
+        root = next((r for r in self.roots if folder.is_relative_to(r)), None)
+        outside = OpenAIError(400, f"lora_path {path!r} is not an adapter folder under the adapter store or the "
+                                   "allowed roots", param="lora_path")
+        if root is None or not is_adapter_dir(folder):
+            raise outside
+        for entry in folder.rglob("*"):                    # a link inside that leads out
+            if not Path(os.path.realpath(entry)).is_relative_to(root):
+                raise outside
+        return folder
 
     def unload(self, name: str) -> None:
-        """Stop serving `name`; the core's caches let the weights go by their own LRU."""
-        adapter = self.adapters.pop(name, None)
+        """Stop serving `name`; the core's caches let the weights go by their own LRU. The store's own adapters
+        stay."""
+        adapter = self.adapters.get(name)
         if adapter is None:
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
+        if adapter.in_store:
+            raise OpenAIError(400, f"The lora adapter '{name}' is served from the adapter store and cannot be "
+                                   "unloaded.", param="lora_name")
+        del self.adapters[name]
         self.cache.drop(adapter.path)
 
 

@@ -1,15 +1,20 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, adapters by name, API keys."""
 import asyncio
 import hmac
+import ipaddress
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from backend.model.config import ModelConfig
 from frontend.adapters import AdapterStore
 from frontend.core import CoreClient
 from frontend.errors import OpenAIError
@@ -20,8 +25,15 @@ from frontend.responses import DONE, Responses, event
 from frontend.sampling import ModelInfo, check_supported, core_arrays, max_tokens
 from frontend.schemas import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, SamplingRequest,
                               UnloadAdapterRequest)
+from frontend.tensors import AdapterLimits
 
 COMPLETION_MAX_TOKENS = 16                    # the legacy API's default; chat defaults to what the context leaves
+TEXT_THREADS = 2                              # tokenizing and chat templates, off the event loop
+RETRY_AFTER_S = 1                             # a 429's Retry-After: the core's queue drains in steps of ms
+LOADING_OFF = ("runtime adapter loading is off: the operator turns it on with --allow-runtime-lora-updating "
+               "(or LORA_LLM_ALLOW_RUNTIME_LORA_UPDATING=true) and an admin key")
+ERROR_KINDS = {401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 429: "RateLimitError"}
+log = logging.getLogger("frontend")
 
 
 @dataclass
@@ -33,46 +45,92 @@ class FrontendConfig:
     adapter_store: str | None = None
     lora_separator: str = "_lora_"
     api_key: str | None = None                # the inference group: completions, chat, models
-    admin_key: str | None = None              # the admin group: adapter loading (the api key when unset)
+    admin_key: str | None = None              # the admin group: adapter loading (never the inference key)
     max_body_bytes: int = 32 << 20
     adapter_cache_bytes: int = 1 << 30        # adapters held ready to send (fp16 TensorRT-LLM tensors)
     core_metrics_url: str | None = None       # tritonserver's metrics, served with ours at /metrics
+    allow_runtime_lora_updating: bool = False # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    lora_roots: tuple[str, ...] = ()          # folders (besides the store) adapters may be loaded from
+    max_lora_rank: int = 64                   # the engine's: adapters are checked against it when loaded
+    host: str = "127.0.0.1"                   # where the API listens: keys are required off loopback
+    warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.adapter_cache_bytes < 0:
             raise ValueError(f"adapter_cache_bytes must be >= 0, got {self.adapter_cache_bytes}")
+        if not self.allow_runtime_lora_updating:
+            return
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("runtime adapter loading needs an admin key distinct from the inference key")
+        if not is_loopback(self.host) and (self.admin_key is None or self.api_key is None):
+            raise ValueError(f"runtime adapter loading on {self.host}, beyond loopback, needs both keys: "
+                             "LORA_LLM_OPENAI_API_KEY and LORA_LLM_OPENAI_ADMIN_KEY (or --api-key-file)")
+        if self.api_key is not None and self.admin_key is None:
+            raise ValueError("runtime adapter loading needs an admin key (LORA_LLM_OPENAI_ADMIN_KEY or "
+                             "--api-key-file's \"admin\") beside the inference key")
+        if self.admin_key is None:
+            self.warnings.append("runtime adapter loading is on without keys: anyone on this host can load "
+                                 "adapters from the store and the allowed roots (for local development only)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
     info = ModelInfo.from_dir(config.model_dir, config.served_model_name)
+    limits = AdapterLimits(ModelConfig.from_dir(config.model_dir), config.max_lora_rank)
     store = AdapterStore(Path(config.adapter_store) if config.adapter_store else None, info.name,
-                         config.lora_separator, config.adapter_cache_bytes)
+                         config.lora_separator, config.adapter_cache_bytes, limits, config.lora_roots)
+    text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="text")
     state: dict = {}
+    for warning in config.warnings:
+        log.warning(warning)
 
     @asynccontextmanager
     async def lifespan(app):
         state["core"] = CoreClient(config.grpc_url, config.core_model)
-        await asyncio.to_thread(store.prepare)              # the store's adapters ready to send, budget allowing
+        for line in await asyncio.to_thread(store.prepare):  # the store's adapters ready to send, budget allowing
+            log.warning(line)
         yield
         await state["core"].close()
+        text_threads.shutdown(cancel_futures=True)
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(text_threads, fn, *args)
 
     app = FastAPI(title="lora-llm-triton OpenAI-compatible API", lifespan=lifespan)
+    app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(RequestCounter)
     inference = Depends(key_check(config.api_key))
-    admin = Depends(key_check(config.admin_key or config.api_key))
+    admin = Depends(key_check(config.admin_key))
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request, err: OpenAIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, err: HTTPException):         # unknown routes, methods, a body past the limit
+        if isinstance(err, BodyTooLarge):
+            return error_response(err.error)
+        kind = ERROR_KINDS.get(err.status_code, "BadRequestError" if err.status_code < 500 else "InternalServerError")
+        return error_response(OpenAIError(err.status_code, str(err.detail), kind))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, err: RequestValidationError):
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"][1:]) or "body"
-        return JSONResponse(OpenAIError(400, f"{param}: {first['msg']}", param=param).body(), status_code=400)
+        message = "is not supported (an unknown or unimplemented field)" if first["type"] == "extra_forbidden" \
+            else first["msg"]
+        return error_response(OpenAIError(400, f"{param}: {message}", param=param))
 
     @app.get("/health")
     async def health():
@@ -88,27 +146,33 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def models():
         created = int(time.time())
         entry = {"object": "model", "created": created, "owned_by": "lora-llm-triton", "max_model_len": info.max_context}
-        data = [entry | {"id": info.name, "root": str(config.model_dir), "parent": None}]
-        data += [entry | {"id": a.name, "root": str(a.path), "parent": info.name} for a in store.adapters.values()]
+        data = [entry | {"id": info.name, "root": info.name, "parent": None}]       # names, never server paths
+        data += [entry | {"id": a.name, "root": a.name, "parent": info.name} for a in list(store.adapters.values())]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions", dependencies=[inference])
     async def completions(req: CompletionRequest, request: Request):
-        prompts, texts = completion_prompts(req, info)
+        prompts, texts = await off_loop(completion_prompts, req, info)
         return await serve(request, req, prompts, chat=False, echo=texts if req.echo else None)
 
     @app.post("/v1/chat/completions", dependencies=[inference])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await serve(request, req, [chat_prompt(req, info)], chat=True)
+        return await serve(request, req, [await off_loop(chat_prompt, req, info)], chat=True)
 
     @app.post("/v1/load_lora_adapter", dependencies=[admin])
     async def load_adapter(req: LoadAdapterRequest):
-        await asyncio.to_thread(store.load, req.lora_name, req.lora_path)
+        if not config.allow_runtime_lora_updating:
+            raise OpenAIError(403, LOADING_OFF, "PermissionDeniedError", code="lora_updating_disabled")
+        adapter = await store.load(req.lora_name, req.lora_path)
+        log.warning("adapter %r loaded (task id %d)", adapter.name, adapter.task_id)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=[admin])
     async def unload_adapter(req: UnloadAdapterRequest):
+        if not config.allow_runtime_lora_updating:
+            raise OpenAIError(403, LOADING_OFF, "PermissionDeniedError", code="lora_updating_disabled")
         store.unload(req.lora_name)
+        log.warning("adapter %r unloaded", req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def serve(request: Request, req: SamplingRequest, prompts: list[list[int]], chat: bool,
@@ -215,8 +279,14 @@ def key_check(key: str | None):
     return check
 
 
+def error_response(err: OpenAIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
 class BodyLimit:
-    """Refuses request bodies past max_bytes (413) before they are read whole into memory."""
+    """Refuses request bodies past max_bytes (413) before they are read whole into memory: by their
+    Content-Length, or (chunked) as soon as what arrived passes the limit."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -225,18 +295,65 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and int(length) > self.max_bytes:
-            too_large = OpenAIError(413, f"request body of {int(length)} bytes exceeds {self.max_bytes}",
-                                    param="body", code="request_too_large")
-            return await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
-        seen = 0
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(self.too_large(int(length)))(scope, receive, send)
+        seen, started = 0, False
 
         async def counted():
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                return {"type": "http.disconnect"}
+                raise BodyTooLarge(self.too_large(seen))
             return message
-        return await self.app(scope, counted, send)
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, counted, watched)
+        except BodyTooLarge:
+            if not started:
+                await error_response(self.too_large(seen))(scope, receive, send)
+
+    def too_large(self, num_bytes: int) -> OpenAIError:
+        return OpenAIError(413, f"body: a request body of at least {num_bytes} bytes exceeds the limit of "
+                                f"{self.max_bytes}", param="body", code="request_too_large")
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read; an HTTPException, so that FastAPI passes it on rather than answering a 400."""
+
+    def __init__(self, err: OpenAIError):
+        super().__init__(413, err.message)
+        self.error = err
+
+
+class CatchAll:
+    """Any error no handler answered becomes a 500 in OpenAI's shape (logged with its traceback, not sent), so that
+    the client gets JSON and its keep-alive connection stays usable."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, watched)
+        except BodyTooLarge:
+            raise
+        except Exception:
+            log.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                err = OpenAIError(500, "internal error: the server could not answer this request (it is logged)",
+                                  "InternalServerError", code="internal_error")
+                await error_response(err)(scope, receive, send)

@@ -5,6 +5,7 @@ token). Closing a request's stream early (a client gone, every choice stopped) c
 its KV blocks at its next cancellation check.
 """
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -16,10 +17,16 @@ from client.grpc_client import NOT_FOUND, infer_request, infer_request_bytes
 from frontend.adapters import Adapter
 from frontend.errors import OpenAIError, from_core
 from frontend.metrics import UPLOADS
+from frontend.tensors import AdapterInvalid
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 READY = "/inference.GRPCInferenceService/ModelReady"
-UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+# Messages of any size (adapter uploads); after an outage, a connection tried every 0.1-1 s rather than with gRPC's
+# default backoff (1 s growing to 120 s: the API reached a restarted tritonserver 12-18 s after it listened).
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+log = logging.getLogger("frontend.core")
 
 
 @dataclass(slots=True)
@@ -34,7 +41,7 @@ class CoreClient:
     def __init__(self, url: str, model: str = "lora_llm"):
         self.url = url
         self.model = model
-        self.channel = grpc.aio.insecure_channel(url, options=UNLIMITED)
+        self.channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
         self.stream = self.channel.stream_stream(STREAM, response_deserializer=
                                                  service_pb2.ModelStreamInferResponse.FromString)
         self.model_ready = self.channel.unary_unary(READY, response_deserializer=
@@ -79,7 +86,11 @@ class CoreClient:
             parameters["lora_name"] = adapter.name
         if not carries:
             return infer_request(self.model, arrays, request_id, parameters).SerializeToString()
-        prepared = await adapter.inputs()
+        try:
+            prepared = await adapter.inputs()
+        except AdapterInvalid as err:                  # a store adapter read on first use
+            raise OpenAIError(500, f"adapter '{adapter.name}' cannot be served: {err}", "InternalServerError",
+                              code="adapter_invalid") from None
         arrays["lora_config"] = prepared.config
         return infer_request_bytes(self.model, arrays, request_id, parameters,
                                    large={"lora_weights": ("FP16", prepared.weights_shape, prepared.weights)})
@@ -108,9 +119,10 @@ class CoreClient:
                     return
             raise OpenAIError(503, "the core model closed its stream before the final response",
                               "ServiceUnavailableError", code="service_unavailable")
-        except grpc.aio.AioRpcError as err:
-            raise OpenAIError(503, f"the core model is unavailable: {err.code().name}: {err.details()}",
-                              "ServiceUnavailableError", code="service_unavailable") from None
+        except grpc.aio.AioRpcError as err:                # its details name internal addresses: logged, not sent
+            log.warning("core stream failed: %s: %s", err.code().name, err.details())
+            raise OpenAIError(503, f"the core model is unavailable ({err.code().name})", "ServiceUnavailableError",
+                              code="service_unavailable") from None
         finally:
             call.cancel()                              # no-op once it ended; cancels the request in the core otherwise
 

@@ -1,4 +1,5 @@
-"""Prompts as token ids: the completions API's strings and id lists, and chat messages through the model's template."""
+"""Prompts as token ids: the completions API's strings and id lists, and chat messages through the model's template.
+Text that could not fit the context is refused before it is tokenized; the callers run these off the event loop."""
 from frontend.errors import bad_request
 from frontend.sampling import ModelInfo
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
@@ -17,6 +18,9 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> tuple[list[li
         items = list(prompt)
     if not items or len(items) > MAX_PROMPTS:
         raise bad_request("prompt", f"must hold 1 to {MAX_PROMPTS} prompts, got {len(items)}")
+    for item in items:
+        if isinstance(item, str):
+            check_chars("prompt", len(item), info)
     ids, texts = [], []
     for item in items:
         if isinstance(item, str):
@@ -33,12 +37,20 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> tuple[list[li
     return ids, texts
 
 
+def check_chars(param: str, num_chars: int, info: ModelInfo) -> None:
+    """Refuse text that cannot fit the context before tokenizing it (a token holds at most max_token_chars)."""
+    if num_chars > info.max_prompt_chars:
+        raise bad_request(param, f"{num_chars} characters cannot fit the model's context of {info.max_context} "
+                                 f"tokens (a token holds at most {info.max_token_chars} characters)")
+
+
 def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
     """The messages rendered by the model's own chat template, as token ids."""
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    check_chars("messages", sum(len(m["content"]) for m in messages), info)
     try:
         text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                  tokenize=False)
+                                                  continue_final_message=req.continue_final_message, tokenize=False)
     except Exception as err:                    # a template may refuse an order of roles
         raise bad_request("messages", f"the model's chat template refused them: {err}") from None
     return info.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -9,6 +9,7 @@ from frontend.errors import bad_request
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 MAX_STOP_TOKENS = 64                          # the core's max_word_len
+GUIDE_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,11 @@ class ModelInfo:
     vocab_size: int
     max_context: int                          # prompt + output tokens (max_position_embeddings)
     end_ids: tuple[int, ...]                  # the model's end-of-sequence tokens
+    max_token_chars: int = 64                 # the longest token's text: a prompt past max_context x this cannot fit
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_context * self.max_token_chars
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name: str | None = None) -> "ModelInfo":
@@ -31,8 +37,9 @@ class ModelInfo:
         tokenizer = tokenizer_from_dir(model_dir)
         eos = eos if eos is not None else tokenizer.eos_token_id
         end_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        longest = max(map(len, tokenizer.get_vocab()))          # a token's text is at most as long as its string
         return cls(name or model_dir.name, tokenizer, config["vocab_size"], config["max_position_embeddings"],
-                   end_ids)
+                   end_ids, longest)
 
 
 def check_supported(req: SamplingRequest) -> None:
@@ -43,6 +50,19 @@ def check_supported(req: SamplingRequest) -> None:
         raise bad_request("best_of", f"must be 1 or n ({req.n}): choices are not ranked, got {req.best_of}")
     if req.response_format and req.response_format.type == "json_schema" and not req.response_format.json_schema:
         raise bad_request("response_format", "type json_schema needs json_schema.schema")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options", "is only allowed when stream is true")
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if asked is not None and req.min_tokens > asked:
+        raise bad_request("min_tokens", f"{req.min_tokens} exceeds max_tokens {asked}")
+    guides = [name for name in GUIDE_FIELDS if getattr(req, name) is not None]
+    if req.response_format and req.response_format.type != "text":
+        guides.insert(0, "response_format")
+    if len(guides) > 1:
+        raise bad_request(guides[1], f"one guide per request: {guides[0]} is already set")
+    outputs = req.structured_outputs
+    if outputs is not None and sum(v is not None and v is not False for v in outputs.model_dump().values()) != 1:
+        raise bad_request("structured_outputs", "must set exactly one of json, regex, grammar, choice, json_object")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix", "is not supported (no fill-in-the-middle)")
@@ -52,6 +72,8 @@ def check_supported(req: SamplingRequest) -> None:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo", "with logprobs would need the prompt's log probs, which are not supported")
     if isinstance(req, ChatCompletionRequest):
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message", "needs add_generation_prompt false")
         if req.tools or req.tool_choice not in (None, "none"):
             raise bad_request("tools", "tool calling is not supported")
         if req.top_logprobs:
@@ -106,12 +128,39 @@ def core_arrays(req: SamplingRequest, prompt_ids: list[int], num_tokens: int, in
         arrays["embedding_bias"] = logit_bias(req.logit_bias, info.vocab_size)[None]
     if log_probs:
         arrays["return_log_probs"] = scalar(True, np.bool_)
-    if req.response_format is not None and req.response_format.type != "text":
-        guide_type, guide = ("json", "") if req.response_format.type == "json_object" else \
-            ("json_schema", json.dumps(req.response_format.json_schema.schema_))
-        arrays["guided_decoding_guide_type"] = np.array([[guide_type.encode()]], dtype=np.object_)
-        arrays["guided_decoding_guide"] = np.array([[guide.encode()]], dtype=np.object_)
+    guided = guide(req)
+    if guided is not None:
+        arrays["guided_decoding_guide_type"] = np.array([[guided[0].encode()]], dtype=np.object_)
+        arrays["guided_decoding_guide"] = np.array([[guided[1].encode()]], dtype=np.object_)
     return arrays
+
+
+def guide(req: SamplingRequest) -> tuple[str, str] | None:
+    """The request's guide as the core's (guided_decoding_guide_type, guided_decoding_guide): OpenAI's
+    response_format, or vLLM's guided_* fields and structured_outputs, each mapped onto the same guided decoding."""
+    if req.response_format is not None and req.response_format.type != "text":
+        if req.response_format.type == "json_object":
+            return "json", ""
+        return "json_schema", json.dumps(req.response_format.json_schema.schema_)
+    outputs = req.structured_outputs
+    if outputs is not None:
+        if outputs.json_object:
+            return "json", ""
+        return guide_of(outputs.json_, outputs.regex, outputs.grammar, outputs.choice)
+    return guide_of(req.guided_json, req.guided_regex, req.guided_grammar, req.guided_choice)
+
+
+def guide_of(schema: dict | str | None, regex: str | None, grammar: str | None,
+             choice: list[str] | None) -> tuple[str, str] | None:
+    if schema is not None:
+        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+    if regex is not None:
+        return "regex", regex
+    if grammar is not None:
+        return "ebnf_grammar", grammar
+    if choice is not None:                       # exactly one of the strings: a grammar of literal alternatives
+        return "ebnf_grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+    return None
 
 
 def stop_tokens(stop: list[str], info: ModelInfo) -> list[list[int]]:

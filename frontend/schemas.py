@@ -1,8 +1,8 @@
 """The OpenAI request bodies we accept (pydantic, so a bad field is named in a 400), and their core inputs.
 
-Parameters the engine lacks are refused by name rather than ignored: a client that asks for tools or top
-alternatives gets an error, not a silently different answer. Unknown extra fields are ignored, as OpenAI's own
-clients send some that change nothing here (`user`, `metadata`, `store`, ...).
+Parameters the engine lacks are refused by name rather than ignored: a client that asks for tools, top alternatives
+or a chat template of its own gets an error, not a silently different answer. So is any field we do not know. The
+fields OpenAI's own clients send that change nothing here (`user`, `metadata`, ...) are accepted as what they are.
 """
 from typing import Literal
 
@@ -11,31 +11,47 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_N = 64                                    # the core's num_return_sequences limit
 MAX_STOP = 16                                 # stop strings per request
 MAX_STOP_CHARS = 256
+INT32_MAX = (1 << 31) - 1                     # the core's INT32 inputs: max_tokens, top_k, min_tokens
+MAX_CHOICES = 256                             # guided_choice alternatives
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
 
 
-class JsonSchema(BaseModel):
+class JsonSchema(Strict):
     name: str = "response"
+    description: str | None = None
     schema_: dict = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
 
-class SamplingRequest(BaseModel):
+class StructuredOutputs(Strict):
+    """vLLM's structured_outputs: one of a JSON schema, a regex, a grammar (EBNF) or a list of choices."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    json_object: bool | None = None
+
+
+class SamplingRequest(Strict):
     """What completions and chat completions share."""
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)                  # vLLM's extension: -1 or 0 for no limit
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)    # vLLM's extension: -1 or 0 for no limit
     min_p: float | None = Field(None, ge=0.0, le=1.0)       # only 0: the engine has no min-p
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)   # a list once validated
@@ -47,9 +63,19 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                                # vLLM's extension: outputs of exactly max_tokens
-    min_tokens: int = Field(0, ge=0)                        # vLLM's extension
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)          # vLLM's extension
     response_format: ResponseFormat | None = None
     best_of: int | None = None
+    guided_json: dict | str | None = None                   # vLLM's guided decoding (older names)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    structured_outputs: StructuredOutputs | None = None
+    # sent by OpenAI's clients; nothing here depends on them
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None                     # stored completions are not kept
+    service_tier: Literal["auto", "default"] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -86,16 +112,18 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = Field(None, max_length=0)   # tools are not supported: only an empty list
+    refusal: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -105,19 +133,21 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None                 # only with tools, which are refused
     add_generation_prompt: bool = True                      # vLLM's extension
+    continue_final_message: bool = False                    # vLLM's extension: the last message goes on
 
 
-class LoadAdapterRequest(BaseModel):
+class LoadAdapterRequest(Strict):
     lora_name: str
     lora_path: str
 
 
-class UnloadAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class UnloadAdapterRequest(Strict):
     lora_name: str
+    lora_int_id: int | None = None                          # vLLM's clients may send it; names are what we key by

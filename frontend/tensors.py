@@ -1,8 +1,9 @@
 """Adapters in the form the core takes them (TensorRT-LLM's fp16 tensors, the weights as the bytes a request
-carries), kept ready under a byte budget, as a TensorRT-LLM client holds its adapters ready to send: read and
-converted at start (up to the budget) or on first use, one at a time on a thread of their own, least recently
-used dropped first."""
+carries), checked as the core checks them and kept ready under a byte budget, as a TensorRT-LLM client holds its
+adapters ready to send: read and converted at start (up to the budget) or on first use, one at a time on a thread of
+their own, least recently used dropped first."""
 import asyncio
+import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "model.lora_weights.npy", "model.lora_config.npy")
+
+
+class AdapterInvalid(Exception):
+    """An adapter folder that cannot be served, and why (no paths in the message: it goes to clients)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLimits:
+    """What the served model accepts: its shape and the engine's max_lora_rank."""
+    model: object                             # backend.model.config.ModelConfig
+    max_lora_rank: int = 64
+
+    @property
+    def max_file_bytes(self) -> int:
+        """The largest an adapter's files may be: every module of every layer at max_lora_rank in fp32 (PEFT's
+        safetensors, or TensorRT-LLM rows padded to the widest), and 1 MiB for headers and JSON."""
+        from backend.lora.format import MODULE_NAMES, max_row_width
+        return len(MODULE_NAMES) * self.model.num_layers * max_row_width(self.model, self.max_lora_rank) * 4 + (1 << 20)
+
+    @property
+    def max_adapter_bytes(self) -> int:
+        """The largest valid adapter in fp16: max_lora_rank on every module of every layer."""
+        from backend.lora.format import module_shape
+        widths = sum(sum(module_shape(self.model, module)) for module in range(1, 8))
+        return 2 * self.max_lora_rank * self.model.num_layers * widths
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,20 +51,59 @@ class AdapterInputs:
         return len(self.weights) + self.config.nbytes
 
 
-def read_tensors(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(lora_weights [N, R] fp16, lora_config [N, 3] int32) of a PEFT or TensorRT-LLM adapter folder."""
-    from backend.lora.peft import load_lora_dir, peft_to_trtllm
+def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(lora_weights [N, R] fp16, lora_config [N, 3] int32) of a PEFT or TensorRT-LLM adapter folder; with `limits`,
+    checked as the core checks an upload (rows, modules, layers, ranks, finite values), files sized before read."""
+    from backend.lora.peft import peft_to_trtllm
+    if limits is not None:
+        size = sum((path / name).stat().st_size for name in ADAPTER_FILES if (path / name).is_file())
+        if size > limits.max_file_bytes:
+            raise AdapterInvalid(f"its files hold {size} bytes, more than an adapter of max_lora_rank "
+                                 f"{limits.max_lora_rank} on this model can ({limits.max_file_bytes})")
     if (path / "adapter_config.json").is_file():
-        weights, config = peft_to_trtllm(path, "float16")          # no fp32 copy of the whole adapter
+        config_text = guarded("adapter_config.json", (path / "adapter_config.json").read_text)
+        guarded("adapter_config.json", lambda: json.loads(config_text))
+        weights, config = guarded("adapter_model.safetensors", lambda: peft_to_trtllm(path, "float16"), path)
     else:
-        weights, config = load_lora_dir(path)
-    weights = weights.reshape(-1, weights.shape[-1])
-    return weights.astype(np.float16, copy=False), config.reshape(-1, 3).astype(np.int32, copy=False)
+        weights = guarded("model.lora_weights.npy", lambda: np.load(path / "model.lora_weights.npy"))
+        config = guarded("model.lora_config.npy", lambda: np.load(path / "model.lora_config.npy"))
+    if weights.ndim < 2 or config.ndim < 2 or not np.issubdtype(config.dtype, np.integer):
+        raise AdapterInvalid(f"lora_weights {list(weights.shape)} and lora_config {list(config.shape)} of "
+                             f"{config.dtype} are not TensorRT-LLM's [N, R] and integer [N, 3]")
+    weights = weights.reshape(-1, weights.shape[-1]).astype(np.float16, copy=False)
+    config = config.reshape(-1, config.shape[-1])
+    if limits is not None:
+        check(weights, config, limits)
+    return weights, config.astype(np.int32, copy=False)
+
+
+def check(weights: np.ndarray, config: np.ndarray, limits: AdapterLimits) -> None:
+    """The core's own parse of an upload (backend/lora/format.py), in the fp16 the frontend sends."""
+    import torch
+    from backend.lora.format import parse_lora
+    from backend.request import RequestError
+    try:
+        parse_lora(weights, config, limits.model, torch.float16, limits.max_lora_rank, limits.max_adapter_bytes)
+    except RequestError as err:
+        raise AdapterInvalid(f"{err.field}: {err.message}") from None
+
+
+def guarded(file: str, read, path: Path | None = None):
+    """read(), its failure (bad JSON, a foreign tensor, a truncated .npy, ...) an AdapterInvalid naming the file;
+    no server path in the message (it goes to the client)."""
+    try:
+        return read()
+    except Exception as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if path is not None:
+            message = message.replace(str(path) + "/", "").replace(str(path), "the adapter folder")
+        raise AdapterInvalid(f"{file}: {message[:300]}") from None
 
 
 class AdapterTensors:
-    def __init__(self, budget_bytes: int = 1 << 30):
+    def __init__(self, budget_bytes: int = 1 << 30, limits: AdapterLimits | None = None):
         self.budget_bytes = budget_bytes
+        self.limits = limits
         self.held: OrderedDict[Path, AdapterInputs] = OrderedDict()   # least recently used first
         self.num_bytes = 0
         self.lock = threading.Lock()
@@ -51,8 +118,8 @@ class AdapterTensors:
         return await asyncio.get_running_loop().run_in_executor(self.converter, self.load, path)
 
     def load(self, path: Path) -> AdapterInputs:
-        """Read and keep (budget allowing, dropping the least recently used)."""
-        weights, config = read_tensors(path)
+        """Read, check and keep (budget allowing, dropping the least recently used)."""
+        weights, config = read_tensors(path, self.limits)
         inputs = AdapterInputs([1, *weights.shape], weights.tobytes(), config[None])
         with self.lock:
             if inputs.num_bytes <= self.budget_bytes and path not in self.held:
@@ -62,12 +129,18 @@ class AdapterTensors:
                 self.num_bytes += inputs.num_bytes
         return inputs
 
-    def prepare(self, paths: list[Path]) -> None:
-        """At start: read adapters in order while they fit the budget."""
+    def prepare(self, paths: list[Path]) -> list[tuple[Path, str]]:
+        """At start: read adapters in order while they fit the budget. -> (path, why) of each that cannot be
+        served."""
+        broken = []
         for path in paths:
             if self.num_bytes >= self.budget_bytes:
-                return
-            self.load(path)
+                break
+            try:
+                self.load(path)
+            except AdapterInvalid as err:
+                broken.append((path, str(err)))
+        return broken
 
     def drop(self, path: Path) -> None:
         with self.lock:

@@ -4,6 +4,7 @@
         [--lora-prefetch-dir DIR] [--model-repository DIR] [--models lora_llm,...] [--no-restart]
         [--decoupled_mode true|false] [--tensorrt_llm_model_name NAME] [--exit-timeout-s 30]
         [--openai-port 9000 | --no-openai] [--adapter-store DIR] [--lora-separator _lora_] [--api-key-file F]
+        [--allow-runtime-lora-updating] [--lora-roots DIR,...]
 Beside tritonserver runs the OpenAI-compatible API (python -m frontend) on its gRPC port. When either dies it is
 logged (exit code or signal) and started again with backoff (scripts/supervisor.py). Ctrl-C or SIGTERM stops
 them: in-flight requests get --exit-timeout-s to finish, then tritonserver is killed if it has not exited.
@@ -113,7 +114,9 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
            "--grpc-infer-allocation-pool-size", str(GRPC_REQUEST_POOL_SIZE)]
     if models:
         cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
-    return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None)
+    # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
+    return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
+                            start_new_session=True)
 
 
 def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300) -> None:
@@ -155,7 +158,7 @@ def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice:
     cmd = ["nice", "-n", str(nice), sys.executable, "-m", "frontend", "--model-dir", str(model_dir), "--grpc-url",
            f"127.0.0.1:{grpc_port}", "--host", host, "--port", str(port), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=log_file,
-                            stderr=subprocess.STDOUT if log_file else None)
+                            stderr=subprocess.STDOUT if log_file else None, start_new_session=True)
 
 
 def frontend_args(args, adapter_store: Path | None) -> list[str]:
@@ -167,6 +170,10 @@ def frontend_args(args, adapter_store: Path | None) -> list[str]:
         out += ["--served-model-name", args.served_model_name]
     if args.api_key_file:
         out += ["--api-key-file", args.api_key_file]
+    if args.allow_runtime_lora_updating:
+        out += ["--allow-runtime-lora-updating"]
+    if args.lora_roots:
+        out += ["--lora-roots", args.lora_roots]
     return out
 
 
@@ -244,6 +251,11 @@ def main() -> None:
     parser.add_argument("--api-key-file", help='OpenAI API keys, JSON {"inference": KEY, "admin": KEY}')
     parser.add_argument("--openai-nice", type=int, default=FRONTEND_NICE,
                         help="the OpenAI API's niceness (below the engine's, where they share cores)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="the OpenAI API loads and unloads adapters at run time (also "
+                             "LORA_LLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs an admin key")
+    parser.add_argument("--lora-roots", help="comma list of folders, besides the adapter store, that the OpenAI API "
+                                             "may load adapters from")
     args = parser.parse_args()
     if args.model_repository == ROOT / "model_repository":
         args.model_repository = repository(ROOT / ".run" / "model_repository", args.decoupled_mode,

@@ -1,7 +1,14 @@
 """Keeps a deployment's processes running: each one that dies is logged (exit code or signal) and started again on its
 own, while the others serve on: at once after a minute up, else with backoff (1, 2, 4 ... 30 s). One that runs but
 says it cannot serve (its `healthy` check fails twice in a row) is killed and started again the same way. A stop
-(SIGINT, SIGTERM) ends them all: each gets its grace period, then SIGKILL."""
+(SIGINT, SIGTERM) ends them all: each gets its grace period, then SIGKILL.
+
+A service started in a process group of its own (start_new_session) is ended as a group: when it dies, whatever it
+started (tritonserver's Python backend stubs, their tensor-parallel workers) is killed and waited for before it
+starts again, and on a GPU until the device no longer lists them, so that an orphaned engine never holds the memory
+its successor needs."""
+import os
+import shutil
 import signal
 import subprocess
 import time
@@ -10,6 +17,7 @@ from dataclasses import dataclass, field
 
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0                               # up this long, a death restarts at once
+GROUP_END_TIMEOUT_S = 30.0                    # a group's processes gone, and their device memory released
 
 
 @dataclass
@@ -33,8 +41,13 @@ class Service:
     num_unhealthy: int = 0                             # failed health checks in a row
     log: Callable[[str], None] = field(default=lambda line: print(f"[launch_server] {line}", flush=True))
 
+    group: int | None = None                           # the process group of the last start, when its own
+
     def launch(self) -> None:
+        if self.group is not None:                     # nothing of the previous instance may be left
+            end_group(self.group, self.log)
         self.process = self.start()
+        self.group = self.process.pid if own_group(self.process.pid) else None
         self.started_at = time.monotonic()
         self.restart_at = None
         self.is_ready = False
@@ -57,6 +70,8 @@ class Service:
                     self.died_at = None
                 self.on_ready(self.restarts)
             return None
+        if self.group is not None:
+            end_group(self.group, self.log)
         if self.restarts == 0 and not self.is_ready and self.must_start:
             return f"{self.name} exited with {describe_exit(code)} before it was ready"
         stable = now - self.started_at > STABLE_S
@@ -123,6 +138,66 @@ def end_all(services: list[Service]) -> None:
                         "stream open?); killing it")
             service.process.kill()
             service.process.wait()
+    for service in services:
+        if service.group is not None:
+            end_group(service.group, service.log)
+
+
+def own_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
+def group_members(pgid: int) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process in the group, from /proc."""
+    members = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()   # after "pid (comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            members[int(entry.name)] = (int(fields[1]), fields[0])
+    return members
+
+
+def end_group(pgid: int, log: Callable[[str], None], timeout_s: float = GROUP_END_TIMEOUT_S) -> None:
+    """SIGKILL to every process left in the group, then wait until none is left (zombies that are ours reaped;
+    others' are gone but for their entry) and, on a GPU, until the device lists none of them."""
+    left = group_members(pgid)
+    if not left:
+        return
+    log(f"ending what is left of process group {pgid}: pids {sorted(left)}")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid, (parent, state) in group_members(pgid).items():
+            if state == "Z" and parent == os.getpid():
+                os.waitpid(pid, os.WNOHANG)
+        if all(state == "Z" for _, state in group_members(pgid).values()) and not holding_device(left):
+            return
+        time.sleep(0.05)
+    log(f"process group {pgid} still holds {sorted(group_members(pgid))} after {timeout_s:.0f} s")
+
+
+def holding_device(pids) -> bool:
+    """Whether nvidia-smi lists any of these processes as using a GPU (False where there is no nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(int(line) in pids for line in out.split() if line.strip().isdigit())
 
 
 def describe_exit(code: int) -> str:

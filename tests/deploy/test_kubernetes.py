@@ -62,6 +62,14 @@ def test_the_server_uses_only_the_launchers_flags_and_declares_its_ports(launche
     assert service_ports == set(ports)
 
 
+def test_the_pool_is_ready_when_the_api_is_and_the_keys_are_required():
+    c = container("lora-llm")
+    probe = c["readinessProbe"]["httpGet"]
+    assert (probe["path"], probe["port"]) == ("/health", "openai")      # the port the pool routes to
+    keys = [e for e in c["env"] if e["name"] in ("LORA_LLM_OPENAI_API_KEY", "LORA_LLM_OPENAI_ADMIN_KEY")]
+    assert len(keys) == 2 and not any(e["valueFrom"]["secretKeyRef"].get("optional") for e in keys)
+
+
 def test_the_server_reads_its_paths_from_mounted_volumes():
     c = container("lora-llm")
     mounts = [m["mountPath"] for m in c["volumeMounts"]]

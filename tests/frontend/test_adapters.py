@@ -1,4 +1,5 @@
-"""The adapter store: names, stable task ids, the model names that reach an adapter, and one upload at a time."""
+"""The adapter store: names, stable task ids, the model names that reach an adapter, one upload at a time, and
+adapters loaded at run time only from the allowed roots, only when valid, one load of a name at a time."""
 import asyncio
 import json
 import shutil
@@ -7,8 +8,10 @@ import numpy as np
 import pytest
 
 from backend.lora.peft import save_trtllm
+from backend.model.config import ModelConfig
 from frontend.adapters import MAX_TASK_ID, AdapterStore, derived_task_id, scan
 from frontend.errors import OpenAIError
+from frontend.tensors import AdapterLimits
 
 
 def write_adapter(path, seed: int = 0) -> None:
@@ -56,24 +59,105 @@ def test_model_names_reach_the_base_an_adapter_or_nothing(store_dir):
         assert err.value.status == 404 and err.value.param == "model"
 
 
-def test_load_and_unload_at_run_time(store_dir, tmp_path_factory):
-    store = AdapterStore(None, "base")
-    assert store.adapters == {}
-    extra = tmp_path_factory.mktemp("extra") / "a"
-    write_adapter(extra, seed=5)
-    adapter = store.load("fresh", str(extra))
-    assert store.resolve("fresh") is adapter and adapter.task_id == derived_task_id("fresh", extra)
-    for name, path, param in (("fresh", str(extra), "lora_name"), ("base", str(extra), "lora_name"),
-                              ("bad/name", str(extra), "lora_name"), ("other", str(store_dir), "lora_path")):
-        with pytest.raises(OpenAIError) as err:
-            store.load(name, path)
-        assert err.value.status == 400 and err.value.param == param
+LIMITS = AdapterLimits(ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 128,
+                                             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                             "num_attention_heads": 4, "num_key_value_heads": 2,
+                                             "max_position_embeddings": 256, "rms_norm_eps": 1e-5}), max_lora_rank=8)
+
+
+@pytest.fixture()
+def roots(tmp_path_factory):
+    """An adapter store, a second allowed root and a folder outside both, each with a valid adapter."""
+    base = tmp_path_factory.mktemp("roots")
+    for folder in ("store/kept", "allowed/extra", "outside/evil"):
+        write_adapter(base / folder, seed=len(folder))
+    return base
+
+
+def loaded(store: AdapterStore, name: str, path: str):
+    return asyncio.run(store.load(name, path))
+
+
+def refusal(store: AdapterStore, name: str, path: str) -> OpenAIError:
+    """The 400 a load gets; nothing is registered."""
+    before = dict(store.adapters)
+    with pytest.raises(OpenAIError) as err:
+        loaded(store, name, path)
+    assert err.value.status == 400 and store.adapters == before
+    return err.value
+
+
+def test_load_and_unload_at_run_time(roots):
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    adapter = loaded(store, "fresh", str(roots / "allowed/extra"))
+    assert store.resolve("fresh") is adapter and adapter.task_id == derived_task_id("fresh", roots / "allowed/extra")
+    assert loaded(store, "relative", "kept").path == roots / "store/kept"      # relative to the store
+    for name, path, param in (("fresh", "kept", "lora_name"), ("base", "kept", "lora_name"),
+                              ("bad/name", "kept", "lora_name"), ("other", str(roots / "store"), "lora_path")):
+        assert refusal(store, name, path).param == param
     store.unload("fresh")
     with pytest.raises(OpenAIError):
         store.resolve("fresh")
     with pytest.raises(OpenAIError) as err:
         store.unload("fresh")
     assert err.value.status == 404
+
+
+def test_the_stores_own_adapters_cannot_be_unloaded(roots):
+    store = AdapterStore(roots / "store", "base", limits=LIMITS)
+    with pytest.raises(OpenAIError) as err:
+        store.unload("kept")
+    assert err.value.status == 400 and "adapter store" in err.value.message and "kept" in store.adapters
+
+
+def test_paths_outside_the_roots_are_refused(roots):
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    (roots / "store/link-out").symlink_to(roots / "outside/evil")                   # a folder that leads out
+    inside = roots / "store/file-link"
+    inside.mkdir()
+    (inside / "adapter_config.json").symlink_to(roots / "outside/evil/model.lora_config.npy")   # a file that does
+    for path in (str(roots / "outside/evil"), "../outside/evil", "../allowed/../outside/evil", "link-out",
+                 "file-link", "/etc", ""):
+        err = refusal(store, "x", path)
+        assert err.param == "lora_path" and str(roots) not in err.message.replace(repr(path), "")
+    assert refusal(AdapterStore(None, "base", limits=LIMITS), "x", str(roots / "allowed/extra")).param == "lora_path"
+
+
+@pytest.mark.parametrize("breakage, words", [
+    ("junk weights", "model.lora_weights.npy"), ("junk config", "model.lora_config.npy"), ("bad json", "adapter_config.json"), ("nan", "NaN"),
+    ("rank", "rank 9"), ("layer", "layer 2"), ("module", "module 9"), ("short row", "needs")])
+def test_a_broken_adapter_is_refused_naming_what_is_wrong_and_not_registered(roots, breakage, words):
+    folder = roots / "allowed/broken"
+    write_adapter(folder)
+    weights, config = np.load(folder / "model.lora_weights.npy"), np.load(folder / "model.lora_config.npy")
+    if breakage == "junk weights":
+        (folder / "model.lora_weights.npy").write_bytes(b"not numpy lora_weights")
+    elif breakage == "junk config":
+        (folder / "model.lora_config.npy").write_bytes(b"\x93NUMPY\x01\x00garbage lora_config")
+    elif breakage == "bad json":
+        (folder / "adapter_config.json").write_text("{not json")
+    elif breakage == "nan":
+        weights[0, 0, 3] = np.nan
+    else:
+        row = {"rank": [1, 0, 9], "layer": [1, 2, 4], "module": [9, 0, 4], "short row": [4, 0, 8]}[breakage]
+        config[0, 0] = row
+    if breakage in ("nan", "rank", "layer", "module", "short row"):
+        save_trtllm(folder, weights[0], config[0])
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    err = refusal(store, "broken", str(folder))
+    assert err.param == "lora_path" and words in err.message, err.message
+    assert str(roots) not in err.message.replace(repr(str(folder)), "")
+
+
+def test_two_loads_of_one_name_at_once_one_wins(roots):
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+
+    async def both():
+        return await asyncio.gather(store.load("twin", str(roots / "allowed/extra")), store.load("twin", "kept"),
+                                    return_exceptions=True)
+    first, second = asyncio.run(both())
+    assert store.adapters["twin"] is first and first.path == roots / "allowed/extra"
+    assert isinstance(second, OpenAIError) and second.status == 400 and "already" in second.message
 
 
 def test_weights_travel_once_however_many_requests_arrive_together(store_dir):

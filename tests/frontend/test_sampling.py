@@ -87,3 +87,56 @@ def test_chat_features_the_engine_lacks_are_refused_by_name(body, param):
     with pytest.raises(OpenAIError) as err:
         check_supported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body))
     assert err.value.param == param
+
+
+@pytest.mark.parametrize("body, guide_type", [
+    ({"guided_json": {"type": "object"}}, "json_schema"), ({"guided_json": '{"type": "object"}'}, "json_schema"),
+    ({"guided_regex": "[a-z]+"}, "regex"), ({"guided_grammar": 'root ::= "a"'}, "ebnf_grammar"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "json_schema"),
+    ({"structured_outputs": {"regex": "[0-9]"}}, "regex"), ({"structured_outputs": {"json_object": True}}, "json")])
+def test_vllms_guided_fields_reach_the_cores_guided_decoding(info, body, guide_type):
+    p = parsed(info, **body).params
+    assert p.guide_type == guide_type
+    if guide_type == "json_schema":
+        assert json.loads(p.guide) == {"type": "object"}
+
+
+def test_a_guided_choice_is_a_grammar_of_exactly_its_strings(info):
+    import xgrammar
+    p = parsed(info, guided_choice=['say "yes"', "no"]).params
+    assert p.guide_type == "ebnf_grammar"
+    grammar = xgrammar.Grammar.from_ebnf(p.guide)
+    for text, ok in (('say "yes"', True), ("no", True), ("yes", False), ("nono", False)):
+        assert xgrammar.testing._is_grammar_accept_string(grammar, text) == ok, text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_json": {}, "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")])
+def test_fields_that_contradict_each_other_are_refused_by_name(body, param):
+    with pytest.raises(OpenAIError) as err:
+        check_supported(CompletionRequest(model="m", prompt="x", **body))
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"top_k": 2 ** 40}, "top_k"), ({"min_tokens": 2 ** 31}, "min_tokens"), ({"max_tokens": 2 ** 31}, "max_tokens"),
+    ({"chat_template": "{{ 1 }}"}, "chat_template"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"store": True}, "store"), ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}]},
+                                 "messages.0.tool_calls")])
+def test_ints_past_their_wire_types_and_unknown_fields_are_refused_by_name(body, field):
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest(**({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body))
+    assert ".".join(map(str, err.value.errors()[0]["loc"])) == field
+
+
+def test_continue_final_message_needs_no_generation_prompt():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}
+    with pytest.raises(OpenAIError) as err:
+        check_supported(ChatCompletionRequest(**body))
+    assert err.value.param == "continue_final_message"
+    check_supported(ChatCompletionRequest(**body, add_generation_prompt=False))

@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from backend import LLMEngine
 from tests.helpers import ROOT
-from tests.server.conftest import run_server
+from tests.server.conftest import run_frontend, run_server
 from tests.server.streams import Stream, make_inputs, run, trtllm_inputs
 
 sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
@@ -188,14 +188,20 @@ def test_a_cancelled_unary_text_request_stops_its_core_request(unary_server):
     client.close()
 
 
-def test_the_kubernetes_probes_answer(tiny_server):
-    """deploy/kubernetes/server.yaml's probes, on a real server."""
+def test_the_kubernetes_probes_answer(tiny_server, tiny_chat_model_dir, tmp_path_factory):
+    """deploy/kubernetes/server.yaml's probes, on a real server and the OpenAI API beside it."""
     import yaml
     docs = yaml.safe_load_all((ROOT / "deploy/kubernetes/server.yaml").read_text())
     [c] = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        path = c[probe]["httpGet"]["path"]
-        assert urllib.request.urlopen(f"http://127.0.0.1:{tiny_server.http_port}{path}", timeout=5).status == 200
+    frontend = run_frontend(tmp_path_factory, tiny_server, tiny_chat_model_dir)
+    ports = {"http": tiny_server.http_port, "openai": next(frontend).port}
+    try:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            get = c[probe]["httpGet"]
+            url = f"http://127.0.0.1:{ports[get['port']]}{get['path']}"
+            assert urllib.request.urlopen(url, timeout=5).status == 200, probe
+    finally:
+        next(frontend, None)                                   # its teardown: the frontend stopped
 
 
 def test_tritonserver_returns_freed_request_memory_and_the_engine_keeps_its_malloc(tiny_server):

@@ -39,7 +39,8 @@ def frontend(tmp_path_factory, smollm2_server, smollm2_dir, peft_dirs):
     keys = store.parent / "keys.json"
     keys.write_text(json.dumps(KEYS))
     yield from run_frontend(tmp_path_factory, smollm2_server, smollm2_dir, "--adapter-store", str(store),
-                            "--api-key-file", str(keys))
+                            "--api-key-file", str(keys), "--allow-runtime-lora-updating",
+                            "--lora-roots", str(peft_dirs[1].parent))
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -16,10 +18,11 @@ from tests.server.conftest import TINY_ENV, free_ports
 from tests.server.streams import Stream, run, trtllm_inputs
 
 
-def start_launcher(tiny_model_dir, *args: str) -> tuple[subprocess.Popen, int]:
-    """launch_server.py on free ports with the tiny model, lora_llm only: the launcher and its gRPC port."""
+def start_launcher(model_dir, *args: str, settings: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """launch_server.py on free ports (the tiny model's settings unless given), lora_llm only: the launcher and its
+    gRPC port."""
     http, grpc, metrics = free_ports(3)
-    env = os.environ | TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)}
+    env = os.environ | (TINY_ENV if settings is None else settings) | {"LORA_LLM_MODEL_DIR": str(model_dir)}
     launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
                                  "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
                                  *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -99,5 +102,63 @@ def test_a_killed_openai_frontend_is_restarted_while_tritonserver_serves_on(tiny
         os.kill(triton_pid, 0)                                    # tritonserver never went away
         assert not any("tritonserver died" in line for line in lines)
     finally:
+        launcher.terminate()
+        assert launcher.wait(timeout=60) == 0
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (its children, theirs, ...), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_tritonserver_killed_mid_stream_leaves_no_process_behind_and_every_client_an_error(smollm2_dir,
+                                                                                              demo_adapters):
+    """Killed while its engine steps with an adapter, tritonserver used to leave the engine's stub running (reparented,
+    deaf to SIGTERM, its memory held) beside the restarted one."""
+    launcher, grpc = start_launcher(smollm2_dir, "--no-openai", "--lora-prefetch-dir", str(demo_adapters),
+                                    settings={"LORA_LLM_KV_CACHE_MEMORY_BYTES": str(256 << 20)})
+    lines: list[str] = []
+    streams = []
+    try:
+        pid = int(read_until(launcher, "tritonserver pid", lines).split("pid ")[1].split()[0])
+        read_until(launcher, "ready:", lines)
+        prompts = random_prompts([12, 20, 28], 49152, seed=50)
+        task = np.array([[1]], np.uint64)
+        streams = [Stream(f"127.0.0.1:{grpc}").send(trtllm_inputs(p, 400, True, lora_task_id=task)) for p in prompts]
+        for stream in streams:
+            stream.wait_first()
+        time.sleep(1)
+        old = descendants(pid)
+        assert old, "tritonserver runs its model in a stub process"
+        os.kill(pid, signal.SIGKILL)
+        results = [stream.collect(timeout_s=60) for stream in streams]
+        read_until(launcher, "ready again after restart 1", lines)
+        assert [p for p in old if is_running(p)] == [], "".join(lines)[-2000:]
+        assert all(r.error is not None for r in results), [r.error for r in results]
+        after = run(f"127.0.0.1:{grpc}", trtllm_inputs(prompts[0], 4, True))
+        assert after.error is None and len(after.tokens) == 4
+    finally:
+        for stream in streams:
+            stream.close()
         launcher.terminate()
         assert launcher.wait(timeout=60) == 0
