@@ -66,7 +66,8 @@ class LLMEngine:
     def _start(self) -> None:
         lora_dtype = resolve_lora_dtype(self.config.lora.dtype, self.runner.dtype, self.runner.ops.name)
         self.lora_cache = LoraCache(self.config.lora, self.model_config, lora_dtype, self.runner.device,
-                                    rank_major_a=self.runner.lora_rank_major_a, tp=self.runner.tp)
+                                    rank_major_a=self.runner.lora_rank_major_a, tp=self.runner.tp,
+                                    fused_a_once=self.runner.lora_fused_a_once)
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.runner.capture_graphs(self.lora_cache)
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,

@@ -1,13 +1,26 @@
 """LoRA per projection: one shrink (h = x @ A^T) and one expand (out += h @ B^T) launch serve every module band of
 a projection (qkv: q, k, v; gate_up: gate, up) for every adapter slot in the step.
 
-A projection's slots (backend/lora/slots.Projection) hold band i's A in rank rows [i * max_rank, i * max_rank +
-rank) and its B in the band's output columns [bounds[i], bounds[i + 1]) and the same rank columns. Each (band,
-slot) runs at its own rank from a device table, ranks[band, slot]: programs past it exit at once, so mixed ranks
-cost what they are, not the largest rank. Slot -1 is a segment with no adapter. For few tokens (decode steps)
-the shrink splits the input dimension over SPLIT_K programs that write fp32 partial sums; the expand adds them.
+A step's tokens come as a work list: one item per BLOCK_M rows of a segment that has an adapter, [slot, start, end]
+(backend/lora/batch.py builds it with the step's segments; graphs pad it with idle items). A projection's slots
+(backend/lora/slots.Projection) hold band i's A in rank rows [i * max_rank, i * max_rank + rank) and its B in the
+band's output columns and the same rank columns; each (band, slot) runs at its own rank from a device table, and a
+slot's band bounds are its own (a fused qkv adapter is one band over every qkv column, its A stored once).
+
+shrink: programs (item, split) each read one split of the input dimension for the item's rows and every band's A
+        at the adapter's full rank in one tile (BLOCK_C covers num_bands x max_rank), tens of KB of A, x once,
+        accumulating in fp32. With split_k > 1 each writes its fp32 partial; the last of an item to finish, counted
+        by an atomic, sums every split in split order (deterministic: no atomic touches a value) and writes h in
+        x's dtype. That program resets the counter, so the next launch (and a replayed graph) finds it at zero.
+expand: programs (item, column tile) each own one BLOCK_N-wide tile of the output for the item's rows, find the
+        band the tile lies in from the slot's bounds, load h and B at full rank in one pass (no loop, every load
+        issued up front) and add the product into the output in place.
+`LoraLaunch` is a projection's configuration at a step's token count: the launchers and the cost plan
+(kernels/lora_plan.py) both use it.
 """
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,156 +29,323 @@ import triton.language as tl
 from kernels.metadata import UNSPECIALIZED_ARGS
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
+WORK_FIELDS = 3                                             # a work item: slot, first row, end row
+TARGET_PROGRAMS = 512                                       # a shrink launch's programs: <= ~1 wave at its occupancy
+SPLIT_COLUMNS_PER_ROW = 16                                  # a split's columns per row of its item: its fp32 partial
+                                                            # (written, read back) stays <= 1/8 of the A it reads
+MAX_PARTIAL_BYTES = 64 << 20                                # the split partials of one launch, fp32
+EXPAND_GROUP = 512                                          # output columns of one expand program (at most)
 
 
 @triton.jit
-def _segment(seg_starts_ptr, seg_slots_ptr, seg, m_block, BLOCK_M: tl.constexpr):
-    """The slot and token rows [BLOCK_M] of block m_block of segment seg, their mask, and whether the program has
-    nothing to do (no adapter, or no rows)."""
-    slot = tl.load(seg_slots_ptr + seg)
-    start = tl.load(seg_starts_ptr + seg)
-    end = tl.load(seg_starts_ptr + seg + 1)
-    offs_m = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    return slot, offs_m, offs_m < end, (slot < 0) | (start + m_block * BLOCK_M >= end)
+def _work_item(work_ptr, item):
+    """The item's slot and rows [start, end): three independent loads."""
+    row = work_ptr + item * 3
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_shrink_kernel"])
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr, in_dim, cap, max_rank,
-                   stride_xt, stride_as, stride_ar, stride_ak, stride_rb, stride_hs, stride_ht,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
-    slot, offs_m, m_mask, idle = _segment(seg_starts_ptr, seg_slots_ptr, tl.program_id(0), tl.program_id(1), BLOCK_M)
-    if idle:
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr, in_dim, max_rank, split_k,
+                   blocks_per_split, stride_xt, stride_as, stride_ar, stride_ak, stride_rb, stride_ht, stride_ps,
+                   stride_pt, NUM_BANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    item = tl.program_id(0)
+    split = tl.program_id(1)
+    slot, start, end = _work_item(work_ptr, item)
+    if slot < 0:
         return
-    r_block = tl.program_id(2) // SPLIT_K
-    split = tl.program_id(2) % SPLIT_K
-    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)                 # rows of A: band offs_r // max_rank
-    band_rank = tl.load(ranks_ptr + (offs_r // max_rank) * stride_rb + slot, mask=offs_r < cap, other=0)
-    r_mask = (offs_r < cap) & (offs_r % max_rank < band_rank)
-    if tl.sum(r_mask.to(tl.int32), 0) == 0:
+    offs_c = tl.arange(0, BLOCK_C)                         # every band's rank rows: band c // BLOCK_R, rank c % BLOCK_R
+    band = offs_c // BLOCK_R
+    rank = tl.load(ranks_ptr + band * stride_rb + slot, mask=band < NUM_BANDS, other=0)
+    c_mask = offs_c % BLOCK_R < rank
+    if tl.max(c_mask.to(tl.int32), 0) == 0:
         return
-    k_per_split = tl.cdiv(tl.cdiv(in_dim, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_dim)
+    cols = band * max_rank + offs_c % BLOCK_R               # their rows of A, columns of h
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    k_lo = split * blocks_per_split * BLOCK_K                  # a multiple of BLOCK_K: aligned, pipelined loads
+    k_hi = tl.minimum(k_lo + blocks_per_split * BLOCK_K, in_dim)
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = offs_m.to(tl.int64) * stride_xt
-    a_slot = a_ptr + slot.to(tl.int64) * stride_as
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols.to(tl.int64)[:, None] * stride_ar
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = k0 + offs_k < k_hi
-        x = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_M, BLOCK_K]
-        a = tl.load(a_slot + offs_r[:, None] * stride_ar + (k0 + offs_k)[None, :] * stride_ak,
-                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)              # [BLOCK_R, BLOCK_K]
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=c_mask[:, None] & k_mask[None, :], other=0.0)
         a = a.to(x.dtype)                                                          # fp16 adapters, fp32 model
         if DOT_FP32:
             x = x.to(tl.float32)
             a = a.to(tl.float32)
-        acc += tl.dot(x, tl.trans(a), input_precision="ieee")
-    h_rows = split * stride_hs + offs_m.to(tl.int64) * stride_ht
-    tl.store(h_ptr + h_rows[:, None] + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
+        acc += tl.dot(x, tl.trans(a), input_precision="ieee")                     # [BLOCK_M, BLOCK_C]
+    mask = m_mask[:, None] & c_mask[None, :]
+    if split_k == 1:
+        tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pt + cols[None, :]
+        tl.store(parts + split * stride_ps, acc, mask=mask)
+        if tl.atomic_add(count_ptr + item, 1, sem="acq_rel") == split_k - 1:       # the last split: sum them in order
+            offs_r = tl.arange(0, BLOCK_R)
+            for i in tl.static_range(NUM_BANDS):                                    # a band at a time: few registers
+                rank_i = tl.load(ranks_ptr + i * stride_rb + slot)
+                band_mask = m_mask[:, None] & (offs_r < rank_i)[None, :]
+                band_parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pt + (i * max_rank + offs_r)[None, :]
+                total = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+                for s in range(0, split_k):
+                    total += tl.load(band_parts + s * stride_ps, mask=band_mask, other=0.0, cache_modifier=".cg")
+                tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + (i * max_rank + offs_r)[None, :],
+                         total.to(h_ptr.dtype.element_ty), mask=band_mask)
+            tl.store(count_ptr + item, 0)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_expand_kernel"])
-def _expand_kernel(h_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr, bounds_ptr, max_rank,
-                   num_n_blocks, stride_hs, stride_ht, stride_bs, stride_bn, stride_bk, stride_rb, stride_ot,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, max_rank, stride_ht, stride_bs,
+                   stride_bn, stride_bk, stride_rb, stride_bounds, stride_ot, NUM_BANDS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_FP32: tl.constexpr):
-    slot, offs_m, m_mask, idle = _segment(seg_starts_ptr, seg_slots_ptr, tl.program_id(0), tl.program_id(1), BLOCK_M)
-    if idle:
+    item = tl.program_id(0)
+    group_start = tl.program_id(1) * (TILES * BLOCK_N)     # TILES tiles of one band (widths are multiples of it)
+    slot, start, end = _work_item(work_ptr, item)
+    if slot < 0:
         return
-    band = tl.program_id(2) // num_n_blocks
-    rank = tl.load(ranks_ptr + band * stride_rb + slot)
-    col_start = tl.load(bounds_ptr + band) + (tl.program_id(2) % num_n_blocks) * BLOCK_N
-    col_end = tl.load(bounds_ptr + band + 1)
-    if (rank == 0) | (col_start >= col_end):
+    bounds = bounds_ptr + slot * stride_bounds
+    band = 0
+    rank = tl.load(ranks_ptr + slot)
+    col_end = tl.load(bounds + 1)
+    for i in tl.static_range(1, NUM_BANDS):                # the slot's band that holds this group's columns
+        inside = group_start >= tl.load(bounds + i)
+        band = tl.where(inside, i, band)
+        rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
+        col_end = tl.where(inside, tl.load(bounds + i + 1), col_end)
+    if (rank == 0) | (group_start >= col_end):
         return
-    offs_n = col_start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < col_end
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
     offs_r = tl.arange(0, BLOCK_R)
-    h_rows = offs_m.to(tl.int64) * stride_ht + band * max_rank
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs + band * max_rank * stride_bk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r_mask = r0 + offs_r < rank
-        h_mask = m_mask[:, None] & r_mask[None, :]
-        h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for split in tl.static_range(SPLIT_K):                         # the shrink's partial sums
-            h += tl.load(h_ptr + split * stride_hs + h_rows[:, None] + (r0 + offs_r)[None, :], mask=h_mask,
-                         other=0.0)
-        h = h.to(out_ptr.dtype.element_ty)                             # rounded as x @ A^T in x's dtype would be
-        b = tl.load(b_slot + offs_n[:, None] * stride_bn + (r0 + offs_r)[None, :] * stride_bk,
-                    mask=n_mask[:, None] & r_mask[None, :], other=0.0)              # [BLOCK_N, BLOCK_R]
+    r_mask = offs_r < rank
+    h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + (band * max_rank + offs_r)[None, :],
+                mask=m_mask[:, None] & r_mask[None, :], other=0.0)                 # [BLOCK_M, BLOCK_R], once
+    if DOT_FP32:
+        h = h.to(tl.float32)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + (band * max_rank + offs_r)[None, :] * stride_bk
+    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot
+    for t in range(TILES):                                 # B tiles pipelined (num_stages) along the group
+        offs_n = group_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_end
+        b = tl.load(b_rows + offs_n.to(tl.int64)[:, None] * stride_bn, mask=n_mask[:, None] & r_mask[None, :],
+                    other=0.0)                                                     # [BLOCK_N, BLOCK_R]
+        mask = m_mask[:, None] & n_mask[None, :]
+        base = tl.load(out_rows + offs_n[None, :], mask=mask, other=0.0)
         b = b.to(h.dtype)
-        if DOT_FP32:
-            h = h.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(h, tl.trans(b), input_precision="ieee")
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    total = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc
-    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        acc = tl.dot(h, tl.trans(b), input_precision="ieee")                       # [BLOCK_M, BLOCK_N]
+        tl.store(out_rows + offs_n[None, :], (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def shrink_split_k(num_tokens: int, in_dim: int) -> int:
-    """Input-dimension splits for the shrink: up to 8 for decode-sized steps (few tokens leave few programs, each
-    streaming all of in_dim), each split at least 512 wide; none for prompt chunks."""
-    if num_tokens > 64:
-        return 1
-    return max(1, min(8, in_dim // 512))
+def block_m_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows per work item: 16 for decode steps and short chunks (segments of a few tokens), 64 for long prompt
+    chunks of a 16-bit model (fewer re-reads of each A; fp32 tiles that tall would spill)."""
+    return 64 if num_tokens > 256 and dtype.itemsize <= 2 else 16
 
 
-def shrink_config(in_dim: int, num_tokens: int) -> dict:
-    return {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": min(64, triton.next_power_of_2(in_dim)),
-            "SPLIT_K": shrink_split_k(num_tokens, in_dim)}
+def max_work_items(num_tokens: int, num_segments: int, block_m: int) -> int:
+    """The most items num_tokens rows in num_segments segments can make (a graph's fixed work-list length)."""
+    return max(1, min(num_tokens, num_segments + num_tokens // block_m))
 
 
-def expand_config() -> dict:
-    # BLOCK_R 16 matches the rank granularity; BLOCK_N 64 gives enough programs for the narrow o/down outputs
-    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_R": 16}
+def work_items(starts: list[int], slots: list[int], block_m: int, num_items: int | None = None) -> torch.Tensor:
+    """[num_items, 3] int32 host tensor: [slot, start, end) per block_m rows of each segment with an adapter, then
+    idle items ([-1, 0, 0]) up to num_items."""
+    items = [(slot, row, min(row + block_m, starts[s + 1])) for s, slot in enumerate(slots) if slot >= 0
+             for row in range(starts[s], starts[s + 1], block_m)]
+    num_items = max(1, len(items)) if num_items is None else num_items
+    assert len(items) <= num_items, f"{len(items)} LoRA work items exceed the {num_items} a graph holds"
+    return torch.tensor(items + [(-1, 0, 0)] * (num_items - len(items)), dtype=torch.int32).view(num_items, 3)
 
 
-def lora_shrink(x: torch.Tensor, proj, segments, split_k: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class LoraLaunch:
+    """One projection's shrink and expand at a step's token count."""
+    num_items: int
+    num_bands: int
+    in_dim: int
+    out_dim: int
+    max_rank: int
+    block_m: int
+    block_r: int                              # max_rank, as a power of two
+    block_k: int
+    split_k: int
+    blocks_per_split: int                     # BLOCK_K blocks of the input each split reads
+    block_n: int
+    tiles: int                                # BLOCK_N tiles an expand program covers
+    act_bytes: int = 2                        # the activations' element size
+
+    @property
+    def block_c(self) -> int:
+        return triton.next_power_of_2(self.num_bands * self.block_r)
+
+    @property
+    def k_per_split(self) -> int:
+        return self.blocks_per_split * self.block_k
+
+    @property
+    def shrink_grid(self) -> tuple[int, int]:
+        return self.num_items, self.split_k
+
+    @property
+    def expand_grid(self) -> tuple[int, int]:
+        return self.num_items, triton.cdiv(self.out_dim, self.block_n * self.tiles)
+
+    @property
+    def shrink_constexprs(self) -> dict:
+        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_R": self.block_r,
+                "BLOCK_C": self.block_c, "BLOCK_K": self.block_k}
+
+    @property
+    def expand_constexprs(self) -> dict:
+        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TILES": self.tiles,
+                "BLOCK_R": self.block_r}
+
+    @property
+    def shrink_options(self) -> dict:
+        """Four warps, eight for tall or wide tiles (64 rows, or fp32 past 256 columns: registers); the K loop's
+        loads pipelined three deep."""
+        return {"num_warps": 8 if self.block_m * self.block_c * self.act_bytes > 16384 else 4, "num_stages": 3}
+
+    @property
+    def expand_options(self) -> dict:
+        """The group's B tiles pipelined two deep behind the product of the one before."""
+        return {"num_warps": 4, "num_stages": 2}
+
+
+def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int], max_rank: int,
+                block_m: int | None = None, split_k: int | None = None, act_bytes: int = 2) -> LoraLaunch:
+    """The configuration a projection runs with: full-rank tiles (BLOCK_R >= max_rank; every band in one shrink
+    tile, x read once), the input split so that up to TARGET_PROGRAMS shrink programs each read >=
+    SPLIT_COLUMNS_PER_ROW x BLOCK_M columns (or into split_k parts, for tests), and expand programs over groups
+    of columns as wide as the bands' common divisor allows (a group never straddles two bands). Tiles hold half as
+    many fp32 activations (act_bytes 4: an fp32 model) as 16-bit ones, in the same registers."""
+    block_m = block_m or block_m_for(num_tokens)
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_c = triton.next_power_of_2(len(widths) * block_r)
+    block_k = min(128 if act_bytes <= 2 else 64, max(16, (8192 if act_bytes <= 2 else 2048) // block_c),
+                  max(16, triton.next_power_of_2(in_dim)))
+    num_bands, cap = len(widths), len(widths) * max_rank
+    k_blocks = triton.cdiv(in_dim, block_k)
+    split_k = split_k or min(triton.cdiv(TARGET_PROGRAMS, num_items),
+                             max(1, in_dim // (SPLIT_COLUMNS_PER_ROW * block_m)),
+                             max(1, MAX_PARTIAL_BYTES // (num_tokens * cap * 4)))
+    blocks_per_split = triton.cdiv(k_blocks, max(1, split_k))
+    split_k = triton.cdiv(k_blocks, blocks_per_split)                 # no split left without columns
+    block_n, tiles = expand_tiles(widths, block_m, block_r, act_bytes)
+    return LoraLaunch(num_items, num_bands, in_dim, sum(widths), max_rank, block_m, block_r, block_k, split_k,
+                      blocks_per_split, block_n, tiles, act_bytes)
+
+
+def expand_tiles(widths: list[int], block_m: int, block_r: int, act_bytes: int = 2) -> tuple[int, int]:
+    """(BLOCK_N, TILES): an expand program's group of TILES x BLOCK_N columns is the widest power of two (up to
+    EXPAND_GROUP) dividing every band's width; its tiles as wide as an fp32 [BLOCK_M, BLOCK_N] accumulator and a
+    [BLOCK_N, BLOCK_R] B tile keep in few registers (128 columns at rank 64 and 16 rows)."""
+    divides = math.gcd(*widths) & -math.gcd(*widths)                 # the largest power of two dividing them
+    if divides < 16:
+        raise ValueError(f"LoRA band widths {widths} must be multiples of 16 for the Triton expand")
+    group = min(divides, EXPAND_GROUP)
+    block_n = min(group, max(16, 2048 // block_m), max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
+    return block_n, group // block_n
+
+
+class LoraStep:
+    """A step's work list, each projection's launch and the intermediates they share (every projection and layer
+    runs after the last on one stream): h in x's dtype, the split partials, and the per-(item, band) counters, zero
+    between launches. Sized at the step's first launch for every projection the step will run (`projections`: the
+    runner passes one layer's), so nothing is allocated per call."""
+
+    def __init__(self, work: torch.Tensor, block_m: int, num_tokens: int, dtype: torch.dtype, device,
+                 projections: list, split_k: int | None = None):
+        self.work, self.block_m, self.num_tokens, self.split_k = work, block_m, num_tokens, split_k
+        self.dtype, self.device = dtype, device
+        self.launches: dict[tuple, LoraLaunch] = {}
+        self.h = self.partials = None
+        self.counters = torch.zeros(work.shape[0], dtype=torch.int32, device=device)
+        for proj in projections:
+            self.launch(proj)
+
+    @classmethod
+    def for_segments(cls, segments, x: torch.Tensor, projections: list, split_k: int | None = None) -> "LoraStep":
+        """From the runner's device work list, or (a caller without one: tests, the self-check) made here."""
+        if segments.work is not None:
+            return cls(segments.work, segments.block_m, x.shape[0], x.dtype, x.device, projections, split_k)
+        block_m = block_m_for(x.shape[0], x.dtype)
+        work = work_items(segments.starts_list, segments.slots_list, block_m).to(x.device)
+        return cls(work, block_m, x.shape[0], x.dtype, x.device, projections, split_k)
+
+    def launch(self, proj) -> LoraLaunch:
+        key = (proj.a.shape[2], tuple(proj.widths), proj.max_rank)
+        if key not in self.launches:
+            launch = plan_launch(self.num_tokens, self.work.shape[0], key[0], proj.widths, proj.max_rank,
+                                 self.block_m, self.split_k, self.dtype.itemsize)
+            self.launches[key] = launch
+            cap = proj.num_bands * proj.max_rank
+            if self.h is None or self.h.shape[1] < cap:
+                self.h = torch.empty(self.num_tokens, cap, dtype=self.dtype, device=self.device)
+            if self.partials is None or self.partials.numel() < launch.split_k * self.num_tokens * cap:
+                self.partials = torch.empty(launch.split_k * self.num_tokens * cap, dtype=torch.float32,
+                                            device=self.device)
+        return self.launches[key]
+
+
+def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:
     """Semantics:
-        for s, slot in enumerate(segments.slots):
+        for slot, start, end in work:
             if slot >= 0:
-                t = range(starts[s], starts[s + 1])
+                t = range(start, end)
                 for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r)
-                    h[:, t, rows] = split parts of x[t] @ proj.a[slot, rows].T     (h.sum(0) is the product)
+                    h[t, rows] = (x[t].float() @ proj.a[slot, rows].T.float()).to(x.dtype)
     x: [num_tokens, in_dim]; proj.a: [num_slots, cap, in_dim] (x's dtype, or a narrower one: widened on load)
-    -> h: [split_k, num_tokens, cap] fp32 (entries no segment covers are left unset: expand never reads them).
+    -> h: [num_tokens, cap], the step's (entries no item covers are left unset: expand never reads them).
     """
-    num_tokens, in_dim = x.shape
-    cap = proj.a.shape[1]
-    assert x.stride(1) == 1 and proj.a.shape[2] == in_dim and proj.a.dtype.itemsize <= x.dtype.itemsize
-    cfg = shrink_config(in_dim, num_tokens)
-    if split_k is not None:
-        cfg["SPLIT_K"] = split_k
-    h = torch.empty(cfg["SPLIT_K"], num_tokens, cap, dtype=torch.float32, device=x.device)
-    grid = (len(segments.slots_list), triton.cdiv(segments.max_len, cfg["BLOCK_M"]),
-            triton.cdiv(cap, cfg["BLOCK_R"]) * cfg["SPLIT_K"])
-    if grid[0] and grid[1]:
-        _shrink_kernel[grid](x, proj.a, h, segments.starts, segments.slots, proj.ranks, in_dim, cap, proj.max_rank,
-                             x.stride(0), *proj.a.stride(), proj.ranks.stride(0), h.stride(0), h.stride(1),
-                             DOT_FP32=DOT_FP32, **cfg)
+    launch = step.launch(proj)
+    num_tokens, cap = x.shape[0], proj.num_bands * proj.max_rank
+    assert x.stride(1) == 1 and num_tokens == step.num_tokens and proj.a.dtype.itemsize <= x.dtype.itemsize
+    h = step.h[:, :cap]
+    partials = step.partials[:launch.split_k * num_tokens * cap].view(launch.split_k, num_tokens, cap)
+    _shrink_kernel[launch.shrink_grid](
+        x, proj.a, h, partials, step.counters, step.work, proj.ranks, launch.in_dim, proj.max_rank, launch.split_k,
+        launch.blocks_per_split, x.stride(0), *proj.a.stride(), proj.ranks.stride(0), h.stride(0),
+        partials.stride(0), partials.stride(1), DOT_FP32=DOT_FP32, **launch.shrink_constexprs,
+        **launch.shrink_options)
     return h
 
 
-def lora_expand(h: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
+def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor) -> None:
     """Semantics:
-        for s, slot in enumerate(segments.slots):
+        for slot, start, end in work:
             if slot >= 0:
-                t = range(starts[s], starts[s + 1])
-                for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r); cols = bounds[i]:bounds[i + 1]
-                    out[t, cols] += h.sum(0)[t, rows] @ proj.b[slot, cols][:, rows].T
-    h: lora_shrink's [split_k, num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim],
-    updated in place.
+                t = range(start, end)
+                for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r); cols = bounds[slot, i]:bounds[slot, i + 1]
+                    out[t, cols] += h[t, rows] @ proj.b[slot, cols][:, rows].T
+    h: lora_shrink's [num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in
+    place.
     """
-    assert out.stride(1) == 1 and h.stride(2) == 1 and proj.b.shape[1] == out.shape[1]
-    cfg = expand_config()
-    num_n_blocks = triton.cdiv(proj.max_width, cfg["BLOCK_N"])
-    grid = (len(segments.slots_list), triton.cdiv(segments.max_len, cfg["BLOCK_M"]), proj.num_bands * num_n_blocks)
-    if grid[0] and grid[1]:
-        _expand_kernel[grid](h, proj.b, out, segments.starts, segments.slots, proj.ranks, proj.bounds, proj.max_rank,
-                             num_n_blocks, h.stride(0), h.stride(1), *proj.b.stride(), proj.ranks.stride(0),
-                             out.stride(0), SPLIT_K=h.shape[0], DOT_FP32=DOT_FP32, **cfg)
+    launch = step.launch(proj)
+    assert out.stride(1) == 1 and h.stride(1) == 1 and proj.b.shape[1] == out.shape[1] == launch.out_dim
+    _expand_kernel[launch.expand_grid](
+        h, proj.b, out, step.work, proj.ranks, proj.slot_bounds, proj.max_rank, h.stride(0), *proj.b.stride(),
+        proj.ranks.stride(0), proj.slot_bounds.stride(0), out.stride(0), DOT_FP32=DOT_FP32,
+        **launch.expand_constexprs, **launch.expand_options)
+
+
+def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
+    """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand).
+    The step's state is made at its first call and kept on the segments (`projections`: the runner's list of
+    what the step runs, so that it is sized once)."""
+    state = segments.kernel_state
+    if "step" not in state:
+        state["step"] = LoraStep.for_segments(segments, x, state.get("projections", [proj]))
+    step = state["step"]
+    lora_expand(lora_shrink(x, proj, step), proj, step, out)
+
+
+if __name__ == "__main__":
+    from kernels.lora_plan import main
+    main()

@@ -22,5 +22,6 @@ class AttentionMetadata:
 # stride) or between projections (column blocks): Triton would otherwise compile a variant for each of "== 1",
 # "divisible by 16" and neither, on the engine thread, the first time a step happens to produce one
 # (tests/kernels/test_specializations.py).
-UNSPECIALIZED_ARGS = {"_attention_kernel": ("num_seqs", "stride_bt"), "_shrink_kernel": ("stride_hs",),
-                      "_expand_kernel": ("num_n_blocks", "stride_hs")}
+UNSPECIALIZED_ARGS = {"_attention_kernel": ("num_seqs", "stride_bt"),
+                      "_shrink_kernel": ("split_k", "blocks_per_split", "stride_ps"),
+                      "_expand_kernel": ()}

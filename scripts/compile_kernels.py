@@ -9,43 +9,20 @@ needs more shared memory than the device has, and (with --resources) if a hot co
 import argparse
 import itertools
 import os
-import re
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)          # compile for real: the interpreter has no compiler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels.aot import (MAX_WARPS_PER_SM, SHARED_LIMIT, compile_kernel, occupancy_warps,  # noqa: E402,F401
+                         resources, runtime_signature)
 
-SHARED_LIMIT = {80: 164 * 1024, 90: 228 * 1024}   # bytes per block (A100, H100)
 DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 HEAD_DIMS = (64, 80, 96, 128)                     # Llama/Mistral/Qwen2 128, SmolLM2 64, Phi-like 80/96
 BLOCK_SIZES = tuple(2 ** i for i in range(9))     # every kv_block_size EngineConfig accepts: 1 ... 256
 GROUPS = tuple(range(1, 9))                       # query heads per KV head
 SPLITS = (1, 2, 4, 8, 16)                         # split-K counts num_kv_splits can choose
-
-
-def runtime_signature(args: dict, fixed: set[str] = frozenset()) -> tuple[dict, dict, dict]:
-    """Signature, specialization attributes and extra constexprs as Triton's launcher derives them from the
-    values it is given: an int equal to 1 becomes a constant, an int divisible by 16 and every pointer (the
-    staging buffer's views and torch's allocations start 16-byte aligned) get tt.divisibility=16; ints the kernel
-    names in do_not_specialize (`fixed`) get neither. Pointers are given as their type string ("*bf16")."""
-    signature, attrs, constants = {}, {}, {}
-    for i, (name, value) in enumerate(args.items()):
-        if isinstance(value, str):
-            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif name in fixed:
-            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-        elif value == 1:
-            signature[name], constants[name] = "constexpr", 1
-        else:
-            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-            if value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return signature, attrs, constants
 
 
 def attention_args(p: str, head_dim: int, block_size: int, group: int) -> dict:
@@ -76,7 +53,6 @@ def configurations():
     """(label, module, kernel name, runtime arguments, constexprs) for every choice the launchers make: each
     dtype x head dim at the default page, then every page size, GQA group and split count."""
     from kernels.fused import norm_config, rotary_config, silu_config
-    from kernels.lora import expand_config, shrink_config
     for dtype in DTYPES:
         p = DTYPES[dtype]
         for hidden in (576, 4096, 8192):
@@ -104,76 +80,43 @@ def configurations():
         if group != 4:
             yield from attention_configurations("bf16", 128, 16, group)
     yield from attention_configurations("fp32", 64, 16, 3, splits=SPLITS[1:-1])
-    seg = dict(seg_starts_ptr="*i32", seg_slots_ptr="*i32", ranks_ptr="*i32")
-    in_dim, max_rank, bands, num_slots = 4096, 64, 3, 8                 # an 8B qkv projection, as stored on GPU
-    cap, out_dim = bands * max_rank, 6144
+    yield from lora_configurations()
+
+
+def lora_configurations():
+    """Each projection of Llama-3.1-8B (and SmolLM2's qkv) as the launchers plan it for a decode step (16 rows) and
+    a prompt chunk (512: 64-row items), max_lora_rank 64 and 16 (and 128 at 8B decode), in every dtype pairing."""
+    import torch
+
+    from kernels.lora import block_m_for, max_work_items, plan_launch
+    from kernels.lora_plan import launch_args
+    shapes = {"8b qkv": (4096, [4096, 1024, 1024]), "8b o": (4096, [4096]), "8b gate_up": (4096, [14336, 14336]),
+              "8b down": (14336, [4096]), "smollm2 qkv": (576, [576, 192, 192])}
+    cases = [(shape, tokens, 64) for shape in shapes for tokens in (16, 512)]
+    cases += [("8b qkv", 16, 16), ("8b down", 16, 16), ("8b qkv", 16, 128)]
     for dtype, weight_dtype in [("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "fp16")]:
-        p, w, tag = DTYPES[dtype], DTYPES[weight_dtype], f"{dtype} adapters {weight_dtype}"
-        for num_tokens in (8, 512):                                       # a decode step (split-K) and a prompt chunk
-            cfg = shrink_config(in_dim, num_tokens) | {"DOT_FP32": False}
-            yield (f"lora_shrink {tag} splitk{cfg['SPLIT_K']}", "kernels.lora", "_shrink_kernel",
-                   dict(x_ptr=p, a_ptr=w, h_ptr="*fp32") | seg | dict(
-                       in_dim=in_dim, cap=cap, max_rank=max_rank, stride_xt=in_dim, stride_as=cap * in_dim,
-                       stride_ar=in_dim, stride_ak=1, stride_rb=num_slots, stride_hs=num_tokens * cap, stride_ht=cap),
-                   cfg)
-            yield (f"lora_expand {tag} splitk{cfg['SPLIT_K']}", "kernels.lora", "_expand_kernel",
-                   dict(h_ptr="*fp32", b_ptr=w, out_ptr=p) | seg | dict(
-                       bounds_ptr="*i32", max_rank=max_rank, num_n_blocks=64, stride_hs=num_tokens * cap,
-                       stride_ht=cap, stride_bs=out_dim * cap, stride_bn=cap, stride_bk=1, stride_rb=num_slots,
-                       stride_ot=out_dim),
-                   expand_config() | {"SPLIT_K": cfg["SPLIT_K"], "DOT_FP32": False})
+        for shape, tokens, max_rank in cases:
+            in_dim, widths = shapes[shape]
+            block_m = block_m_for(tokens, torch.float32 if dtype == "fp32" else torch.bfloat16)
+            launch = plan_launch(tokens, max_work_items(tokens, 18, block_m), in_dim, widths, max_rank, block_m,
+                                 act_bytes=4 if dtype == "fp32" else 2)
+            shrink, expand = launch_args(launch, tokens, DTYPES[dtype], DTYPES[weight_dtype])
+            tag = f"{dtype} adapters {weight_dtype} {shape} r{max_rank} t{tokens}"
+            yield (f"lora_shrink {tag}", "kernels.lora", "_shrink_kernel", shrink,
+                   launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": False})
+            yield (f"lora_expand {tag}", "kernels.lora", "_expand_kernel", expand,
+                   launch.expand_constexprs | launch.expand_options | {"DOT_FP32": False})
 
 
 HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "add_rms_norm bf16",
        "silu_and_mul bf16", "rotary_and_cache bf16 d128")      # what an 8B decode step runs
-REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
-
-
-def ptxas_report(ptx: str) -> dict:
-    """Registers per thread and spilled bytes of a kernel, from `ptxas -v` (Triton's bundled ptxas)."""
-    import tempfile
-
-    import triton
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE).group(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        out = subprocess.run([str(ptxas), "-v", "--gpu-name", arch, str(Path(tmp) / "k.ptx"), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
-    return {"registers": int(re.search(r"Used (\d+) registers", out).group(1)), "spill_bytes": sum(spills)}
-
-
-def occupancy_warps(registers: int, shared: int, num_warps: int, cc: int) -> int:
-    """Resident warps per SM that the registers and shared memory allow (CUDA's occupancy rules: registers in
-    units of 256 per warp, 1 KiB of shared memory reserved per block)."""
-    per_warp = -(-registers * 32 // 256) * 256
-    blocks = min(MAX_BLOCKS_PER_SM, REGISTERS_PER_SM // per_warp // num_warps, MAX_WARPS_PER_SM // num_warps)
-    if shared:
-        blocks = min(blocks, SHARED_LIMIT[cc] // (shared + 1024))
-    return blocks * num_warps
-
-
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
-    label, module, kernel, args, constexprs, cc, resources = job
-    import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    fn = getattr(importlib.import_module(module), kernel)
+    label, module, kernel, args, constexprs, cc, with_resources = job
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
     try:
-        fixed = {p.name for p in fn.params if p.do_not_specialize}
-        signature, attrs, constants = runtime_signature(args, fixed)
-        signature |= {name: "constexpr" for name in constexprs}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs | constants, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32))
+        compiled = compile_kernel(module, kernel, args, constexprs, cc, options)
         assert compiled.asm["cubin"]
-        report = {}
-        if resources:
-            report = ptxas_report(compiled.asm["ptx"]) | {"num_warps": compiled.metadata.num_warps}
-            report["warps_per_sm"] = occupancy_warps(report["registers"], compiled.metadata.shared,
-                                                     report["num_warps"], cc)
+        report = resources(compiled, cc) if with_resources else {}
         return label, cc, compiled.metadata.shared, "", report
     except Exception as err:                       # report every failure, not just the first
         return label, cc, None, f"{type(err).__name__}: {str(err)[:300]}", {}

@@ -1,9 +1,10 @@
 """Per-step LoRA metadata: token segments grouped by device slot, built once and used by every layer."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from backend.lora.slots import DeviceSlots
+from kernels.lora import block_m_for, work_items
 
 
 @dataclass(slots=True)
@@ -31,9 +32,14 @@ class LoraSegments:
     slots_list: list[int]
     max_len: int                              # longest segment, for kernel grids
     padded: PaddedLayout | None = None        # set when the batched-matmul grid pays (torch path)
+    work: torch.Tensor | None = None          # [num_items, 3] int32: the Triton kernels' work list (kernels/lora.py)
+    block_m: int = 0                          # its rows per item
+    kernel_state: dict = field(default_factory=dict)   # what a kernel keeps for the step (kernels/lora.LoraStep)
 
     @classmethod
-    def from_token_slots(cls, token_slots: list[int]) -> "LoraSegments":
+    def from_token_slots(cls, token_slots: list[int], block_m: int = 0,
+                         num_items: int | None = None) -> "LoraSegments":
+        """block_m: also the Triton kernels' work list, of num_items items (default: as many as the step has)."""
         starts, slots = [0], []
         for i, slot in enumerate(token_slots):
             if i == 0 or slot != token_slots[i - 1]:
@@ -42,20 +48,29 @@ class LoraSegments:
                 slots.append(slot)
         starts.append(len(token_slots))
         max_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        work = work_items(starts, slots, block_m, num_items) if block_m else None
         return cls(torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), starts, slots,
-                   max_len, padded_layout(starts, slots))
+                   max_len, None if block_m else padded_layout(starts, slots), work, block_m)
+
+    @classmethod
+    def for_kernels(cls, token_slots: list[int], kernels: str, dtype: torch.dtype) -> "LoraSegments":
+        """An eager step's segments as its kernels take them: the Triton ones with their work list."""
+        return cls.from_token_slots(token_slots, block_m_for(len(token_slots), dtype) if kernels == "triton" else 0)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """The host tensors, for the step's one upload."""
         rows = {} if self.padded is None else {"lora_rows": self.padded.rows}
-        return {"lora_starts": self.starts, "lora_slots": self.slots} | rows
+        work = {} if self.work is None else {"lora_work": self.work}
+        return {"lora_starts": self.starts, "lora_slots": self.slots} | rows | work
 
     def use(self, t: dict[str, torch.Tensor]) -> None:
         """Point at the device copies of `tensors`."""
         self.starts, self.slots = t["lora_starts"], t["lora_slots"]
         if self.padded is not None:
             self.padded.rows = t["lora_rows"]
+        if self.work is not None:
+            self.work = t["lora_work"]
 
 
 def padded_layout(starts: list[int], slots: list[int]) -> PaddedLayout | None:
@@ -83,6 +98,7 @@ class LoraBatch:
         self.slots = slots
         self.segments = segments
         self.ops = ops
+        segments.kernel_state["projections"] = list(slots.projections[0].values())   # what the step will run
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
                proj: str) -> torch.Tensor:

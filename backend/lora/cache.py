@@ -36,7 +36,7 @@ class LoraCacheStats:
 
 class LoraCache:
     def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device="cpu",
-                 rank_major_a: bool | None = None, tp=None):
+                 rank_major_a: bool | None = None, tp=None, fused_a_once: bool | None = None):
         """tp: the tensor-parallel group (backend/model/parallel.py), whose ranks each hold their share of every
         adapter in a device slot (backend/lora/shard.py); the host tier keeps the whole adapters, on rank 0."""
         self.cfg = cfg
@@ -49,7 +49,7 @@ class LoraCache:
         self.tp = tp
         tp_size = tp.size if tp is not None else 1
         self.slots = DeviceSlots(model_cfg.shard(tp_size), cfg.max_loras, cfg.max_lora_rank, dtype, self.device,
-                                 rank_major_a)
+                                 rank_major_a, fused_a_once)
         self.slot_of: dict[int, int] = {}
         self.pins = [0] * cfg.max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict(     # unpinned, LRU first

@@ -10,7 +10,9 @@ never touched. On CPU B is stored rank-major
 (B^T [cap, out_dim]) and exposed transposed, so expands run along contiguous output rows, and so is A for the
 torch path (A^T [in_dim, cap]: its batched matmuls read plain row-major operands) but not for the compiled one,
 whose shrink runs along contiguous input rows; on GPU both are stored as shown, for the Triton kernels' coalesced
-loads. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A.
+loads. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A on CPU; for the Triton
+kernels (`fused_a_once`) it is one band over every qkv column instead, its A stored (and read) once: each slot's
+band bounds are its own (`Projection.slot_bounds`), and the q band's B holds the k and v rows too.
 """
 from dataclasses import dataclass
 from itertools import groupby
@@ -81,8 +83,10 @@ class Projection:
     b: torch.Tensor                           # [num_slots, out_dim, num_bands * max_rank]
     ranks: torch.Tensor                       # [num_bands, num_slots] int32
     bounds: torch.Tensor                      # [num_bands + 1] int32: band i writes columns [bounds[i], bounds[i + 1])
+    slot_bounds: torch.Tensor                 # [num_slots, num_bands + 1] int32: the same, per slot (a fused qkv
+                                              # adapter's band 0 spans every column)
     max_rank: int
-    max_width: int                            # the widest band's number of columns
+    widths: list[int]                         # each band's number of columns
     bands: list[Band]
 
     @property
@@ -92,12 +96,14 @@ class Projection:
 
 class DeviceSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu",
-                 rank_major_a: bool | None = None):
-        """rank_major_a: store A as A^T (default: on CPU, for the torch path)."""
+                 rank_major_a: bool | None = None, fused_a_once: bool | None = None):
+        """rank_major_a: store A as A^T (default: on CPU, for the torch path). fused_a_once: a fused qkv adapter as
+        one band with its A once (default: off CPU, for the Triton kernels)."""
         self.cfg = cfg
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         rank_major_a = on_cpu if rank_major_a is None else rank_major_a
+        self.fused_a_once = not on_cpu if fused_a_once is None else fused_a_once
         self.copies = SideCopies(self.device)
         self.band_columns = {proj: [module_columns(cfg, module) for module in BANDS[proj]] for proj in PROJS}
         self.num_slots = num_slots
@@ -114,19 +120,32 @@ class DeviceSlots:
         self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
         # the same on the host: [layer][proj][band][slot]
         self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()
+        self.fused = [[False] * num_slots for _ in range(cfg.num_layers)]      # a fused qkv adapter, one band
+        self.slot_bounds = {proj: torch.tensor([self._bounds(proj, False)], dtype=torch.int32).repeat(
+            cfg.num_layers, num_slots, 1).to(device) for proj in PROJS}       # [num_layers, num_slots, bands + 1]
         self.projections: list[dict[str, Projection]] = [{proj: self._projection(layer, proj) for proj in PROJS}
                                                          for layer in range(cfg.num_layers)]
 
+    def _bounds(self, proj: str, fused: bool) -> list[int]:
+        """A slot's band bounds: each band its module's columns, or (a fused qkv adapter) band 0 all of them."""
+        columns = self.band_columns[proj]
+        if fused:
+            return [0] + [columns[-1][1]] * len(columns)
+        return [start for start, _ in columns] + [columns[-1][1]]
+
     def _projection(self, layer: int, proj: str) -> Projection:
         p, r = PROJS.index(proj), self.max_rank
-        columns = self.band_columns[proj]
+        columns = list(self.band_columns[proj])
         assert all(end == start for (_, end), (start, _) in zip(columns, columns[1:])), "bands must be contiguous"
         a, b = self.a[layer][proj], self.b[layer][proj]
+        spans = columns
+        if proj == "qkv" and self.fused_a_once:              # band 0 may hold a fused adapter's k and v rows too
+            spans = [(0, columns[-1][1])] + columns[1:]
         bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*cols), i * r:(i + 1) * r], self.ranks[layer, p, i],
-                      self.ranks_list[layer][p][i], cols) for i, cols in enumerate(columns)]
-        bounds = torch.tensor([start for start, _ in columns] + [columns[-1][1]], dtype=torch.int32)
-        return Projection(a, b, self.ranks[layer, p, :len(columns)], bounds.to(self.device), r,
-                          max(end - start for start, end in columns), bands)
+                      self.ranks_list[layer][p][i], cols) for i, cols in enumerate(spans)]
+        bounds = torch.tensor(self._bounds(proj, False), dtype=torch.int32)
+        return Projection(a, b, self.ranks[layer, p, :len(columns)], bounds.to(self.device),
+                          self.slot_bounds[proj][layer], r, [end - start for start, end in columns], bands)
 
     @property
     def num_bytes_per_slot(self) -> int:
@@ -138,17 +157,24 @@ class DeviceSlots:
         consecutive layers go in one copy where they lie back to back (a packed adapter: 14 copies for an
         all-modules adapter, not 2 per layer and module). On CUDA the copies run on a side stream;
         `copies.wait([slot])` orders a step after them."""
-        bands: dict[tuple[str, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        bands: dict[tuple[str, int, bool], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         ranks = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
+        fused = [False] * self.cfg.num_layers
         for (layer, module_id), (a, b) in sorted(adapter.weights.items()):
+            whole = module_id == FUSED_QKV and self.fused_a_once          # one band over every qkv column
+            fused[layer] = fused[layer] or whole
             for module, b_part in self._split_fused(module_id, b):
                 proj, band = BAND_OF_MODULE[module]
-                bands.setdefault((proj, band), []).append((layer, a, b_part))
+                bands.setdefault((proj, band, whole), []).append((layer, a, b_part))
                 ranks[layer][PROJS.index(proj)][band] = a.shape[0]
         with on(self.device), self.copies.copying():
-            self._replace_ranks(slot, ranks)
-            for (proj, band), pieces in bands.items():
-                start, columns = band * self.max_rank, slice(*self.band_columns[proj][band])
+            if fused != [layer[slot] for layer in self.fused]:            # the qkv band bounds change
+                bounds = torch.tensor([self._bounds("qkv", whole) for whole in fused], dtype=torch.int32)
+                self.slot_bounds["qkv"][:, slot].copy_(pin(bounds, self.device), non_blocking=True)
+            self._replace_ranks(slot, ranks, fused)
+            for (proj, band, whole), pieces in bands.items():
+                start = band * self.max_rank
+                columns = slice(0, self.band_columns[proj][-1][1]) if whole else slice(*self.band_columns[proj][band])
                 for layers, a in _blocks([(layer, a) for layer, a, _ in pieces]):
                     self.a_stacks[proj][layers, slot, start:start + a.shape[1]].copy_(a, non_blocking=True)
                 for layers, b in _blocks([(layer, b) for layer, _, b in pieces]):
@@ -156,9 +182,17 @@ class DeviceSlots:
             self.ranks[:, :, :, slot].copy_(pin(torch.tensor(ranks, dtype=torch.int32), self.device), non_blocking=True)
         self.copies.done(slot)
 
-    def _replace_ranks(self, slot: int, new_ranks: list[list[list[int]]]) -> None:
+    def _replace_ranks(self, slot: int, new_ranks: list[list[list[int]]], new_fused: list[bool]) -> None:
         """Zero each band's rank rows [new rank, old rank) of a slot (what the old adapter left past the new one;
-        one zero_ per run of layers alike), then record the new ranks."""
+        one zero_ per run of layers alike), and all of band 0 where a fused qkv adapter leaves (its k and v rows lie
+        outside band 0's columns), then record the new ranks."""
+        q_band = slice(0, self.max_rank)
+        for layer in range(self.cfg.num_layers):
+            if self.fused[layer][slot]:
+                self.a_stacks["qkv"][layer, slot, q_band].zero_()
+                self.b_stacks["qkv"][layer, slot, :, q_band].zero_()
+                self.ranks_list[layer][PROJS.index("qkv")][0][slot] = 0
+            self.fused[layer][slot] = new_fused[layer]
         for p, proj in enumerate(PROJS):
             for band, columns in enumerate(self.band_columns[proj]):
                 def change(layer: int) -> tuple[int, int]:
@@ -174,7 +208,7 @@ class DeviceSlots:
                     self.ranks_list[layer][p][band][slot] = new_ranks[layer][p][band]
 
     def _split_fused(self, module_id: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        if module_id != FUSED_QKV:
-            return [(module_id, b)]
+        if module_id != FUSED_QKV or self.fused_a_once:
+            return [(1 if module_id == FUSED_QKV else module_id, b)]
         q, kv = self.cfg.q_size, self.cfg.kv_size
         return [(1, b[:q]), (2, b[q:q + kv]), (3, b[q + kv:])]

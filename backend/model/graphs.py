@@ -13,6 +13,7 @@ import torch
 
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.model.context import StepContext, StepInputs
+from kernels.lora import block_m_for, max_work_items
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
@@ -28,12 +29,14 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 
 def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_tokens: int,
-                  num_segments: int) -> dict[str, torch.Tensor]:
+                  num_segments: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A step's per-token host tensors padded to num_tokens (token 0 at position 0, cache slot -1 so nothing is
-    written), and its LoRA segments (adapter slot per token, -1 for none) padded to num_segments (empty ones at the
-    end)."""
+    written), its LoRA segments (adapter slot per token, -1 for none) padded to num_segments (empty ones at the
+    end), and its LoRA work list to the graph's length (idle items at the end; kernels/lora.py)."""
     zeros = torch.zeros(num_tokens - len(token_slots), dtype=torch.int32)
-    segments = LoraSegments.from_token_slots(token_slots + [-1] * len(zeros))
+    block_m = block_m_for(num_tokens, dtype)
+    segments = LoraSegments.from_token_slots(token_slots + [-1] * len(zeros), block_m,
+                                             max_work_items(num_tokens, num_segments, block_m))
     num_empty = num_segments - len(segments.slots_list)
     assert num_empty >= 0, "more LoRA segments than a graph can have"
     return {
@@ -42,31 +45,44 @@ def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_
         "slot_mapping": torch.cat([tensors["slot_mapping"], zeros - 1]),
         "lora_starts": torch.cat([segments.starts, torch.full((num_empty,), num_tokens, dtype=torch.int32)]),
         "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
+        "lora_work": segments.work,
     }
 
 
-def lora_buffers(num_segments: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A graph's fixed LoRA segment buffers, as padding (every segment empty, no adapter)."""
+def lora_buffers(num_segments: int, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A graph's fixed LoRA segment buffers and work list (as long as any bucket's, at 16 rows an item), as padding
+    (every segment empty, no adapter, every item idle)."""
+    num_items = max_work_items(max_tokens, num_segments, 16)
+    work = torch.tensor([-1, 0, 0], dtype=torch.int32).repeat(num_items, 1)
     return {"lora_starts": torch.zeros(num_segments + 1, dtype=torch.int32, device=device),
-            "lora_slots": torch.full((num_segments,), -1, dtype=torch.int32, device=device)}
+            "lora_slots": torch.full((num_segments,), -1, dtype=torch.int32, device=device),
+            "lora_work": work.to(device)}
 
 
-def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, ops) -> LoraBatch:
-    """A graph's adapters: segments read from its buffers on the device (their host lists are unknown at capture),
-    kernel grids for num_tokens rows in any segment."""
+def copy_lora(buffers: dict[str, torch.Tensor], t: dict[str, torch.Tensor]) -> None:
+    """A step's uploaded LoRA segments and work list into a graph's buffers."""
+    for name in ("lora_starts", "lora_slots", "lora_work"):
+        buffers[name][:t[name].shape[0]].copy_(t[name])
+
+
+def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, ops, dtype: torch.dtype) -> LoraBatch:
+    """A graph's adapters: segments and work list read from its buffers on the device (their host lists are unknown
+    at capture), kernel grids for num_tokens rows in any segment."""
     num_segments = buffers["lora_slots"].shape[0]
+    block_m = block_m_for(num_tokens, dtype)
+    work = buffers["lora_work"][:max_work_items(num_tokens, num_segments, block_m)]
     segments = LoraSegments(buffers["lora_starts"], buffers["lora_slots"], [0] * (num_segments + 1),
-                            [-1] * num_segments, num_tokens)
+                            [-1] * num_segments, num_tokens, work=work, block_m=block_m)
     return LoraBatch(lora_slots, segments, ops)
 
 
-def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int,
-                  num_segments: int) -> dict[str, torch.Tensor]:
+def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int, num_segments: int,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A decode step's host tensors padded to `bucket` rows (padding rows read an empty context), its LoRA segments
     to num_segments."""
     t, num_pad = inputs.tensors, bucket - len(inputs.seq_lens)
     zeros = torch.zeros(num_pad, dtype=torch.int32)
-    return padded_tokens(t, token_slots, bucket, num_segments) | {
+    return padded_tokens(t, token_slots, bucket, num_segments, dtype) | {
         "query_starts": torch.arange(bucket + 1, dtype=torch.int32),
         "seq_lens": torch.cat([t["seq_lens"], zeros]),
         "block_tables": torch.cat([t["block_tables"], zeros[:, None].expand(-1, t["block_tables"].shape[1])]),
@@ -79,6 +95,7 @@ class DecodeGraphs:
         """logits=False: a tensor-parallel worker's graphs, which run the layers only (rank 0 computes logits)."""
         cfg = model.cfg
         self.model = model
+        self.dtype = model.w["embed_tokens"].dtype
         self.logits = logits
         self.kv_caches = kv_caches
         self.lora_slots = lora_slots
@@ -92,7 +109,7 @@ class DecodeGraphs:
         self.buffers["query_starts"] = torch.arange(max_len + 1, dtype=torch.int32, device=device)
         self.buffers["slot_mapping"].fill_(-1)                         # as padding: captures write nothing
         self.buffers["block_tables"] = torch.zeros(max_len, max_blocks, dtype=torch.int32, device=device)
-        self.buffers |= lora_buffers(self.num_segments, device)
+        self.buffers |= lora_buffers(self.num_segments, max_len, device)
         self.logits_indices = torch.arange(max_len, dtype=torch.int32, device=device)
         self.contexts = sorted({min(bound, self.max_seq_len) for bound in CONTEXT_CLASSES + (self.max_seq_len,)})
         self.splits = {(bucket, context): decode_graph_splits(bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -119,11 +136,12 @@ class DecodeGraphs:
             lora_cache) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode step (plan.t goes up with the inputs, in the same copy)."""
         rows, _ = bucket
-        host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), rows, self.num_segments)
+        host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), rows, self.num_segments, self.dtype)
         t = staging.upload(host | plan.t)
         plan.t = {name: t[name] for name in plan.t}
-        for name in INPUTS + ("lora_starts", "lora_slots"):
+        for name in INPUTS:
             self.buffers[name][:t[name].shape[0]].copy_(t[name])
+        copy_lora(self.buffers, t)
         self.buffers["block_tables"][:rows, :t["block_tables"].shape[1]].copy_(t["block_tables"])
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
@@ -146,7 +164,7 @@ class DecodeGraphs:
         ctx = StepContext(b["input_ids"][:rows], b["positions"][:rows], attn, self.logits_indices[:rows],
                           self.logits_indices[:0])
         if with_lora:
-            ctx.lora = fixed_lora(b, self.lora_slots, rows, self.model.ops)
+            ctx.lora = fixed_lora(b, self.lora_slots, rows, self.model.ops, self.dtype)
         return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
     def _capture_all(self) -> None:

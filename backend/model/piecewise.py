@@ -14,7 +14,7 @@ runs the same pieces eagerly: how the CPU tests check everything but the capture
 import torch
 
 from backend.model.context import StepContext, StepInputs
-from backend.model.graphs import fixed_lora, lora_buffers, padded_tokens
+from backend.model.graphs import copy_lora, fixed_lora, lora_buffers, padded_tokens
 from kernels.metadata import AttentionMetadata
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
@@ -32,6 +32,7 @@ class PiecewiseGraphs:
                  capture: bool = True):
         cfg, dtype = model.cfg, model.w["embed_tokens"].dtype
         self.model = model
+        self.dtype = dtype
         self.kv_caches = kv_caches
         self.lora_slots = lora_slots
         self.device = device
@@ -40,7 +41,7 @@ class PiecewiseGraphs:
         size = self.buckets[-1]
         self.buffers = {name: torch.zeros(size, dtype=torch.int32, device=device) for name in TOKEN_INPUTS}
         self.buffers["slot_mapping"].fill_(-1)                         # as padding: warm-ups write nothing
-        self.buffers |= lora_buffers(self.num_segments, device)
+        self.buffers |= lora_buffers(self.num_segments, size, device)
         self.q = torch.zeros(size, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.o = torch.zeros(size, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
         self.h = torch.zeros(size, cfg.hidden_size, dtype=dtype, device=device)
@@ -61,11 +62,13 @@ class PiecewiseGraphs:
             lora_cache) -> torch.Tensor:
         """Logits [num_sampled, vocab] of the step (plan.t goes up with the inputs, in the same copy)."""
         num_tokens = inputs.query_starts[-1]
-        padded = padded_tokens(inputs.tensors, token_slots or [-1] * num_tokens, bucket, self.num_segments)
+        padded = padded_tokens(inputs.tensors, token_slots or [-1] * num_tokens, bucket, self.num_segments,
+                               self.dtype)
         t = staging.upload(inputs.tensors | padded | plan.t)
         plan.t = {name: t[name] for name in plan.t}
-        for name in TOKEN_INPUTS + ("lora_starts", "lora_slots"):
+        for name in TOKEN_INPUTS:
             self.buffers[name][:t[name].shape[0]].copy_(t[name])
+        copy_lora(self.buffers, t)
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
             lora_cache.wait_for_slots(token_slots)
@@ -86,7 +89,7 @@ class PiecewiseGraphs:
         attn = AttentionMetadata(empty, empty, empty[None], b["slot_mapping"][rows], [], [], 0, 0)
         ctx = StepContext(b["input_ids"][rows], b["positions"][rows], attn, empty, empty)
         if with_lora:
-            ctx.lora = fixed_lora(b, self.lora_slots, bucket, model.ops)
+            ctx.lora = fixed_lora(b, self.lora_slots, bucket, model.ops, self.dtype)
         if i == 0:
             h, residual = model.embed(ctx), None
         else:

@@ -32,6 +32,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.ops = load_ops(config.kernel_backend, self.device)
         self.lora_rank_major_a = self.device.type == "cpu" and self.ops.name != "cpu"   # the LoRA A layout it reads
+        self.lora_fused_a_once = self.ops.name == "triton"                  # a fused qkv adapter's A stored once
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
@@ -235,7 +236,7 @@ class ModelRunner:
         """The eager step: logits [num_sampled, vocab]; prompt logits asked for go to their sequences."""
         segments = None
         if any(slot >= 0 for slot in token_slots):
-            segments = LoraSegments.from_token_slots(token_slots)
+            segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
         if self.tp is not None:                                   # the workers run the same step beside us
             self.tp.step(inputs.tensors, token_slots)
         t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))

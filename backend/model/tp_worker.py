@@ -60,7 +60,8 @@ class Worker:
                                                         args.rank, lm_head=False))          # rank 0's logits
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
-                                 self.device, rank_major_a=args.rank_major_a == "true")
+                                 self.device, rank_major_a=args.rank_major_a == "true",
+                                 fused_a_once=self.ops.name == "triton")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self.staging = StepStaging(self.device)
@@ -102,7 +103,7 @@ class Worker:
         if bucket is not None:                                 # rank 0 replays its graph: this rank replays its own
             self.graphs.run(tuple(bucket.tolist()), inputs, token_slots, self.staging, NO_SAMPLING, self)
             return
-        segments = LoraSegments.from_token_slots(token_slots) if any(s >= 0 for s in token_slots) else None
+        segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype) if any(s >= 0 for s in token_slots) else None
         host_t = inputs.tensors | (segments.tensors if segments is not None else {})
         device_t = {name: x.to(self.device) for name, x in host_t.items()}
         ctx = inputs.context(device_t)

@@ -24,19 +24,24 @@ def adapter(cfg: ModelConfig, rank: int, seed: int, modules: tuple[int, ...]):
 
 
 def state(slots: DeviceSlots, slot: int) -> list[torch.Tensor]:
-    return [t[slot] for layer in slots.a + slots.b for t in layer.values()] + [slots.ranks[..., slot]]
+    return [t[slot] for layer in slots.a + slots.b for t in layer.values()] + [slots.ranks[..., slot],
+                                                                              slots.slot_bounds["qkv"][:, slot]]
 
 
-@pytest.mark.parametrize("rank_major_a", [True, False])
-def test_a_slot_reloaded_with_a_smaller_adapter_equals_one_loaded_alone(model_cfg, rank_major_a):
+LAYOUTS = [(True, False), (False, False), (False, True)]     # (rank_major_a, fused_a_once): torch, compiled, Triton
+
+
+@pytest.mark.parametrize("rank_major_a,fused_a_once", LAYOUTS)
+def test_a_slot_reloaded_with_a_smaller_adapter_equals_one_loaded_alone(model_cfg, rank_major_a, fused_a_once):
     old = adapter(model_cfg, MAX_RANK, 0, (0, 4, 5, 6, 7))                 # fused qkv, every band at full rank
     new = adapter(model_cfg, 4, 1, (2, 6))                                  # fewer modules, a lower rank
     neighbour = adapter(model_cfg, 8, 2, (1, 4, 6))
-    reused = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, rank_major_a=rank_major_a)
+    layout = dict(rank_major_a=rank_major_a, fused_a_once=fused_a_once)
+    reused = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, **layout)
     reused.load(0, neighbour)
     reused.load(1, old)
     reused.load(1, new)
-    fresh = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, rank_major_a=rank_major_a)
+    fresh = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, **layout)
     fresh.load(0, neighbour)
     fresh.load(1, new)
     for slot in range(3):
@@ -52,10 +57,10 @@ def expected_slot(slots: DeviceSlots, adapter: LoraAdapter) -> list[dict[str, tu
              for proj in slots.a[layer]} for layer in range(cfg.num_layers)]
     for (layer, module_id), (a, b) in adapter.weights.items():
         parts = {1: b[:cfg.q_size], 2: b[cfg.q_size:cfg.q_size + cfg.kv_size], 3: b[cfg.q_size + cfg.kv_size:]} \
-            if module_id == 0 else {module_id: b}
+            if module_id == 0 and not slots.fused_a_once else {module_id: b}
         for module, b_part in parts.items():
-            proj, band = BAND_OF_MODULE[module]
-            rank, (start, end) = a.shape[0], module_columns(cfg, module)
+            proj, band = BAND_OF_MODULE[module or 1]
+            rank, (start, end) = a.shape[0], module_columns(cfg, module)   # module 0: every qkv column
             want[layer][proj][0][band * r:band * r + rank] = a
             want[layer][proj][1][start:end, band * r:band * r + rank] = b_part
     return want
@@ -75,13 +80,13 @@ def uneven(cfg: ModelConfig) -> LoraAdapter:
     return LoraAdapter(weights)
 
 
-@pytest.mark.parametrize("rank_major_a", [True, False])
-def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, rank_major_a):
+@pytest.mark.parametrize("rank_major_a,fused_a_once", LAYOUTS)
+def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, rank_major_a, fused_a_once):
     adapters = [adapter(model_cfg, MAX_RANK, 0, (0, 4, 5, 6, 7)), adapter(model_cfg, 4, 1, (1, 2, 3, 4, 5, 6, 7)),
                 uneven(model_cfg), shard_adapter(adapter(model_cfg, 8, 2, (0, 4, 6)), model_cfg, 2, 1)]
     for a in adapters:
         cfg = model_cfg.shard(2) if a is adapters[-1] else model_cfg
-        slots = DeviceSlots(cfg, 2, MAX_RANK, torch.float32, rank_major_a=rank_major_a)
+        slots = DeviceSlots(cfg, 2, MAX_RANK, torch.float32, rank_major_a=rank_major_a, fused_a_once=fused_a_once)
         slots.load(1, adapters[0] if a is not adapters[0] and cfg is model_cfg else a)   # something to replace
         slots.load(1, a)
         for layer, per_proj in enumerate(expected_slot(slots, a)):
@@ -89,6 +94,11 @@ def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, rank_ma
                 assert torch.equal(slots.a[layer][proj][1], want_a), (layer, proj)
                 assert torch.equal(slots.b[layer][proj][1], want_b), (layer, proj)
                 assert not slots.a[layer][proj][0].any() and not slots.b[layer][proj][0].any()
+        fused = fused_a_once and any(module == 0 for _, module in a.weights)
+        qkv = slots.band_columns["qkv"]
+        bounds = [0, qkv[-1][1], qkv[-1][1], qkv[-1][1]] if fused else [0, qkv[1][0], qkv[2][0], qkv[-1][1]]
+        assert slots.slot_bounds["qkv"][:, 1].tolist() == [bounds] * cfg.num_layers
+        assert not fused or slots.ranks[:, 0, 1:, 1].sum() == 0                 # the k and v bands unused
 
 
 class CountCopies(TorchDispatchMode):

@@ -7,7 +7,7 @@ import torch
 
 from backend import LLMEngine
 from backend.model.config import ModelConfig
-from tests.helpers import DEVICES, hf_greedy, random_prompts
+from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, hf_greedy, random_prompts
 
 
 def hand_built_adapter(cfg: ModelConfig, seed: int = 7) -> tuple[np.ndarray, np.ndarray, dict[str, torch.Tensor]]:
@@ -38,10 +38,12 @@ def hand_built_adapter(cfg: ModelConfig, seed: int = 7) -> tuple[np.ndarray, np.
     return weights[order].numpy(), np.array(config, dtype=np.int32)[order.numpy()], deltas
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_hand_built_trtllm_adapter_equals_hf_with_its_deltas_merged(tiny_model_dir, device):
+@pytest.mark.parametrize("device,kernel_backend", [("cpu", "auto"), pytest.param("cuda", "auto", marks=CUDA_MARKS),
+                                                   pytest.param("cpu", "triton", marks=INTERPRETER_MARK)])
+def test_hand_built_trtllm_adapter_equals_hf_with_its_deltas_merged(tiny_model_dir, device, kernel_backend):
     from transformers import AutoModelForCausalLM
-    engine = LLMEngine(tiny_model_dir, dtype="float32", device=device, kv_cache_memory_bytes=1 << 20)
+    engine = LLMEngine(tiny_model_dir, dtype="float32", device=device, kernel_backend=kernel_backend,
+                       kv_cache_memory_bytes=1 << 20)      # the Triton kernels keep the fused qkv A once
     weights, config, deltas = hand_built_adapter(engine.model_config)
     engine.add_lora(5, weights, config)
     prompts = random_prompts([6, 21, 13, 30], engine.model_config.vocab_size, seed=16)

@@ -18,7 +18,10 @@ def test_every_kernel_configuration_compiles_for_a100_and_h100():
                   "sm_90 attention decode bf16 d128 bs16 g8 splits1",
                   "sm_80 attention prefill bf16 d128 bs256 g4 splits1", "sm_90 attention_reduce fp32 d64",
                   "sm_80 rotary_and_cache bf16 d80", "sm_90 add_rms_norm fp32 h8192",
-                  "sm_90 lora_shrink bf16 adapters bf16 splitk8", "sm_80 lora_expand fp32 adapters fp16 splitk1"):
+                  "sm_90 lora_shrink bf16 adapters bf16 8b qkv r64 t16",
+                  "sm_80 lora_expand fp32 adapters fp16 8b down r64 t512",
+                  "sm_90 lora_shrink bf16 adapters bf16 8b gate_up r64 t512",
+                  "sm_80 lora_expand bf16 adapters bf16 8b qkv r128 t16"):
         assert label in run.stdout
 
 

@@ -6,7 +6,7 @@ import torch
 from backend.lora.batch import LoraSegments
 from backend.lora.slots import Band, Projection
 from kernels import reference
-from kernels.lora import lora_expand, lora_shrink, shrink_split_k
+from kernels.lora import LoraStep, block_m_for, lora_expand, lora_shrink, max_work_items, work_items
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
@@ -28,20 +28,34 @@ def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool, dev
 
 
 def random_projection(ranks: list[list[int]], max_rank: int, in_dim: int, widths: list[int], dtype,
-                      rank_major: bool, device="cpu", a_rank_major: bool | None = None) -> Projection:
+                      rank_major: bool, device="cpu", a_rank_major: bool | None = None,
+                      fused: tuple[int, ...] = ()) -> Projection:
     """A projection of len(widths) bands over len(ranks[0]) slots, band i at ranks[i][slot], laid out as DeviceSlots
     lays it out (rank_major: B, and A unless a_rank_major says otherwise, as on CPU); weights past each rank and
-    outside each band are random, not zero, so a kernel that reads them fails."""
+    outside each band are random, not zero, so a kernel that reads them fails. `fused` slots hold one band over
+    every column (a fused qkv adapter: band 0 at its rank, the others at none)."""
     num_bands, num_slots, cap = len(widths), len(ranks[0]), len(widths) * max_rank
     a_rank_major = rank_major if a_rank_major is None else a_rank_major
     a = random_weights(num_slots, cap, in_dim, 1, dtype, a_rank_major, device)[0]
     b = random_weights(num_slots, cap, 1, sum(widths), dtype, rank_major, device)[1]
     bounds = [sum(widths[:i]) for i in range(num_bands + 1)]
+    slot_bounds = [[0] + [bounds[-1]] * num_bands if slot in fused else bounds for slot in range(num_slots)]
+    for slot in fused:
+        for band in range(1, num_bands):
+            ranks[band][slot] = 0
+        with torch.no_grad():                                          # band 0's B past q is read for these
+            b[slot, bounds[1]:, max_rank:] = 0
     rank_table = torch.tensor(ranks, dtype=torch.int32, device=device)
     r = max_rank
-    bands = [Band(a[:, i * r:(i + 1) * r], b[:, bounds[i]:bounds[i + 1], i * r:(i + 1) * r], rank_table[i], ranks[i],
-                  (bounds[i], bounds[i + 1])) for i in range(num_bands)]
-    return Projection(a, b, rank_table, torch.tensor(bounds, dtype=torch.int32, device=device), r, max(widths), bands)
+    spans = [(0, bounds[-1]) if fused else (bounds[0], bounds[1])] + [(bounds[i], bounds[i + 1])
+                                                                      for i in range(1, num_bands)]
+    if fused:                                                          # what other slots have there is zero
+        for slot in set(range(num_slots)) - set(fused):
+            b[slot, bounds[1]:, :max_rank] = 0
+    bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*spans[i]), i * r:(i + 1) * r], rank_table[i], ranks[i],
+                  spans[i]) for i in range(num_bands)]
+    return Projection(a, b, rank_table, torch.tensor(bounds, dtype=torch.int32, device=device),
+                      torch.tensor(slot_bounds, dtype=torch.int32, device=device), r, widths, bands)
 
 
 LAYOUTS = {
@@ -50,47 +64,74 @@ LAYOUTS = {
 }
 
 
+def float_copy(proj: Projection) -> Projection:
+    """The same projection with its weights in fp32 (for the reference)."""
+    out = random_projection([list(r) for r in proj.ranks.tolist()], proj.max_rank, proj.a.shape[2], proj.widths,
+                            torch.float32, False, proj.a.device)
+    out.a, out.b = proj.a.float(), proj.b.float()
+    out.bands = [Band(band.a.float(), band.b.float(), band.ranks, band.ranks_list, band.columns)
+                 for band in proj.bands]
+    return out
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
-@pytest.mark.parametrize("widths,ranks", [
-    ([96], [[4, 64, 8, 0]]),                                          # o/down: one band
-    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]]),   # qkv: each (band, slot) at its own rank
-    ([80, 80], [[48, 1, 64, 0], [0, 32, 64, 0]]),                     # gate_up
+@pytest.mark.parametrize("widths,ranks,fused", [
+    ([96], [[4, 64, 8, 0]], ()),                                           # o/down: one band
+    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], ()),    # qkv: each (band, slot) at its own rank
+    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], (1,)),  # slot 1 a fused qkv adapter
+    ([80, 80], [[48, 1, 64, 0], [0, 32, 64, 0]], ()),                      # gate_up
 ])
-@pytest.mark.parametrize("layout,split_k", [("decode", 4), ("mixed", 1), ("mixed", 3)])
+@pytest.mark.parametrize("layout,split_k", [("decode", None), ("mixed", 1), ("mixed", 3)])
 @pytest.mark.parametrize("rank_major", [False, True])
-def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widths, ranks, layout, split_k,
+def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widths, ranks, fused, layout, split_k,
                                                        rank_major, device):
     """One shrink and one expand launch for all bands of a projection == the reference band by band; adapters in
     the activations' dtype, or fp16 beside fp32 activations (widened in the kernels); split-K partial sums."""
-    max_rank, in_dim = 64, 160
-    proj = random_projection(ranks, max_rank, in_dim, widths, weight_dtype, rank_major, device)
+    max_rank, in_dim = 64, 384                                         # 3 input blocks at the widest tile
+    proj = random_projection([list(r) for r in ranks], max_rank, in_dim, widths, weight_dtype, rank_major, device,
+                             fused=fused)
     segments = segments_for(LAYOUTS[layout], device)
     num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
     base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
+    step = LoraStep.for_segments(segments, x, [proj], split_k=split_k)
+    assert split_k is None or step.launch(proj).split_k == split_k
 
-    h = lora_shrink(x, proj, segments, split_k=split_k)
-    assert h.shape == (split_k, num_tokens, len(widths) * max_rank) and h.dtype == torch.float32
-    for band, band_ranks in enumerate(ranks):
+    h = lora_shrink(x, proj, step)
+    assert h.shape == (num_tokens, len(widths) * max_rank) and h.dtype == dtype
+    for band, band_ranks in enumerate(proj.ranks.tolist()):
         want_h = reference.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band], band_ranks)
         for start, end, slot in zip(segments.starts_list, segments.starts_list[1:], segments.slots_list):
             if slot >= 0 and band_ranks[slot]:
                 rows = slice(band * max_rank, band * max_rank + band_ranks[slot])
-                torch.testing.assert_close(h[:, start:end, rows].sum(0), want_h[start:end, :band_ranks[slot]],
+                torch.testing.assert_close(h[start:end, rows].float(), want_h[start:end, :band_ranks[slot]],
                                            atol=TOL[dtype], rtol=TOL[dtype])
 
-    float_proj = random_projection(ranks, max_rank, in_dim, widths, torch.float32, rank_major, device)
-    float_proj.a.copy_(proj.a.float())
-    float_proj.b.copy_(proj.b.float())
     want = base.float().clone()
-    reference.lora_apply(x.float(), float_proj, segments, want)
+    reference.lora_apply(x.float(), float_copy(proj), segments, want)
     got = base.clone()
-    lora_expand(h, proj, segments, got)
+    lora_expand(h, proj, step, got)
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
     untouched = torch.tensor([slot < 0 for n, slot in LAYOUTS[layout] for _ in range(n)], device=device)
     assert torch.equal(got[untouched], base[untouched])
+    assert not step.counters.any(), "every counter back at zero for the next launch"
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_results_are_bitwise_the_same_at_every_run(device):
+    """The split partials are summed in split order, whatever order their programs finish in."""
+    proj = random_projection([[16, 64, 8]], 64, 1024, [64], torch.float32, False, device)
+    segments = segments_for([(3, 0), (1, 1), (2, 2)], device)
+    x = torch.randn(6, 1024).to(device)
+    outs = []
+    for _ in range(2):
+        out = torch.zeros(6, 64, device=device)
+        step = LoraStep.for_segments(segments, x, [proj], split_k=4)
+        lora_expand(lora_shrink(x, proj, step), proj, step, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
@@ -111,9 +152,13 @@ def test_compiled_cpu_path_per_projection_matches_reference(layout):
     assert torch.equal(got[:, 64:80], base[:, 64:80])                   # the band no slot has a rank in
 
 
-def test_split_k_only_for_few_tokens():
-    assert shrink_split_k(8, 4096) == 8 and shrink_split_k(64, 2048) == 4
-    assert shrink_split_k(8, 576) == 1 and shrink_split_k(65, 4096) == 1
+def test_work_items_cover_each_adapter_segment_in_blocks_and_pad_with_idle_ones():
+    items = work_items([0, 2, 5, 24, 25], [-1, 0, 2, 1], 16, num_items=5).tolist()
+    assert items == [[0, 2, 5], [2, 5, 21], [2, 21, 24], [1, 24, 25], [-1, 0, 0]]
+    for num_tokens in (1, 16, 64, 256, 512):
+        block_m = block_m_for(num_tokens)
+        worst = work_items(list(range(0, num_tokens + 1, 1)), [0] * num_tokens, block_m)     # one token each
+        assert len(worst) <= max_work_items(num_tokens, num_tokens, block_m)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,19 +201,18 @@ def test_padded_grid_only_where_it_pays():
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_llama_8b_qkv_projection_in_a_decode_step_matches_reference(device):
     """in_dim 4096, bands q/k/v of 4096/1024/1024 columns, four adapters of ranks 8-64 (64 = max_rank), bf16,
-    split-K as chosen for 5 tokens."""
+    split-K as planned for 5 tokens."""
     ranks = [[8, 16, 64, 32]] * 3
-    proj = random_projection(ranks, 64, 4096, [4096, 1024, 1024], torch.bfloat16, rank_major=False, device=device)
+    proj = random_projection([list(r) for r in ranks], 64, 4096, [4096, 1024, 1024], torch.bfloat16,
+                             rank_major=False, device=device)
     segments = segments_for([(1, -1), (1, 0), (1, 1), (1, 2), (1, 3)], device)
     x = torch.randn(5, 4096).to(torch.bfloat16).to(device)
     base = torch.randn(5, 6144).to(torch.bfloat16).to(device)
     want = base.float().clone()
-    float_proj = random_projection(ranks, 64, 4096, [4096, 1024, 1024], torch.float32, False, device)
-    float_proj.a.copy_(proj.a.float())
-    float_proj.b.copy_(proj.b.float())
-    reference.lora_apply(x.float(), float_proj, segments, want)
+    reference.lora_apply(x.float(), float_copy(proj), segments, want)
     got = base.clone()
-    h = lora_shrink(x, proj, segments)
-    assert h.shape[0] == shrink_split_k(5, 4096) == 8
-    lora_expand(h, proj, segments, got)
+    step = LoraStep.for_segments(segments, x, [proj])
+    launch = step.launch(proj)
+    assert (launch.split_k, launch.k_per_split, launch.block_n * launch.tiles) == (16, 256, 512)
+    lora_expand(lora_shrink(x, proj, step), proj, step, got)
     torch.testing.assert_close(got.float(), want, atol=0.25, rtol=TOL[torch.bfloat16])

@@ -1,0 +1,28 @@
+"""The LoRA cost plan (python -m kernels.lora --plan): from the launchers' own configuration and the compiler's
+occupancy, every case at the 8B shape moves at most 1.2x the bytes it must (its adapters, x and the output), and a
+decode step's launches fit in 4 waves of a 132-SM GPU."""
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_the_plan_stays_near_the_memory_bound_and_decode_launches_within_four_waves(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "kernels.lora", "--plan", "--json", str(tmp_path / "plan.json")],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert len(plan) == 4
+    for case, entry in plan.items():
+        ratio = entry["total_bytes"] / entry["bound_bytes"]
+        assert 1.0 <= ratio <= 1.2, (case, ratio)                  # no kernel moves less than it must read
+        for name, projection in entry["projections"].items():
+            assert projection["shrink"]["blocks_per_sm"] >= 1 and projection["expand"]["blocks_per_sm"] >= 1
+            if case.startswith("decode"):
+                for kernel in ("shrink", "expand"):
+                    assert projection[kernel]["waves"] <= 4, (case, name, kernel, projection[kernel]["waves"])
+    assert "2 launches per projection" in run.stdout
+
