@@ -45,8 +45,8 @@ def _work_item(work_ptr, item):
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_shrink_kernel"])
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr, in_dim, max_rank, split_k,
-                   blocks_per_split, stride_xt, stride_as, stride_ar, stride_ak, stride_rb, stride_ht, stride_ps,
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr, stride_xt, in_dim, max_rank,
+                   split_k, blocks_per_split, stride_as, stride_ar, stride_ak, stride_rb, stride_ht, stride_ps,
                    stride_pt, NUM_BANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     item = tl.program_id(0)
@@ -85,6 +85,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr
     else:
         parts = part_ptr + offs_m.to(tl.int64)[:, None] * stride_pt + cols[None, :]
         tl.store(parts + split * stride_ps, acc, mask=mask)
+        tl.debug_barrier()                                 # every thread's partial stored before the release
         if tl.atomic_add(count_ptr + item, 1, sem="acq_rel") == split_k - 1:       # the last split: sum them in order
             offs_r = tl.arange(0, BLOCK_R)
             for i in tl.static_range(NUM_BANDS):                                    # a band at a time: few registers
@@ -100,8 +101,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_expand_kernel"])
-def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, max_rank, stride_ht, stride_bs,
-                   stride_bn, stride_bk, stride_rb, stride_bounds, stride_ot, NUM_BANDS: tl.constexpr,
+def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, stride_ot, max_rank, stride_ht,
+                   stride_bs, stride_bn, stride_bk, stride_rb, stride_bounds, NUM_BANDS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_FP32: tl.constexpr):
     item = tl.program_id(0)
@@ -208,9 +209,9 @@ class LoraLaunch:
 
     @property
     def shrink_options(self) -> dict:
-        """Four warps, eight for tall or wide tiles (64 rows, or fp32 past 256 columns: registers); the K loop's
-        loads pipelined three deep."""
-        return {"num_warps": 8 if self.block_m * self.block_c * self.act_bytes > 16384 else 4, "num_stages": 3}
+        """Four warps, eight for tiles past 4096 accumulators (64 rows of 128 columns, 16 of 512: registers); the K
+        loop's loads pipelined three deep."""
+        return {"num_warps": 8 if self.block_m * self.block_c > 4096 else 4, "num_stages": 3}
 
     @property
     def expand_options(self) -> dict:
@@ -254,21 +255,34 @@ def expand_tiles(widths: list[int], block_m: int, block_r: int, act_bytes: int =
     return block_n, group // block_n
 
 
+@dataclass(slots=True)
+class Prepared:
+    """One projection's launches within a step: everything but the per-call tensors, made once."""
+    launch: LoraLaunch
+    h: torch.Tensor                           # [num_tokens, cap] view of the step's scratch
+    partials: torch.Tensor                    # [split_k, num_tokens, cap] fp32 view
+    shrink_ints: tuple                        # the shrink's integer arguments after stride_xt
+    expand_ints: tuple                        # the expand's after stride_ot
+    shrink_kwargs: dict
+    expand_kwargs: dict
+
+
 class LoraStep:
-    """A step's work list, each projection's launch and the intermediates they share (every projection and layer
-    runs after the last on one stream): h in x's dtype, the split partials, and the per-(item, band) counters, zero
-    between launches. Sized at the step's first launch for every projection the step will run (`projections`: the
-    runner passes one layer's), so nothing is allocated per call."""
+    """A step's work list, each projection's launches and the intermediates they share (every projection and layer
+    runs after the last on one stream): h in x's dtype, the split partials, and the per-item counters, zero
+    between launches. Made at the step's first launch for every projection the step will run (`projections`: the
+    runner passes one layer's; every layer's projection of a kind shares its shapes and strides), so a call does
+    nothing in Python beyond its two launches."""
 
     def __init__(self, work: torch.Tensor, block_m: int, num_tokens: int, dtype: torch.dtype, device,
                  projections: list, split_k: int | None = None):
         self.work, self.block_m, self.num_tokens, self.split_k = work, block_m, num_tokens, split_k
         self.dtype, self.device = dtype, device
-        self.launches: dict[tuple, LoraLaunch] = {}
-        self.h = self.partials = None
         self.counters = torch.zeros(work.shape[0], dtype=torch.int32, device=device)
+        self.kinds: dict[tuple, tuple] = {}                    # key -> (launch, a projection of the kind)
+        self.prepared: dict[tuple, Prepared] = {}
         for proj in projections:
-            self.launch(proj)
+            self.prepare(proj)
 
     @classmethod
     def for_segments(cls, segments, x: torch.Tensor, projections: list, split_k: int | None = None) -> "LoraStep":
@@ -279,19 +293,35 @@ class LoraStep:
         work = work_items(segments.starts_list, segments.slots_list, block_m).to(x.device)
         return cls(work, block_m, x.shape[0], x.dtype, x.device, projections, split_k)
 
-    def launch(self, proj) -> LoraLaunch:
-        key = (proj.a.shape[2], tuple(proj.widths), proj.max_rank)
-        if key not in self.launches:
+    def prepare(self, proj) -> Prepared:
+        key = (proj.a.shape[2], proj.b.shape[1], proj.num_bands)
+        prepared = self.prepared.get(key)
+        if prepared is None:                                  # a kind first seen: plan it, size the scratch again
             launch = plan_launch(self.num_tokens, self.work.shape[0], key[0], proj.widths, proj.max_rank,
                                  self.block_m, self.split_k, self.dtype.itemsize)
-            self.launches[key] = launch
-            cap = proj.num_bands * proj.max_rank
-            if self.h is None or self.h.shape[1] < cap:
-                self.h = torch.empty(self.num_tokens, cap, dtype=self.dtype, device=self.device)
-            if self.partials is None or self.partials.numel() < launch.split_k * self.num_tokens * cap:
-                self.partials = torch.empty(launch.split_k * self.num_tokens * cap, dtype=torch.float32,
-                                            device=self.device)
-        return self.launches[key]
+            self.kinds[key] = (launch, proj)
+            self._allocate()
+            prepared = self.prepared[key]
+        return prepared
+
+    def _allocate(self) -> None:
+        caps = {key: proj.num_bands * proj.max_rank for key, (_, proj) in self.kinds.items()}
+        h = torch.empty(self.num_tokens, max(caps.values()), dtype=self.dtype, device=self.device)
+        partials = torch.empty(max(launch.split_k * self.num_tokens * caps[key]
+                                   for key, (launch, _) in self.kinds.items()), dtype=torch.float32,
+                               device=self.device)
+        for key, (launch, proj) in self.kinds.items():
+            cap = caps[key]
+            h_view = h[:, :cap]
+            part_view = partials[:launch.split_k * self.num_tokens * cap].view(launch.split_k, self.num_tokens, cap)
+            shrink_ints = (launch.in_dim, proj.max_rank, launch.split_k, launch.blocks_per_split, *proj.a.stride(),
+                           proj.ranks.stride(0), h_view.stride(0), part_view.stride(0), part_view.stride(1))
+            expand_ints = (proj.max_rank, h_view.stride(0), *proj.b.stride(), proj.ranks.stride(0),
+                           proj.slot_bounds.stride(0))
+            self.prepared[key] = Prepared(
+                launch, h_view, part_view, shrink_ints, expand_ints,
+                launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": DOT_FP32},
+                launch.expand_constexprs | launch.expand_options | {"DOT_FP32": DOT_FP32})
 
 
 def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:
@@ -304,17 +334,10 @@ def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:
     x: [num_tokens, in_dim]; proj.a: [num_slots, cap, in_dim] (x's dtype, or a narrower one: widened on load)
     -> h: [num_tokens, cap], the step's (entries no item covers are left unset: expand never reads them).
     """
-    launch = step.launch(proj)
-    num_tokens, cap = x.shape[0], proj.num_bands * proj.max_rank
-    assert x.stride(1) == 1 and num_tokens == step.num_tokens and proj.a.dtype.itemsize <= x.dtype.itemsize
-    h = step.h[:, :cap]
-    partials = step.partials[:launch.split_k * num_tokens * cap].view(launch.split_k, num_tokens, cap)
-    _shrink_kernel[launch.shrink_grid](
-        x, proj.a, h, partials, step.counters, step.work, proj.ranks, launch.in_dim, proj.max_rank, launch.split_k,
-        launch.blocks_per_split, x.stride(0), *proj.a.stride(), proj.ranks.stride(0), h.stride(0),
-        partials.stride(0), partials.stride(1), DOT_FP32=DOT_FP32, **launch.shrink_constexprs,
-        **launch.shrink_options)
-    return h
+    p = step.prepare(proj)
+    _shrink_kernel[p.launch.shrink_grid](x, proj.a, p.h, p.partials, step.counters, step.work, proj.ranks,
+                                         x.stride(0), *p.shrink_ints, **p.shrink_kwargs)
+    return p.h
 
 
 def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor) -> None:
@@ -322,17 +345,15 @@ def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor) -> Non
         for slot, start, end in work:
             if slot >= 0:
                 t = range(start, end)
-                for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r); cols = bounds[slot, i]:bounds[slot, i + 1]
+                for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r)
+                    cols = bounds[slot, i]:bounds[slot, i + 1]
                     out[t, cols] += h[t, rows] @ proj.b[slot, cols][:, rows].T
     h: lora_shrink's [num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in
     place.
     """
-    launch = step.launch(proj)
-    assert out.stride(1) == 1 and h.stride(1) == 1 and proj.b.shape[1] == out.shape[1] == launch.out_dim
-    _expand_kernel[launch.expand_grid](
-        h, proj.b, out, step.work, proj.ranks, proj.slot_bounds, proj.max_rank, h.stride(0), *proj.b.stride(),
-        proj.ranks.stride(0), proj.slot_bounds.stride(0), out.stride(0), DOT_FP32=DOT_FP32,
-        **launch.expand_constexprs, **launch.expand_options)
+    p = step.prepare(proj)
+    _expand_kernel[p.launch.expand_grid](h, proj.b, out, step.work, proj.ranks, proj.slot_bounds, out.stride(0),
+                                         *p.expand_ints, **p.expand_kwargs)
 
 
 def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:

@@ -47,13 +47,13 @@ def launch_args(launch: LoraLaunch, num_tokens: int, act: str = "*bf16", weight:
     expand, for compiling them ahead of time: slots stored as on a GPU ([slot, cap, in] and [slot, out, cap])."""
     cap, ints = launch.num_bands * launch.max_rank, "*i32"
     shrink = dict(x_ptr=act, a_ptr=weight, h_ptr=act, part_ptr="*fp32", count_ptr=ints, work_ptr=ints,
-                  ranks_ptr=ints, in_dim=launch.in_dim, max_rank=launch.max_rank, split_k=launch.split_k,
-                  blocks_per_split=launch.blocks_per_split, stride_xt=launch.in_dim, stride_as=cap * launch.in_dim,
+                  ranks_ptr=ints, stride_xt=launch.in_dim, in_dim=launch.in_dim, max_rank=launch.max_rank,
+                  split_k=launch.split_k, blocks_per_split=launch.blocks_per_split, stride_as=cap * launch.in_dim,
                   stride_ar=launch.in_dim, stride_ak=1, stride_rb=NUM_SLOTS, stride_ht=cap,
                   stride_ps=num_tokens * cap, stride_pt=cap)
     expand = dict(h_ptr=act, b_ptr=weight, out_ptr=act, work_ptr=ints, ranks_ptr=ints, bounds_ptr=ints,
-                  max_rank=launch.max_rank, stride_ht=cap, stride_bs=launch.out_dim * cap, stride_bn=cap,
-                  stride_bk=1, stride_rb=NUM_SLOTS, stride_bounds=launch.num_bands + 1, stride_ot=launch.out_dim)
+                  stride_ot=launch.out_dim, max_rank=launch.max_rank, stride_ht=cap, stride_bs=launch.out_dim * cap,
+                  stride_bn=cap, stride_bk=1, stride_rb=NUM_SLOTS, stride_bounds=launch.num_bands + 1)
     return shrink, expand
 
 

@@ -97,7 +97,7 @@ def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widt
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
     base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
     step = LoraStep.for_segments(segments, x, [proj], split_k=split_k)
-    assert split_k is None or step.launch(proj).split_k == split_k
+    assert split_k is None or step.prepare(proj).launch.split_k == split_k
 
     h = lora_shrink(x, proj, step)
     assert h.shape == (num_tokens, len(widths) * max_rank) and h.dtype == dtype
@@ -212,7 +212,7 @@ def test_llama_8b_qkv_projection_in_a_decode_step_matches_reference(device):
     reference.lora_apply(x.float(), float_copy(proj), segments, want)
     got = base.clone()
     step = LoraStep.for_segments(segments, x, [proj])
-    launch = step.launch(proj)
+    launch = step.prepare(proj).launch
     assert (launch.split_k, launch.k_per_split, launch.block_n * launch.tiles) == (16, 256, 512)
     lora_expand(lora_shrink(x, proj, step), proj, step, got)
     torch.testing.assert_close(got.float(), want, atol=0.25, rtol=TOL[torch.bfloat16])

@@ -21,3 +21,8 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     assert "W1/HF" in run.stdout and "tiny-shape" in run.stdout
     for label in ("decode_profile_base", "decode_profile_lora"):             # kernels are counted on CUDA only
         assert r[label]["num_seqs"] == 16 and r[label]["step_ms_eager"] > 0, r[label]
+    lora = r["lora_kernels"]
+    assert len(lora) == 4, lora
+    for case in lora.values():
+        assert set(case) == {"qkv", "o", "gate_up", "down", "layer"}
+        assert all(case["layer"][k] > 0 for k in ("gpu_us", "host_us", "bound_us", "gemm_us"))

@@ -1,0 +1,111 @@
+"""The LoRA kernels alone, one layer of a model shape: per case and projection, the GPU time of the two launches
+(from a CUDA-graph replay of many calls, so launch gaps do not count), the host time to dispatch them (eager calls,
+not waited for), the adapter-bytes bound (the bytes of the adapters the step uses, at the measured copy bandwidth)
+and the base GEMM of the same projection. Used by scripts/gpu_bench.py; on CPU (a dry run) the torch reference runs
+eagerly and only the code path is exercised."""
+import time
+from dataclasses import replace
+
+import torch
+
+from backend.lora.batch import LoraBatch, LoraSegments
+from backend.lora.slots import PROJS, DeviceSlots, proj_shape
+from backend.model.config import ModelConfig
+from backend.model.self_check import random_adapter
+from bench.step_profile import sync
+from kernels.dispatch import load_ops
+
+RANKS = [8, 16, 32, 64] * 4                   # W1's adapters, slot by slot; max_lora_rank 64
+CASES = {                                     # name -> tokens per slot (slots in order)
+    "decode, 16 tokens over 16 adapters": [1] * 16,
+    "64 tokens over 16 adapters": [4] * 16,
+    "256 tokens over 16 adapters": [16] * 16,
+    "decode, 16 tokens on one rank-64 adapter": [0, 0, 0, 16] + [0] * 12,
+}
+CALLS = 20                                    # calls per timing
+
+
+def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
+    """{case: {projection: {gpu_us, host_us, bound_us, gemm_us}, "layer": totals}} at cfg's shape, bf16."""
+    on_cuda = torch.device(device).type == "cuda"
+    ops = load_ops("triton" if on_cuda else "torch", device)
+    dtype = torch.bfloat16
+    one_layer = replace(cfg, num_layers=1)
+    slots = DeviceSlots(one_layer, len(RANKS), max(RANKS), dtype, device, fused_a_once=ops.name == "triton")
+    g = torch.Generator().manual_seed(0)
+    for slot, rank in enumerate(RANKS):
+        slots.load(slot, random_adapter(one_layer, rank, dtype, g))
+    slots.copies.wait(list(range(len(RANKS))))
+    result = {}
+    for case, per_slot in CASES.items():
+        token_slots = [slot for slot, n in enumerate(per_slot) for _ in range(n)]
+        used = sorted(set(token_slots))
+        row, totals = {}, {"gpu_us": 0.0, "host_us": 0.0, "bound_us": 0.0, "gemm_us": 0.0}
+        for proj in PROJS:
+            in_dim, out_dim = proj_shape(one_layer, proj)
+            segments = LoraSegments.for_kernels(token_slots, ops.name, dtype)
+            segments.use({name: t.to(device) for name, t in segments.tensors.items()})
+            LoraBatch(slots, segments, ops)                              # what the step runs: sizes its scratch
+            x = torch.randn(len(token_slots), in_dim, device=device, dtype=dtype)
+            out = torch.randn(len(token_slots), out_dim, device=device, dtype=dtype)
+            weight = torch.randn(out_dim, in_dim, device=device, dtype=dtype) * in_dim ** -0.5
+            projection = slots.projections[0][proj]
+            lora = lambda: ops.lora_apply(x, projection, segments, out)          # noqa: E731
+            adapter_bytes = sum(RANKS[s] * (in_dim * len(projection.widths) + out_dim) * dtype.itemsize for s in used)
+            entry = {"gpu_us": replay_us(lora, device), "host_us": host_us(lora, device),
+                     "bound_us": adapter_bytes / bandwidth * 1e6,
+                     "gemm_us": replay_us(lambda: torch.nn.functional.linear(x, weight), device)}
+            row[proj] = entry
+            for key in totals:
+                totals[key] += entry[key]
+        row["layer"] = totals | {"vs_bound": totals["gpu_us"] / totals["bound_us"],
+                                 "vs_gemm": totals["gpu_us"] / totals["gemm_us"]}
+        result[case] = row
+    return result
+
+
+def replay_us(fn, device: str) -> float:
+    """Microseconds per call of fn on the GPU: CALLS calls captured in one CUDA graph, the replay timed (eager on
+    CPU)."""
+    fn()                                                                # compile, allocate the step's scratch
+    sync(device)
+    if torch.device(device).type != "cuda":
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        return (time.perf_counter() - start) / CALLS * 1e6
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return begin.elapsed_time(end) * 1e3 / (5 * CALLS)
+
+
+def host_us(fn, device: str) -> float:
+    """Microseconds of host time per eager call: what the thread spends dispatching, the GPU not waited for."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    spent = time.perf_counter() - start
+    sync(device)
+    return spent / CALLS * 1e6
+
+
+def summary(result: dict) -> list[str]:
+    lines = []
+    for case, row in result.items():
+        layer = row["layer"]
+        lines.append(f"  LoRA {case}: {layer['gpu_us']:.1f} us a layer on the GPU ({layer['vs_bound']:.1f}x the "
+                     f"adapter-bytes bound {layer['bound_us']:.1f} us, {layer['vs_gemm']:.0%} of the base GEMMs "
+                     f"{layer['gemm_us']:.1f} us), host {layer['host_us']:.1f} us")
+    return lines
