@@ -11,8 +11,8 @@ DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 class LoraCacheConfig:
     max_lora_rank: int = 64
     max_loras: int = 8                        # device slots: adapters usable in one step
-    host_memory_bytes: int = 1 << 30          # host tier budget
-    max_adapter_bytes: int = 256 << 20        # one adapter, as stored (in dtype)
+    host_memory_bytes: int | str = "auto"     # host tier budget (auto: backend/lora/limits.py)
+    max_adapter_bytes: int | str = "auto"     # one adapter, as stored (in dtype); auto: max_lora_rank everywhere
     prefetch_dir: str | None = None           # <dir>/<task_id>/ loaded at engine start
     dtype: str = "auto"                       # adapters as stored: the model's, or fp16 beside fp32 (device.py)
 
@@ -20,8 +20,11 @@ class LoraCacheConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"lora_dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_lora_rank", "max_loras", "host_memory_bytes", "max_adapter_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value == "auto" and name in ("host_memory_bytes", "max_adapter_bytes"):
+                continue
+            if isinstance(value, str) or value < 1:
+                raise ValueError(f"{name} must be >= 1{' or auto' if 'bytes' in name else ''}, got {value!r}")
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ class LLMEngine:
         self.lora_cache = LoraCache(self.config.lora, self.model_config, lora_dtype, self.runner.device,
                                     rank_major_a=self.runner.lora_rank_major_a, tp=self.runner.tp,
                                     fused_a_once=self.runner.lora_fused_a_once)
+        self.config.lora = self.lora_cache.cfg                # its auto sizes resolved
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.runner.capture_graphs(self.lora_cache)
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,

@@ -35,9 +35,9 @@ class AdapterLimits:
     @property
     def max_adapter_bytes(self) -> int:
         """The largest valid adapter in fp16: max_lora_rank on every module of every layer."""
-        from backend.lora.format import module_shape
-        widths = sum(sum(module_shape(self.model, module)) for module in range(1, 8))
-        return 2 * self.max_lora_rank * self.model.num_layers * widths
+        import torch
+        from backend.lora.limits import max_adapter_bytes
+        return max_adapter_bytes(self.model, self.max_lora_rank, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)

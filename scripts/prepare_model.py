@@ -53,14 +53,14 @@ def build_smollm2(out: Path) -> None:
     tmp.rename(out)
 
 
-def build_tiny(out: Path, seed: int, architecture: str) -> None:
+def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2) | shape_overrides
     if architecture == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=10000.0))
     else:

@@ -12,6 +12,7 @@ import torch
 from backend.config import LoraCacheConfig
 from backend.lora.format import LoraAdapter, check_lora, parse_lora
 from backend.lora.shard import shard_adapter
+from backend.lora.limits import resolve_limits
 from backend.lora.slots import DeviceSlots
 from backend.model.config import ModelConfig
 from backend.request import RequestError
@@ -39,7 +40,7 @@ class LoraCache:
                  rank_major_a: bool | None = None, tp=None, fused_a_once: bool | None = None):
         """tp: the tensor-parallel group (backend/model/parallel.py), whose ranks each hold their share of every
         adapter in a device slot (backend/lora/shard.py); the host tier keeps the whole adapters, on rank 0."""
-        self.cfg = cfg
+        self.cfg = resolve_limits(cfg, model_cfg, dtype)     # auto sizes from the model and the adapters' dtype
         self.model_cfg = model_cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -124,6 +125,12 @@ class LoraCache:
             self.in_use[task_id] -= 1
             if self.in_use[task_id] == 0:
                 del self.in_use[task_id]
+
+    def remove(self, task_id: int) -> None:
+        """Drop an adapter no request uses from both tiers (the start-up check's probes)."""
+        slot = self.slot_of.get(task_id)
+        assert not self.in_use[task_id] and (slot is None or not self.pins[slot]), "an adapter in use"
+        self._evict_host(task_id)
 
     def _evict_host(self, task_id: int) -> None:
         slot = self.slot_of.pop(task_id, None)

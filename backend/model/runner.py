@@ -15,7 +15,8 @@ from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
-from backend.model.self_check import check_graphs, check_kernels_or_fall_back, check_piecewise_graphs
+from backend.model.graph_check import check_graphs, check_piecewise_graphs
+from backend.model.self_check import check_kernels_or_fall_back
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq

@@ -18,16 +18,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backend import sampler
 from backend.device import on, resolve_lora_dtype
 
 from backend.lora.batch import LoraSegments
 from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
 from backend.model.config import ModelConfig
-from backend.model.context import StepInputs
-from backend.request import SamplingParams, Sequence
-from backend.scheduler import Batch, ScheduledSeq
 from kernels import reference
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
@@ -223,66 +219,3 @@ def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
     log.info("kernel self-check on %s: %d of %d cases passed", runner.device,
              sum(c.error is None for c in checks), len(checks))
     return fallbacks
-
-
-def probe_sequences(runner) -> list[Sequence]:
-    """Three prompts (5, 14 and 23 tokens) over the first blocks of the runner's KV cache, before any request (the
-    blocks they write are free again after)."""
-    seqs, next_block = [], 0
-    for i in range(3):
-        seq = Sequence(-1 - i, [(7 * i + j) % runner.model_config.vocab_size for j in range(5 + 9 * i)],
-                       SamplingParams(max_new_tokens=2))
-        num_blocks = -(-(seq.num_tokens + 1) // runner.block_size)
-        seq.block_table, next_block = list(range(next_block, next_block + num_blocks)), next_block + num_blocks
-        seqs.append(seq)
-    return seqs
-
-
-def eager_logits(runner, batch: Batch, seqs: list[Sequence], lora_cache) -> torch.Tensor:
-    """The same step run eagerly (fresh inputs and sampling plan: the graphed run consumed its own), fp32."""
-    return runner._forward(batch, StepInputs(batch, runner.block_size),
-                           sampler.prepare(seqs, runner.model_config.vocab_size), [], lora_cache).float()
-
-
-def differs(runner, what: str, graphed: torch.Tensor, eager: torch.Tensor) -> str | None:
-    """Why a graphed step's logits differ from the eager step's (beyond the dtype's tolerance, or greedy tokens), or
-    None."""
-    error = max_error(graphed, eager)
-    if error <= TOLERANCE[runner.dtype] and torch.equal(graphed.argmax(-1), eager.argmax(-1)):
-        return None
-    log.warning("kernel self-check on %s: %s through CUDA graphs differs from the same step run eagerly (max logit "
-                "error %.3g); serving it without them", runner.device, what, error)
-    return f"{what}: max logit error {error:.3g}"
-
-
-def check_piecewise_graphs(runner, lora_cache) -> str | None:
-    """The three prompts in one step through the piecewise graphs against the same step run eagerly (both write
-    the same K/V): why they differ, or None (also where the step does not fit the graphs' buckets)."""
-    seqs, vocab = probe_sequences(runner), runner.model_config.vocab_size
-    batch = Batch([ScheduledSeq(seq, seq.num_tokens) for seq in seqs])
-    inputs = StepInputs(batch, runner.block_size)
-    bucket = runner.piecewise.bucket_for(inputs) if runner.piecewise is not None else None
-    if bucket is None:
-        return None
-    with on(runner.device), torch.inference_mode():
-        graphed = runner.piecewise.run(bucket, inputs, [], runner.staging, sampler.prepare(seqs, vocab),
-                                       lora_cache).float().clone()
-        eager = eager_logits(runner, batch, seqs, lora_cache)
-    return differs(runner, "a step of 3 prompts", graphed, eager)
-
-
-def check_graphs(runner, lora_cache) -> str | None:
-    """A decode step of three sequences replayed through its graph against the same step run eagerly (after an
-    eager prefill writes their KV): why they differ, or None."""
-    seqs, vocab = probe_sequences(runner), runner.model_config.vocab_size
-    with on(runner.device), torch.inference_mode():
-        tokens, _, _ = runner.run(Batch([ScheduledSeq(seq, seq.num_tokens) for seq in seqs]))
-        for seq, token in zip(seqs, tokens):
-            seq.num_computed_tokens = seq.num_tokens
-            seq.output_ids.append(token)
-        batch = Batch([ScheduledSeq(seq, 1) for seq in seqs])
-        inputs = StepInputs(batch, runner.block_size)
-        graphed = runner.graph_step(runner.graphs.bucket_for(inputs), inputs, [], sampler.prepare(seqs, vocab),
-                                    lora_cache).float().clone()
-        eager = eager_logits(runner, batch, seqs, lora_cache)
-    return differs(runner, "a decode step of 3 sequences", graphed, eager)

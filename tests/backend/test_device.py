@@ -104,20 +104,54 @@ def test_adapters_churn_through_fewer_slots_than_adapters(tiny_model_dir, tiny_a
         assert outputs[i] == (want[:2] if i == aborted else want), f"request {i} (task {tasks[i]})"
 
 
-@needs_cuda
-def test_bf16_on_cuda_stays_close_to_bf16_peft(tiny_model_dir, tiny_adapters):
-    """Tolerance: bf16 rounding differs between fused and separate projections, so only the first token of each
-    row must agree, and the first three tokens of at least 5 of the 6 rows."""
-    engine = engine_on(tiny_model_dir, "cuda", dtype="bfloat16")
+def first_token_logits(engine: LLMEngine, prompts: list[list[int]], tasks: list[int | None]) -> torch.Tensor:
+    """[rows, vocab] fp32: the logits each request's first token was sampled from."""
+    ids = [engine.add_request(p, lora_task_id=t, max_new_tokens=1, return_generation_logits=True)
+           for p, t in zip(prompts, tasks)]
+    logits = {}
+    while any(request_id in engine.seqs for request_id in ids):
+        for out in engine.step():
+            if out.generation_logits is not None:
+                logits[out.request_id] = out.generation_logits.float().cpu()
+    return torch.stack([logits[request_id] for request_id in ids])
+
+
+def peft_first_token_logits(model, prompts: list[list[int]], tasks: list[int | None]) -> torch.Tensor:
+    rows = []
+    with torch.inference_mode():
+        for prompt, task in zip(prompts, tasks):
+            ids = torch.tensor([prompt], device=model.device)
+            out = model(input_ids=ids, adapter_names=["__base__" if task is None else f"a{task - 1}"])
+            rows.append(out.logits[0, -1].float().cpu())
+    return torch.stack(rows)
+
+
+def distance(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest |got - want| / (1 + |want|) over the vocabulary."""
+    return ((got - want).abs() / (1 + want.abs())).amax(dim=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_is_as_close_to_fp32_peft_as_bf16_peft_is(tiny_model_dir, tiny_adapters, device):
+    """bf16 rounding alone flips the first token of near-tied rows of this random tiny model (bf16 PEFT differs from
+    fp32 PEFT in 2 of these 6 rows on a CPU, and the engine on an H200 from bf16 PEFT in one), so bf16 PEFT is no
+    oracle for bf16 tokens. fp32 PEFT is, with bf16 PEFT's own distance from it as the yardstick: the engine's
+    first-token logits in bf16 stay within 4x that distance of fp32 PEFT's (on a CPU: 2.4x at most; a dropped
+    adapter is 50-100x), and its greedy token differs from fp32 PEFT's only where fp32 PEFT's two candidates are within it."""
+    engine = engine_on(tiny_model_dir, device, dtype="bfloat16")
     for task_id, path in enumerate(tiny_adapters[:2], start=1):
         engine.add_lora_dir(task_id, path)
     prompts = random_prompts(PROMPT_LENGTHS, engine.model_config.vocab_size, seed=13)
     tasks = [1, None, 2, 1, 2, None]
-    outputs = engine.generate(prompts, max_new_tokens=3, lora_task_ids=tasks)
-    peft = peft_model_with(tiny_model_dir, tiny_adapters[:2], dtype=torch.bfloat16).to("cuda")
-    want = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", 3) for p, t in zip(prompts, tasks)]
-    assert all(o[0] == w[0] for o, w in zip(outputs, want))
-    assert sum(o == w for o, w in zip(outputs, want)) >= 5
+    got = first_token_logits(engine, prompts, tasks)
+    want = peft_first_token_logits(peft_model_with(tiny_model_dir, tiny_adapters[:2]).to(device), prompts, tasks)
+    bf16_peft = peft_first_token_logits(peft_model_with(tiny_model_dir, tiny_adapters[:2], dtype=torch.bfloat16)
+                                        .to(device), prompts, tasks)
+    yardstick = distance(bf16_peft, want)
+    assert (distance(got, want) <= 4 * yardstick).all(), (distance(got, want), yardstick)
+    for row, (token, best) in enumerate(zip(got.argmax(-1), want.argmax(-1))):
+        margin = (want[row, best] - want[row, token]) / (1 + want[row, best].abs())
+        assert margin <= 2 * yardstick[row], (row, margin, yardstick[row])
 
 
 @needs_cuda

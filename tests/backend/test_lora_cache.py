@@ -40,7 +40,8 @@ def adapter_bytes(cfg, rank) -> int:
 def test_host_tier_evicts_the_least_recently_used_idle_adapter(model_cfg):
     import torch
     size = adapter_bytes(model_cfg, 4)
-    cache = LoraCache(LoraCacheConfig(max_loras=2, host_memory_bytes=3 * size), model_cfg, torch.float32)
+    cache = LoraCache(LoraCacheConfig(max_loras=2, host_memory_bytes=3 * size, max_adapter_bytes=3 * size), model_cfg,
+                      torch.float32)
     for task in (1, 2, 3):
         cache.add(task, *make_adapter(model_cfg, 4, task))
     cache.ref(1)                                  # 1 is in use by a request: not evictable
@@ -52,7 +53,7 @@ def test_host_tier_evicts_the_least_recently_used_idle_adapter(model_cfg):
     assert cache.stats.host_bytes == 3 * size
     with pytest.raises(RequestError, match="already cached with different weights"):
         cache.add(5, *make_adapter(model_cfg, 4, 99))
-    with pytest.raises(RequestError, match="exceeds lora_cache_host_memory_bytes"):
+    with pytest.raises(RequestError, match="exceeds lora_cache_max_adapter_size"):      # the host tier holds one
         cache.add(6, *make_adapter(model_cfg, 32, 6))
 
 
@@ -121,7 +122,8 @@ def test_a_request_waiting_for_a_slot_does_not_hold_up_requests_on_resident_adap
 def test_byte_accounting_returns_to_what_is_resident(model_cfg):
     import torch
     size = adapter_bytes(model_cfg, 4)
-    cache = LoraCache(LoraCacheConfig(max_loras=1, host_memory_bytes=size), model_cfg, torch.float32)
+    cache = LoraCache(LoraCacheConfig(max_loras=1, host_memory_bytes=size, max_adapter_bytes=size), model_cfg,
+                      torch.float32)
     for task in range(1, 5):                      # each new adapter evicts the previous one from both tiers
         cache.add(task, *make_adapter(model_cfg, 4, task))
         cache.acquire(task)

@@ -26,6 +26,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len", "cancellation_check_period_ms", "tensor_parallel_size")
+AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
 INT_LIST_PARAMS = ("inject_fault_steps",)
@@ -39,7 +40,7 @@ def engine_kwargs(model_config: dict) -> dict:
         value = os.environ.get(f"LORA_LLM_{name.upper()}", entry["string_value"])
         if value == "":
             continue
-        if name in INT_PARAMS:
+        if name in INT_PARAMS and not (name in AUTO_PARAMS and value == "auto"):
             value = int(value)
         elif name in FLOAT_PARAMS:
             value = float(value)
