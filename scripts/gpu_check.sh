@@ -7,14 +7,17 @@
 #      in fp32, bf16 within tolerance, adapter churn, a step under torch.cuda.set_sync_debug_mode("error"));
 #      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/
 #      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
-#   4. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT).
+#   4. the real tritonserver with the engine on the GPU (scripts/server_check.py: gRPC streams, with and without an
+#      adapter, against the same requests in process; skipped where nvidia-pytriton or tritonclient is not
+#      installed: README "On a GPU" lists the wheels to carry);
+#   5. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT, the
+#      LoRA kernels per projection, time to ready).
 # Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part
-# and writes everything to $GPU_CHECK_REPORT (gpu_check_report.txt): the file to attach to a bug report. The GPU
-# path has never run on a GPU before this: run this first on a new GPU machine.
+# and writes everything to $GPU_CHECK_REPORT (gpu_check_report.txt): the file to attach to a bug report.
 #
-#   scripts/gpu_check.sh [--tests-only | --bench-only] [gpu_bench.py arguments, e.g. --out $OUT/gpu.json]
-# Each part fits a 10-minute call: run `--tests-only`, then `--bench-only --models smollm2-135m-shape` and
-# `--bench-only --models llama-3.1-8b-shape --out ...` separately where calls are limited.
+#   scripts/gpu_check.sh [--tests-only | --server | --bench-only] [gpu_bench.py arguments, e.g. --out $OUT/gpu.json]
+# With its defaults the bench fits a 10-minute call on one H100 or H200 (both shapes; the HF + PEFT baselines on 16
+# requests each); the tests and the server check fit another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -27,6 +30,7 @@ part=all
 case "${1:-}" in
   --tests-only) part=tests; shift ;;
   --bench-only) part=bench; shift ;;
+  --server) part=server; shift ;;
 esac
 
 verdicts=()
@@ -80,7 +84,20 @@ raise SystemExit(1 if failed else 0)
 PY
 }
 step environment "environment" environment
-if [ "$part" != bench ]; then
+server() {                                # exit 2 of the check: nvidia-pytriton / tritonclient not installed
+  echo "== the real tritonserver on this GPU"
+  local rc=0
+  "$PYTHON" scripts/server_check.py --device cuda || rc=$?
+  case $rc in
+    0) verdicts+=("gpu_check verdict: server: passed") ;;
+    2) verdicts+=("gpu_check verdict: server: skipped (nvidia-pytriton or tritonclient not installed)") ;;
+    *) verdicts+=("gpu_check verdict: server: FAILED"); failed+=(server) ;;
+  esac
+}
+if [ "$part" = server ]; then
+  server
+fi
+if [ "$part" = all ] || [ "$part" = tests ]; then
   step compile "kernels compiled for sm_80 and sm_90 by this Triton" compile_all
   step self_check "kernel self-check on this GPU (SmolLM2 and Llama-3.1-8B shapes)" self_check
   step tests "tests on CUDA" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/kernels tests/backend
@@ -89,7 +106,10 @@ if [ "$part" != bench ]; then
       tests/backend/test_tensor_parallel.py -k cuda
   fi
 fi
-if [ "$part" != tests ]; then
+if [ "$part" = all ]; then
+  server
+fi
+if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"
 fi
 printf '%s\n' "${verdicts[@]}"

@@ -13,7 +13,7 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     r = report["models"]["tiny-shape"]
-    assert report["device"] == "cpu"
+    assert report["device"] == "cpu" and r["time_to_ready_s"] > 0
     for name in ("W1", "W2", "W3", "W1_hf", "W2_hf", "W3_hf"):
         assert r[name]["tok_s"] > 0
     assert r["W1"]["output_tokens"] == 3 * 64 and r["W3"]["output_tokens"] == 128
