@@ -9,14 +9,17 @@ madvise per free run), holding one arena's lock at a time: off the engine's thre
 allocates from the arena being trimmed. Without glibc this does nothing.
 """
 import ctypes
+import os
 import threading
 import time
 
 TRIM_PERIOD_S = 10.0
+PERIOD_VAR = "LORA_LLM_HEAP_TRIM_PERIOD_S"    # a server's period, in seconds (for tests: TRIM_PERIOD_S otherwise)
 
 
 class HeapTrimmer:
-    def __init__(self, period_s: float = TRIM_PERIOD_S):
+    def __init__(self, period_s: float | None = None):
+        period_s = float(os.environ.get(PERIOD_VAR, TRIM_PERIOD_S)) if period_s is None else period_s
         if period_s <= 0:
             raise ValueError(f"period_s must be > 0, got {period_s}")
         try:

@@ -8,6 +8,9 @@ from kernels.compose import compose_linear_lora
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
             "lora_apply", "linear_lora")
+# A test hook, off unless set: these Triton ops (a comma list) raise at every call, in every process that loads the
+# kernels (tensor-parallel workers included), as a kernel that cannot launch on a device would.
+BROKEN_OPS_VAR = "LORA_LLM_TEST_BROKEN_OPS"
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
@@ -39,7 +42,16 @@ def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
     else:
         from kernels import triton_ops as module
     ops = SimpleNamespace(**{op: getattr(module, op) for op in OP_NAMES if hasattr(module, op)})
+    if backend == "triton":
+        for op in filter(None, os.environ.get(BROKEN_OPS_VAR, "").split(",")):
+            setattr(ops, op, broken(op))
     if not hasattr(ops, "linear_lora"):
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
     ops.name = backend
     return ops
+
+
+def broken(op: str):
+    def launch(*args, **kwargs):
+        raise RuntimeError(f"{op}: too many resources requested for launch ({BROKEN_OPS_VAR})")
+    return launch

@@ -151,10 +151,11 @@ def sample(server: SoakServer, soak: Soak, t: float) -> dict:
             **{state: server.metric("lora_llm_sequences", state=state) for state in ("running", "waiting")}}
 
 
-def second_half_growth(samples: list[dict], duration_s: float, window_s: float = 60) -> dict[str, float]:
-    """Each server process's mean RSS over the last `window_s` of the load over its mean over the same span around
-    the middle of the load, minus 1 (single samples swing with the uploads in flight; samples taken while the last
-    requests drain come after the load, when memory may have been given back)."""
+def second_half_growth(samples: list[dict], duration_s: float, window_s: float | None = None) -> dict[str, float]:
+    """Each server process's mean RSS over the last `window_s` of the load (a quarter of it by default) over its mean
+    over the same span around the middle of the load, minus 1 (single samples swing with the uploads in flight;
+    samples taken while the last requests drain come after the load, when memory may have been given back)."""
+    window_s = duration_s / 4 if window_s is None else window_s
     under_load = [s for s in samples if s["t"] <= duration_s]
     if len(under_load) < 2:
         return {}

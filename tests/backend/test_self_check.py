@@ -15,7 +15,7 @@ from backend.model import graphs, piecewise
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.self_check import check_kernels
 from kernels.compose import compose_linear_lora
-from kernels.dispatch import load_ops
+from kernels.dispatch import BROKEN_OPS_VAR, load_ops
 from tests.helpers import INTERPRETER_MARK, build_tiny, hf_greedy, random_prompts
 
 pytestmark = INTERPRETER_MARK
@@ -211,8 +211,10 @@ def test_bf16_rounding_beyond_the_fixed_tolerance_is_not_a_defect(tmp_path):
 
 
 def test_tensor_parallel_workers_take_rank_0s_verdict(tiny_model_dir, hf_tiny, monkeypatch):
-    """The check runs on rank 0's device before the workers start; they serve the same families by the reference."""
-    monkeypatch.setattr(triton_ops, "paged_attention", raises_at_launch)
+    """The check runs on rank 0's device before the workers start; they serve the same families by the reference.
+    The kernel is broken in every process (the workers load theirs from the environment's test hook), so a worker
+    that kept its own Triton attention would fail the step."""
+    monkeypatch.setenv(BROKEN_OPS_VAR, "paged_attention")
     engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kernel_self_check="true",
                        kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2)
     try:

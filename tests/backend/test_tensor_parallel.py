@@ -20,8 +20,9 @@ from backend.model.runner import ModelRunner
 from backend.serving import EngineLoop
 from backend.text import load_tokenizer
 from tests.backend.loop_streams import FakeStream, prompts
-from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, cpu_kernels_build, kv_bytes_for_blocks, peft_model_with,
-                           random_prompts)
+from tests.backend.test_lora_trtllm import hand_built_adapter
+from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, cpu_kernels_build, hf_greedy, kv_bytes_for_blocks,
+                           peft_greedy, peft_model_with, random_prompts)
 
 LOGITS_ATOL = 1e-4             # fp32: the all-reduce adds the ranks' partial sums in another order than one GEMM
 PEFT_MODULES = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
@@ -32,6 +33,7 @@ OPTIONS = {1: dict(num_return_sequences=2, temperature=0.9, top_k=20, seed=7), 2
            4: dict(return_generation_logits=True), 6: dict(temperature=1.1, top_p=0.8, seed=3, return_log_probs=True)}
 ABORTED = 8
 SHARED_PREFIX = (0, 9)         # request 9 starts with request 0's first 32 tokens: a KV reuse hit
+GREEDY = [i for i in range(len(TASKS)) if i not in OPTIONS and i != ABORTED]
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +89,7 @@ def run_scenario(engine: LLMEngine, adapters) -> tuple[dict, dict]:
     seeds, both kinds of logits, KV reuse, an abort: (tokens, logits) by (request, sequence)."""
     for task_id, path in enumerate(adapters, start=1):
         engine.add_lora_dir(task_id, path)
-    prompts = random_prompts(LENGTHS, engine.model_config.vocab_size, seed=31)
-    first, later = SHARED_PREFIX
-    prompts[later] = prompts[first][:32] + prompts[later]
+    prompts = scenario_prompts(engine.model_config.vocab_size)
     tokens, logits = {}, {}
     pending = list(range(len(prompts)))
     while pending or engine.has_unfinished:
@@ -109,6 +109,13 @@ def run_scenario(engine: LLMEngine, adapters) -> tuple[dict, dict]:
     return tokens, logits
 
 
+def scenario_prompts(vocab_size: int) -> list[list[int]]:
+    prompts = random_prompts(LENGTHS, vocab_size, seed=31)
+    first, later = SHARED_PREFIX
+    prompts[later] = prompts[first][:32] + prompts[later]
+    return prompts
+
+
 def scenario_engine(model_dir, tp_size: int, kernel_backend: str) -> LLMEngine:
     cfg = ModelConfig.from_dir(model_dir).shard(tp_size)          # the KV budget is each rank's, for its KV heads
     return LLMEngine(model_dir, dtype="float32", kernel_backend=kernel_backend, tensor_parallel_size=tp_size,
@@ -125,7 +132,8 @@ def expected(tiny_model_dir, tiny_adapters):
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_tensor_parallel_answers_equal_one_rank(tiny_model_dir, tiny_adapters, expected, tp_size, kernel_backend):
+def test_tensor_parallel_answers_equal_one_rank(tiny_model_dir, tiny_adapters, tiny_peft, expected, tp_size,
+                                                kernel_backend):
     engine = scenario_engine(tiny_model_dir, tp_size, kernel_backend)
     try:
         tokens, logits = run_scenario(engine, tiny_adapters)
@@ -136,9 +144,38 @@ def test_tensor_parallel_answers_equal_one_rank(tiny_model_dir, tiny_adapters, e
     want_tokens, want_logits = expected[kernel_backend]
     assert tokens == want_tokens
     assert len(tokens[(1, 1)]) == 12 and len(tokens[(ABORTED, 0)]) == 2
+    prompts = scenario_prompts(engine.model_config.vocab_size)
+    for i in GREEDY:                                  # and each greedy request is PEFT's, not only TP=1's
+        adapter = "__base__" if TASKS[i] is None else f"a{TASKS[i] - 1}"
+        want = peft_greedy(tiny_peft, prompts[i], adapter, 12)   # stops at eos; the engine ran on (end_id None)
+        assert tokens[(i, 0)][:len(want)] == want, (i, adapter)
     assert logits.keys() == want_logits.keys() and logits
     for key, got in logits.items():
         torch.testing.assert_close(torch.stack(got), torch.stack(want_logits[key]), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_a_fused_qkv_adapter_at_two_ranks_equals_hf_with_its_deltas_merged(tiny_model_dir):
+    """A hand-built TensorRT-LLM adapter with a fused attn_qkv module (and gate, down, up), split over two ranks: its
+    greedy tokens are those of HF with the adapter's deltas merged into the weights (no code of ours in the oracle)."""
+    from transformers import AutoModelForCausalLM
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+                       kv_cache_memory_bytes=1 << 20)
+    try:
+        weights, config, deltas = hand_built_adapter(engine.model_config)
+        engine.add_lora(5, weights, config)
+        prompts = random_prompts([6, 21, 13], engine.model_config.vocab_size, seed=17)
+        outputs = engine.generate(prompts, max_new_tokens=10, lora_task_ids=[5, None, 5])
+    finally:
+        engine.close()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        params = dict(merged.named_parameters())
+        for name, delta in deltas.items():
+            params[name] += delta
+    for prompt, task, out in zip(prompts, [5, None, 5], outputs):
+        assert out == hf_greedy(merged if task else base, prompt, 10)
+    assert outputs[0] != hf_greedy(base, prompts[0], 10)                     # the adapter changes tokens
 
 
 @INTERPRETER_MARK

@@ -12,6 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import LLMEngine
+from backend.model.config import ModelConfig
 from tests.helpers import ROOT
 from tests.server.conftest import run_frontend, run_server
 from tests.server.streams import Stream, make_inputs, run, trtllm_inputs
@@ -241,3 +242,35 @@ def test_tritonserver_memory_follows_the_requests_in_flight_not_the_largest_ever
     uploads(3, 1 << 20)                                         # 8 MB each
     time.sleep(1)
     assert anon_rss_mb(tiny_server.process.pid) - before < 16   # 8 reused objects would keep 64 MB
+
+
+def test_the_engines_process_gives_freed_adapter_memory_back_each_trim_period(tmp_path_factory, smollm2_dir):
+    """Adapters of ~20 MB each (under glibc's largest mmap threshold, so they come from the heap once the threshold
+    has risen) churning through a host tier of two: the evicted ones' pages stay resident in the stub's heap until
+    its trimmer runs (backend/heap.py, every LORA_LLM_HEAP_TRIM_PERIOD_S), then its RssAnon falls."""
+    from soak import make_adapter
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    adapters = [make_adapter(cfg, 64, seed) for seed in range(6)]
+    size = adapters[0][0].nbytes                                          # fp16 rows: what the host tier keeps
+    period = 6
+    env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(64 << 20),
+           "LORA_LLM_LORA_CACHE_HOST_MEMORY_BYTES": str(2 * size + (1 << 20)),
+           "LORA_LLM_LORA_CACHE_MAX_ADAPTER_SIZE": str(size + (1 << 20)), "LORA_LLM_MAX_LORAS": "2",
+           "LORA_LLM_HEAP_TRIM_PERIOD_S": str(period)}
+    server = next(fixture := run_server(tmp_path_factory, "trim", env, models=["lora_llm"]))
+    try:
+        stub = next(pid for pid in stub_pids(server.process.pid) if "lora_llm" in open(f"/proc/{pid}/cmdline").read())
+        for task, (weights, config) in enumerate(adapters, start=1):
+            result = run(server.grpc_url, trtllm_inputs([5, 6, 7], 1, True, lora_task_id=np.array([[task]], np.uint64),
+                                                        lora_weights=weights[None], lora_config=config[None]))
+            assert result.error is None, result.error
+        after_uploads = anon_rss_mb(stub)
+        time.sleep(period + 2)
+        assert anon_rss_mb(stub) < after_uploads - 15, (after_uploads, anon_rss_mb(stub))
+    finally:
+        next(fixture, None)
+
+
+def stub_pids(server_pid: int) -> list[int]:
+    return [int(pid) for task in Path(f"/proc/{server_pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()]

@@ -55,22 +55,39 @@ def tokenizer(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def core_task(smollm2_server, peft_dirs):
-    """The core model's own greedy tokens for a prompt and adapter ("upper" is the server's task 1)."""
+def core_request(smollm2_server, peft_dirs):
+    """A greedy request straight to the core model for a prompt and adapter ("upper" is the server's task 1):
+    (tokens, their log probs)."""
     weights = {"rand": peft_to_trtllm(peft_dirs[0], "float16"), "rand2": peft_to_trtllm(peft_dirs[1], "float16")}
 
-    def tokens(prompt_ids: list[int], adapter: str | None, max_new: int = MAX_NEW, **extra) -> list[int]:
+    def request(prompt_ids: list[int], adapter: str | None, max_new: int = MAX_NEW,
+                **extra) -> tuple[list[int], list[float]]:
         if adapter == "upper":
             extra["lora_task_id"] = np.array([[1]], np.uint64)
         elif adapter is not None:
             w, c = weights[adapter]
             extra |= {"lora_task_id": np.array([[9000 + len(adapter)]], np.uint64), "lora_weights": w[None],
                       "lora_config": c[None]}
-        result = run(smollm2_server.grpc_url, trtllm_inputs(prompt_ids, max_new, True,
-                                                            end_id=np.array([[2]], np.int32), **extra))
-        assert result.error is None, result.error
-        return result.tokens
-    return tokens
+        stream = Stream(smollm2_server.grpc_url).send(trtllm_inputs(
+            prompt_ids, max_new, True, end_id=np.array([[2]], np.int32), return_log_probs=np.array([[True]]),
+            **extra))
+        tokens, log_probs = [], []
+        try:
+            for result in stream.results():
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    tokens += ids.reshape(-1).tolist()
+                    log_probs += result.as_numpy("output_log_probs").reshape(-1).tolist()
+        finally:
+            stream.close()
+        return tokens, log_probs
+    return request
+
+
+@pytest.fixture(scope="module")
+def core_task(core_request):
+    """The core model's own greedy tokens for a prompt and adapter."""
+    return lambda *args, **kwargs: core_request(*args, **kwargs)[0]
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
@@ -105,15 +122,28 @@ def test_chat_tokens_equal_the_core_models(client, tokenizer, core_task, model, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_tokens_equal_the_core_models(client, tokenizer, core_task, stream):
+def test_completion_tokens_and_log_probs_equal_the_core_models(client, tokenizer, core_request, stream):
     prompt = "The three largest oceans are"
-    want = core_task(tokenizer(prompt)["input_ids"], "rand", max_new=16)
+    want, want_log_probs = core_request(tokenizer(prompt)["input_ids"], "rand", max_new=16)
     response = client.completions.create(model="rand", prompt=prompt, max_tokens=16, temperature=0, stream=stream,
                                          logprobs=0)
     choices = [c.choices[0] for c in response] if stream else response.choices
     assert "".join(c.text for c in choices) == tokenizer.decode(want, skip_special_tokens=True)
     logprobs = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs]
-    assert len(logprobs) == len(want) and all(lp <= 0 for lp in logprobs)
+    assert len(want_log_probs) == len(want) and min(want_log_probs) < -1e-3           # not all (near) zero
+    np.testing.assert_allclose(logprobs, want_log_probs, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_log_probs_equal_the_core_models(client, tokenizer, core_request, stream):
+    want, want_log_probs = core_request(chat_ids(tokenizer, CHAT), "upper")
+    response = client.chat.completions.create(model="upper", messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                              stream=stream, logprobs=True)
+    choices = [c.choices[0] for c in response if c.choices] if stream else response.choices
+    entries = [entry for c in choices if c.logprobs for entry in c.logprobs.content]
+    assert [e.token for e in entries] == [tokenizer.decode([t]) for t in want]
+    assert min(want_log_probs) < -1e-3
+    np.testing.assert_allclose([e.logprob for e in entries], want_log_probs, rtol=1e-5)
 
 
 def test_token_id_prompts_and_a_batch_of_prompts(client, tokenizer, core_task):
