@@ -10,6 +10,7 @@ from backend.config import EngineConfig, LoraCacheConfig
 from backend.device import is_device_fault, resolve_lora_dtype
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
+from backend.lora.dora import checkpoint_weights
 from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
@@ -113,12 +114,15 @@ class LLMEngine:
                 "lora": {f.name: getattr(lora, f.name) for f in fields(lora)}}
 
     def add_lora(self, task_id: int, weights, config) -> None:
-        """Cache an adapter given as TensorRT-LLM tensors (numpy or torch): lora_weights [N, R], lora_config [N, 3]."""
+        """Cache an adapter given as TensorRT-LLM tensors (numpy or torch): lora_weights [N, R],
+        lora_config [N, 3|4]."""
         self.lora_cache.add(int(task_id), weights, config)
 
     def add_lora_dir(self, task_id: int, path) -> None:
-        """Cache an adapter from an HF PEFT or TensorRT-LLM directory."""
-        weights, config = load_lora_dir(path)
+        """Cache an adapter from an HF PEFT or TensorRT-LLM directory (a PEFT DoRA one's magnitudes normalized against
+        the served base weights, on the engine's device)."""
+        weights, config = load_lora_dir(path, checkpoint_weights(self.config.model_dir, self.runner.dtype,
+                                                                 self.runner.device))
         self.add_lora(task_id, weights, config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,

@@ -30,7 +30,8 @@ def input_arrays(input_ids: list[int], max_tokens: int, streaming: bool = True, 
             arrays[name] = np.array([[value]], dtype=dtypes.get(name, np.int32))
     if lora_weights is not None:
         arrays["lora_weights"] = np.asarray(lora_weights, dtype=np.float16).reshape(1, *lora_weights.shape[-2:])
-        arrays["lora_config"] = np.asarray(lora_config, dtype=np.int32).reshape(1, -1, 3)
+        config = np.asarray(lora_config, dtype=np.int32)
+        arrays["lora_config"] = config.reshape(1, -1, config.shape[-1])                    # 3 columns, or 4 (DoRA)
     return arrays
 
 

@@ -86,7 +86,7 @@ def is_loopback(host: str) -> bool:
 
 def create_app(config: FrontendConfig) -> FastAPI:
     info = ModelInfo.from_dir(config.model_dir, config.served_model_name)
-    limits = AdapterLimits(ModelConfig.from_dir(config.model_dir), config.max_lora_rank)
+    limits = AdapterLimits(ModelConfig.from_dir(config.model_dir), config.max_lora_rank, config.model_dir)
     store = AdapterStore(Path(config.adapter_store) if config.adapter_store else None, info.name,
                          config.lora_separator, config.adapter_cache_bytes, limits, config.lora_roots)
     text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="text")

@@ -21,9 +21,11 @@ class AdapterInvalid(Exception):
 
 @dataclass(frozen=True, slots=True)
 class AdapterLimits:
-    """What the served model accepts: its shape and the engine's max_lora_rank."""
+    """What the served model accepts: its shape and the engine's max_lora_rank; its directory, whose weights a PEFT
+    DoRA adapter's magnitudes are normalized against."""
     model: object                             # backend.model.config.ModelConfig
     max_lora_rank: int = 64
+    model_dir: str | None = None
 
     @property
     def max_file_bytes(self) -> int:
@@ -44,7 +46,7 @@ class AdapterLimits:
 class AdapterInputs:
     weights_shape: list[int]                  # lora_weights [1, N, R] as sent
     weights: bytes                            # its FP16 contents
-    config: np.ndarray                        # lora_config [1, N, 3] int32
+    config: np.ndarray                        # lora_config [1, N, 3 or 4] int32
 
     @property
     def num_bytes(self) -> int:
@@ -52,8 +54,10 @@ class AdapterInputs:
 
 
 def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(lora_weights [N, R] fp16, lora_config [N, 3] int32) of a PEFT or TensorRT-LLM adapter folder; with `limits`,
+    """(lora_weights [N, R] fp16, lora_config [N, 3|4] int32) of a PEFT or TensorRT-LLM adapter folder (a PEFT DoRA
+    one normalized against the served model's checkpoint, `limits.model_dir`); with `limits`,
     checked as the core checks an upload (rows, modules, layers, ranks, finite values), files sized before read."""
+    from backend.lora.dora import checkpoint_weights
     from backend.lora.peft import peft_to_trtllm
     if limits is not None:
         size = sum((path / name).stat().st_size for name in ADAPTER_FILES if (path / name).is_file())
@@ -63,7 +67,8 @@ def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.nd
     if (path / "adapter_config.json").is_file():
         config_text = guarded("adapter_config.json", (path / "adapter_config.json").read_text)
         guarded("adapter_config.json", lambda: json.loads(config_text))
-        weights, config = guarded("adapter_model.safetensors", lambda: peft_to_trtllm(path, "float16"), path)
+        base = checkpoint_weights(limits.model_dir) if limits is not None and limits.model_dir else None
+        weights, config = guarded("adapter_model.safetensors", lambda: peft_to_trtllm(path, "float16", base), path)
     else:
         weights = guarded("model.lora_weights.npy", lambda: np.load(path / "model.lora_weights.npy"))
         config = guarded("model.lora_config.npy", lambda: np.load(path / "model.lora_config.npy"))

@@ -121,16 +121,18 @@ def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
         out[tokens, bounds[i]:bounds[i+1]] += (x[tokens] @ proj.a[slot, rows:rows + r].T)
                                               @ proj.b[slot, bounds[i]:bounds[i+1], rows:rows + r].T
     x: [num_tokens, in_dim], proj.a: [num_slots, cap, in_dim], proj.b: [num_slots, out_dim, cap] (CPU slots, stored
-    rank-major; x's dtype or a narrower one, widened on load), out: [num_tokens, out_dim]."""
-    load().lora_apply(x, proj.a, proj.b, proj.ranks, proj.bounds, proj.max_rank, segments.starts, segments.slots, out)
+    rank-major; x's dtype or a narrower one, widened on load), out: [num_tokens, out_dim]. Then, where proj.dora[i,
+    slot]: out[tokens, bounds[i]:bounds[i+1]] *= proj.m[slot, bounds[i]:bounds[i+1]] (a DoRA module's magnitude)."""
+    load().lora_apply(x, proj.a, proj.b, proj.ranks, proj.bounds, proj.m, proj.dora, proj.max_rank, segments.starts,
+                      segments.slots, out)
 
 
 def linear_lora(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
     """Semantics: out = panel_linear(x, panels, bias); lora_apply(x, proj, segments, out); return out. While the GEMM
     computes (bound by its FMAs at a decode step's rows) it pulls into the cache the adapter rows the LoRA then reads
     for segments of up to 3 tokens, instead of the LoRA waiting on memory for them."""
-    return load().linear_lora(x, panels, bias, proj.a, proj.b, proj.ranks, proj.bounds, proj.max_rank,
-                              segments.starts, segments.slots)
+    return load().linear_lora(x, panels, bias, proj.a, proj.b, proj.ranks, proj.bounds, proj.m, proj.dora,
+                              proj.max_rank, segments.starts, segments.slots)
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ shrink: programs (item, split) each read one split of the input dimension for th
         accumulating in fp32. With split_k > 1 each writes its fp32 partial; the last of an item to finish, counted
         by an atomic, sums every split in split order (deterministic: no atomic touches a value) and writes h in
         x's dtype. That program resets the counter, so the next launch (and a replayed graph) finds it at zero.
-expand: programs (item, column tile) each own one BLOCK_N-wide tile of the output for the item's rows, find the
-        band the tile lies in from the slot's bounds, load h and B at full rank in one pass (no loop, every load
-        issued up front) and add the product into the output in place.
+expand: programs (item, column group) each own TILES x BLOCK_N columns of one band of the output for the item's
+        rows (the band from the slot's bounds), load h once and walk the group's B tiles (pipelined), adding the
+        product into the output in place; the epilogue scales the sum by the slot's DoRA magnitudes (1 where the
+        slot has none, so a mixed batch of LoRA and DoRA is one pass).
 `LoraLaunch` is a projection's configuration at a step's token count: the launchers and the cost plan
 (kernels/lora_plan.py) both use it.
 """
@@ -101,8 +102,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_expand_kernel"])
-def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, stride_ot, max_rank, stride_ht,
-                   stride_bs, stride_bn, stride_bk, stride_rb, stride_bounds, NUM_BANDS: tl.constexpr,
+def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, stride_ot, max_rank, stride_ht,
+                   stride_bs, stride_bn, stride_bk, stride_rb, stride_bounds, stride_ms, NUM_BANDS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_FP32: tl.constexpr):
     item = tl.program_id(0)
@@ -130,6 +131,7 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, strid
     if DOT_FP32:
         h = h.to(tl.float32)
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + (band * max_rank + offs_r)[None, :] * stride_bk
+    m_row = m_ptr + slot.to(tl.int64) * stride_ms                 # DoRA magnitudes of the slot (1: none)
     out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot
     for t in range(TILES):                                 # B tiles pipelined (num_stages) along the group
         offs_n = group_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,9 +140,11 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, strid
                     other=0.0)                                                     # [BLOCK_N, BLOCK_R]
         mask = m_mask[:, None] & n_mask[None, :]
         base = tl.load(out_rows + offs_n[None, :], mask=mask, other=0.0)
+        scale = tl.load(m_row + offs_n, mask=n_mask, other=1.0).to(tl.float32)
         b = b.to(h.dtype)
         acc = tl.dot(h, tl.trans(b), input_precision="ieee")                       # [BLOCK_M, BLOCK_N]
-        tl.store(out_rows + offs_n[None, :], (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+        total = (base.to(tl.float32) + acc) * scale[None, :]                      # DoRA: the whole output scaled
+        tl.store(out_rows + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def block_m_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -317,7 +321,7 @@ class LoraStep:
             shrink_ints = (launch.in_dim, proj.max_rank, launch.split_k, launch.blocks_per_split, *proj.a.stride(),
                            proj.ranks.stride(0), h_view.stride(0), part_view.stride(0), part_view.stride(1))
             expand_ints = (proj.max_rank, h_view.stride(0), *proj.b.stride(), proj.ranks.stride(0),
-                           proj.slot_bounds.stride(0))
+                           proj.slot_bounds.stride(0), proj.m.stride(0))
             self.prepared[key] = Prepared(
                 launch, h_view, part_view, shrink_ints, expand_ints,
                 launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": DOT_FP32},
@@ -347,13 +351,14 @@ def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor) -> Non
                 t = range(start, end)
                 for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r)
                     cols = bounds[slot, i]:bounds[slot, i + 1]
-                    out[t, cols] += h[t, rows] @ proj.b[slot, cols][:, rows].T
+                    out[t, cols] = (out[t, cols] + h[t, rows] @ proj.b[slot, cols][:, rows].T) * proj.m[slot, cols]
+    (proj.m: DoRA magnitudes, 1 where a slot has none: a DoRA module's whole output is scaled)
     h: lora_shrink's [num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in
     place.
     """
     p = step.prepare(proj)
-    _expand_kernel[p.launch.expand_grid](h, proj.b, out, step.work, proj.ranks, proj.slot_bounds, out.stride(0),
-                                         *p.expand_ints, **p.expand_kwargs)
+    _expand_kernel[p.launch.expand_grid](h, proj.b, out, step.work, proj.ranks, proj.slot_bounds, proj.m,
+                                         out.stride(0), *p.expand_ints, **p.expand_kwargs)
 
 
 def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:

@@ -51,9 +51,10 @@ def launch_args(launch: LoraLaunch, num_tokens: int, act: str = "*bf16", weight:
                   split_k=launch.split_k, blocks_per_split=launch.blocks_per_split, stride_as=cap * launch.in_dim,
                   stride_ar=launch.in_dim, stride_ak=1, stride_rb=NUM_SLOTS, stride_ht=cap,
                   stride_ps=num_tokens * cap, stride_pt=cap)
-    expand = dict(h_ptr=act, b_ptr=weight, out_ptr=act, work_ptr=ints, ranks_ptr=ints, bounds_ptr=ints,
+    expand = dict(h_ptr=act, b_ptr=weight, out_ptr=act, work_ptr=ints, ranks_ptr=ints, bounds_ptr=ints, m_ptr=weight,
                   stride_ot=launch.out_dim, max_rank=launch.max_rank, stride_ht=cap, stride_bs=launch.out_dim * cap,
-                  stride_bn=cap, stride_bk=1, stride_rb=NUM_SLOTS, stride_bounds=launch.num_bands + 1)
+                  stride_bn=cap, stride_bk=1, stride_rb=NUM_SLOTS, stride_bounds=launch.num_bands + 1,
+                  stride_ms=launch.out_dim)
     return shrink, expand
 
 
@@ -96,8 +97,8 @@ def shrink_costs(launch: LoraLaunch, items: list[tuple[int, int, int]], ranks: l
 
 def expand_costs(launch: LoraLaunch, widths: list[int], items: list[tuple[int, int, int]],
                  ranks: list[int]) -> list[int]:
-    """Bytes each expand program moves: metadata, h, its B tile at the rank, and its output tile read and
-    written."""
+    """Bytes each expand program moves: metadata, h, its B tile at the rank, its output tile read and written, and
+    the slot's DoRA magnitudes for its columns."""
     bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
     costs = []
     group = launch.block_n * launch.tiles
@@ -109,7 +110,7 @@ def expand_costs(launch: LoraLaunch, widths: list[int], items: list[tuple[int, i
             band = max(i for i in range(len(widths)) if first >= bounds[i])
             rows, rank, cols = end - start, ranks[slot], min(group, bounds[band + 1] - first)
             meta = 3 * 4 + launch.num_bands * 3 * 4
-            costs.append(meta + rows * rank * ELT + cols * rank * ELT + 2 * rows * cols * ELT)
+            costs.append(meta + rows * rank * ELT + cols * rank * ELT + 2 * rows * cols * ELT + cols * ELT)
     return costs
 
 

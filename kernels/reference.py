@@ -183,9 +183,21 @@ def active_bands(proj, segments) -> list:
 
 
 def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
-    """Every band of a projection: out[:, band.columns] += lora_expand(lora_shrink(x, band.a), band.b)."""
+    """Every band of a projection: out[:, band.columns] += lora_expand(lora_shrink(x, band.a), band.b); then, for
+    the tokens of a slot with DoRA modules in the projection, out[tokens] *= proj.m[slot] (a magnitude scales its
+    module's whole output, base included; 1 where the slot has no DoRA module)."""
     for band in active_bands(proj, segments):
         lora_apply_band(x, band.a, band.b, segments, band.ranks, band.ranks_list, out[:, slice(*band.columns)])
+    dora_scale(proj, segments, out)
+
+
+def dora_scale(proj, segments, out: torch.Tensor) -> None:
+    """out[tokens of a slot with DoRA modules in the projection] *= proj.m[slot]."""
+    starts = segments.starts_list
+    for s, slot in enumerate(segments.slots_list):
+        if slot >= 0 and any(band.dora_list is not None and band.dora_list[slot] for band in proj.bands):
+            rows = out[starts[s]:starts[s + 1]]
+            rows.copy_((rows.float() * proj.m[slot].float()).to(rows.dtype))
 
 
 def lora_apply_band(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments, ranks: torch.Tensor,

@@ -66,7 +66,8 @@ ADAPTER_SPECS = [   # ranks 4, 8, 16, 64; different alphas; one rsLoRA; one atte
 
 
 def make_peft_adapters(base_dir, out_root: Path, specs=ADAPTER_SPECS, seed: int = 0, scale: float = 1.0) -> list[Path]:
-    """Random, non-trivial PEFT LoRA adapters for the model in base_dir, saved as PEFT directories."""
+    """Random, non-trivial PEFT LoRA adapters for the model in base_dir, saved as PEFT directories (DoRA ones,
+    use_dora=True, with magnitudes away from the norms they start at)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     paths = []
@@ -74,11 +75,12 @@ def make_peft_adapters(base_dir, out_root: Path, specs=ADAPTER_SPECS, seed: int 
         torch.manual_seed(seed + i)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         model = get_peft_model(base, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec))
-        if scale != 1.0:
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if "lora_B" in name:
-                        param.mul_(scale)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name and scale != 1.0:
+                    param.mul_(scale)
+                if "lora_magnitude_vector" in name:       # DoRA: PEFT starts m at ||W + s·B·A||, a scale of 1
+                    param.mul_(0.5 + torch.rand(param.shape))
         path = out_root / f"adapter{i}"
         model.save_pretrained(path)
         paths.append(path)
@@ -94,6 +96,21 @@ def peft_model_with(base_dir, adapter_dirs: list[Path], dtype=torch.float32):
     for i, path in enumerate(adapter_dirs[1:], start=1):
         model.load_adapter(path, adapter_name=f"a{i}")
     return model.eval()
+
+
+def peft_greedy_alone(model, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
+    """PEFT greedy with one adapter active (None: none), for adapters PEFT will not mix in a batch (DoRA)."""
+    ids = torch.tensor([prompt], device=model.device)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                  pad_token_id=0)
+    with torch.inference_mode():
+        if adapter is None:
+            with model.disable_adapter():
+                out = model.generate(**kwargs)
+        else:
+            model.set_adapter(adapter)
+            out = model.generate(**kwargs)
+    return out[0, len(prompt):].tolist()
 
 
 def peft_greedy(model, prompt: list[int], adapter: str, max_new_tokens: int) -> list[int]:

@@ -1,11 +1,13 @@
-"""TensorRT-LLM's LoRA tensors -> per-layer, per-module (A, B) pairs, validated.
+"""TensorRT-LLM's LoRA tensors -> per-layer, per-module (A, B) pairs (and DoRA magnitudes), validated.
 
-lora_config rows are [module_id, layer_idx, rank]; the matching lora_weights row holds A [rank, in_dim]
-flattened row-major, then B [out_dim, rank] flattened row-major, then zero padding. The scale is already
-folded into B.
+lora_config rows are [module_id, layer_idx, rank] or, as TensorRT-LLM's converter writes them today,
+[module_id, layer_idx, rank, is_dora]; the matching lora_weights row holds A [rank, in_dim] flattened row-major,
+then B [out_dim, rank] flattened row-major, then for a DoRA row the magnitude [out_dim], normalized as
+TensorRT-LLM's normalize_weights.py does (m / ||W + s·B·A|| per output row), then zero padding. The scale is
+already folded into B. A DoRA module's whole output (base + LoRA) is scaled by its magnitude, per output feature.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,21 +42,25 @@ Key = tuple[int, int]                          # (layer, module_id)
 
 @dataclass(slots=True)
 class LoraAdapter:
-    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype;
-    `buffer`, when set, is the one tensor they are views of, laid out as `packed_views` says."""
+    """One adapter, parsed: (layer, module_id) -> (A [rank, in_dim], B [out_dim, rank]) in the cache's dtype, and
+    for its DoRA modules (layer, module_id) -> normalized magnitude [out_dim]; `buffer`, when set, is the one tensor
+    they are views of, laid out as `packed_views` says."""
     weights: dict[Key, tuple[torch.Tensor, torch.Tensor]]
     buffer: torch.Tensor | None = None
+    magnitudes: dict[Key, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(
+            m.nbytes for m in self.magnitudes.values())
 
     @property
     def shapes(self) -> dict[Key, tuple[torch.Size, torch.Size]]:
         return _shapes(self.weights)
 
     def is_pinned(self) -> bool:
-        return all(t.is_pinned() for pair in self.weights.values() for t in pair)
+        return all(t.is_pinned() for pair in self.weights.values() for t in pair) and all(
+            m.is_pinned() for m in self.magnitudes.values())
 
     def pinned(self, device: torch.device) -> "LoraAdapter":
         """The adapter in page-locked memory when it will be uploaded to a GPU (asynchronous copies need it): one
@@ -64,28 +70,34 @@ class LoraAdapter:
             return self
         with torch.cuda.device(device):       # not a context on GPU 0 when serving on cuda:N
             if self.buffer is None:
-                return packed(self.weights, pin=True)
+                return packed(self.weights, pin=True, magnitudes=self.magnitudes)
             buffer = torch.empty_like(self.buffer, pin_memory=True).copy_(self.buffer)
-        return LoraAdapter(packed_views(buffer, self.shapes), buffer)
+        views, magnitudes = packed_views(buffer, self.shapes, set(self.magnitudes))
+        return LoraAdapter(views, buffer, magnitudes)
 
     def same_as(self, other: "LoraAdapter") -> bool:
         return self.weights.keys() == other.weights.keys() and all(
             torch.equal(a, other.weights[k][0]) and torch.equal(b, other.weights[k][1])
-            for k, (a, b) in self.weights.items())
+            for k, (a, b) in self.weights.items()) and self.magnitudes.keys() == other.magnitudes.keys() and all(
+            torch.equal(m, other.magnitudes[k]) for k, m in self.magnitudes.items())
 
-    def matches(self, weights: torch.Tensor, rows: list[tuple[int, int, int, int]], cfg: ModelConfig) -> bool:
+    def matches(self, weights: torch.Tensor, rows: list["Row"], cfg: ModelConfig) -> bool:
         """These checked lora_weights rows parse to this very adapter: a re-sent adapter needs no second parse.
         Reads only on a re-send, which costs less than hashing every upload would."""
         return len(rows) == len(self.weights) and all(
             key in self.weights and _equal(a, self.weights[key][0]) and _equal(b, self.weights[key][1])
-            for key, a, b in _row_views(weights, rows, cfg))
+            and (m is None) == (key not in self.magnitudes) and (m is None or _equal(m, self.magnitudes[key]))
+            for key, a, b, m in _row_views(weights, rows, cfg))
 
 
-def packed_views(buffer: torch.Tensor, shapes: dict[Key, tuple]) -> dict[Key, tuple[torch.Tensor, torch.Tensor]]:
+def packed_views(buffer: torch.Tensor, shapes: dict[Key, tuple], dora: set[Key] = frozenset()) -> tuple[
+        dict[Key, tuple[torch.Tensor, torch.Tensor]], dict[Key, torch.Tensor]]:
     """An adapter's matrices as views of its one buffer, module by module: every layer's A (in layer order), then
-    every layer's B. So a module's A (or B) over consecutive layers of equal rank is one contiguous block, which the
-    device tier copies in one go (backend/lora/slots.py)."""
+    every layer's B, then the magnitudes of its DoRA layers. So a module's A (or B, or magnitude) over consecutive
+    layers of equal rank is one contiguous block, which the device tier copies in one go (backend/lora/slots.py).
+    -> (pairs, magnitudes)."""
     views: dict[Key, list[torch.Tensor]] = {}
+    magnitudes: dict[Key, torch.Tensor] = {}
     offset = 0
     for module in sorted({module for _, module in shapes}):
         keys = sorted(key for key in shapes if key[1] == module)
@@ -94,21 +106,29 @@ def packed_views(buffer: torch.Tensor, shapes: dict[Key, tuple]) -> dict[Key, tu
                 numel = math.prod(shapes[key][i])
                 views.setdefault(key, []).append(buffer[offset:offset + numel].view(shapes[key][i]))
                 offset += numel
+        for key in (key for key in keys if key in dora):
+            numel = shapes[key][1][0]
+            magnitudes[key] = buffer[offset:offset + numel]
+            offset += numel
     assert offset == buffer.numel(), "the buffer holds exactly the adapter"
-    return {key: tuple(pair) for key, pair in views.items()}
+    return {key: tuple(pair) for key, pair in views.items()}, magnitudes
 
 
 def packed(pairs: dict[Key, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None,
-           pin: bool = False) -> LoraAdapter:
-    """The pairs copied into one new buffer (`packed_views`' layout), in `dtype` (default: theirs), page-locked
-    when asked."""
+           pin: bool = False, magnitudes: dict[Key, torch.Tensor] | None = None) -> LoraAdapter:
+    """The pairs (and magnitudes) copied into one new buffer (`packed_views`' layout), in `dtype` (default: theirs),
+    page-locked when asked."""
+    magnitudes = magnitudes or {}
     dtype = dtype or next(iter(pairs.values()))[0].dtype
-    buffer = torch.empty(sum(a.numel() + b.numel() for a, b in pairs.values()), dtype=dtype, pin_memory=pin)
-    views = packed_views(buffer, _shapes(pairs))
+    numel = sum(a.numel() + b.numel() for a, b in pairs.values()) + sum(m.numel() for m in magnitudes.values())
+    buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)
+    views, mag_views = packed_views(buffer, _shapes(pairs), set(magnitudes))
     for key, (a, b) in pairs.items():
         views[key][0].copy_(a)
         views[key][1].copy_(b)
-    return LoraAdapter(views, buffer)
+    for key, m in magnitudes.items():
+        mag_views[key].copy_(m)
+    return LoraAdapter(views, buffer, mag_views)
 
 
 def _shapes(pairs: dict[Key, tuple[torch.Tensor, torch.Tensor]]) -> dict[Key, tuple[torch.Size, torch.Size]]:
@@ -127,13 +147,17 @@ def _as_tensor(name: str, value) -> torch.Tensor:
 
 
 def max_row_width(cfg: ModelConfig, max_rank: int) -> int:
-    """The widest lora_weights row any valid config row needs: max_lora_rank x (in + out) of the widest module."""
-    return max_rank * max(sum(module_shape(cfg, m)) for m in MODULE_NAMES)
+    """The widest lora_weights row any valid config row needs: max_lora_rank x (in + out) of the widest module, and
+    its DoRA magnitude (out)."""
+    return max(max_rank * sum(module_shape(cfg, m)) + module_shape(cfg, m)[1] for m in MODULE_NAMES)
+
+
+Row = tuple[int, int, int, int, bool]          # (module_id, layer, rank, values its weights row needs, is_dora)
 
 
 def check_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: int,
-               max_adapter_bytes: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]:
-    """TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3] (or [1, N, 3]) checked without reading a
+               max_adapter_bytes: int) -> tuple[torch.Tensor, torch.Tensor, list[Row]]:
+    """TRT-LLM lora_weights [N, R] (or [1, N, R]) and lora_config [N, 3|4] (or [1, N, 3|4]) checked without reading a
     weight: shapes, dtypes, the config rows and the adapter's size. -> (weights, config, rows)."""
     weights, config = _as_tensor("lora_weights", weights), _as_tensor("lora_config", config)
     if weights.dim() == 3 and weights.shape[0] == 1:
@@ -143,8 +167,9 @@ def check_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
     if weights.dim() != 2:
         raise RequestError("lora_weights",
                            f"must be [N, D*Hi + Ho*D] (or [1, N, ...]), got shape {list(weights.shape)}")
-    if config.dim() != 2 or config.shape[1] != 3:
-        raise RequestError("lora_config", f"must be [N, 3] (or [1, N, 3]), got shape {list(config.shape)}")
+    if config.dim() != 2 or config.shape[1] not in (3, 4):
+        raise RequestError("lora_config", f"must be [N, 3] or [N, 4] (or [1, N, 3|4]), got shape "
+                                          f"{list(config.shape)}")
     if config.shape[0] == 0:
         raise RequestError("lora_config", "has no rows: an adapter needs at least one module")
     if weights.shape[0] != config.shape[0]:
@@ -152,13 +177,13 @@ def check_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
     width = max_row_width(cfg, max_rank)
     if weights.shape[1] > width:
         raise RequestError("lora_weights", f"rows of {weights.shape[1]} values exceed the widest module's "
-                                           f"max_lora_rank {max_rank} x (in + out) = {width}")
+                                           f"max_lora_rank {max_rank} x (in + out) + out = {width}")
     if weights.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise RequestError("lora_weights", f"dtype must be FP16, BF16 or FP32, got {weights.dtype}")
     if config.dtype.is_floating_point:
         raise RequestError("lora_config", f"dtype must be INT32, got {config.dtype}")
     rows = _check_config(config.tolist(), cfg, max_rank, weights.shape[1])
-    num_bytes = sum(need for _, _, _, need in rows) * dtype.itemsize
+    num_bytes = sum(row[3] for row in rows) * dtype.itemsize
     if num_bytes > max_adapter_bytes:
         raise RequestError("lora_weights", f"adapter of {num_bytes} bytes exceeds lora_cache_max_adapter_size "
                                            f"{max_adapter_bytes}")
@@ -169,18 +194,22 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
                max_adapter_bytes: int) -> LoraAdapter:
     """Validate (`check_lora`, then finite values) and convert TRT-LLM lora_weights and lora_config."""
     weights, config, rows = check_lora(weights, config, cfg, dtype, max_rank, max_adapter_bytes)
-    adapter = packed({key: tuple(sent) for key, *sent in _row_views(weights, rows, cfg)}, dtype)
+    views = list(_row_views(weights, rows, cfg))
+    adapter = packed({key: (a, b) for key, a, b, _ in views}, dtype,
+                     magnitudes={key: m for key, _, _, m in views if m is not None})
     if not _all_finite(adapter.buffer):
         raise RequestError("lora_weights", f"contains NaN or Inf values, or values beyond {dtype}'s range")
     return adapter
 
 
-def _row_views(weights: torch.Tensor, rows: list[tuple[int, int, int, int]], cfg: ModelConfig):
-    """((layer, module_id), A [rank, in_dim], B [out_dim, rank]) per checked row: views of lora_weights."""
-    for row, (module_id, layer, rank, need) in zip(weights, rows):
+def _row_views(weights: torch.Tensor, rows: list[Row], cfg: ModelConfig):
+    """((layer, module_id), A [rank, in_dim], B [out_dim, rank], magnitude [out_dim] or None) per checked row: views
+    of lora_weights."""
+    for row, (module_id, layer, rank, need, dora) in zip(weights, rows):
         in_dim, out_dim = module_shape(cfg, module_id)
-        a, b = row[:rank * in_dim], row[rank * in_dim:need]
-        yield (layer, module_id), a.reshape(rank, in_dim), b.reshape(out_dim, rank)
+        a, b = row[:rank * in_dim], row[rank * in_dim:rank * (in_dim + out_dim)]
+        yield (layer, module_id), a.reshape(rank, in_dim), b.reshape(out_dim, rank), row[need - out_dim:need] \
+            if dora else None
 
 
 def _equal(sent: torch.Tensor, kept: torch.Tensor) -> bool:
@@ -197,11 +226,13 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int,
-                  row_width: int) -> list[tuple[int, int, int, int]]:
-    """Each lora_config row checked: (module_id, layer, rank, values its weights row needs)."""
+def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int, row_width: int) -> list[Row]:
+    """Each lora_config row checked: (module_id, layer, rank, values its weights row needs, is_dora)."""
     rows, seen = [], set()
-    for i, (module_id, layer, rank) in enumerate(config):
+    for i, (module_id, layer, rank, *flags) in enumerate(config):
+        dora = flags[0] if flags else 0
+        if dora not in (0, 1):
+            raise RequestError("lora_config", f"row {i}: is_dora must be 0 or 1, got {dora}")
         if module_id in UNSUPPORTED_MODULES:
             raise RequestError("lora_config", f"row {i}: module {module_id} ({UNSUPPORTED_MODULES[module_id]}) "
                                               "is unsupported for decoder-only models")
@@ -215,11 +246,15 @@ def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int,
             raise RequestError("lora_config", f"row {i}: duplicate module {module_id} for layer {layer}")
         seen.add((layer, module_id))
         in_dim, out_dim = module_shape(cfg, module_id)
-        need = rank * in_dim + out_dim * rank
+        if dora and cfg.qkv_bias and module_id in (0, 1, 2, 3):
+            raise RequestError("lora_config", f"row {i}: DoRA on module {module_id} ({MODULE_NAMES[module_id]}) of a "
+                                              "projection with a bias (Qwen2's q, k, v) is not supported")
+        need = rank * in_dim + out_dim * rank + (out_dim if dora else 0)
         if row_width < need:
+            what = " with its DoRA magnitude" if dora else ""
             raise RequestError("lora_weights", f"row {i} has {row_width} values, module {module_id} "
-                                               f"({MODULE_NAMES[module_id]}) rank {rank} needs {need}")
-        rows.append((module_id, layer, rank, need))
+                                               f"({MODULE_NAMES[module_id]}) rank {rank}{what} needs {need}")
+        rows.append((module_id, layer, rank, need, bool(dora)))
     for layer, module_id in seen:
         if module_id == 0 and any((layer, m) in seen for m in (1, 2, 3)):
             raise RequestError("lora_config", f"layer {layer} has both attn_qkv (0) and attn_q/k/v (1-3) rows")

@@ -36,10 +36,19 @@ def shard_module(module_id: int, a: torch.Tensor, b: torch.Tensor, cfg: ModelCon
     return a, _part(b, 0, tp_size, rank)
 
 
+def shard_magnitude(module_id: int, m: torch.Tensor, cfg: ModelConfig, tp_size: int, rank: int) -> torch.Tensor:
+    """A DoRA magnitude's share: split with B's rows for a column-parallel module; whole for a row-parallel one, whose
+    partial outputs the rank scales by the whole vector before the all-reduce sums them (the scale is per output
+    feature, the sum linear)."""
+    return shard_module(module_id, m[None], m[:, None], cfg, tp_size, rank)[1][:, 0]
+
+
 def shard_adapter(adapter: LoraAdapter, cfg: ModelConfig, tp_size: int, rank: int) -> LoraAdapter:
     """The adapter's share on `rank` of `tp_size` (the adapter itself at tp_size 1), packed in a buffer of its own
     (backend/lora/format.py: the layout the device tier copies fastest, the bytes sent to the rank's worker)."""
     if tp_size == 1:
         return adapter
     return packed({(layer, module_id): shard_module(module_id, a, b, cfg, tp_size, rank)
-                   for (layer, module_id), (a, b) in adapter.weights.items()})
+                   for (layer, module_id), (a, b) in adapter.weights.items()},
+                  magnitudes={(layer, module_id): shard_magnitude(module_id, m, cfg, tp_size, rank)
+                              for (layer, module_id), m in adapter.magnitudes.items()})

@@ -74,6 +74,8 @@ class Band:
     ranks: torch.Tensor                       # [num_slots] int32
     ranks_list: list[int]
     columns: tuple[int, int]                  # the output columns [start, end) of the projection it writes
+    m: torch.Tensor | None = None             # [num_slots, band_out_dim]: DoRA magnitudes (1 where not DoRA)
+    dora_list: list[bool] | None = None       # per slot: a DoRA module in this band
 
 
 @dataclass(slots=True)
@@ -88,6 +90,8 @@ class Projection:
     max_rank: int
     widths: list[int]                         # each band's number of columns
     bands: list[Band]
+    m: torch.Tensor | None = None             # [num_slots, out_dim]: DoRA magnitudes, 1 where a slot has none
+    dora: torch.Tensor | None = None          # [num_bands, num_slots] int32: the band has a DoRA module in the slot
 
     @property
     def num_bands(self) -> int:
@@ -121,6 +125,12 @@ class DeviceSlots:
         # the same on the host: [layer][proj][band][slot]
         self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()
         self.fused = [[False] * num_slots for _ in range(cfg.num_layers)]      # a fused qkv adapter, one band
+        self.m_stacks = {proj: torch.ones(cfg.num_layers, num_slots, proj_shape(cfg, proj)[1], dtype=dtype,
+                                          device=device) for proj in PROJS}    # DoRA magnitudes; 1: none
+        # the same as flags on the host: [layer][proj][band][slot], a DoRA module there
+        self.dora_list = [[[[False] * num_slots for _ in range(MAX_BANDS)] for _ in PROJS]
+                          for _ in range(cfg.num_layers)]
+        self.dora = torch.zeros(self.ranks.shape, dtype=torch.int32, device=device)     # the same, as ints
         self.slot_bounds = {proj: torch.tensor([self._bounds(proj, False)], dtype=torch.int32).repeat(
             cfg.num_layers, num_slots, 1).to(device) for proj in PROJS}       # [num_layers, num_slots, bands + 1]
         self.projections: list[dict[str, Projection]] = [{proj: self._projection(layer, proj) for proj in PROJS}
@@ -141,11 +151,14 @@ class DeviceSlots:
         spans = columns
         if proj == "qkv" and self.fused_a_once:              # band 0 may hold a fused adapter's k and v rows too
             spans = [(0, columns[-1][1])] + columns[1:]
+        m = self.m_stacks[proj][layer]
         bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*cols), i * r:(i + 1) * r], self.ranks[layer, p, i],
-                      self.ranks_list[layer][p][i], cols) for i, cols in enumerate(spans)]
+                      self.ranks_list[layer][p][i], cols, m[:, slice(*cols)], self.dora_list[layer][p][i])
+                 for i, cols in enumerate(spans)]
         bounds = torch.tensor(self._bounds(proj, False), dtype=torch.int32)
         return Projection(a, b, self.ranks[layer, p, :len(columns)], bounds.to(self.device),
-                          self.slot_bounds[proj][layer], r, [end - start for start, end in columns], bands)
+                          self.slot_bounds[proj][layer], r, [end - start for start, end in columns], bands, m,
+                          self.dora[layer, p, :len(columns)])
 
     @property
     def num_bytes_per_slot(self) -> int:
@@ -157,17 +170,24 @@ class DeviceSlots:
         consecutive layers go in one copy where they lie back to back (a packed adapter: 14 copies for an
         all-modules adapter, not 2 per layer and module). On CUDA the copies run on a side stream;
         `copies.wait([slot])` orders a step after them."""
-        bands: dict[tuple[str, int, bool], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        bands: dict[tuple[str, int, bool], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
         ranks = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
         fused = [False] * self.cfg.num_layers
+        dora = [[[False] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
         for (layer, module_id), (a, b) in sorted(adapter.weights.items()):
             whole = module_id == FUSED_QKV and self.fused_a_once          # one band over every qkv column
             fused[layer] = fused[layer] or whole
-            for module, b_part in self._split_fused(module_id, b):
+            m = adapter.magnitudes.get((layer, module_id))
+            for (module, b_part), m_part in zip(self._split_fused(module_id, b), self._split_fused(
+                    module_id, m[:, None] if m is not None else b[:, :1])):
                 proj, band = BAND_OF_MODULE[module]
-                bands.setdefault((proj, band, whole), []).append((layer, a, b_part))
+                bands.setdefault((proj, band, whole), []).append((layer, a, b_part, m_part[1][:, 0]
+                                                                  if m is not None else None))
                 ranks[layer][PROJS.index(proj)][band] = a.shape[0]
+                dora[layer][PROJS.index(proj)][band] = m is not None
+        had_dora = any(flags[slot] for layer in self.dora_list for proj in layer for flags in proj)
         with on(self.device), self.copies.copying():
+            self._replace_magnitudes(slot, dora)
             if fused != [layer[slot] for layer in self.fused]:            # the qkv band bounds change
                 bounds = torch.tensor([self._bounds("qkv", whole) for whole in fused], dtype=torch.int32)
                 self.slot_bounds["qkv"][:, slot].copy_(pin(bounds, self.device), non_blocking=True)
@@ -175,12 +195,27 @@ class DeviceSlots:
             for (proj, band, whole), pieces in bands.items():
                 start = band * self.max_rank
                 columns = slice(0, self.band_columns[proj][-1][1]) if whole else slice(*self.band_columns[proj][band])
-                for layers, a in _blocks([(layer, a) for layer, a, _ in pieces]):
+                for layers, a in _blocks([(layer, a) for layer, a, _, _ in pieces]):
                     self.a_stacks[proj][layers, slot, start:start + a.shape[1]].copy_(a, non_blocking=True)
-                for layers, b in _blocks([(layer, b) for layer, _, b in pieces]):
+                for layers, b in _blocks([(layer, b) for layer, _, b, _ in pieces]):
                     self.b_stacks[proj][layers, slot, columns, start:start + b.shape[2]].copy_(b, non_blocking=True)
+                for layers, m in _blocks([(layer, m) for layer, _, _, m in pieces if m is not None]):
+                    self.m_stacks[proj][layers, slot, columns].copy_(m, non_blocking=True)
             self.ranks[:, :, :, slot].copy_(pin(torch.tensor(ranks, dtype=torch.int32), self.device), non_blocking=True)
+            if had_dora or any(flag for layer in dora for proj in layer for flag in proj):
+                self.dora[:, :, :, slot].copy_(pin(torch.tensor(dora, dtype=torch.int32), self.device),
+                                               non_blocking=True)
         self.copies.done(slot)
+
+    def _replace_magnitudes(self, slot: int, new_dora: list[list[list[bool]]]) -> None:
+        """Magnitudes back to 1 where the old adapter had DoRA modules, then the new flags (the new adapter's
+        magnitudes are copied after)."""
+        for layer, per_proj in enumerate(new_dora):
+            for p, proj in enumerate(PROJS):
+                if any(flags[slot] for flags in self.dora_list[layer][p]):
+                    self.m_stacks[proj][layer, slot].fill_(1)
+                for band, flag in enumerate(per_proj[p]):
+                    self.dora_list[layer][p][band][slot] = flag
 
     def _replace_ranks(self, slot: int, new_ranks: list[list[list[int]]], new_fused: list[bool]) -> None:
         """Zero each band's rank rows [new rank, old rank) of a slot (what the old adapter left past the new one;

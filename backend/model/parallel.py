@@ -129,7 +129,7 @@ class TensorParallelGroup:
     def load_adapter(self, slot: int, shares: list) -> None:
         """Worker r (1..) gets shares[r] (a packed LoraAdapter, backend/lora/shard.py) into `slot`: the shapes in a
         broadcast, the buffer point to point."""
-        layout = torch.tensor([[layer, module, *a_shape, b_shape[0]]
+        layout = torch.tensor([[layer, module, *a_shape, b_shape[0], (layer, module) in shares[1].magnitudes]
                                for (layer, module), (a_shape, b_shape) in shares[1].shapes.items()], dtype=torch.int32)
         self.send(LOAD, {"slot": torch.tensor([slot], dtype=torch.int32), "layout": layout})
         for rank in range(1, self.size):

@@ -7,9 +7,9 @@ refuses to start. The decode-graph check lives with the runner (ModelRunner.chec
     attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens), and the same beside a prompt
                chunk of 37 tokens after 20 cached ones, over the configured page size, GQA group and head dim, at
                every split count (on a GPU: every variant eager steps compile, warmed before the first request)
-    lora:      every projection of layer 0 with three adapters (max_lora_rank, a quarter and a half of it, on every
-               module, the last with a fused qkv module: its A once) and base rows, for 8 tokens (a decode step) and
-               100 (a prompt chunk), each split-K as planned
+    lora:      every projection of layer 0 with three adapters (max_lora_rank, a quarter of it with DoRA
+               magnitudes, and a half of it with a fused qkv module: its A once), on every module, and base rows,
+               for 8 tokens (a decode step) and 100 (a prompt chunk), each split-K as planned
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
 """
 import logging
@@ -98,25 +98,29 @@ def attention_inputs(cfg: ModelConfig, dtype, device, block_size: int, seq_lens:
     return q, k_cache, v_cache, meta
 
 
-def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator, fused_qkv: bool = False) -> LoraAdapter:
-    """Layer 0 of an adapter on every module: q, k, v apart, or (fused_qkv) one attn_qkv module."""
-    weights = {}
+def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator, fused_qkv: bool = False,
+                   dora: bool = False) -> LoraAdapter:
+    """Layer 0 of an adapter on every module: q, k, v apart, or (fused_qkv) one attn_qkv module; with DoRA
+    magnitudes (0.5-1.5) when asked."""
+    weights, magnitudes = {}, {}
     for module_id in ((0,) if fused_qkv else (1, 2, 3)) + (4, 5, 6, 7):
         in_dim, out_dim = module_shape(cfg, module_id)
         weights[(0, module_id)] = ((torch.randn(rank, in_dim, generator=g) * in_dim ** -0.5).to(dtype),
                                    (torch.randn(out_dim, rank, generator=g) * rank ** -0.5).to(dtype))
-    return LoraAdapter(weights)
+        if dora:
+            magnitudes[(0, module_id)] = (0.5 + torch.rand(out_dim, generator=g)).to(dtype)
+    return LoraAdapter(weights, magnitudes=magnitudes)
 
 
 def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int, rank_major_a: bool) -> list[Check]:
-    """Every projection with three adapters (max_lora_rank; a quarter of it; half of it with a fused qkv module)
+    """Every projection with three adapters (max_lora_rank; a quarter of it, DoRA; half of it with a fused qkv module)
     beside base rows, for a decode step and a prompt chunk."""
     g = torch.Generator().manual_seed(1)
     slots = DeviceSlots(replace(cfg, num_layers=1), 3, max_rank, lora_dtype, device, rank_major_a,
                         fused_a_once=ops.name == "triton")
     ranks = [max_rank, max(1, max_rank // 4), max(1, max_rank // 2)]
     for slot, rank in enumerate(ranks):
-        slots.load(slot, random_adapter(cfg, rank, lora_dtype, g, fused_qkv=slot == 2))
+        slots.load(slot, random_adapter(cfg, rank, lora_dtype, g, fused_qkv=slot == 2, dora=slot == 1))
     slots.copies.wait([0, 1, 2])
     checks = []
     for token_slots in ([-1, -1, 0, 0, 0, 1, 1, 2], [-1] * 10 + [0] * 40 + [1] * 30 + [2] * 20):
@@ -132,8 +136,8 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int,
                 ops.lora_apply(x, slots.projections[0][proj], segments, got)
                 reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
                 return [(got, want)]
-            what = (f"{proj} {in_dim}->{out_dim}, ranks {ranks} (the last a fused qkv), {len(token_slots)} tokens, "
-                    f"{dtype} on {lora_dtype} adapters")
+            what = (f"{proj} {in_dim}->{out_dim}, ranks {ranks} (the second DoRA, the last a fused qkv), "
+                    f"{len(token_slots)} tokens, {dtype} on {lora_dtype} adapters")
             checks.append(compare("lora", what, run, dtype))
     return checks
 

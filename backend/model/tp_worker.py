@@ -103,7 +103,8 @@ class Worker:
         if bucket is not None:                                 # rank 0 replays its graph: this rank replays its own
             self.graphs.run(tuple(bucket.tolist()), inputs, token_slots, self.staging, NO_SAMPLING, self)
             return
-        segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype) if any(s >= 0 for s in token_slots) else None
+        segments = (LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
+                    if any(s >= 0 for s in token_slots) else None)
         host_t = inputs.tensors | (segments.tensors if segments is not None else {})
         device_t = {name: x.to(self.device) for name, x in host_t.items()}
         ctx = inputs.context(device_t)
@@ -118,12 +119,15 @@ class Worker:
 
     def load(self, slot: int, layout: list[list[int]]) -> None:
         dtype = self.slots.a[0]["qkv"].dtype
-        shapes = {(layer, module): ((rank, in_dim), (out_dim, rank)) for layer, module, rank, in_dim, out_dim in layout}
-        data = torch.empty(sum(rank * (in_dim + out_dim) for *_, rank, in_dim, out_dim in layout) * dtype.itemsize,
-                           dtype=torch.uint8, device=self.message_device)
+        shapes = {(layer, module): ((rank, in_dim), (out_dim, rank))
+                  for layer, module, rank, in_dim, out_dim, _ in layout}
+        dora = {(layer, module) for layer, module, *_, is_dora in layout if is_dora}
+        numel = sum(rank * (in_dim + out_dim) + out_dim * is_dora for *_, rank, in_dim, out_dim, is_dora in layout)
+        data = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=self.message_device)
         dist.recv(data, src=0)
         flat = data.cpu().view(dtype)
-        self.slots.load(slot, LoraAdapter(packed_views(flat, shapes), flat))
+        views, magnitudes = packed_views(flat, shapes, dora)
+        self.slots.load(slot, LoraAdapter(views, flat, magnitudes))
 
     def copy_kv(self, pairs: torch.Tensor) -> None:
         src, dst = pairs[:, 0].long(), pairs[:, 1].long()

@@ -5,7 +5,8 @@
 // adapters beside an fp32 model): they are widened on load, sums run in fp32. Short segments (decode steps) run as
 // loops that stream each adapter row once per pair of tokens; long ones (prompt chunks) in pieces of up to 64 tokens
 // that the threads share, the shrink 4 tokens at a time and the expand in tiles of 6 tokens x 16 columns whose sums
-// stay in registers.
+// stay in registers. A band of a slot with a DoRA module has its expanded columns scaled by the module's magnitude
+// (base + LoRA, per output feature) right after each expand item, while they are in the cache.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -34,6 +35,7 @@ struct Piece {                                // one band of one segment: its to
   int64_t begin, end, rank;                   // tokens [begin, end), rank rows
   int64_t a_offset, b_offset;                 // A's first row, B^T's first row at the band's first column
   int64_t h_column, column, width;            // the band's first rank column of h, its output columns
+  int64_t m_offset;                           // the DoRA magnitude of the band's first column, or -1: none
 };
 
 struct Chunk {                                // an expand item: the columns [begin, begin + width) of a piece's band
@@ -56,10 +58,20 @@ void for_token_tiles(const Piece& piece, Fn&& fn) {
 // Shrink per piece, then expand per chunk of a piece's output columns, in one parallel region: each thread claims
 // items of each by cost (claims.h), and while it reads one item's adapter rows it pulls in its next item's, so its
 // reads from memory run as one stream across items (each item's first rows came in cold otherwise).
+// out[t, columns] *= m[columns] for the tokens of a piece: a DoRA module's whole output, scaled per feature.
 template <typename T, typename W>
-void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<Piece>& pieces, int64_t num_tokens,
-                 int64_t in_dim, int64_t x_stride, int64_t out_stride, int64_t h_stride, int64_t a_row_stride,
-                 int64_t b_row_stride) {
+void dora_scale(const Piece& piece, const W* m, T* out, int64_t out_stride, int64_t begin, int64_t width) {
+  for (int64_t t = piece.begin; t < piece.end; ++t) {
+    T* row = out + t * out_stride + piece.column + begin;
+    for (int64_t j = 0; j < width; ++j)
+      row[j] = static_cast<T>(static_cast<float>(row[j]) * static_cast<float>(m[piece.m_offset + begin + j]));
+  }
+}
+
+template <typename T, typename W>
+void lora_pieces(const T* x, const W* a, const W* b, const W* m, T* out, const std::vector<Piece>& pieces,
+                 int64_t num_tokens, int64_t in_dim, int64_t x_stride, int64_t out_stride, int64_t h_stride,
+                 int64_t a_row_stride, int64_t b_row_stride) {
   // h [token, cap], rounded to T as in the reference. The expand reads only what the shrink wrote, so the buffer
   // is reused between calls as it is: a fresh one (1.5 MB for a 2048-token step) would fault in its pages each call.
   thread_local std::vector<float> h_buffer;
@@ -106,36 +118,42 @@ void lora_pieces(const T* x, const W* a, const W* b, T* out, const std::vector<P
       if (piece.end - piece.begin >= kTiledMinTokens) {
         expand_tiled(piece.begin, piece.end, h + piece.h_column, h_stride, b_rows(c), b_row_stride, piece.rank,
                      chunks[c].width, out + piece.column + chunks[c].begin, out_stride);
-        continue;
+      } else {
+        for_token_tiles<kPair>(piece, [&](auto n, int64_t t, bool last) {  // out[t, chunk] += h[t] @ B^T[:r, chunk]
+          expand_tokens<decltype(n)::value>(h + t * h_stride + piece.h_column, h_stride, b_rows(c),
+                                            b_row_stride, piece.rank, chunks[c].width,
+                                            out + t * out_stride + piece.column + chunks[c].begin, out_stride,
+                                            last ? next : b_rows(c));
+        });
       }
-      for_token_tiles<kPair>(piece, [&](auto n, int64_t t, bool last) {  // out[t, chunk] += h[t] @ B^T[:rank, chunk]
-        expand_tokens<decltype(n)::value>(h + t * h_stride + piece.h_column, h_stride, b_rows(c),
-                                          b_row_stride, piece.rank, chunks[c].width,
-                                          out + t * out_stride + piece.column + chunks[c].begin, out_stride,
-                                          last ? next : b_rows(c));
-      });
+      if (piece.m_offset >= 0) dora_scale(piece, m, out, out_stride, chunks[c].begin, chunks[c].width);
     }
   }
 }
 
 // x [num_tokens, in_dim]; lora_a [num_slots, cap, in_dim] and lora_b [num_slots, out_dim, cap], views of rank-major
 // slots; ranks [num_bands, num_slots] int32: band i has rows [i * max_rank, i * max_rank + rank) of a slot and writes
-// the columns [bounds[i], bounds[i + 1]) of an output [num_tokens, out_dim]; starts [num_segments + 1], slots
+// the columns [bounds[i], bounds[i + 1]) of an output [num_tokens, out_dim]; dora [num_bands, num_slots] int32: the
+// band has a DoRA module in the slot, whose magnitudes are m [num_slots, out_dim]; starts [num_segments + 1], slots
 // [num_segments] int32 (-1: no adapter).
 std::vector<Piece> plan_lora(const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
-                             const torch::Tensor& ranks, const torch::Tensor& bounds, int64_t max_rank,
-                             const torch::Tensor& starts, const torch::Tensor& slots, int64_t out_dim) {
+                             const torch::Tensor& ranks, const torch::Tensor& bounds, const torch::Tensor& m,
+                             const torch::Tensor& dora, int64_t max_rank, const torch::Tensor& starts,
+                             const torch::Tensor& slots, int64_t out_dim) {
   TORCH_CHECK(x.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3, "bad ranks of tensors");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
   TORCH_CHECK(lora_a.stride(2) == 1 && lora_b.stride(1) == 1, "A must be row-major, B rank-major");
   TORCH_CHECK(lora_a.scalar_type() == lora_b.scalar_type(), "A and B share a dtype");
-  for (const auto& t : {ranks, bounds, starts, slots})
+  for (const auto& t : {ranks, bounds, starts, slots, dora})
     TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu(), "int32 tables on the CPU");
+  TORCH_CHECK(dora.sizes() == ranks.sizes() && m.dim() == 2 && m.size(0) == lora_a.size(0) && m.size(1) == out_dim &&
+              m.stride(1) == 1 && m.scalar_type() == lora_a.scalar_type(), "dora like ranks; m [num_slots, out_dim]");
   const int64_t num_bands = ranks.size(0), num_slots = lora_a.size(0), num_segments = slots.numel();
   TORCH_CHECK(ranks.dim() == 2 && ranks.size(1) == num_slots && bounds.numel() == num_bands + 1 &&
               starts.numel() == num_segments + 1, "ranks [num_bands, num_slots], bounds, starts");
   TORCH_CHECK(num_bands * max_rank <= std::min(lora_a.size(1), lora_b.size(2)), "bands past the slots' rank rows");
   const int* rank_of = ranks.data_ptr<int>();
+  const int* dora_of = dora.data_ptr<int>();
   const int* column = bounds.data_ptr<int>();
   const int* start = starts.data_ptr<int>();
   const int* slot_of = slots.data_ptr<int>();
@@ -153,16 +171,17 @@ std::vector<Piece> plan_lora(const torch::Tensor& x, const torch::Tensor& lora_a
       const int64_t first = column[band], width = column[band + 1] - column[band];
       TORCH_CHECK(0 <= rank && rank <= max_rank, "rank ", rank, " past max_rank ", max_rank);
       if (rank == 0 || width == 0) continue;
+      const int64_t m_offset = dora_of[band * num_slots + slot] ? slot * m.stride(0) + first : -1;
       for (int64_t t = begin; t < end; t += kPieceTokens)
         pieces.push_back({t, std::min(end, t + kPieceTokens), rank, slot * lora_a.stride(0) + row * lora_a.stride(1),
-                          slot * lora_b.stride(0) + row * lora_b.stride(2) + first, row, first, width});
+                          slot * lora_b.stride(0) + row * lora_b.stride(2) + first, row, first, width, m_offset});
     }
   }
   return pieces;
 }
 
 void run_lora(const std::vector<Piece>& pieces, const torch::Tensor& x, const torch::Tensor& lora_a,
-              const torch::Tensor& lora_b, int64_t h_stride, torch::Tensor& out) {
+              const torch::Tensor& lora_b, const torch::Tensor& m, int64_t h_stride, torch::Tensor& out) {
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && x.scalar_type() == out.scalar_type() &&
               out.size(0) == x.size(0), "out [num_tokens, out_dim], rows contiguous, x's dtype");
   if (pieces.empty()) return;
@@ -170,7 +189,8 @@ void run_lora(const std::vector<Piece>& pieces, const torch::Tensor& x, const to
     using T = scalar_t;
     DISPATCH_KERNEL_TYPES(lora_a.scalar_type(), "lora_apply", [&] {
       lora_pieces<T, scalar_t>(x.data_ptr<T>(), lora_a.data_ptr<scalar_t>(), lora_b.data_ptr<scalar_t>(),
-                               out.data_ptr<T>(), pieces, x.size(0), lora_a.size(2), x.stride(0), out.stride(0),
+                               m.data_ptr<scalar_t>(), out.data_ptr<T>(), pieces, x.size(0), lora_a.size(2),
+                               x.stride(0), out.stride(0),
                                h_stride, lora_a.stride(1), lora_b.stride(2));
     });
   });
@@ -200,21 +220,23 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
 
 // out += LoRA(x) in place (see plan_lora for the tables).
 void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
-                int64_t max_rank, torch::Tensor starts, torch::Tensor slots, torch::Tensor out) {
+                torch::Tensor m, torch::Tensor dora, int64_t max_rank, torch::Tensor starts, torch::Tensor slots,
+                torch::Tensor out) {
   TORCH_CHECK(out.dim() == 2, "out [num_tokens, out_dim]");
-  const auto pieces = plan_lora(x, lora_a, lora_b, ranks, bounds, max_rank, starts, slots, out.size(1));
-  run_lora(pieces, x, lora_a, lora_b, ranks.size(0) * max_rank, out);
+  const auto pieces = plan_lora(x, lora_a, lora_b, ranks, bounds, m, dora, max_rank, starts, slots, out.size(1));
+  run_lora(pieces, x, lora_a, lora_b, m, ranks.size(0) * max_rank, out);
 }
 
 // panel_linear(x, panels, bias) + LoRA(x): the GEMM pulls the adapter rows a decode step's LoRA streams into the cache
 // as it runs (it is bound by its FMAs, with memory bandwidth to spare), so the LoRA reads them from there.
 torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
                           torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
-                          int64_t max_rank, torch::Tensor starts, torch::Tensor slots) {
+                          torch::Tensor m, torch::Tensor dora, int64_t max_rank, torch::Tensor starts,
+                          torch::Tensor slots) {
   x = x.contiguous();
   const int64_t out_dim = panels.size(0) * panels.size(2);
-  const auto pieces = plan_lora(x, lora_a, lora_b, ranks, bounds, max_rank, starts, slots, out_dim);
+  const auto pieces = plan_lora(x, lora_a, lora_b, ranks, bounds, m, dora, max_rank, starts, slots, out_dim);
   auto y = panel_linear(x, panels, bias, piece_spans(pieces, lora_a, lora_b));
-  run_lora(pieces, x, lora_a, lora_b, ranks.size(0) * max_rank, y);
+  run_lora(pieces, x, lora_a, lora_b, m, ranks.size(0) * max_rank, y);
   return y;
 }

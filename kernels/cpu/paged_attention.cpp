@@ -235,10 +235,12 @@ torch::Tensor silu_and_mul_op(torch::Tensor gate_up);
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
-                int64_t max_rank, torch::Tensor starts, torch::Tensor slots, torch::Tensor out);
+                torch::Tensor m, torch::Tensor dora, int64_t max_rank, torch::Tensor starts, torch::Tensor slots,
+                torch::Tensor out);
 torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
                           torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
-                          int64_t max_rank, torch::Tensor starts, torch::Tensor slots);
+                          torch::Tensor m, torch::Tensor dora, int64_t max_rank, torch::Tensor starts,
+                          torch::Tensor slots);
 torch::Tensor pack_linear(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias);
 

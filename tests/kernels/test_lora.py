@@ -29,11 +29,12 @@ def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool, dev
 
 def random_projection(ranks: list[list[int]], max_rank: int, in_dim: int, widths: list[int], dtype,
                       rank_major: bool, device="cpu", a_rank_major: bool | None = None,
-                      fused: tuple[int, ...] = ()) -> Projection:
+                      fused: tuple[int, ...] = (), dora: tuple[int, ...] = ()) -> Projection:
     """A projection of len(widths) bands over len(ranks[0]) slots, band i at ranks[i][slot], laid out as DeviceSlots
     lays it out (rank_major: B, and A unless a_rank_major says otherwise, as on CPU); weights past each rank and
     outside each band are random, not zero, so a kernel that reads them fails. `fused` slots hold one band over
-    every column (a fused qkv adapter: band 0 at its rank, the others at none)."""
+    every column (a fused qkv adapter: band 0 at its rank, the others at none); `dora` slots have random
+    magnitudes on every band they have a rank in (1 elsewhere, as DeviceSlots keeps them)."""
     num_bands, num_slots, cap = len(widths), len(ranks[0]), len(widths) * max_rank
     a_rank_major = rank_major if a_rank_major is None else a_rank_major
     a = random_weights(num_slots, cap, in_dim, 1, dtype, a_rank_major, device)[0]
@@ -52,10 +53,17 @@ def random_projection(ranks: list[list[int]], max_rank: int, in_dim: int, widths
     if fused:                                                          # what other slots have there is zero
         for slot in set(range(num_slots)) - set(fused):
             b[slot, bounds[1]:, :max_rank] = 0
+    m = torch.ones(num_slots, bounds[-1], dtype=dtype, device=device)
+    flags = [[slot in dora and ranks[i][slot] > 0 for slot in range(num_slots)] for i in range(num_bands)]
+    for i in range(num_bands):
+        for slot in range(num_slots):
+            if flags[i][slot]:
+                m[slot, slice(*spans[i])] = (0.5 + torch.rand(spans[i][1] - spans[i][0])).to(dtype)
     bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*spans[i]), i * r:(i + 1) * r], rank_table[i], ranks[i],
-                  spans[i]) for i in range(num_bands)]
+                  spans[i], m[:, slice(*spans[i])], flags[i]) for i in range(num_bands)]
     return Projection(a, b, rank_table, torch.tensor(bounds, dtype=torch.int32, device=device),
-                      torch.tensor(slot_bounds, dtype=torch.int32, device=device), r, widths, bands)
+                      torch.tensor(slot_bounds, dtype=torch.int32, device=device), r, widths, bands, m,
+                      torch.tensor(flags, dtype=torch.int32, device=device))
 
 
 LAYOUTS = {
@@ -68,30 +76,30 @@ def float_copy(proj: Projection) -> Projection:
     """The same projection with its weights in fp32 (for the reference)."""
     out = random_projection([list(r) for r in proj.ranks.tolist()], proj.max_rank, proj.a.shape[2], proj.widths,
                             torch.float32, False, proj.a.device)
-    out.a, out.b = proj.a.float(), proj.b.float()
-    out.bands = [Band(band.a.float(), band.b.float(), band.ranks, band.ranks_list, band.columns)
-                 for band in proj.bands]
+    out.a, out.b, out.m = proj.a.float(), proj.b.float(), proj.m.float()
+    out.bands = [Band(band.a.float(), band.b.float(), band.ranks, band.ranks_list, band.columns, band.m.float(),
+                      band.dora_list) for band in proj.bands]
     return out
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
-@pytest.mark.parametrize("widths,ranks,fused", [
-    ([96], [[4, 64, 8, 0]], ()),                                           # o/down: one band
-    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], ()),    # qkv: each (band, slot) at its own rank
-    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], (1,)),  # slot 1 a fused qkv adapter
-    ([80, 80], [[48, 1, 64, 0], [0, 32, 64, 0]], ()),                      # gate_up
+@pytest.mark.parametrize("widths,ranks,fused,dora", [
+    ([96], [[4, 64, 8, 0]], (), ()),                                           # o/down: one band
+    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], (), ()),    # qkv: each (band, slot) its rank
+    ([64, 16, 16], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], (1,), (1,)),   # slot 1 a fused qkv DoRA adapter
+    ([80, 80], [[48, 1, 64, 0], [0, 32, 64, 0]], (), (0, 2)),                  # gate_up, two DoRA slots of four
 ])
 @pytest.mark.parametrize("layout,split_k", [("decode", None), ("mixed", 1), ("mixed", 3)])
 @pytest.mark.parametrize("rank_major", [False, True])
-def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widths, ranks, fused, layout, split_k,
-                                                       rank_major, device):
+def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widths, ranks, fused, dora, layout,
+                                                       split_k, rank_major, device):
     """One shrink and one expand launch for all bands of a projection == the reference band by band; adapters in
     the activations' dtype, or fp16 beside fp32 activations (widened in the kernels); split-K partial sums."""
     max_rank, in_dim = 64, 384                                         # 3 input blocks at the widest tile
     proj = random_projection([list(r) for r in ranks], max_rank, in_dim, widths, weight_dtype, rank_major, device,
-                             fused=fused)
+                             fused=fused, dora=dora)
     segments = segments_for(LAYOUTS[layout], device)
     num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
@@ -135,13 +143,15 @@ def test_results_are_bitwise_the_same_at_every_run(device):
 
 
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
-def test_compiled_cpu_path_per_projection_matches_reference(layout):
-    """kernels.cpu_ops.lora_apply runs the compiled kernels once per band with a rank: same sums as the reference."""
+@pytest.mark.parametrize("dora", [(), (0, 2)])
+def test_compiled_cpu_path_per_projection_matches_reference(layout, dora):
+    """kernels.cpu_ops.lora_apply runs the compiled kernels once per band with a rank: same sums as the reference,
+    DoRA slots' columns scaled by their magnitudes."""
     if not cpu_kernels_build():
         pytest.skip("the compiled CPU kernels do not build here")
     from kernels import cpu_ops
     proj = random_projection([[8, 16, 0, 4], [0, 0, 0, 0], [8, 13, 16, 0]], 16, 96, [64, 16, 16], torch.float32,
-                             rank_major=True, a_rank_major=False)        # as DeviceSlots stores them for this path
+                             rank_major=True, a_rank_major=False, dora=dora)   # as DeviceSlots stores them here
     segments = segments_for(LAYOUTS[layout])
     x = torch.randn(segments.starts_list[-1], 96)
     base = torch.randn(x.shape[0], 96)

@@ -203,3 +203,27 @@ def test_end_id_minus_one_means_no_end_token(tiny_server, engine):
     [free] = engine.generate([prompt], max_new_tokens=12)
     result = run(tiny_server.grpc_url, trtllm_inputs(prompt, 12, True, end_id=np.array([[-1]], np.int32)))
     assert result.error is None and result.tokens == free
+
+
+def test_a_dora_adapter_in_tensorrt_llm_four_column_form_answers_as_in_process(tiny_server, new_tiny_engine,
+                                                                             tiny_model_dir, tmp_path_factory):
+    """The TensorRT-LLM client contract with today's converter output: a DoRA adapter's four-column tensors (fp16,
+    magnitudes normalized against the base model) go with the first request, later ones send only the id; both
+    answer as the in-process engine given the same tensors (which answers as PEFT: tests/backend/test_dora.py)."""
+    from backend.lora.dora import checkpoint_weights
+    from tests.helpers import ALL_MODULES, make_peft_adapters
+    [path] = make_peft_adapters(tiny_model_dir, tmp_path_factory.mktemp("dora"), seed=5,
+                                specs=[dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL_MODULES)])
+    weights, config = peft_to_trtllm(path, "float16", checkpoint_weights(tiny_model_dir))
+    assert config.shape[1] == 4 and config[:, 3].all()
+    engine = new_tiny_engine()
+    engine.add_lora(303, weights, config)
+    prompts = random_prompts([13, 7], 512, seed=47)
+    want = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=[303, 303], end_id=None)
+    assert want != engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=None)      # the adapter matters
+    sent = {"lora_weights": weights[None], "lora_config": config[None]}
+    for prompt, tokens, carry in zip(prompts, want, (sent, {})):
+        result = run(tiny_server.grpc_url, trtllm_inputs(prompt, MAX_NEW, True, end_id=np.array([[-1]], np.int32),
+                                                         lora_task_id=np.array([[303]], np.uint64), **carry))
+        assert result.error is None, result.error
+        assert result.tokens == tokens

@@ -198,3 +198,27 @@ def test_the_api_reaches_a_restarted_tritonserver_within_a_second(tiny_model_dir
             await core.close()
     took = asyncio.run(outage_then_back())
     assert took < 1.5, took
+
+
+def test_a_peft_dora_adapter_loads_through_the_front_door(doors, roots, smollm2_dir, smollm2_server):
+    """A PEFT DoRA folder (use_dora, lora_magnitude_vector) loaded at run time: the API normalizes its magnitudes
+    against the served model's checkpoint and sends TensorRT-LLM's four-column tensors; its answers are the core
+    model's for the same tensors sent directly."""
+    from backend.lora.dora import checkpoint_weights
+    from backend.lora.peft import peft_to_trtllm
+    from tests.helpers import make_peft_adapters
+    from tests.server.streams import run, trtllm_inputs
+    [path] = make_peft_adapters(smollm2_dir, roots / "allowed", seed=9, scale=0.3,
+                                specs=[dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL_MODULES)])
+    assert load(doors, "dora", str(path)).status_code == 200
+    r = httpx.post(doors.url + "/v1/completions", headers=USER, timeout=60,
+                   json={"model": "dora", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    weights, config = peft_to_trtllm(path, "float16", checkpoint_weights(smollm2_dir))
+    core = run(smollm2_server.grpc_url, trtllm_inputs([5, 6, 7, 8], 6, True, end_id=np.array([[-1]], np.int32),
+                                                      lora_task_id=np.array([[4242]], np.uint64),
+                                                      lora_weights=weights[None], lora_config=config[None]))
+    assert core.error is None and r.json()["usage"]["completion_tokens"] == 6
+    from transformers import AutoTokenizer
+    assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(smollm2_dir).decode(core.tokens)

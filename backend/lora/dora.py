@@ -1,0 +1,42 @@
+"""DoRA magnitudes as the runtime takes them: a PEFT adapter's magnitude m becomes m / ||W + s·B·A|| per output row
+(TensorRT-LLM's normalize_weights.py does the same before its converter), so that serving needs no base weights.
+
+The norms are taken against the served model's own base weights, read from its checkpoint one module at a time in
+the serving dtype, on the device asked for: whole rows, so tensor parallelism needs no cross-rank sum (rank 0 has
+every row this way). A zero norm is refused rather than divided by."""
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from backend.model.loader import checkpoint_files
+
+PEFT_PROJ = {1: "self_attn.q_proj", 2: "self_attn.k_proj", 3: "self_attn.v_proj", 4: "self_attn.o_proj",
+             5: "mlp.gate_proj", 6: "mlp.down_proj", 7: "mlp.up_proj"}
+BaseWeight = Callable[[int, int], torch.Tensor]            # (layer, module_id) -> W [out_dim, in_dim]
+
+
+def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, device="cpu") -> BaseWeight:
+    """A base model's module weights as they are served: read from its safetensors (one at a time), in dtype."""
+    files = checkpoint_files(Path(model_dir))
+
+    def weight(layer: int, module_id: int) -> torch.Tensor:
+        key = f"model.layers.{layer}.{PEFT_PROJ[module_id]}.weight"
+        with safe_open(files[key], framework="pt", device=str(device)) as f:
+            w = f.get_tensor(key)
+        return w if dtype is None else w.to(dtype)
+    return weight
+
+
+def normalized_magnitude(magnitude: torch.Tensor, a: torch.Tensor, b_scaled: torch.Tensor, weight: torch.Tensor,
+                         what: str) -> torch.Tensor:
+    """m / ||W + B·A||_row in fp32 (b_scaled: B with the LoRA scale folded in); `what` names the module in errors."""
+    if magnitude.shape != (weight.shape[0],):
+        raise ValueError(f"{what}: a DoRA magnitude of shape {list(magnitude.shape)}, the module has "
+                         f"{weight.shape[0]} output features")
+    device = weight.device
+    norm = torch.linalg.norm(weight.float() + b_scaled.float().to(device) @ a.float().to(device), dim=1)
+    if not bool((norm > 0).all()):
+        raise ValueError(f"{what}: ||W + s·B·A|| is zero for an output row: its DoRA magnitude cannot be normalized")
+    return (magnitude.float().to(device) / norm).cpu()
