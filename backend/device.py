@@ -99,19 +99,26 @@ class StepStaging:
         would compile another variant of every kernel it reaches, on the engine thread, mid-serving."""
         if self.device.type == "cpu":
             return tensors
+        host, offsets = self.pack(tensors)
+        dev = host.to(self.device, non_blocking=True)
+        views = {}
+        for (name, t), offset in zip(tensors.items(), offsets):
+            view = dev[offset:offset + t.numel()].view(t.shape)
+            views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
+        return views
+
+    def pack(self, tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
+        """The tensors as int32 in one host buffer (page-locked unless pinned=False: the host-profile bench on a
+        machine without CUDA), each at an aligned offset -> (buffer [total], offsets)."""
         flat = [_as_int32(t) for t in tensors.values()]
         offsets, total = aligned_offsets([f.numel() for f in flat])
         if self.host_in.numel() < total:
-            self.host_in = torch.empty(max(total, 2 * self.host_in.numel()), dtype=torch.int32).pin_memory()
+            buffer = torch.empty(max(total, 2 * self.host_in.numel()), dtype=torch.int32)
+            self.host_in = buffer.pin_memory() if pinned else buffer
         host = self.host_in[:total]
         for f, offset in zip(flat, offsets):
             host[offset:offset + f.numel()].copy_(f)
-        dev = host.to(self.device, non_blocking=True)
-        views = {}
-        for (name, t), f, offset in zip(tensors.items(), flat, offsets):
-            view = dev[offset:offset + f.numel()].view(t.shape)
-            views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
-        return views
+        return host, offsets
 
     def download(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """The step's one device -> host transfer (of one tensor or a few, each in a pinned buffer of its own),

@@ -1,7 +1,7 @@
 """LLMEngine: add requests, step the batch, stream each request's new tokens until it finishes."""
 import itertools
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Hashable
 
 import torch
@@ -245,7 +245,7 @@ class LLMEngine:
         if forks:
             self._fork(seq, forks)
         out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
-                         metrics=replace(m))
+                         metrics=m.copy())
         if seq.context_logits and len(seq.output_ids) == 1:
             out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
             seq.context_logits = {}
@@ -275,7 +275,7 @@ class LLMEngine:
                 self.blocks.free(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, reason
             self.lora_cache.unref(seq.lora_task_id)
-        out = out or StepOutput(seq.request_id, [], sequence_index=seq.sequence_index, metrics=replace(seq.metrics))
+        out = out or StepOutput(seq.request_id, [], sequence_index=seq.sequence_index, metrics=seq.metrics.copy())
         out.finished, out.finish_reason = True, reason
         out.request_finished = self.seqs.done(seq.request_id)
         return out

@@ -39,49 +39,67 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 
 def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
-    """Host tensors for one step's rows (one per sequence that samples, in batch order)."""
+    """Host tensors for one step's rows (one per sequence that samples, in batch order): only those the rows need.
+    A batch of plain greedy rows needs none."""
     params = [seq.params for seq in seqs]
-    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    pres = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and seqs[i].output_ids]
+    sampled = [p for p in params if not p.greedy]
+    extra = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
+             or p.frequency_penalty or p.bad_words or p.min_tokens or p.embedding_bias is not None]
+    guided = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    plan = SamplingPlan(num_rows=len(seqs), any_sampled=bool(sampled), max_top_k=0, any_top_p=False,
+                        num_repetition=0, num_presence=0, num_bans=0, num_biased=0, num_guided=len(guided),
+                        any_log_probs=any(p.return_log_probs for p in params))
+    t = plan.t
+    if sampled:
+        top_k = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0 for p in params]
+        plan.max_top_k = max(top_k)
+        plan.any_top_p = any(seq.top_p < 1.0 and not seq.params.greedy for seq in seqs)
+        t["s_greedy"] = torch.tensor([p.greedy for p in params], dtype=torch.int32)
+        t["s_temperature"] = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                                          dtype=torch.float32)
+        t["s_top_k"] = torch.tensor(top_k, dtype=torch.int32)
+        t["s_top_p"] = torch.tensor([seq.top_p for seq in seqs], dtype=torch.float32)
+        t["s_seed"] = torch.tensor([seq.seed_key for seq in seqs], dtype=torch.int32)
+        t["s_step"] = torch.tensor([len(seq.output_ids) for seq in seqs], dtype=torch.int32)
+    if extra:
+        _prepare_extras(plan, seqs, extra, vocab_size)
+    if guided:
+        bitmask = torch.zeros(len(guided), -(-vocab_size // 32), dtype=torch.int32)
+        for row, i in enumerate(guided):
+            seqs[i].matcher.fill_next_token_bitmask(bitmask, row)
+        t["s_guided_rows"] = torch.tensor(guided, dtype=torch.int32)
+        t["s_bitmask"] = bitmask
+    return plan
+
+
+def _prepare_extras(plan: SamplingPlan, seqs: list[Sequence], rows: list[int], vocab_size: int) -> None:
+    """Penalties, bans and embedding bias, for the rows that have any."""
+    params, t = [seq.params for seq in seqs], plan.t
+    rep = [i for i in rows if params[i].repetition_penalty != 1.0]
+    pres = [i for i in rows if (params[i].presence_penalty or params[i].frequency_penalty) and seqs[i].output_ids]
     ban_rows, ban_tokens = [], []
-    for row, seq in enumerate(seqs):
-        banned = banned_tokens(seq)
+    for row in rows:
+        banned = banned_tokens(seqs[row])
         ban_rows += [row] * len(banned)
         ban_tokens += banned
-    biased = [i for i, p in enumerate(params) if p.embedding_bias is not None]
-    guided = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
-    bitmask = torch.zeros(len(guided), -(-vocab_size // 32), dtype=torch.int32)
-    for row, i in enumerate(guided):
-        seqs[i].matcher.fill_next_token_bitmask(bitmask, row)
-    top_k = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0 for p in params]
-    plan = SamplingPlan(
-        num_rows=len(seqs), any_sampled=any(not p.greedy for p in params), max_top_k=max(top_k, default=0),
-        any_top_p=any(seq.top_p < 1.0 and not seq.params.greedy for seq in seqs), num_repetition=len(rep),
-        num_presence=len(pres), num_bans=len(ban_rows), num_biased=len(biased), num_guided=len(guided),
-        any_log_probs=any(p.return_log_probs for p in params))
-    plan.t = {
-        "s_greedy": torch.tensor([p.greedy for p in params], dtype=torch.int32),
-        "s_temperature": torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32),
-        "s_top_k": torch.tensor(top_k, dtype=torch.int32),
-        "s_top_p": torch.tensor([seq.top_p for seq in seqs], dtype=torch.float32),
-        "s_seed": torch.tensor([seq.seed_key for seq in seqs], dtype=torch.int32),
-        "s_step": torch.tensor([len(seq.output_ids) for seq in seqs], dtype=torch.int32),
-        "s_rep_rows": torch.tensor(rep, dtype=torch.int32),
-        "s_rep_penalty": torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32),
-        "s_rep_ids": _padded([seqs[i].token_ids for i in rep], vocab_size),
-        "s_pres_rows": torch.tensor(pres, dtype=torch.int32),
-        "s_presence": torch.tensor([params[i].presence_penalty for i in pres], dtype=torch.float32),
-        "s_frequency": torch.tensor([params[i].frequency_penalty for i in pres], dtype=torch.float32),
-        "s_pres_ids": _padded([seqs[i].output_ids for i in pres], vocab_size),
-        "s_ban_rows": torch.tensor(ban_rows, dtype=torch.int32),
-        "s_ban_tokens": torch.tensor(ban_tokens, dtype=torch.int32),
-        "s_bias_rows": torch.tensor(biased, dtype=torch.int32),
-        "s_bias": torch.stack([torch.as_tensor(params[i].embedding_bias, dtype=torch.float32) for i in biased])
-        if biased else torch.zeros(0, vocab_size, dtype=torch.float32),
-        "s_guided_rows": torch.tensor(guided, dtype=torch.int32),
-        "s_bitmask": bitmask,
-    }
-    return plan
+    biased = [i for i in rows if params[i].embedding_bias is not None]
+    plan.num_repetition, plan.num_presence, plan.num_bans, plan.num_biased = (len(rep), len(pres), len(ban_rows),
+                                                                              len(biased))
+    if rep:
+        t["s_rep_rows"] = torch.tensor(rep, dtype=torch.int32)
+        t["s_rep_penalty"] = torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32)
+        t["s_rep_ids"] = _padded([seqs[i].token_ids for i in rep], vocab_size)
+    if pres:
+        t["s_pres_rows"] = torch.tensor(pres, dtype=torch.int32)
+        t["s_presence"] = torch.tensor([params[i].presence_penalty for i in pres], dtype=torch.float32)
+        t["s_frequency"] = torch.tensor([params[i].frequency_penalty for i in pres], dtype=torch.float32)
+        t["s_pres_ids"] = _padded([seqs[i].output_ids for i in pres], vocab_size)
+    if ban_rows:
+        t["s_ban_rows"] = torch.tensor(ban_rows, dtype=torch.int32)
+        t["s_ban_tokens"] = torch.tensor(ban_tokens, dtype=torch.int32)
+    if biased:
+        t["s_bias_rows"] = torch.tensor(biased, dtype=torch.int32)
+        t["s_bias"] = torch.stack([torch.as_tensor(params[i].embedding_bias, dtype=torch.float32) for i in biased])
 
 
 def banned_tokens(seq: Sequence) -> list[int]:

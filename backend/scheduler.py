@@ -6,7 +6,7 @@ the cache lacks, and samples when its chunk reaches its last token. When blocks 
 sequence is preempted: its blocks are freed and its tokens recomputed later.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from backend.config import EngineConfig
@@ -25,11 +25,10 @@ class AdapterSlots(Protocol):
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    samples: bool = field(init=False)         # the chunk reaches the sequence's last token: the step yields its next
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so this step yields its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self):
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +82,11 @@ class Scheduler:
     def schedule(self) -> Batch:
         items: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
-        pending = list(self.running)
+        pending = deque(self.running)
         kept: list[Sequence] = []
         preempted = False
         while pending and budget > 0:
-            seq = pending.pop(0)
+            seq = pending.popleft()
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_allocate(seq, num_new):
                 victim = pending.pop() if pending else seq
@@ -101,7 +100,7 @@ class Scheduler:
             items.append(ScheduledSeq(seq, num_new))
             kept.append(seq)
             budget -= num_new
-        self.running = kept + pending
+        self.running = kept + list(pending)
 
         waiting_for_slot: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:

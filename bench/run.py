@@ -99,7 +99,12 @@ def main(doc: str = __doc__) -> None:
                              "run and each ratio's median over the rounds")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="instead of the workloads: host ms per decode step by stage (tiny model, CPU)")
     args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.host_profile:
+        return run_host_profile(args)
     args.dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
@@ -108,7 +113,6 @@ def main(doc: str = __doc__) -> None:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
 
-    torch.set_num_threads(os.cpu_count() or 1)
     cfg = ModelConfig.from_dir(args.model_dir)
     roofline = measure_roofline(args.dtype)
     results: dict = {"machine": f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
@@ -142,6 +146,15 @@ def main(doc: str = __doc__) -> None:
         args.out.write_text(json.dumps(results, indent=1))
     if args.plot:
         write_plots(args.plot, results, samples)
+
+
+def run_host_profile(args) -> None:
+    from bench.host_profile import host_profile, print_profile
+    machine = f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    result = {"machine": machine, **host_profile(kernel_backend=args.kernel_backend)}
+    print_profile(result, machine)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
 
 
 def write_plots(out_dir: Path, results: dict, samples: dict) -> None:

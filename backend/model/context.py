@@ -1,7 +1,9 @@
 """Per-step batch metadata, built once per step on the host from the scheduled batch and shared by every layer."""
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from backend.scheduler import Batch
@@ -19,50 +21,85 @@ class StepContext:
     between_layers: Callable[[], None] | None = None      # called after each layer (CPU: backend/openmp.TeamSizer)
 
 
+class BlockTables:
+    """Each running sequence's block table as an int32 array, kept from step to step and grown by the blocks appended
+    since (tables only grow by appends, or are replaced whole: backend/kv_cache.py), so a step copies rows, not
+    lists: at 4k tokens of context, 256 blocks a sequence."""
+
+    def __init__(self):
+        self.arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> (its list, array, count)
+
+    def rows(self, seqs: list) -> np.ndarray:
+        """[num_seqs, longest table] int32, zero-padded."""
+        tables = [self.array(seq) for seq in seqs]
+        out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        for row, table in zip(out, tables):
+            row[:len(table)] = table
+        return out
+
+    def array(self, seq) -> np.ndarray:
+        table = seq.block_table
+        entry = self.arrays.get(seq)
+        if entry is None or entry[0] is not table or entry[2] > len(table):
+            entry = (table, np.empty(max(16, 2 * len(table)), dtype=np.int32), 0)
+        _, array, count = entry
+        if len(table) > count:
+            if len(table) > len(array):
+                array = np.concatenate([array[:count], np.empty(len(table), dtype=np.int32)])
+            array[count:len(table)] = table[count:]
+            entry = (table, array, len(table))
+            self.arrays[seq] = entry
+        return array[:len(table)]
+
+
 class StepInputs:
     """The step's token ids, positions, cache slots and attention tables as host int32 tensors (`tensors`, sent
-    to the device in one copy with the sampler's and LoRA's), and the host-side figures kernels launch with."""
+    to the device in one copy with the sampler's and LoRA's), and the host-side figures kernels launch with.
+    Built with array operations over the batch: a step's host work does not grow with its context."""
 
-    def __init__(self, batch: Batch, block_size: int):
+    def __init__(self, batch: Batch, block_size: int, tables: BlockTables | None = None):
+        items, n = batch.items, len(batch.items)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_starts = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
+        counts: list[int] = []                                   # per item: new tokens, computed tokens, all tokens
         context_indices: list[int] = []
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
-        for index, item in enumerate(batch.items):
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            query_starts.append(query_starts[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.samples:
-                logits_indices.append(query_starts[-1] - 1)
-            prompt_end = min(end, len(seq.prompt_ids))
-            if seq.params.return_context_logits and start < prompt_end and not seq.output_ids \
-                    and seq.sequence_index == 0:
-                self.context_chunks.append((index, start, prompt_end - start))
-                context_indices += range(query_starts[-2], query_starts[-2] + prompt_end - start)
-        max_blocks = max(len(item.seq.block_table) for item in batch.items)
-        block_tables = torch.zeros(len(batch.items), max_blocks, dtype=torch.int32)
-        for i, item in enumerate(batch.items):
-            block_tables[i, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
-        self.query_starts = query_starts
-        self.seq_lens = seq_lens
-        self.max_query_len = max(item.num_new_tokens for item in batch.items)
+        for index, item in enumerate(items):
+            seq, num_new = item.seq, item.num_new_tokens
+            start, num_prompt, outputs = seq.num_computed_tokens, len(seq.prompt_ids), seq.output_ids
+            end = start + num_new
+            counts += (num_new, start, num_prompt + len(outputs))
+            if start >= num_prompt:
+                input_ids += outputs[start - num_prompt:end - num_prompt]
+                continue
+            input_ids += seq.prompt_ids[start:end]
+            if end > num_prompt:
+                input_ids += outputs[:end - num_prompt]
+            if seq.params.return_context_logits and not outputs and seq.sequence_index == 0:
+                first, num_rows = len(input_ids) - num_new, min(end, num_prompt) - start
+                self.context_chunks.append((index, start, num_rows))
+                context_indices += range(first, first + num_rows)
+        num_new, starts, num_tokens = np.array(counts, dtype=np.int64).reshape(n, 3).T
+        ends = starts + num_new
+        query_starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_starts[1:])
+        if len(input_ids) == n:                                  # one token each: decodes
+            positions, token_rows = starts, np.arange(n)
+        else:
+            positions = np.arange(len(input_ids)) + np.repeat(starts - query_starts[:-1], num_new)
+            token_rows = np.repeat(np.arange(n), num_new)
+        block_tables = (tables or BlockTables()).rows([item.seq for item in items])
+        slots = block_tables[token_rows, positions // block_size] * block_size + positions % block_size
+        self.query_starts = query_starts.tolist()
+        self.seq_lens = ends.tolist()
+        self.max_query_len = int(num_new.max())
         self.tensors = {
             "input_ids": torch.tensor(input_ids, dtype=torch.int32),
-            "positions": torch.tensor(positions, dtype=torch.int32),
-            "slot_mapping": torch.tensor(slots, dtype=torch.int32),
-            "query_starts": torch.tensor(query_starts, dtype=torch.int32),
-            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-            "block_tables": block_tables,
-            "logits_indices": torch.tensor(logits_indices, dtype=torch.int32),
+            "positions": torch.from_numpy(positions.astype(np.int32)),
+            "slot_mapping": torch.from_numpy(slots.astype(np.int32)),
+            "query_starts": torch.from_numpy(query_starts.astype(np.int32)),
+            "seq_lens": torch.from_numpy(ends.astype(np.int32)),
+            "block_tables": torch.from_numpy(block_tables),
+            "logits_indices": torch.from_numpy((query_starts[1:][num_tokens == ends] - 1).astype(np.int32)),
             "context_indices": torch.tensor(context_indices, dtype=torch.int32),
         }
 

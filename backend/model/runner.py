@@ -9,7 +9,7 @@ from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
-from backend.model.context import StepInputs
+from backend.model.context import BlockTables, StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
@@ -50,6 +50,7 @@ class ModelRunner:
             self.close()                                         # no workers or process group left behind
             raise
         self.staging = StepStaging(self.device)
+        self.block_tables = BlockTables()                        # the running sequences' tables, kept as arrays
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -208,7 +209,7 @@ class ModelRunner:
             batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
             token_slots = [lora_cache.slot(item.seq.lora_task_id) for item in batch.items
                            for _ in range(item.num_new_tokens)]
-        inputs = StepInputs(batch, self.block_size)
+        inputs = StepInputs(batch, self.block_size, self.block_tables)
         plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None

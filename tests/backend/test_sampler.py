@@ -70,6 +70,28 @@ def test_a_seeded_row_samples_the_same_alone_or_in_a_mixed_batch(device):
     assert batch[2] == int(logits[2].argmax())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_rows_penalties_bans_and_bias_act_on_that_row_alone_in_a_mixed_batch(device):
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1)).to(device)
+    bias = torch.zeros(vocab)
+    bias[7] = 100.0
+    params = [SamplingParams(), SamplingParams(repetition_penalty=3.0), SamplingParams(end_id=9, min_tokens=4,
+                                                                                      bad_words=[[3, 4]]),
+              SamplingParams(embedding_bias=bias.numpy()), SamplingParams(temperature=0.8, seed=4,
+                                                                          presence_penalty=1.0)]
+    logits[1, 2], logits[1, 10] = 5.0, 4.0                      # seen token 2 loses to 10 under the penalty
+    logits[2, 9], logits[2, 4], logits[2, 11] = 50.0, 40.0, 30.0   # end_id 9 and bad word [3, 4] banned: 11
+    seqs = [Sequence(i, [1, 2, 3], p) for i, p in enumerate(params)]
+    for seq in seqs:
+        seq.output_ids = [5, 3]
+    batch = Sampler().sample(logits.clone(), seqs)[0]
+    alone = [Sampler().sample(logits[i:i + 1].clone(), [seq])[0][0] for i, seq in enumerate(seqs)]
+    assert batch == alone
+    assert batch[:4] == [int(logits[0].argmax()), 10, 11, 7]
+    assert prepare(seqs[:1] * 3, vocab).t == {}                   # plain greedy rows: nothing to upload
+
+
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     seq = Sequence(0, [0, 1], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))

@@ -1,0 +1,147 @@
+"""Host milliseconds per decode step, by stage, with a model so small that its compute does not matter: what the
+engine's own Python costs a step while a GPU would wait (scripts/bench.py --host-profile).
+
+Stages: schedule (Scheduler.schedule), inputs (StepInputs: ids, positions, cache slots, block tables), sampling
+inputs (sampler.prepare), upload (StepStaging's packing of the step's tensors into one buffer; on CPU measured into
+an unpinned buffer, since the CPU path itself sends nothing), outputs (the rest of LLMEngine.step: the runner's glue
+around the forward (adapter slot per token), the download, then per token the counters, a StepOutput and the stop
+checks). The model's forward and the sampling math are device work, and the OpenMP team's sizing (`cpu_team`,
+backend/openmp.py) happens on CPU only: each is timed, none is counted as host time.
+"""
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from backend import LLMEngine, sampler
+from backend.device import StepStaging
+from backend.model.context import StepInputs
+from backend.model.llama import LlamaModel
+from backend.openmp import TeamSizer
+from backend.scheduler import Scheduler
+
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=8192,
+            bos_token_id=1, eos_token_id=2)
+HOST_STAGES = ("schedule", "inputs", "sampling_inputs", "upload", "outputs")
+CASES = ((1, 128), (32, 128), (128, 128), (32, 4096))        # (sequences, tokens of context)
+
+
+def build_tiny_model(out: Path) -> Path:
+    """A one-layer random Llama (hidden 64, 8k positions) saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(out)
+    return out
+
+
+class StageClock:
+    """Wraps the functions a step calls with timers; `seconds` sums each stage's own time over the steps timed (a
+    stage called inside another, as the OpenMP team's checkpoint inside the forward, is taken out of the outer one)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.on = False
+        self.patches: list[tuple[object, str, object]] = []
+        self.inner: list[float] = []                    # per open stage: time of the stages called inside it
+
+    def wrap(self, owner, name: str, stage: str, extra=None) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return original(*args, **kwargs)
+            self.inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                result = original(*args, **kwargs)
+                if extra is not None:
+                    extra(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                nested = self.inner.pop()
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + elapsed - nested
+                if self.inner:
+                    self.inner[-1] += elapsed
+            return result
+        self.patches.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    @contextmanager
+    def installed(self, engine: LLMEngine):
+        packer = StepStaging(torch.device("cpu"))
+        cpu = engine.runner.device.type == "cpu"
+        self.wrap(Scheduler, "schedule", "schedule")
+        self.wrap(StepInputs, "__init__", "inputs")
+        self.wrap(sampler, "prepare", "sampling_inputs")
+        self.wrap(StepStaging, "upload", "upload", (lambda staging, t: packer.pack(t, pinned=False)) if cpu else None)
+        self.wrap(LlamaModel, "forward", "model")
+        self.wrap(TeamSizer, "start", "cpu_team")
+        self.wrap(TeamSizer, "checkpoint", "cpu_team")
+        self.wrap(sampler, "sample", "sampling")
+        try:
+            yield self
+        finally:
+            for owner, name, original in reversed(self.patches):
+                setattr(owner, name, original)
+
+
+def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int, num_rounds: int) -> dict:
+    """num_seqs sequences with `context` prompt tokens each, prefilled, then num_rounds rounds of num_steps decode
+    steps timed by stage: each stage's ms per step, the median over the rounds (`host_ms`: the sum of HOST_STAGES'
+    medians)."""
+    for i in range(num_seqs):
+        prompt = [(7 * i + j) % 500 + 3 for j in range(context)]
+        engine.add_request(prompt, max_new_tokens=num_rounds * num_steps + 4, ignore_end_id=True)
+    while any(seq.num_computed_tokens < len(seq.prompt_ids) for members in engine.seqs.values() for seq in members):
+        engine.step()
+    for _ in range(2):
+        engine.step()                                                  # warm
+    rounds = []
+    for _ in range(num_rounds):
+        clock = StageClock()
+        start = time.perf_counter()
+        with clock.installed(engine):
+            clock.on = True
+            for _ in range(num_steps):
+                engine.step()
+            clock.on = False
+        total = time.perf_counter() - start
+        per_step = {stage: seconds / num_steps * 1e3 for stage, seconds in clock.seconds.items()}
+        per_step["outputs"] = (total - sum(clock.seconds.values())) / num_steps * 1e3   # every stage is in a step
+        per_step["step_ms"] = total / num_steps * 1e3
+        rounds.append(per_step)
+    for request_id in list(engine.seqs):
+        engine.abort(request_id)
+    medians = {stage: statistics.median(r.get(stage, 0.0) for r in rounds) for stage in rounds[0]}
+    medians["host_ms"] = sum(medians.get(s, 0.0) for s in HOST_STAGES)
+    return {"num_seqs": num_seqs, "context": context, **{k: round(v, 4) for k, v in medians.items()}}
+
+
+def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_backend: str = "auto",
+                 device: str = "cpu") -> dict:
+    """Every case on one engine over the tiny model (fp32)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp))
+        engine = LLMEngine(str(model_dir), dtype="float32", device=device, kernel_backend=kernel_backend,
+                           max_num_seqs=max(n for n, _ in cases), max_num_batched_tokens=8192,
+                           kv_cache_memory_bytes=1 << 30, max_loras=1, max_lora_rank=8, cuda_graph_mode=False)
+        try:
+            return {"kernel_backend": engine.runner.ops.name, "num_steps": num_steps, "num_rounds": num_rounds,
+                    "cases": [profile_case(engine, n, c, num_steps, num_rounds) for n, c in cases]}
+        finally:
+            engine.close()
+
+
+def print_profile(result: dict, machine: str) -> None:
+    print(f"host ms per decode step by stage ({machine}; tiny model, kernels {result['kernel_backend']}, "
+          f"medians of {result['num_rounds']} rounds of {result['num_steps']} steps; model and sampling math excluded)")
+    head = ("seqs", "context") + HOST_STAGES + ("host_ms", "model", "sampling", "cpu_team")
+    print("  ".join(f"{h:>15}" for h in head))
+    for case in result["cases"]:
+        print("  ".join(f"{case['num_seqs']:>15}" if h == "seqs" else f"{case['context']:>15}" if h == "context"
+                        else f"{case.get(h, 0.0):>15.3f}" for h in head))
