@@ -298,7 +298,7 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             return await error_response(self.too_large(int(length)))(scope, receive, send)
-        seen, started = 0, False
+        seen, watched = 0, ResponseWatch(send)
 
         async def counted():
             nonlocal seen
@@ -307,20 +307,26 @@ class BodyLimit:
             if seen > self.max_bytes:
                 raise BodyTooLarge(self.too_large(seen))
             return message
-
-        async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
         try:
             await self.app(scope, counted, watched)
         except BodyTooLarge:
-            if not started:
+            if not watched.started:
                 await error_response(self.too_large(seen))(scope, receive, send)
 
     def too_large(self, num_bytes: int) -> OpenAIError:
         return OpenAIError(413, f"body: a request body of at least {num_bytes} bytes exceeds the limit of "
                                 f"{self.max_bytes}", param="body", code="request_too_large")
+
+
+class ResponseWatch:
+    """An ASGI send that notes whether the response has begun: after that, an error can no longer be answered."""
+
+    def __init__(self, send):
+        self.send, self.started = send, False
+
+    async def __call__(self, message):
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
 
 
 class BodyTooLarge(HTTPException):
@@ -341,19 +347,14 @@ class CatchAll:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        watched = ResponseWatch(send)
         try:
             await self.app(scope, receive, watched)
         except BodyTooLarge:
             raise
         except Exception:
             log.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
-            if not started:
+            if not watched.started:
                 err = OpenAIError(500, "internal error: the server could not answer this request (it is logged)",
                                   "InternalServerError", code="internal_error")
                 await error_response(err)(scope, receive, send)
