@@ -1,4 +1,5 @@
 """Engine and adapter-cache settings: validated dataclasses, one place for every knob."""
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -48,6 +49,9 @@ class EngineConfig:
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
     kernel_self_check: str = "auto"          # the Triton kernels checked at start (backend/model/self_check.py):
                                               # true, strict (a failure refuses to start), false; auto: on CUDA
+    overlap_steps: str = field(default_factory=lambda: os.environ.get("LORA_LLM_OVERLAP_STEPS", "auto"))
+                                              # launch the next step before the last one's tokens land: true,
+                                              # false; auto: on CUDA (one device)
     tensor_parallel_size: int = 1             # ranks the model is split over: this process and N-1 workers
     tensor_parallel_timeout_s: float = 60.0   # a collective that takes longer: a worker hangs, the engine is broken
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
@@ -74,7 +78,22 @@ class EngineConfig:
                              f"got {self.kv_cache_free_gpu_mem_fraction}")
         if self.kernel_self_check not in ("auto", "true", "strict", "false"):
             raise ValueError(f"kernel_self_check must be true, strict, false or auto, got {self.kernel_self_check!r}")
+        if self.overlap_steps not in ("auto", "true", "false"):
+            raise ValueError(f"overlap_steps must be true, false or auto, got {self.overlap_steps!r}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+
+
+# the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
+LORA_KWARGS = {"max_lora_rank": "max_lora_rank", "max_loras": "max_loras",
+               "lora_cache_host_memory_bytes": "host_memory_bytes", "lora_cache_max_adapter_size": "max_adapter_bytes",
+               "lora_prefetch_dir": "prefetch_dir", "lora_dtype": "dtype"}
+
+
+def split_engine_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """Engine keywords -> (EngineConfig fields, LoraCacheConfig fields)."""
+    engine = {k: v for k, v in kwargs.items() if k not in LORA_KWARGS}
+    lora = {LORA_KWARGS[k]: v for k, v in kwargs.items() if k in LORA_KWARGS}
+    return engine, lora

@@ -1,8 +1,8 @@
 """Where the engine runs, and how data crosses between host and device without stalling a step.
 
 A step sends its inputs in one host -> device copy (`StepStaging.upload`) and takes its results back in one
-device -> host copy (`StepStaging.download`); adapter uploads go on a side stream (`SideCopies`) and a step
-waits only for the slots it uses. On CPU all of it is a no-op.
+device -> host copy (`StepStaging.download`), waited for only when the host needs them; adapter uploads go on a
+side stream (`SideCopies`) and a step waits only for the slots it uses. On CPU all of it is a no-op.
 """
 from contextlib import nullcontext
 
@@ -85,13 +85,12 @@ ALIGN_INTS = 4                                # 16 bytes: Triton's pointer speci
 
 class StepStaging:
     """A step's host tensors packed into one pinned int32 buffer, one non-blocking copy to the device, and
-    views of it by name; results come back through one pinned buffer. Buffers grow, never shrink, and are
-    reused: the step before has waited for its results, so its copies are done."""
+    views of it by name; results come back through pinned buffers, waited for when the host needs them. Every
+    buffer comes from torch's caching host allocator, which reuses a block only once the copies that read or
+    wrote it are done: with a step in flight, the next step's inputs never overwrite the ones it is reading."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.host_in = torch.empty(0, dtype=torch.int32)
-        self.host_out: list[torch.Tensor] = []
 
     def upload(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host int32 / int64 / float32 / bool tensors -> the same on the device (int64 and bool as int32). Each
@@ -107,39 +106,42 @@ class StepStaging:
             views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
         return views
 
-    def pack(self, tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
+    @staticmethod
+    def pack(tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
         """The tensors as int32 in one host buffer (page-locked unless pinned=False: the host-profile bench on a
         machine without CUDA), each at an aligned offset -> (buffer [total], offsets)."""
         flat = [_as_int32(t) for t in tensors.values()]
         offsets, total = aligned_offsets([f.numel() for f in flat])
-        if self.host_in.numel() < total:
-            buffer = torch.empty(max(total, 2 * self.host_in.numel()), dtype=torch.int32)
-            self.host_in = buffer.pin_memory() if pinned else buffer
-        host = self.host_in[:total]
+        host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)
         for f, offset in zip(flat, offsets):
             host[offset:offset + f.numel()].copy_(f)
         return host, offsets
 
-    def download(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """The step's one device -> host transfer (of one tensor or a few, each in a pinned buffer of its own),
-        waited for once: the values are on the host on return."""
+    def download(self, *tensors: torch.Tensor) -> "Download":
+        """Start the step's one device -> host transfer (of one tensor or a few, each into a pinned buffer of its
+        own), in stream order after the work that makes them; `Download.wait` gives the host values."""
         if self.device.type == "cpu":
-            return list(tensors)
+            return Download(list(tensors), None)
         hosts = []
-        for i, t in enumerate(tensors):
-            if len(self.host_out) <= i:
-                self.host_out.append(torch.empty(0, dtype=t.dtype))
-            buffer = self.host_out[i]
-            if buffer.dtype != t.dtype or buffer.numel() < t.numel():
-                buffer = torch.empty(max(t.numel(), 2 * buffer.numel()), dtype=t.dtype).pin_memory()
-                self.host_out[i] = buffer
-            host = buffer[:t.numel()].view(t.shape)
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             hosts.append(host)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        done.synchronize()
-        return hosts
+        return Download(hosts, done)
+
+
+class Download:
+    """A device -> host transfer under way: `wait` blocks until it has landed (the step's only host sync)."""
+
+    def __init__(self, hosts: list[torch.Tensor], done: "torch.cuda.Event | None"):
+        self.hosts, self.done = hosts, done
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.hosts
 
 
 def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
@@ -167,9 +169,15 @@ class SideCopies:
         self.events: dict[int, torch.cuda.Event] = {}
 
     def copying(self):
-        """Context for the copies. They need not wait for the compute stream: a slot being filled is idle (no
-        sequence of the running step reads it) and earlier steps are done (each waits for its results)."""
+        """Context for the copies. They need not wait for the step being launched: a slot being filled is idle (no
+        sequence of that step reads it). A step still in flight from before may read it: see `after`."""
         return nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+
+    def after(self, download: "Download") -> None:
+        """Later copies wait until the step that `download` ends is done (a step in flight, launched before a
+        sequence of it was preempted and its adapter's slot given up)."""
+        if self.stream is not None and download.done is not None:
+            self.stream.wait_event(download.done)
 
     def done(self, key: int) -> None:
         if self.stream is not None:

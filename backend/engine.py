@@ -6,7 +6,7 @@ from typing import Hashable
 
 import torch
 
-from backend.config import EngineConfig, LoraCacheConfig
+from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
 from backend.device import is_device_fault, resolve_lora_dtype
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
@@ -14,10 +14,11 @@ from backend.lora.dora import checkpoint_weights
 from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
-from backend.model.runner import ModelRunner
+from backend.model.runner import LaunchedStep, ModelRunner
+from backend.overlap_check import check_overlap
 from backend.request import (FatalEngineError, RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence,
                              Status, validate_prompt)
-from backend.scheduler import Scheduler, StepSummary
+from backend.scheduler import Batch, Scheduler, StepSummary
 from backend.sequences import RequestTable
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -37,19 +38,6 @@ class StepOutput:
     metrics: SeqMetrics | None = None         # a copy: the sequence's figures as of this output
     generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
     context_logits: torch.Tensor | None = None      # [prompt_len, vocab] fp32, with the first token, when asked for
-
-
-# the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
-LORA_KWARGS = {"max_lora_rank": "max_lora_rank", "max_loras": "max_loras",
-               "lora_cache_host_memory_bytes": "host_memory_bytes", "lora_cache_max_adapter_size": "max_adapter_bytes",
-               "lora_prefetch_dir": "prefetch_dir", "lora_dtype": "dtype"}
-
-
-def split_engine_kwargs(kwargs: dict) -> tuple[dict, dict]:
-    """Engine keywords -> (EngineConfig fields, LoraCacheConfig fields)."""
-    engine = {k: v for k, v in kwargs.items() if k not in LORA_KWARGS}
-    lora = {LORA_KWARGS[k]: v for k, v in kwargs.items() if k in LORA_KWARGS}
-    return engine, lora
 
 
 class LLMEngine:
@@ -90,7 +78,16 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_step_kind = "decode"                      # or "prefill": the last step held prompt tokens
         self.last_step = StepSummary()
+        overlap = self.config.overlap_steps
+        self.overlap = self.runner.tp is None and (overlap == "true" or (
+            overlap == "auto" and self.runner.device.type == "cuda"))
+        self.in_flight: LaunchedStep | None = None          # launched, its tokens not yet on the host (overlap)
         self._ids = itertools.count()
+        check = self.config.kernel_self_check
+        if self.overlap and check != "false" and (check != "auto" or self.runner.device.type == "cuda"):
+            error = check_overlap(self)                     # a step ahead gives the tokens of steps in turn
+            if error is not None:
+                self.runner.kernel_fallbacks["overlap_steps"], self.overlap = error, False
         if self.config.lora.prefetch_dir:
             for task_id, path in prefetch_dirs(self.config.lora.prefetch_dir):
                 self.add_lora_dir(task_id, path)
@@ -101,7 +98,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0         # (a step in flight for finished ones lands with the next)
 
     def stats(self) -> dict:
         """Figures a server exports: sequences, KV blocks, generated tokens and adapter cache counters (cumulative),
@@ -198,36 +195,84 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One forward over the scheduled batch; the new token (if any) and finished flag of each request."""
-        batch = self.scheduler.schedule()
-        if not batch.items:
-            return []
+        """One forward over the scheduled batch; the new token (if any) and finished flag of each request. With
+        overlap_steps on, the step is launched before the one in flight lands, and the outputs are that one's: the
+        host's work for a step runs while the device computes the next."""
+        previous, self.in_flight = self.in_flight, None
+        outputs: list[StepOutput] = []
+        if previous is not None:
+            self.lora_cache.slots.copies.after(previous.download)      # its adapters' slots are read until it ends
+            if not self._can_run_ahead(previous):
+                outputs += self._collect(previous)
+                previous = None
+        batch, launched = self.scheduler.schedule(), None
+        if batch.items:
+            try:
+                launched = self._launch(batch, previous)
+            except Exception as exc:               # its requests fail; the step in flight lands first
+                if previous is not None:
+                    outputs += self._collect(previous)
+                    previous = None
+                outputs += self._fail_batch(batch, exc)
+        if previous is not None:
+            outputs += self._collect(previous)
+        if launched is not None and self.overlap:
+            self.in_flight = launched
+        elif launched is not None:
+            outputs += self._collect(launched)
+        return outputs
+
+    def _can_run_ahead(self, previous: LaunchedStep) -> bool:
+        """The next step can be prepared before `previous` lands: no sequence of it needs its last token on the
+        host first (penalties, bad words, top-p decay, a grammar, samples of the prompt waiting to fork)."""
+        return not any(seq.params.reads_last_token or seq.matcher is not None or seq in self.seqs.waiting_forks
+                       for seq in previous.rows_of)
+
+    def _launch(self, batch: Batch, previous: LaunchedStep | None) -> LaunchedStep:
+        """Start a scheduled step; its sequences count the tokens it computes, and the one it samples."""
         self.num_steps += 1
         self.last_step_kind = "decode" if batch.is_decode else "prefill"
         self.last_step = batch.summary(time.time())
-        try:
-            if self.num_steps in self.config.inject_fault_steps:
-                raise RuntimeError(f"injected fault at step {self.num_steps}")
-            waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
-            tokens, log_probs, logits = self.runner.run(batch, self.lora_cache,
-                                                        prefetch=[seq.lora_task_id for seq in waiting])
-        except FatalEngineError:             # the engine itself cannot go on: its loop fails everything
-            raise
-        except Exception as exc:             # a failed step fails its batch, never the engine
-            if is_device_fault(exc):
-                raise FatalEngineError(f"device fault (every later step would fail too): {exc}") from exc
-            failed = dict.fromkeys(item.seq.request_id for item in batch.items)
-            return [self._finish_request(request_id, "error", error=f"engine failure: {exc}") for request_id in failed]
-        sampled = [item for item in batch.items if item.samples]
+        if self.num_steps in self.config.inject_fault_steps:
+            raise RuntimeError(f"injected fault at step {self.num_steps}")
+        waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
+        launched = self.runner.launch(batch, self.lora_cache, [seq.lora_task_id for seq in waiting], previous)
+        now = time.time_ns()
         for item in batch.items:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.commit(item.seq)
+            item.seq.num_pending_tokens += item.samples
             if not item.seq.metrics.first_scheduled_time_ns:
-                item.seq.metrics.first_scheduled_time_ns = time.time_ns()
-        outputs = [self._append(item.seq, token, log_prob) for item, token, log_prob in zip(sampled, tokens, log_probs)]
-        for row, row_logits in logits.items():
-            outputs[row].generation_logits = row_logits
+                item.seq.metrics.first_scheduled_time_ns = now
+        return launched
+
+    def _collect(self, launched: LaunchedStep) -> list[StepOutput]:
+        """A launched step's tokens, once on the host: appended, checked for stops, sent out. A sequence that
+        finished since it was launched (stopped a step before, or aborted) drops its token."""
+        try:
+            tokens, log_probs, logits = self.runner.collect(launched)
+        except Exception as exc:
+            return self._fail_batch(launched.batch, exc)
+        outputs: list[StepOutput] = []
+        for seq in launched.rows_of:
+            seq.num_pending_tokens -= 1
+        for item in launched.batch.items:
+            if item.seq.status is not Status.FINISHED:
+                self.blocks.commit(item.seq)
+        for seq, token, log_prob in zip(launched.rows_of, tokens, log_probs):
+            if seq.status is not Status.FINISHED:
+                outputs.append(self._append(seq, token, log_prob))
+                outputs[-1].generation_logits = logits.get(launched.rows_of[seq])
         return outputs
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> list[StepOutput]:
+        """A failed step fails its requests, never the engine; unless the engine itself cannot go on."""
+        if isinstance(exc, FatalEngineError):
+            raise exc
+        if is_device_fault(exc):
+            raise FatalEngineError(f"device fault (every later step would fail too): {exc}") from exc
+        failed = dict.fromkeys(item.seq.request_id for item in batch.items if item.seq.status is not Status.FINISHED)
+        return [self._finish_request(request_id, "error", error=f"engine failure: {exc}")
+                for request_id in failed if request_id in self.seqs]
 
     def _append(self, seq: Sequence, token: int, log_prob: float) -> StepOutput:
         seq.output_ids.append(token)

@@ -109,8 +109,9 @@ class BlockManager:
             self.num_hits += num_matched
 
     def commit(self, seq: Sequence) -> None:
-        """Name the sequence's blocks that its computed tokens now fill."""
-        num_full = seq.num_computed_tokens // self.block_size
+        """Name the sequence's blocks that its computed tokens now fill (those whose ids the host has: a step ahead
+        computes a token still on its way back)."""
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         if not self.enable_reuse or num_full == len(seq.block_digests):
             return                                  # (every step: most steps fill no block)
         digests = self._digests(seq, num_full)

@@ -68,6 +68,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
 
+    @property
+    def reads_last_token(self) -> bool:
+        """The next step's sampling inputs depend on the last token: penalties, bad words, top-p decay."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+                or bool(self.bad_words) or self.top_p_decay != 1.0 or self.top_p_reset_id is not None)
+
     def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
         for name, value in (("temperature", self.temperature), ("runtime_top_p", self.top_p),
                             ("runtime_top_p_min", self.top_p_min), ("runtime_top_p_decay", self.top_p_decay),
@@ -172,6 +178,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_log_probs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0              # tokens whose K/V are in the cache
+    num_pending_tokens: int = 0               # sampled by a step still on the device: counted, not yet known
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -195,7 +202,22 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated, the pending ones counted."""
+        return len(self.output_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its max_new_tokens are sampled, the last still on the device: nothing more to compute."""
+        return self.num_output_tokens >= self.params.max_new_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -60,7 +60,7 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
         t["s_top_k"] = torch.tensor(top_k, dtype=torch.int32)
         t["s_top_p"] = torch.tensor([seq.top_p for seq in seqs], dtype=torch.float32)
         t["s_seed"] = torch.tensor([seq.seed_key for seq in seqs], dtype=torch.int32)
-        t["s_step"] = torch.tensor([len(seq.output_ids) for seq in seqs], dtype=torch.int32)
+        t["s_step"] = torch.tensor([seq.num_output_tokens for seq in seqs], dtype=torch.int32)
     if extra:
         _prepare_extras(plan, seqs, extra, vocab_size)
     if guided:
@@ -105,7 +105,7 @@ def _prepare_extras(plan: SamplingPlan, seqs: list[Sequence], rows: list[int], v
 def banned_tokens(seq: Sequence) -> list[int]:
     """end_id before min_tokens, and the last token of every bad word whose prefix was just generated."""
     p = seq.params
-    banned = [p.end_id] if p.end_id is not None and len(seq.output_ids) < p.min_tokens else []
+    banned = [p.end_id] if p.end_id is not None and seq.num_output_tokens < p.min_tokens else []
     tokens = seq.token_ids if p.bad_words else []         # prompt + output, built only where a word needs it
     for word in p.bad_words:
         prefix = word[:-1]

@@ -87,6 +87,9 @@ class Scheduler:
         preempted = False
         while pending and budget > 0:
             seq = pending.popleft()
+            if seq.awaits_last_token:                # a step ahead sampled its last token: it ends when that lands
+                kept.append(seq)
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_allocate(seq, num_new):
                 victim = pending.pop() if pending else seq

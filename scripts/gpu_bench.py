@@ -1,5 +1,6 @@
 """The GPU bench: W1, W2, W3 of shared/BENCHMARKS.md on random-weight models of real shapes, against transformers
-(+ PEFT) on the same GPU in the same run, and W3 against the HBM bandwidth bound; the decode step profiled with and
+(+ PEFT) on the same GPU in the same run, and W3 against the HBM bandwidth bound (and with each step waiting for
+its tokens, overlap_steps off: what running a step ahead gains); the decode step profiled with and
 without adapters, and the LoRA kernels alone per projection (bench/lora_kernels.py: GPU time from a graph replay,
 host dispatch time, the adapter-bytes bound, the base GEMM). Prints one table, writes JSON.
 
@@ -101,6 +102,12 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         results[name] = {k: v for k, v in run.items() if not isinstance(v, list)}     # figures, not samples
         sync(args.device)
         print(f"  {shape} {name}: {results[name]['tok_s']:.1f} tok/s", flush=True)
+    if engine.overlap:                          # W3 again, each step waiting for its tokens: what running ahead gains
+        engine.overlap = False
+        run = run_engine(engine, make_requests(WORKLOADS["W3"], cfg.vocab_size), f"{shape} W3 steps in turn")
+        results["W3_in_turn"] = {k: v for k, v in run.items() if not isinstance(v, list)}
+        engine.overlap = True
+        print(f"  {shape} W3, steps in turn: {run['tok_s']:.1f} tok/s", flush=True)
     for label, task_ids in (("decode_profile_base", [None] * 16), ("decode_profile_lora", list(range(1, 17)))):
         requests = make_requests(WORKLOADS["W1"], cfg.vocab_size, 16)
         for r, task in zip(requests, task_ids):
@@ -143,15 +150,16 @@ def table(report: dict) -> str:
     lines = [f"GPU bench on {report['device']} (copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s); ready in "
              + ", ".join(f"{shape} {r['time_to_ready_s']:.1f} s" for shape, r in report["models"].items()),
              f"{'model':22s} {'W1 tok/s':>10s} {'W2 tok/s':>10s} {'W3 tok/s':>9s} {'W3 ITL ms':>10s} "
-             f"{'W3/bound':>9s} {'W1/HF':>7s} {'W2/HF':>7s} {'W1/W2':>7s}"]
+             f"{'W3/bound':>9s} {'W3/in turn':>10s} {'W1/HF':>7s} {'W2/HF':>7s} {'W1/W2':>7s}"]
     for shape, r in report["models"].items():
         ratio = lambda a, b: f"{r[a]['tok_s'] / r[b]['tok_s']:.2f}" if a in r and b in r else "-"   # noqa: E731
         lines.append(f"{shape:22s} {r['W1']['tok_s']:10.1f} {r['W2']['tok_s']:10.1f} {r['W3']['tok_s']:9.1f} "
-                     f"{r['W3']['itl_p50_s'] * 1e3:10.2f} {r['W3']['bandwidth_frac']:9.1%} {ratio('W1', 'W1_hf'):>7s} "
+                     f"{r['W3']['itl_p50_s'] * 1e3:10.2f} {r['W3']['bandwidth_frac']:9.1%} "
+                     f"{ratio('W3', 'W3_in_turn'):>10s} {ratio('W1', 'W1_hf'):>7s} "
                      f"{ratio('W2', 'W2_hf'):>7s} {ratio('W1', 'W2'):>7s}")
-    lines.append("targets: W3 8B >= 80% of the bound, W1/W2 >= 0.85 (goal 0.9), W1 >= 10x HF + PEFT; LoRA a layer for "
-                 "16 tokens over 16 adapters <= 40 us (<= 2.5x its bound, <= 30% of the base GEMMs); a graphed "
-                 "decode step with 16 adapters <= 1.3x the same without")
+    lines.append("targets: W3 8B >= 80% of the bound (issue 51: >= 75%; SmolLM2 shape >= 1000 tok/s), W1/W2 >= 0.85 "
+                 "(goal 0.9), W1 >= 10x HF + PEFT; LoRA a layer for 16 tokens over 16 adapters <= 40 us (<= 2.5x its "
+                 "bound, <= 30% of the base GEMMs); a graphed decode step with 16 adapters <= 1.3x the same without")
     for shape, r in report["models"].items():
         for label in ("decode_profile_base", "decode_profile_lora"):
             p = r.get(label, {})

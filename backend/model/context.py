@@ -9,6 +9,8 @@ import torch
 from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
+PENDING = -1                                  # a token id the host does not have yet (overlapped steps)
+
 
 @dataclass(slots=True)
 class StepContext:
@@ -62,14 +64,21 @@ class StepInputs:
         input_ids: list[int] = []
         counts: list[int] = []                                   # per item: new tokens, computed tokens, all tokens
         context_indices: list[int] = []
+        self.pending: list[tuple[int, object]] = []             # (token row, sequence) whose id is still on the device
+        self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device
+        self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
         for index, item in enumerate(items):
             seq, num_new = item.seq, item.num_new_tokens
             start, num_prompt, outputs = seq.num_computed_tokens, len(seq.prompt_ids), seq.output_ids
             end = start + num_new
-            counts += (num_new, start, num_prompt + len(outputs))
+            counts += (num_new, start, seq.num_tokens)
             if start >= num_prompt:
                 input_ids += outputs[start - num_prompt:end - num_prompt]
+                if end - num_prompt > len(outputs):          # its token from the step still on the device
+                    assert num_new == 1, "only a decode feeds in a pending token"
+                    self.pending.append((len(input_ids), seq))
+                    input_ids.append(PENDING)
                 continue
             input_ids += seq.prompt_ids[start:end]
             if end > num_prompt:
@@ -103,6 +112,21 @@ class StepInputs:
             "context_indices": torch.tensor(context_indices, dtype=torch.int32),
         }
 
+    def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
+        """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its
+        sampled ids, on the device). The maps go up with the step's inputs (`pending_maps`); `fill_pending` puts the
+        tokens into place on the device."""
+        self.pending_tokens = tokens
+        self.pending_maps = {"pending_rows": torch.tensor([row for row, _ in self.pending], dtype=torch.int32),
+                             "pending_from": torch.tensor([rows_of[seq] for _, seq in self.pending],
+                                                          dtype=torch.int32)}
+
+    def fill_pending(self, t: dict[str, torch.Tensor]) -> None:
+        """Semantics: t["input_ids"][pending_rows] = pending_tokens[pending_from], in stream order (no host sync)."""
+        if self.pending:
+            ids = self.pending_tokens.index_select(0, t["pending_from"].long()).to(t["input_ids"].dtype)
+            t["input_ids"].index_copy_(0, t["pending_rows"].long(), ids)
+
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "StepInputs":
         """The inputs another rank built (`tensors` as sent to a tensor-parallel worker)."""
@@ -111,7 +135,7 @@ class StepInputs:
         inputs.query_starts = tensors["query_starts"].tolist()
         inputs.seq_lens = tensors["seq_lens"].tolist()
         inputs.max_query_len = max(b - a for a, b in zip(inputs.query_starts, inputs.query_starts[1:]))
-        inputs.context_chunks = []
+        inputs.context_chunks, inputs.pending, inputs.pending_maps = [], [], {}
         return inputs
 
     def context(self, t: dict[str, torch.Tensor]) -> StepContext:

@@ -137,7 +137,8 @@ class DecodeGraphs:
         """Logits [num_seqs, vocab] of a decode step (plan.t goes up with the inputs, in the same copy)."""
         rows, _ = bucket
         host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), rows, self.num_segments, self.dtype)
-        t = staging.upload(host | plan.t)
+        t = staging.upload(host | plan.t | inputs.pending_maps)
+        inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
         for name in INPUTS:
             self.buffers[name][:t[name].shape[0]].copy_(t[name])

@@ -64,7 +64,8 @@ class PiecewiseGraphs:
         num_tokens = inputs.query_starts[-1]
         padded = padded_tokens(inputs.tensors, token_slots or [-1] * num_tokens, bucket, self.num_segments,
                                self.dtype)
-        t = staging.upload(inputs.tensors | padded | plan.t)
+        t = staging.upload(inputs.tensors | padded | plan.t | inputs.pending_maps)
+        inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
         for name in TOKEN_INPUTS:
             self.buffers[name][:t[name].shape[0]].copy_(t[name])

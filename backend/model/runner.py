@@ -1,10 +1,12 @@
 """Owns the model's weights and KV cache on the engine's device, and runs one step: the batch's inputs go up in
 one copy, the forward and the sampling run on the device, the sampled tokens come back in one copy."""
+from dataclasses import dataclass
+
 import torch
 
 from backend import sampler
 from backend.config import EngineConfig
-from backend.device import StepStaging, on, pin, resolve_device, resolve_dtype, resolve_lora_dtype
+from backend.device import Download, StepStaging, on, pin, resolve_device, resolve_dtype, resolve_lora_dtype
 from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
@@ -23,6 +25,16 @@ from backend.scheduler import Batch, ScheduledSeq
 from kernels.dispatch import load_ops
 
 CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose device work is queued: its results come back through `download`."""
+    batch: Batch
+    rows_of: dict                             # each sampling sequence -> its row of `tokens`
+    tokens: torch.Tensor                      # [num_sampled] sampled ids, on the device: the next step's inputs
+    download: Download                        # tokens and log probs [2, num_sampled], asked-for logits
+    wanted: list[int]                         # the rows whose logits come back
 
 
 class ModelRunner:
@@ -197,20 +209,37 @@ class ModelRunner:
         [vocab] (host, fp32) of the rows whose request asked for them, by row. Prompt logits asked for
         (return_context_logits) go to each sequence's context_logits, by chunk. The adapters in `prefetch` start
         uploading while the step computes."""
+        return self.collect(self.launch(batch, lora_cache, prefetch))
+
+    def launch(self, batch: Batch, lora_cache: LoraCache | None = None, prefetch: list[int | None] = (),
+               previous: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Start a step (`run` without waiting for its results: `collect` them). Its sequences whose last token is
+        still pending take it from `previous`, the step in flight before it, on the device."""
         with on(self.device):
             self.team.start()
-            result = self._run(batch, lora_cache, prefetch)
-            self.team.checkpoint()
-            return result
+            try:
+                return self._launch(batch, lora_cache, prefetch, previous)
+            finally:
+                self.team.checkpoint()
 
-    def _run(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None]):
+    def collect(self, step: "LaunchedStep") -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
+        """A launched step's tokens, log probs and asked-for logits, once they reach the host (see `run`)."""
+        host, *host_raw = step.download.wait()
+        raw = dict(zip(step.wanted, host_raw[0].clone())) if host_raw else {}    # off the pinned buffer
+        return host[0].long().tolist(), host[1].tolist(), raw
+
+    def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
+                previous: "LaunchedStep | None") -> "LaunchedStep":
         token_slots: list[int] = []
         if lora_cache is not None:
             batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
             token_slots = [lora_cache.slot(item.seq.lora_task_id) for item in batch.items
                            for _ in range(item.num_new_tokens)]
         inputs = StepInputs(batch, self.block_size, self.block_tables)
-        plan = sampler.prepare([item.seq for item in batch.items if item.samples], self.model_config.vocab_size)
+        if inputs.pending:
+            inputs.take_pending(previous.rows_of, previous.tokens)
+        sampled = [item.seq for item in batch.items if item.samples]
+        plan = sampler.prepare(sampled, self.model_config.vocab_size)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
         if bucket is not None:
@@ -219,8 +248,7 @@ class ModelRunner:
             logits = self.piecewise.run(token_bucket, inputs, token_slots, self.staging, plan, lora_cache)
         else:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
-        wanted = [row for row, seq in enumerate(item.seq for item in batch.items if item.samples)
-                  if seq.params.return_generation_logits]
+        wanted = [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits]
         raw = None
         if wanted:                                                # before sampling changes them in place
             rows = pin(torch.tensor(wanted), self.device).to(self.device, non_blocking=True)
@@ -228,10 +256,9 @@ class ModelRunner:
         tokens, log_probs = sampler.sample(logits, plan)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
-        host, *host_raw = self.staging.download(torch.stack([tokens.double(), log_probs.double()]),
-                                                *([raw] if raw is not None else []))
-        raw = dict(zip(wanted, host_raw[0].clone())) if host_raw else {}    # the pinned buffer is reused
-        return host[0].long().tolist(), host[1].tolist(), raw
+        download = self.staging.download(torch.stack([tokens.double(), log_probs.double()]),
+                                         *([raw] if raw is not None else []))
+        return LaunchedStep(batch, {seq: row for row, seq in enumerate(sampled)}, tokens, download, wanted)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
                  lora_cache: LoraCache | None) -> torch.Tensor:
@@ -241,7 +268,8 @@ class ModelRunner:
             segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
         if self.tp is not None:                                   # the workers run the same step beside us
             self.tp.step(inputs.tensors, token_slots)
-        t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}))
+        t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps)
+        inputs.fill_pending(t)
         ctx = inputs.context(t)
         ctx.between_layers = self.team.checkpoint if self.team.active else None
         plan.t = {name: t[name] for name in plan.t}

@@ -129,8 +129,9 @@ def test_return_sequences_share_the_prompt_blocks_and_sample_as_separate_seeds(e
 def test_forks_reuse_the_prompt_blocks_and_report_them(engine):
     prompt = random_prompts([10], 512, seed=5)[0]
     request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=3, num_return_sequences=2))
-    engine.step()                                             # the prompt, and the fork
     first, second = engine.seqs[request_id]
+    while not second.block_table:                             # the prompt, and the fork at its first token
+        engine.step()
     assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] != first.block_table[2]
     assert [engine.blocks.ref_counts[b] for b in first.block_table[:2]] == [2, 2]
     assert (second.metrics.num_reused_blocks, second.metrics.num_new_blocks) == (2, 1)
@@ -144,10 +145,13 @@ def test_forks_reuse_the_prompt_blocks_and_report_them(engine):
 def test_each_output_reports_the_perf_metrics_as_of_its_own_step(engine):
     """A server may send an output while the engine steps on (backend/responder.py)."""
     request_id = engine.add_request(random_prompts([10], 512, seed=7)[0], SamplingParams(max_new_tokens=4))
-    outputs = [out for _ in range(4) for out in engine.step()]
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
     token_times = [out.metrics.last_token_time_ns for out in outputs]
     assert len(outputs) == 4 and token_times == sorted(set(token_times))
-    assert [out.metrics.num_new_blocks for out in outputs] == [3, 3, 3, 4] and request_id not in engine.seqs
+    blocks = [out.metrics.num_new_blocks for out in outputs]     # a step ahead allocates before the last one lands
+    assert blocks in ([3, 3, 3, 4], [3, 3, 4, 4]) and request_id not in engine.seqs
 
 
 def test_aborting_a_request_ends_every_sequence_and_frees_their_blocks(engine):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend.config import LoraCacheConfig
-from backend.engine import split_engine_kwargs
+from backend.config import split_engine_kwargs
 from backend.lora import limits
 from backend.lora.format import MODULE_NAMES, check_lora, module_shape
 from backend.model.config import ModelConfig

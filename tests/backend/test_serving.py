@@ -110,7 +110,7 @@ def test_one_device_fault_breaks_the_engine_at_once(engine, loop, monkeypatch, f
     def faulting(*args, **kwargs):
         raise RuntimeError(fault)
 
-    monkeypatch.setattr(engine.runner, "run", faulting)
+    monkeypatch.setattr(engine.runner, "launch", faulting)
     victim = FakeStream(prompts(engine, 1)[0])
     loop.submit(victim)
     assert victim.wait().answers[0].startswith("fail: engine unavailable: engine failure: FatalEngineError: device "

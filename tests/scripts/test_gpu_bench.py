@@ -1,5 +1,6 @@
 """scripts/gpu_bench.py on CPU with the tiny shape: the GPU bench's code path, JSON and table, in seconds."""
 import json
+import os
 import subprocess
 import sys
 
@@ -9,16 +10,17 @@ from tests.helpers import ROOT
 def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     out = tmp_path / "gpu.json"
     run = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_bench.py", "--device", "cpu", "--models",
-                          "tiny-shape", "--requests", "3", "--out", out], capture_output=True, text=True, timeout=600)
+                          "tiny-shape", "--requests", "3", "--out", out], capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"LORA_LLM_OVERLAP_STEPS": "true"})     # as on CUDA: W3 run ahead, in turn
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     r = report["models"]["tiny-shape"]
     assert report["device"] == "cpu" and r["time_to_ready_s"] > 0
     for name in ("W1", "W2", "W3", "W1_hf", "W2_hf", "W3_hf"):
         assert r[name]["tok_s"] > 0
-    assert r["W1"]["output_tokens"] == 3 * 64 and r["W3"]["output_tokens"] == 128
+    assert r["W1"]["output_tokens"] == 3 * 64 and r["W3"]["output_tokens"] == r["W3_in_turn"]["output_tokens"] == 128
     assert 0 < r["W3"]["bandwidth_frac"] and r["W3"]["itl_p50_s"] > 0
-    assert "W1/HF" in run.stdout and "tiny-shape" in run.stdout
+    assert "W1/HF" in run.stdout and "W3/in turn" in run.stdout and "tiny-shape" in run.stdout
     for label in ("decode_profile_base", "decode_profile_lora"):             # kernels are counted on CUDA only
         assert r[label]["num_seqs"] == 16 and r[label]["step_ms_eager"] > 0, r[label]
     lora = r["lora_kernels"]
