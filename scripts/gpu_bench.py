@@ -93,7 +93,9 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
     started = time.perf_counter()
     engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device, cuda_graph_mode=args.cuda_graphs == "on")
     results["time_to_ready_s"] = time.perf_counter() - started          # weights, self-check, graph capture
-    print(f"  {shape} ready in {results['time_to_ready_s']:.1f} s", flush=True)
+    results["kernel_fallbacks"] = dict(engine.runner.kernel_fallbacks)    # overlap_steps among them if it failed
+    print(f"  {shape} ready in {results['time_to_ready_s']:.1f} s, steps {'one ahead' if engine.overlap else 'in turn'}"
+          f"; fallbacks: {results['kernel_fallbacks'] or 'none'}", flush=True)
     for name in ("W1", "W2", "W3"):
         workload = WORKLOADS[name]
         requests = make_requests(workload, cfg.vocab_size, args.requests and min(args.requests, workload.num_requests))

@@ -268,6 +268,7 @@ def test_steady_decode_steps_never_wait_for_the_device(tiny_model_dir, prompts, 
     for overlap in (False, True):
         engine = make_engine(tiny_model_dir, overlap, device=device, max_num_seqs=8, max_num_batched_tokens=256,
                              kv_cache_memory_bytes=16 << 20)
+        assert engine.overlap == overlap, engine.runner.kernel_fallbacks       # the start-up check passed
         ids = [engine.add_request(prompt, max_new_tokens=24, ignore_end_id=True,
                                   **(dict(temperature=0.8, seed=i) if i % 2 else {}))
                for i, prompt in enumerate(prompts)]
