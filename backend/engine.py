@@ -255,12 +255,13 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         for seq in launched.rows_of:
             seq.num_pending_tokens -= 1
-        for item in launched.batch.items:
+        for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
+        now = time.time_ns()
         for seq, token, log_prob in zip(launched.rows_of, tokens, log_probs):
             if seq.status is not Status.FINISHED:
-                outputs.append(self._append(seq, token, log_prob))
+                outputs.append(self._append(seq, token, log_prob, now))
                 outputs[-1].generation_logits = logits.get(launched.rows_of[seq])
         return outputs
 
@@ -274,11 +275,11 @@ class LLMEngine:
         return [self._finish_request(request_id, "error", error=f"engine failure: {exc}")
                 for request_id in failed if request_id in self.seqs]
 
-    def _append(self, seq: Sequence, token: int, log_prob: float) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, log_prob: float, now: int) -> StepOutput:
         seq.output_ids.append(token)
         self.num_generated_tokens += 1
         p, m = seq.params, seq.metrics
-        m.last_token_time_ns = time.time_ns()
+        m.last_token_time_ns = now
         m.first_token_time_ns = m.first_token_time_ns or m.last_token_time_ns
         log_probs = [log_prob] if p.return_log_probs else []
         seq.output_log_probs += log_probs
@@ -286,7 +287,7 @@ class LLMEngine:
             seq.top_p = p.top_p if token == p.top_p_reset_id else max(seq.top_p * p.top_p_decay, p.top_p_min)
         if seq.matcher is not None:
             seq.matcher.accept_token(token)
-        forks = self.seqs.take_forks(seq)
+        forks = self.seqs.take_forks(seq) if self.seqs.waiting_forks else None
         if forks:
             self._fork(seq, forks)
         out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,

@@ -91,15 +91,16 @@ class Scheduler:
                 kept.append(seq)
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.can_allocate(seq, num_new):
-                victim = pending.pop() if pending else seq
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
+            if self.blocks.num_blocks_needed(seq, num_new):    # a block more (most decodes need none)
+                while not self.blocks.can_allocate(seq, num_new):
+                    victim = pending.pop() if pending else seq
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
                     break
-            if seq.status is not Status.RUNNING:
-                break
-            self.blocks.allocate(seq, num_new)
+                self.blocks.allocate(seq, num_new)
             items.append(ScheduledSeq(seq, num_new))
             kept.append(seq)
             budget -= num_new

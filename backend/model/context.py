@@ -1,5 +1,4 @@
 """Per-step batch metadata, built once per step on the host from the scheduled batch and shared by every layer."""
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,34 +23,41 @@ class StepContext:
 
 
 class BlockTables:
-    """Each running sequence's block table as an int32 array, kept from step to step and grown by the blocks appended
-    since (tables only grow by appends, or are replaced whole: backend/kv_cache.py), so a step copies rows, not
-    lists: at 4k tokens of context, 256 blocks a sequence."""
+    """The batch's block tables as one int32 array kept from step to step, a row per sequence of the last step: a
+    row is written again only where its sequence changed or its table grew (tables grow by appends, or are replaced
+    whole: backend/kv_cache.py), so a steady decode step writes the blocks its sequences crossed into, not 256 a
+    sequence at 4k tokens of context."""
 
     def __init__(self):
-        self.arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> (its list, array, count)
+        self.array = np.zeros((0, 16), dtype=np.int32)
+        self.written: list[tuple[object, list, int]] = []     # by row: (sequence, its table, how much is written)
 
     def rows(self, seqs: list) -> np.ndarray:
         """[num_seqs, longest table] int32, zero-padded."""
-        tables = [self.array(seq) for seq in seqs]
-        out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for row, table in zip(out, tables):
+        longest = max(len(seq.block_table) for seq in seqs)
+        if len(seqs) > self.array.shape[0] or longest > self.array.shape[1]:
+            self.array = np.zeros((max(len(seqs), 2 * self.array.shape[0]), max(longest, 2 * self.array.shape[1])),
+                                  dtype=np.int32)
+            self.written = []
+        written = self.written
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            if i < len(written) and written[i][0] is seq and written[i][1] is table:
+                count = written[i][2]
+                if len(table) == count:
+                    continue
+                if len(table) > count:                         # grown by appends
+                    self.array[i, count:len(table)] = table[count:]
+                    written[i] = (seq, table, len(table))
+                    continue
+            row = self.array[i]
             row[:len(table)] = table
-        return out
-
-    def array(self, seq) -> np.ndarray:
-        table = seq.block_table
-        entry = self.arrays.get(seq)
-        if entry is None or entry[0] is not table or entry[2] > len(table):
-            entry = (table, np.empty(max(16, 2 * len(table)), dtype=np.int32), 0)
-        _, array, count = entry
-        if len(table) > count:
-            if len(table) > len(array):
-                array = np.concatenate([array[:count], np.empty(len(table), dtype=np.int32)])
-            array[count:len(table)] = table[count:]
-            entry = (table, array, len(table))
-            self.arrays[seq] = entry
-        return array[:len(table)]
+            row[len(table):] = 0
+            if i < len(written):
+                written[i] = (seq, table, len(table))
+            else:
+                written.append((seq, table, len(table)))
+        return self.array[:len(seqs), :longest].copy()
 
 
 class StepInputs:

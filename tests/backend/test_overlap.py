@@ -8,6 +8,7 @@ import torch
 from backend import LLMEngine
 from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
+from backend.request import Status
 from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, kv_bytes_for_blocks, random_prompts
 
 LENGTHS = [5, 17, 9, 30, 3, 12]
@@ -87,9 +88,7 @@ def test_a_request_to_the_last_position_computes_no_token_past_it(tiny_model_dir
     dict(temperature=0.7, seed=3, return_log_probs=True, return_generation_logits=True),
 ], ids=["seeded", "min-tokens", "log-probs"])
 def test_seeded_sampling_gives_the_same_tokens(tiny_model_dir, prompts, sampling):
-    requests = plain(prompts, **sampling)
-    engines = [make_engine(tiny_model_dir, overlap) for overlap in (False, True)]
-    sync, overlapped = (drive(engine, requests) for engine in engines)
+    sync, overlapped = both(tiny_model_dir, plain(prompts, **sampling))
     assert overlapped == sync
 
 
@@ -196,7 +195,7 @@ def test_a_stop_found_a_step_late_sends_no_extra_token(tiny_model_dir, prompts, 
     collect = engine._collect
     def watched(launched):
         outputs = collect(launched)
-        dropped.extend(seq.request_id for seq in launched.rows_of if seq.status.name == "FINISHED"
+        dropped.extend(seq.request_id for seq in launched.rows_of if seq.status is Status.FINISHED
                        and seq.request_id not in {out.request_id for out in outputs})
         return outputs
     engine._collect = watched

@@ -67,17 +67,46 @@ def test_kept_tables_follow_appends_replacements_and_frees():
     tables = BlockTables()
     seq = Sequence(0, [1] * 8, SamplingParams())
     seq.block_table = [5, 9]
-    assert tables.array(seq).tolist() == [5, 9]
+    assert tables.rows([seq]).tolist() == [[5, 9]]
     for block in range(40):                                      # past the first capacity
         seq.block_table.append(100 + block)
-        assert tables.array(seq).tolist() == [5, 9] + list(range(100, 101 + block))
+        assert tables.rows([seq]).tolist() == [[5, 9] + list(range(100, 101 + block))]
     seq.block_table = [7] + [3]                                  # a fork: a new list of other blocks
-    assert tables.array(seq).tolist() == [7, 3]
+    assert tables.rows([seq]).tolist() == [[7, 3]]
     seq.block_table = []                                         # freed, then preempted and started again
     seq.block_table.append(11)
-    assert tables.array(seq).tolist() == [11]
-    other = Sequence(1, [1], SamplingParams())
-    other.block_table = [2, 4, 6]
+    assert tables.rows([seq]).tolist() == [[11]]
+    other, third = Sequence(1, [1], SamplingParams()), Sequence(2, [1], SamplingParams())
+    other.block_table, third.block_table = [2, 4, 6], [8]
     assert tables.rows([seq, other]).tolist() == [[11, 0, 0], [2, 4, 6]]
-    del seq, other
-    assert len(tables.arrays) == 0                               # finished sequences are not kept
+    other.block_table.append(12)
+    assert tables.rows([other, seq, third]).tolist() == [[2, 4, 6, 12], [11, 0, 0, 0], [8, 0, 0, 0]]   # rows move
+    del other.block_table[1:]                                    # (tables never shrink in place; rows still follow)
+    assert tables.rows([third, other]).tolist() == [[8], [2]]
+    for n in (1, 5, 3):                                          # more rows than the array had, then fewer
+        batch = [Sequence(10 + i, [1], SamplingParams()) for i in range(n)]
+        for i, member in enumerate(batch):
+            member.block_table = list(range(i + 1))
+        assert tables.rows(batch).tolist() == [list(range(i + 1)) + [0] * (n - i - 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kept_tables_over_steps_of_a_changing_batch(seed):
+    """Sequences join, leave, change places, grow their tables and get new ones (forks, preemption), step after
+    step: every step's rows are the tables as they are."""
+    rng = random.Random(seed)
+    pool = [Sequence(i, [1], SamplingParams()) for i in range(12)]
+    for seq in pool:
+        seq.block_table = rng.sample(range(1000), rng.randint(1, 6))
+    tables = BlockTables()
+    for _ in range(40):
+        batch = rng.sample(pool, rng.randint(1, len(pool)))
+        for seq in batch:
+            change = rng.random()
+            if change < 0.3:
+                seq.block_table.append(rng.randrange(1000))
+            elif change < 0.4:
+                seq.block_table = rng.sample(range(1000), rng.randint(1, 8))
+        width = max(len(seq.block_table) for seq in batch)
+        assert tables.rows(batch).tolist() == [seq.block_table + [0] * (width - len(seq.block_table))
+                                               for seq in batch]
