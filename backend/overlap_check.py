@@ -11,11 +11,16 @@ PROBE_NEW_TOKENS = 8
 
 
 def check_overlap(engine) -> str | None:
-    """Run the probes both ways on `engine` (started, idle); None if the tokens agree, else what differed. The
-    engine's counters are as they were before."""
-    vocab = engine.model_config.vocab_size
+    """Run the probes both ways on `engine` (started, idle); None if the tokens agree (or the engine is too small to
+    hold them), else what differed. The engine's counters are as they were before."""
+    vocab, blocks = engine.model_config.vocab_size, engine.blocks
+    room = min(blocks.num_blocks * blocks.block_size // len(PROBE_PROMPT_LENS),
+               engine.model_config.max_position_embeddings) - PROBE_NEW_TOKENS     # each probe fits beside the others
+    if room < 1 or engine.config.max_queue_size < len(PROBE_PROMPT_LENS):
+        return None                                # a cache or queue too small for probes: not checked
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROBE_PROMPT_LENS]
+    prompts = [torch.randint(min(3, vocab - 1), vocab, (min(n, room),), generator=generator).tolist()
+               for n in PROBE_PROMPT_LENS]
     counters = _counters(engine)
     tokens = {}
     try:

@@ -296,6 +296,13 @@ def test_the_start_up_check_passes_and_leaves_the_engine_as_it_was(tiny_model_di
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_the_start_up_check_fits_its_probes_to_a_small_cache(tiny_model_dir):
+    """Eight blocks of four tokens: the probes shrink to fit beside each other, and the engine starts."""
+    engine = make_engine(tiny_model_dir, True, kernel_self_check="true", kv_block_size=4,
+                         kv_cache_memory_bytes=kv_bytes_for_blocks(8, 4, ModelConfig.from_dir(tiny_model_dir)))
+    assert engine.overlap and engine.blocks.num_free_blocks == engine.blocks.num_blocks == 8
+
+
 @pytest.mark.parametrize("defect", ["rows swapped", "not filled"])
 def test_the_start_up_check_turns_a_broken_overlap_off(tiny_model_dir, monkeypatch, defect):
     """Pending ids put in the wrong rows, or not put at all (the engine then fails the probe's step): either way
