@@ -85,6 +85,10 @@ class EngineConfig:
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
 
+    def checks_at_start(self, device_type: str) -> bool:
+        """The start-up checks run on this device (kernel_self_check): true or strict anywhere, auto on CUDA."""
+        return self.kernel_self_check != "false" and (self.kernel_self_check != "auto" or device_type == "cuda")
+
 
 # the names Triton model parameters use (TensorRT-LLM's where they exist) -> LoraCacheConfig fields
 LORA_KWARGS = {"max_lora_rank": "max_lora_rank", "max_loras": "max_loras",

@@ -83,8 +83,7 @@ class LLMEngine:
             overlap == "auto" and self.runner.device.type == "cuda"))
         self.in_flight: LaunchedStep | None = None          # launched, its tokens not yet on the host (overlap)
         self._ids = itertools.count()
-        check = self.config.kernel_self_check
-        if self.overlap and check != "false" and (check != "auto" or self.runner.device.type == "cuda"):
+        if self.overlap and self.config.checks_at_start(self.runner.device.type):
             error = check_overlap(self)                     # a step ahead gives the tokens of steps in turn
             if error is not None:
                 self.runner.kernel_fallbacks["overlap_steps"], self.overlap = error, False
@@ -205,17 +204,16 @@ class LLMEngine:
             if not self._can_run_ahead(previous):
                 outputs += self._collect(previous)
                 previous = None
-        batch, launched = self.scheduler.schedule(), None
+        batch, launched, failure = self.scheduler.schedule(), None, None
         if batch.items:
             try:
                 launched = self._launch(batch, previous)
-            except Exception as exc:               # its requests fail; the step in flight lands first
-                if previous is not None:
-                    outputs += self._collect(previous)
-                    previous = None
-                outputs += self._fail_batch(batch, exc)
+            except Exception as exc:               # its requests fail, once the step in flight has landed
+                failure = exc
         if previous is not None:
             outputs += self._collect(previous)
+        if failure is not None:
+            outputs += self._fail_batch(batch, failure)
         if launched is not None and self.overlap:
             self.in_flight = launched
         elif launched is not None:

@@ -73,12 +73,11 @@ class StageClock:
 
     @contextmanager
     def installed(self, engine: LLMEngine):
-        packer = StepStaging(torch.device("cpu"))
         cpu = engine.runner.device.type == "cpu"
         self.wrap(Scheduler, "schedule", "schedule")
         self.wrap(StepInputs, "__init__", "inputs")
         self.wrap(sampler, "prepare", "sampling_inputs")
-        self.wrap(StepStaging, "upload", "upload", (lambda staging, t: packer.pack(t, pinned=False)) if cpu else None)
+        self.wrap(StepStaging, "upload", "upload", (lambda staging, t: StepStaging.pack(t, pinned=False)) if cpu else None)
         self.wrap(LlamaModel, "forward", "model")
         self.wrap(TeamSizer, "start", "cpu_team")
         self.wrap(TeamSizer, "checkpoint", "cpu_team")

@@ -115,8 +115,7 @@ def main(doc: str = __doc__) -> None:
 
     cfg = ModelConfig.from_dir(args.model_dir)
     roofline = measure_roofline(args.dtype)
-    results: dict = {"machine": f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
-                                f"torch {torch.__version__}, {args.dtype}, kernels {args.kernel_backend}, "
+    results: dict = {"machine": f"{machine()}, {args.dtype}, kernels {args.kernel_backend}, "
                                 f"tensor_parallel_size {args.tensor_parallel_size}",
                      **roofline,
                      "model": Path(args.model_dir).name, "quick": args.quick}
@@ -148,11 +147,14 @@ def main(doc: str = __doc__) -> None:
         write_plots(args.plot, results, samples)
 
 
+def machine() -> str:
+    return f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
 def run_host_profile(args) -> None:
     from bench.host_profile import host_profile, print_profile
-    machine = f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    result = {"machine": machine, **host_profile(kernel_backend=args.kernel_backend)}
-    print_profile(result, machine)
+    result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend)}
+    print_profile(result, result["machine"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

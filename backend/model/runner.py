@@ -50,8 +50,7 @@ class ModelRunner:
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
-        if self.ops.name == "triton" and config.kernel_self_check != "false" and (
-                config.kernel_self_check != "auto" or self.device.type == "cuda"):
+        if self.ops.name == "triton" and config.checks_at_start(self.device.type):
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
