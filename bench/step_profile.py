@@ -47,6 +47,7 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
         result = {"num_seqs": len(requests), "launches_per_step": len(kernels),
                   "launches_per_layer": len(kernels) / engine.model_config.num_layers,
                   "gpu_time_share": {kind: t / total for kind, t in sorted(busy.items())},
+                  "gpu_busy_ms": sum(busy.values()) / 1e3,                  # the kernels' own time, eager
                   "step_ms_eager": _step_ms(engine, num_timed, device)}
     finally:
         runner.graphs = graphs

@@ -110,8 +110,9 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         results["W3_in_turn"] = {k: v for k, v in run.items() if not isinstance(v, list)}
         engine.overlap = True
         print(f"  {shape} W3, steps in turn: {run['tok_s']:.1f} tok/s", flush=True)
-    for label, task_ids in (("decode_profile_base", [None] * 16), ("decode_profile_lora", list(range(1, 17)))):
-        requests = make_requests(WORKLOADS["W1"], cfg.vocab_size, 16)
+    for label, task_ids in (("decode_profile_single", [None]), ("decode_profile_base", [None] * 16),
+                            ("decode_profile_lora", list(range(1, 17)))):
+        requests = make_requests(WORKLOADS["W1"], cfg.vocab_size, len(task_ids))
         for r, task in zip(requests, task_ids):
             r["lora_task_id"] = task
         try:
@@ -163,13 +164,14 @@ def table(report: dict) -> str:
                  "(goal 0.9), W1 >= 10x HF + PEFT; LoRA a layer for 16 tokens over 16 adapters <= 40 us (<= 2.5x its "
                  "bound, <= 30% of the base GEMMs); a graphed decode step with 16 adapters <= 1.3x the same without")
     for shape, r in report["models"].items():
-        for label in ("decode_profile_base", "decode_profile_lora"):
+        for label in ("decode_profile_single", "decode_profile_base", "decode_profile_lora"):
             p = r.get(label, {})
             if "launches_per_step" in p:
                 shares = ", ".join(f"{kind} {share:.0%}" for kind, share in p["gpu_time_share"].items())
                 lines.append(f"{shape} {label[15:]} decode step of {p['num_seqs']}: {p['launches_per_layer']:.1f} "
                              f"launches/layer, eager {p['step_ms_eager']:.2f} ms, graph "
-                             f"{p.get('step_ms_graph', float('nan')):.2f} ms; GPU time {shares}")
+                             f"{p.get('step_ms_graph', float('nan')):.2f} ms; kernels {p.get('gpu_busy_ms', 0):.2f} ms "
+                             f"({shares})")
         if "error" not in r.get("lora_kernels", {"error": ""}):
             lines += [f"{shape}{line}" for line in summary(r["lora_kernels"])]
         a = r.get("decode_attention", {})

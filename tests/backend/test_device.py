@@ -1,5 +1,7 @@
 """The engine on a device: placement, KV sizing, the pinned host tier, and greedy equality with transformers + PEFT
 on every device there is (CUDA cases skip with "needs CUDA" where there is none)."""
+import gc
+
 import pytest
 import torch
 
@@ -180,6 +182,8 @@ def test_a_step_syncs_only_for_its_one_result_copy(tiny_model_dir, tiny_adapters
 
 @needs_cuda
 def test_kv_cache_takes_its_share_of_free_gpu_memory(tiny_model_dir):
+    gc.collect()
+    torch.cuda.empty_cache()                 # the engine frees what earlier tests left cached before it measures
     free_before, total = torch.cuda.mem_get_info()
     engine = LLMEngine(tiny_model_dir, device="cuda", dtype="float32", kv_cache_free_gpu_mem_fraction=0.05)
     cache_bytes = sum(t.nbytes for layer in engine.runner.kv_caches for t in layer)
