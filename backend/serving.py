@@ -10,7 +10,7 @@ import time
 from typing import Callable, Protocol
 
 from backend.engine import LLMEngine, StepOutput
-from backend.heap import HeapTrimmer
+from backend.heap import HeapTrimmer, freeze_heap, unfreeze_heap
 from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.protocol import ParsedRequest
 from backend.request import FatalEngineError, RequestError
@@ -70,6 +70,7 @@ class EngineLoop:
         self.responder = Responder(on_broken=lambda stream: self.inbox.put(("broken", stream, "")),
                                    on_cancelled=lambda stream: self.inbox.put(("cancelled", stream, "")))
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        freeze_heap()                                       # the engine's start-up, out of the collector's passes
         self.thread.start()
         release_openmp_pool()                               # the loop thread's CPU ops are the only ones that last
 
@@ -108,6 +109,7 @@ class EngineLoop:
         self._fail_everything(message)
         self.responder.stop()
         self.heap.stop()
+        unfreeze_heap()
 
     def _run(self) -> None:
         while self._running:

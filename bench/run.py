@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from backend.device import resolve_dtype
+from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.config import ModelConfig
 from bench import ROOT
 from bench.engine import make_engine, run_engine, sweep_concurrency
@@ -39,11 +40,13 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
                              kernel_backend=args.kernel_backend, tensor_parallel_size=args.tensor_parallel_size)
+        freeze_heap()                                    # as a server's engine loop does
         res = run_engine(engine, requests, name)
         if sweep and name in ("W1", "W2"):
             res["sweep"] = sweep_concurrency(engine, requests, name)
         engine.close()
         del engine
+        unfreeze_heap()
     samples[name if kv_reuse is not False else f"{name}_no_reuse"] = {"TTFT": res.pop("ttfts_s"),
                                                                       "ITL": res.pop("itls_s")}
     res["requests"] = len(requests)

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backend.heap import freeze_heap, unfreeze_heap                                 # noqa: E402
 from backend.model.config import ModelConfig                                        # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.hf import run_hf                                                         # noqa: E402
@@ -94,6 +95,7 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
     engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device, cuda_graph_mode=args.cuda_graphs == "on")
     results["time_to_ready_s"] = time.perf_counter() - started          # weights, self-check, graph capture
     results["kernel_fallbacks"] = dict(engine.runner.kernel_fallbacks)    # overlap_steps among them if it failed
+    freeze_heap()                                                       # as a server's engine loop does
     print(f"  {shape} ready in {results['time_to_ready_s']:.1f} s, steps {'one ahead' if engine.overlap else 'in turn'}"
           f"; fallbacks: {results['kernel_fallbacks'] or 'none'}", flush=True)
     for name in ("W1", "W2", "W3"):
@@ -121,6 +123,7 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
             results[label] = {"error": f"{type(err).__name__}: {err}"}
         print(f"  {shape} {label}: {results[label]}", flush=True)
     del engine
+    unfreeze_heap()
     free_memory(args.device)
     try:
         results["lora_kernels"] = lora_kernels(cfg, args.device, bandwidth)

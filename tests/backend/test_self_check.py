@@ -92,22 +92,24 @@ def test_strict_refuses_to_start_naming_the_kernel(tiny_model_dir, monkeypatch):
                   kv_cache_memory_bytes=1 << 20)
 
 
-def uncaptured(tiny_model_dir, dtype: str = "float32", model_dir=None):
+def uncaptured(tiny_model_dir, dtype: str = "float32", model_dir=None, max_num_seqs: int = 4):
     """An engine whose decode and piecewise graphs run their padded fixed-buffer steps without capture
     (backend/model/graphs.py, piecewise.py): what a GPU replays, checkable on a CPU."""
     engine = LLMEngine(model_dir or tiny_model_dir, dtype=dtype, kernel_backend="triton",
-                       kv_cache_memory_bytes=1 << 20)
+                       kv_cache_memory_bytes=1 << 20, max_num_seqs=max_num_seqs)
     runner = engine.runner
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 4, runner.block_size,
-                                 runner.device, capture=False)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, max_num_seqs,
+                                 runner.block_size, runner.device, capture=False)
     runner.piecewise = PiecewiseGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 64, runner.device,
                                        capture=False)
     return engine, runner
 
 
-def test_a_graph_that_differs_from_the_eager_step_is_caught(tiny_model_dir):
-    """The check passes on the graphs as they are, and catches a replay that returns other logits."""
-    engine, runner = uncaptured(tiny_model_dir)
+@pytest.mark.parametrize("max_num_seqs", [4, 2, 1])
+def test_a_graph_that_differs_from_the_eager_step_is_caught(tiny_model_dir, max_num_seqs):
+    """The check passes on the graphs as they are, and catches a replay that returns other logits, also where the
+    graphs hold fewer rows than its three probes (max_num_seqs 1 raised at start on the first GPU run of W3)."""
+    engine, runner = uncaptured(tiny_model_dir, max_num_seqs=max_num_seqs)
     assert check_graphs(runner, engine.lora_cache) is None
     replay = runner.graphs.run
     runner.graphs.run = lambda *args: replay(*args) + 0.5 * torch.arange(replay(*args).shape[-1])

@@ -21,10 +21,21 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     assert r["W1"]["output_tokens"] == 3 * 64 and r["W3"]["output_tokens"] == r["W3_in_turn"]["output_tokens"] == 128
     assert 0 < r["W3"]["bandwidth_frac"] and r["W3"]["itl_p50_s"] > 0
     assert "W1/HF" in run.stdout and "W3/in turn" in run.stdout and "tiny-shape" in run.stdout
-    for label in ("decode_profile_base", "decode_profile_lora"):             # kernels are counted on CUDA only
-        assert r[label]["num_seqs"] == 16 and r[label]["step_ms_eager"] > 0, r[label]
+    for label, num_seqs in (("decode_profile_single", 1), ("decode_profile_base", 16), ("decode_profile_lora", 16)):
+        assert r[label]["num_seqs"] == num_seqs and r[label]["step_ms_eager"] > 0, r[label]   # kernels: CUDA only
     lora = r["lora_kernels"]
     assert len(lora) == 4, lora
     for case in lora.values():
         assert set(case) == {"qkv", "o", "gate_up", "down", "layer"}
         assert all(case["layer"][k] > 0 for k in ("gpu_us", "host_us", "bound_us", "gemm_us"))
+
+
+def test_gpu_step_times_dry_run_on_cpu_prints_each_way(tmp_path):
+    run = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_step_times.py", "--device", "cpu", "--shape",
+                          "tiny-shape", "--profile"], capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"LORA_LLM_OVERLAP_STEPS": "true"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for label in ("one ahead, heap not frozen", "in turn, heap not frozen", "one ahead, heap frozen",
+                  "in turn, heap frozen", "profiled"):
+        assert f"{label}: " in run.stdout and "tok/s" in run.stdout, run.stdout
+    assert run.stdout.count("  step ") == 3, run.stdout                     # the slowest steps' host calls

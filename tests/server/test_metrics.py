@@ -54,12 +54,16 @@ def lora_info(metrics: dict) -> dict[str, str]:
 
 
 def steady(server, want_waiting: int, timeout_s: float = 60) -> dict:
+    """A scrape with want_waiting requests waiting and two generating, taken between two gauge updates: the server
+    sets its gauges one call at a time, so a scrape can land between KV used and KV free of one step."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = scrape(server)
+        kv = {k: figure(m, "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", k) for k in ("used", "free")}
         if figure(m, "nv_trt_llm_request_metrics", "request_type", "waiting") == want_waiting and \
                 figure(m, "nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric",
-                       "generation_requests") == 2:
+                       "generation_requests") == 2 and kv["used"] + kv["free"] == NUM_BLOCKS and \
+                kv["used"] == m['lora_llm_kv_blocks{model="lora_llm",state="used",version="1"}']:
             return m
         time.sleep(0.2)
     raise AssertionError(f"no steady state: {m}")
