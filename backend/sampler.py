@@ -217,20 +217,19 @@ def first_max(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return (start + logits.gather(1, cols).argmax(-1, keepdim=True))[:, 0]                 # repeats its last column
 
 
-def sample(logits: torch.Tensor, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device.
-    Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (zeros unless some row asked)."""
+    Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (None unless some row asked). A greedy
+    step on CUDA is one kernel: the argmax (the first maximum, as first_max's two passes give on CPU)."""
     apply_bias(logits, plan)
     apply_penalties(logits, plan)
     apply_bans(logits, plan)
-    tokens = first_max(logits)
+    tokens = logits.argmax(-1) if logits.is_cuda else first_max(logits)
     if plan.any_sampled:
         tokens = torch.where(plan.t["s_greedy"] != 0, tokens, sample_rows(logits, plan))
-    if plan.any_log_probs:
-        log_probs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    else:
-        log_probs = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    return tokens, log_probs
+    if not plan.any_log_probs:
+        return tokens, None
+    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 class Sampler:
@@ -241,4 +240,5 @@ class Sampler:
         plan.t = {name: t.to(logits.device) for name, t in plan.t.items()}
         tokens, log_probs = sample(logits, plan)
         wanted = [seq.params.return_log_probs for seq in seqs]
-        return tokens.tolist(), [lp if w else None for lp, w in zip(log_probs.tolist(), wanted)]
+        log_probs = [0.0] * len(seqs) if log_probs is None else log_probs.tolist()
+        return tokens.tolist(), [lp if w else None for lp, w in zip(log_probs, wanted)]

@@ -53,6 +53,12 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
         runner.graphs = graphs
     if graphs is not None:
         result["step_ms_graph"] = _step_ms(engine, num_timed, device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            sync(device)
+        calls = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
+                 and e.name.startswith(("cuda", "cu")) and ("Launch" in e.name or "Memcpy" in e.name)]
+        result["graph_step_host_calls"] = {name: calls.count(name) for name in sorted(set(calls))}
     for request_id in list(engine.seqs):
         engine.abort(request_id)
     while engine.has_unfinished:

@@ -174,7 +174,7 @@ def table(report: dict) -> str:
                 lines.append(f"{shape} {label[15:]} decode step of {p['num_seqs']}: {p['launches_per_layer']:.1f} "
                              f"launches/layer, eager {p['step_ms_eager']:.2f} ms, graph "
                              f"{p.get('step_ms_graph', float('nan')):.2f} ms; kernels {p.get('gpu_busy_ms', 0):.2f} ms "
-                             f"({shares})")
+                             f"({shares}); a graphed step's launches and copies: {p.get('graph_step_host_calls')}")
         if "error" not in r.get("lora_kernels", {"error": ""}):
             lines += [f"{shape}{line}" for line in summary(r["lora_kernels"])]
         a = r.get("decode_attention", {})

@@ -123,13 +123,19 @@ class StepInputs:
         sampled ids, on the device). The maps go up with the step's inputs (`pending_maps`); `fill_pending` puts the
         tokens into place on the device."""
         self.pending_tokens = tokens
-        self.pending_maps = {"pending_rows": torch.tensor([row for row, _ in self.pending], dtype=torch.int32),
-                             "pending_from": torch.tensor([rows_of[seq] for _, seq in self.pending],
-                                                          dtype=torch.int32)}
+        rows = [row for row, _ in self.pending]
+        sources = [rows_of[seq] for _, seq in self.pending]
+        if rows == sources == list(range(len(rows))):           # a steady decode batch: row i from row i, no maps
+            return
+        self.pending_maps = {"pending_rows": torch.tensor(rows, dtype=torch.int32),
+                             "pending_from": torch.tensor(sources, dtype=torch.int32)}
 
     def fill_pending(self, t: dict[str, torch.Tensor]) -> None:
-        """Semantics: t["input_ids"][pending_rows] = pending_tokens[pending_from], in stream order (no host sync)."""
-        if self.pending:
+        """Semantics: t["input_ids"][pending_rows] = pending_tokens[pending_from], in stream order (no host sync);
+        where the first k rows take the step before's first k tokens, one copy."""
+        if self.pending and not self.pending_maps:
+            t["input_ids"][:len(self.pending)].copy_(self.pending_tokens[:len(self.pending)])
+        elif self.pending:
             ids = self.pending_tokens.index_select(0, t["pending_from"].long()).to(t["input_ids"].dtype)
             t["input_ids"].index_copy_(0, t["pending_rows"].long(), ids)
 

@@ -17,7 +17,7 @@ from kernels.lora import block_m_for, max_work_items
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
-INPUTS = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens")
+ROW_INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens")    # a row each of one buffer: one copy a step
 CONTEXT_CLASSES = (256, 2048)                 # graphs per bucket for contexts up to these, and up to the model's max:
                                               # a short context's step does not pay a long one's split count
 
@@ -78,15 +78,15 @@ def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, op
 
 def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int, num_segments: int,
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A decode step's host tensors padded to `bucket` rows (padding rows read an empty context), its LoRA segments
-    to num_segments."""
+    """A decode step's host tensors padded to `bucket` rows (padding rows read an empty context): ROW_INPUTS as the
+    rows of "row_inputs" [4, bucket], its LoRA segments padded to num_segments, its block tables. (Every row is one
+    query token: query_starts is the graphs' fixed arange.)"""
     t, num_pad = inputs.tensors, bucket - len(inputs.seq_lens)
     zeros = torch.zeros(num_pad, dtype=torch.int32)
-    return padded_tokens(t, token_slots, bucket, num_segments, dtype) | {
-        "query_starts": torch.arange(bucket + 1, dtype=torch.int32),
-        "seq_lens": torch.cat([t["seq_lens"], zeros]),
-        "block_tables": torch.cat([t["block_tables"], zeros[:, None].expand(-1, t["block_tables"].shape[1])]),
-    }
+    padded = padded_tokens(t, token_slots, bucket, num_segments, dtype)
+    padded["seq_lens"] = torch.cat([t["seq_lens"], zeros])
+    return {"row_inputs": torch.stack([padded.pop(name) for name in ROW_INPUTS]), **padded,
+            "block_tables": torch.cat([t["block_tables"], zeros[:, None].expand(-1, t["block_tables"].shape[1])])}
 
 
 class DecodeGraphs:
@@ -105,7 +105,8 @@ class DecodeGraphs:
         max_len = self.buckets[-1]
         max_blocks = -(-cfg.max_position_embeddings // block_size)
         self.max_seq_len = cfg.max_position_embeddings
-        self.buffers = {name: torch.zeros(max_len, dtype=torch.int32, device=device) for name in INPUTS}
+        self.row_inputs = torch.zeros(len(ROW_INPUTS), max_len, dtype=torch.int32, device=device)
+        self.buffers = dict(zip(ROW_INPUTS, self.row_inputs))
         self.buffers["query_starts"] = torch.arange(max_len + 1, dtype=torch.int32, device=device)
         self.buffers["slot_mapping"].fill_(-1)                         # as padding: captures write nothing
         self.buffers["block_tables"] = torch.zeros(max_len, max_blocks, dtype=torch.int32, device=device)
@@ -138,10 +139,10 @@ class DecodeGraphs:
         rows, _ = bucket
         host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), rows, self.num_segments, self.dtype)
         t = staging.upload(host | plan.t | inputs.pending_maps)
+        t["input_ids"] = t["row_inputs"][0]
         inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
-        for name in INPUTS:
-            self.buffers[name][:t[name].shape[0]].copy_(t[name])
+        self.row_inputs[:, :rows].copy_(t["row_inputs"])
         copy_lora(self.buffers, t)
         self.buffers["block_tables"][:rows, :t["block_tables"].shape[1]].copy_(t["block_tables"])
         with_lora = any(slot >= 0 for slot in token_slots)

@@ -33,7 +33,8 @@ class LaunchedStep:
     batch: Batch
     rows_of: dict                             # each sampling sequence -> its row of `tokens`
     tokens: torch.Tensor                      # [num_sampled] sampled ids, on the device: the next step's inputs
-    download: Download                        # tokens and log probs [2, num_sampled], asked-for logits
+    download: Download                        # tokens [num_sampled] (with log probs [2, num_sampled] where some
+                                              # row asked), asked-for logits
     wanted: list[int]                         # the rows whose logits come back
 
 
@@ -225,6 +226,8 @@ class ModelRunner:
         """A launched step's tokens, log probs and asked-for logits, once they reach the host (see `run`)."""
         host, *host_raw = step.download.wait()
         raw = dict(zip(step.wanted, host_raw[0].clone())) if host_raw else {}    # off the pinned buffer
+        if host.dim() == 1:                                       # no row asked for log probs
+            return host.tolist(), [0.0] * host.shape[0], raw
         return host[0].long().tolist(), host[1].tolist(), raw
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
@@ -255,8 +258,8 @@ class ModelRunner:
         tokens, log_probs = sampler.sample(logits, plan)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
-        download = self.staging.download(torch.stack([tokens.double(), log_probs.double()]),
-                                         *([raw] if raw is not None else []))
+        results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
+        download = self.staging.download(results, *([raw] if raw is not None else []))
         return LaunchedStep(batch, {seq: row for row, seq in enumerate(sampled)}, tokens, download, wanted)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],

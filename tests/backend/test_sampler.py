@@ -4,7 +4,7 @@ import torch
 
 from backend import LLMEngine
 from backend.request import SamplingParams, Sequence
-from backend.sampler import Sampler, apply_bans, apply_penalties, first_max, prepare
+from backend.sampler import Sampler, apply_bans, apply_penalties, first_max, prepare, sample
 from tests.helpers import DEVICES, random_prompts
 
 
@@ -44,6 +44,10 @@ def test_first_max_is_argmax_with_its_ties_nans_and_bans(device, num_rows, vocab
     edges[2, [vocab // 2, vocab - 1]] = float("nan")                                # NaN counts as the max
     edges[3, 0] = float("inf")
     assert first_max(edges.to(device)).tolist() == [vocab - 1, vocab // 3, vocab // 2, 0]
+    for values in (edges, few_values):                   # sample's own greedy pick (on CUDA one argmax kernel)
+        greedy = prepare([Sequence(i, [0], SamplingParams()) for i in range(values.shape[0])], vocab)
+        tokens, log_probs = sample(values.to(device), greedy)
+        assert torch.equal(tokens, first_max(values.to(device))) and log_probs is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
