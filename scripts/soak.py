@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = ModelConfig.from_dir(args.model_dir)
-    with SoakServer(args, cfg, free_ports(3)) as server:
+    with SoakServer(args, cfg, free_ports(3)) as server, server.log_on_failure():
         soak = Soak(args, cfg, server.grpc_url)
         start_rss = server.rss_bytes()
         start = time.monotonic()

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,17 @@ class SoakServer:
     def __exit__(self, *exc) -> None:
         self.launcher.terminate()
         self.launcher.wait(timeout=60)
+
+    @contextmanager
+    def log_on_failure(self, num_lines: int = 80):
+        """An exception inside (the server gone, a figure missing) prints the launcher's and the server's last lines
+        first: what a failed soak needs to be understood."""
+        try:
+            yield
+        except Exception:
+            print(f"soak: failed; tritonserver restarts {self.restarts()}; the server's last lines:\n"
+                  + "".join(self.lines[-num_lines:]), file=sys.stderr, flush=True)
+            raise
 
     def _read(self) -> None:
         for line in self.launcher.stdout:
