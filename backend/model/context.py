@@ -133,11 +133,13 @@ class StepInputs:
     def fill_pending(self, t: dict[str, torch.Tensor]) -> None:
         """Semantics: t["input_ids"][pending_rows] = pending_tokens[pending_from], in stream order (no host sync);
         where the first k rows take the step before's first k tokens, one copy."""
-        if self.pending and not self.pending_maps:
+        if not self.pending:
+            return
+        if not self.pending_maps:
             t["input_ids"][:len(self.pending)].copy_(self.pending_tokens[:len(self.pending)])
-        elif self.pending:
-            ids = self.pending_tokens.index_select(0, t["pending_from"].long()).to(t["input_ids"].dtype)
-            t["input_ids"].index_copy_(0, t["pending_rows"].long(), ids)
+            return
+        ids = self.pending_tokens.index_select(0, t["pending_from"].long()).to(t["input_ids"].dtype)
+        t["input_ids"].index_copy_(0, t["pending_rows"].long(), ids)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "StepInputs":

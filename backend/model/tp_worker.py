@@ -75,23 +75,19 @@ class Worker:
             command, t = unpack(message.cpu())
             if command == STOP:
                 return
-            if command in (INIT, GRAPHS):
-                self.start(command, t)
+            if command == INIT:
+                self.allocate(int(t["num_blocks"]))
                 freeze_heap()                                  # the start-up, out of the collector's passes
             elif command == STEP:
                 self.step(t)
+            elif command == GRAPHS:
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.slots, self.args.max_num_seqs,
+                                           self.args.block_size, self.device, bool(int(t["capture"])), logits=False)
+                freeze_heap()
             elif command == LOAD:
                 self.load(int(t["slot"]), t["layout"].tolist())
             elif command == COPY_KV:
                 self.copy_kv(t["pairs"].to(self.device))
-
-    def start(self, command: int, t: dict[str, torch.Tensor]) -> None:
-        """The KV cache (INIT), then the decode graphs (GRAPHS, on CUDA)."""
-        if command == INIT:
-            self.allocate(int(t["num_blocks"]))
-        else:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.slots, self.args.max_num_seqs,
-                                       self.args.block_size, self.device, bool(int(t["capture"])), logits=False)
 
     def allocate(self, num_blocks: int) -> None:
         shape = (self.cfg.num_kv_heads, num_blocks, self.args.block_size, self.cfg.head_dim)
