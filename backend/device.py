@@ -6,6 +6,7 @@ side stream (`SideCopies`) and a step waits only for the slots it uses. On CPU a
 """
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 
@@ -109,12 +110,14 @@ class StepStaging:
     @staticmethod
     def pack(tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
         """The tensors as int32 in one host buffer (page-locked unless pinned=False: the host-profile bench on a
-        machine without CUDA), each at an aligned offset -> (buffer [total], offsets)."""
+        machine without CUDA), each at an aligned offset -> (buffer [total], offsets). Written through numpy: a
+        torch slice and copy cost ~3 us a tensor of host time, numpy's a tenth of it."""
         flat = [_as_int32(t) for t in tensors.values()]
-        offsets, total = aligned_offsets([f.numel() for f in flat])
+        offsets, total = aligned_offsets([f.size for f in flat])
         host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)
+        out = host.numpy()
         for f, offset in zip(flat, offsets):
-            host[offset:offset + f.numel()].copy_(f)
+            out[offset:offset + f.size] = f
         return host, offsets
 
     def download(self, *tensors: torch.Tensor) -> "Download":
@@ -153,11 +156,10 @@ def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1)
-    if t.dtype == torch.float32:
-        return t.view(torch.int32)
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+def _as_int32(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as a flat int32 array (float32 bit for bit)."""
+    a = t.numpy().reshape(-1)
+    return a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False)
 
 
 class SideCopies:

@@ -1,7 +1,7 @@
 """LLMEngine: add requests, step the batch, stream each request's new tokens until it finishes."""
 import itertools
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Hashable
 
 import torch
@@ -15,6 +15,7 @@ from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
 from backend.model.runner import LaunchedStep, ModelRunner
+from backend.outputs import StepOutput, StepOutputs, TokenRow
 from backend.overlap_check import check_overlap
 from backend.request import (FatalEngineError, RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence,
                              Status, validate_prompt)
@@ -23,21 +24,6 @@ from backend.sequences import RequestTable
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
-
-
-@dataclass(slots=True)
-class StepOutput:
-    request_id: Hashable
-    new_token_ids: list[int]
-    finished: bool = False                    # this sequence is done
-    finish_reason: str | None = None          # "stop", "length", "abort", "error"
-    log_probs: list[float] = field(default_factory=list)
-    error: str | None = None
-    sequence_index: int = 0                   # which of the request's num_return_sequences
-    request_finished: bool = False            # every sequence of the request is done: its last output
-    metrics: SeqMetrics | None = None         # a copy: the sequence's figures as of this output
-    generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
-    context_logits: torch.Tensor | None = None      # [prompt_len, vocab] fp32, with the first token, when asked for
 
 
 class LLMEngine:
@@ -193,16 +179,16 @@ class LLMEngine:
         return True
 
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepOutputs:
         """One forward over the scheduled batch; the new token (if any) and finished flag of each request. With
         overlap_steps on, the step is launched before the one in flight lands, and the outputs are that one's: the
         host's work for a step runs while the device computes the next."""
         previous, self.in_flight = self.in_flight, None
-        outputs: list[StepOutput] = []
+        outputs = StepOutputs()
         if previous is not None:
             self.lora_cache.slots.copies.after(previous.download)      # its adapters' slots are read until it ends
             if not self._can_run_ahead(previous):
-                outputs += self._collect(previous)
+                self._collect(previous, outputs.entries)
                 previous = None
         batch, launched, failure = self.scheduler.schedule(), None, None
         if batch.items:
@@ -211,13 +197,13 @@ class LLMEngine:
             except Exception as exc:               # its requests fail, once the step in flight has landed
                 failure = exc
         if previous is not None:
-            outputs += self._collect(previous)
+            self._collect(previous, outputs.entries)
         if failure is not None:
-            outputs += self._fail_batch(batch, failure)
+            outputs.entries += self._fail_batch(batch, failure)
         if launched is not None and self.overlap:
             self.in_flight = launched
         elif launched is not None:
-            outputs += self._collect(launched)
+            self._collect(launched, outputs.entries)
         return outputs
 
     def _can_run_ahead(self, previous: LaunchedStep) -> bool:
@@ -243,14 +229,14 @@ class LLMEngine:
                 item.seq.metrics.first_scheduled_time_ns = now
         return launched
 
-    def _collect(self, launched: LaunchedStep) -> list[StepOutput]:
-        """A launched step's tokens, once on the host: appended, checked for stops, sent out. A sequence that
-        finished since it was launched (stopped a step before, or aborted) drops its token."""
+    def _collect(self, launched: LaunchedStep, entries: list) -> None:
+        """A launched step's tokens, once on the host: appended, checked for stops, their outputs added to `entries`.
+        A sequence that finished since it was launched (stopped a step before, or aborted) drops its token."""
         try:
             tokens, log_probs, logits = self.runner.collect(launched)
         except Exception as exc:
-            return self._fail_batch(launched.batch, exc)
-        outputs: list[StepOutput] = []
+            entries += self._fail_batch(launched.batch, exc)
+            return
         for seq in launched.rows_of:
             seq.num_pending_tokens -= 1
         for item in launched.batch.items if self.blocks.enable_reuse else ():
@@ -259,9 +245,8 @@ class LLMEngine:
         now = time.time_ns()
         for seq, token, log_prob in zip(launched.rows_of, tokens, log_probs):
             if seq.status is not Status.FINISHED:
-                outputs.append(self._append(seq, token, log_prob, now))
-                outputs[-1].generation_logits = logits.get(launched.rows_of[seq])
-        return outputs
+                entries.append(self._append(seq, token, log_prob, now, logits.get(launched.rows_of[seq])
+                                            if logits else None))
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> list[StepOutput]:
         """A failed step fails its requests, never the engine; unless the engine itself cannot go on."""
@@ -273,27 +258,33 @@ class LLMEngine:
         return [self._finish_request(request_id, "error", error=f"engine failure: {exc}")
                 for request_id in failed if request_id in self.seqs]
 
-    def _append(self, seq: Sequence, token: int, log_prob: float, now: int) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, log_prob: float, now: int,
+                logits: torch.Tensor | None) -> TokenRow | StepOutput:
+        """A sequence's new token: its output, a token row unless it ends the sequence or brings logits."""
         seq.output_ids.append(token)
         self.num_generated_tokens += 1
         p, m = seq.params, seq.metrics
         m.last_token_time_ns = now
-        m.first_token_time_ns = m.first_token_time_ns or m.last_token_time_ns
-        log_probs = [log_prob] if p.return_log_probs else []
-        seq.output_log_probs += log_probs
+        if not m.first_token_time_ns:
+            m.first_token_time_ns = now
+        if p.return_log_probs:
+            seq.output_log_probs.append(log_prob)
         if p.top_p_decay != 1.0 or p.top_p_reset_id is not None:
             seq.top_p = p.top_p if token == p.top_p_reset_id else max(seq.top_p * p.top_p_decay, p.top_p_min)
         if seq.matcher is not None:
             seq.matcher.accept_token(token)
-        forks = self.seqs.take_forks(seq) if self.seqs.waiting_forks else None
-        if forks:
-            self._fork(seq, forks)
-        out = StepOutput(seq.request_id, [token], log_probs=log_probs, sequence_index=seq.sequence_index,
-                         metrics=m.copy())
+        if self.seqs.waiting_forks:
+            forks = self.seqs.take_forks(seq)
+            if forks:
+                self._fork(seq, forks)
+        reason = seq.stop_reason()
+        if reason is None and logits is None and not seq.context_logits:
+            return seq, token, log_prob, m, now
+        out = StepOutput(seq.request_id, [token], log_probs=[log_prob] if p.return_log_probs else [],
+                         sequence_index=seq.sequence_index, metrics=m.copy(), generation_logits=logits)
         if seq.context_logits and len(seq.output_ids) == 1:
             out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
             seq.context_logits = {}
-        reason = seq.stop_reason()
         if reason is not None:
             out = self._finish(seq, reason, out)
         return out

@@ -71,7 +71,9 @@ class BlockManager:
             raise RuntimeError(f"allocate: {needed} blocks needed, {self.num_free_blocks} free")
         for _ in range(needed):
             seq.block_table.append(self._take())
-        seq.metrics.num_new_blocks += needed
+        if needed:
+            seq.metrics = seq.metrics.copy()         # (outputs sent already hold the old one)
+            seq.metrics.num_new_blocks += needed
 
     def _take(self) -> int:
         if self.free_block_ids:
@@ -104,7 +106,9 @@ class BlockManager:
     def count_reuse(self, seq: Sequence, num_matched: int) -> None:
         """A sequence starts with num_matched blocks from the cache: its figures and the hit rate's."""
         if self.enable_reuse:
-            seq.metrics.num_reused_blocks += num_matched
+            if num_matched:                          # (a sequence preempted has sent outputs holding its figures)
+                seq.metrics = seq.metrics.copy()
+                seq.metrics.num_reused_blocks += num_matched
             self.num_lookups += (seq.num_tokens - 1) // self.block_size
             self.num_hits += num_matched
 

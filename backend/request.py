@@ -232,6 +232,6 @@ class Sequence:
         if len(out) >= p.min_tokens:
             if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
                 return "stop"
-            if any(out[-len(word):] == word for word in p.stop_words):
+            if p.stop_words and any(out[-len(word):] == word for word in p.stop_words):
                 return "stop"
         return "length" if len(out) >= p.max_new_tokens else None

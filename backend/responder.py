@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable
 
-from backend.engine import StepOutput
+from backend.outputs import StepOutput, TokenRow, as_output
 
 
 class Responder:
@@ -34,7 +34,8 @@ class Responder:
         self.thread = threading.Thread(target=self._run, name="responder", daemon=True)
         self.thread.start()
 
-    def emit(self, stream, out: StepOutput, batch_index: int, last: bool) -> None:
+    def emit(self, stream, out: StepOutput | TokenRow, batch_index: int, last: bool) -> None:
+        """Queue an output for the stream (a token row is made a StepOutput here, on the responder's thread)."""
         self.calls.put((stream, "emit", (out, batch_index, last)))
 
     def fail(self, stream, message: str) -> None:
@@ -98,9 +99,9 @@ class Responder:
         elif stream in self.broken:
             return
         elif what == "emit":
-            final = args[-1]
+            out, batch_index, final = args
             try:
-                stream.emit(*args)
+                stream.emit(as_output(out), batch_index, final)
             except Exception as exc:                         # a broken sender closes its own stream only
                 quietly(stream.fail, f"response failed: {exc}")
                 if not final:                                # not its last: the loop still runs its rows

@@ -29,6 +29,8 @@ class SamplingPlan:
     num_guided: int
     any_log_probs: bool
     t: dict[str, torch.Tensor] = field(default_factory=dict)
+    reusable: bool = False                    # greedy rows with nothing that reads their tokens: the same plan serves
+                                              # every step of the same rows
 
 
 def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -48,7 +50,8 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
     guided = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     plan = SamplingPlan(num_rows=len(seqs), any_sampled=bool(sampled), max_top_k=0, any_top_p=False,
                         num_repetition=0, num_presence=0, num_bans=0, num_biased=0, num_guided=len(guided),
-                        any_log_probs=any(p.return_log_probs for p in params))
+                        any_log_probs=any(p.return_log_probs for p in params),
+                        reusable=not sampled and not extra and not guided)
     t = plan.t
     if sampled:
         top_k = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0 for p in params]

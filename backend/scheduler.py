@@ -6,7 +6,7 @@ the cache lacks, and samples when its chunk reaches its last token. When blocks 
 sequence is preempted: its blocks are freed and its tokens recomputed later.
 """
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from backend.config import EngineConfig
@@ -21,14 +21,18 @@ class AdapterSlots(Protocol):
     def release(self, task_id: int | None) -> None: ...
 
 
-@dataclass(slots=True)
 class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    samples: bool = field(init=False)         # the chunk reaches the sequence's last token: the step yields its next
+    """A sequence's chunk in a step. samples: the chunk reaches the sequence's last token, so the step yields its
+    next (computed unless the caller knows it)."""
+    __slots__ = ("seq", "num_new_tokens", "samples")
 
-    def __post_init__(self):
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int, samples: bool | None = None):
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        self.samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens if samples is None else samples
+
+    def __repr__(self) -> str:
+        return f"ScheduledSeq({self.seq.request_id!r}, {self.num_new_tokens}, samples={self.samples})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +89,16 @@ class Scheduler:
         pending = deque(self.running)
         kept: list[Sequence] = []
         preempted = False
+        block_size = self.blocks.block_size
         while pending and budget > 0:
             seq = pending.popleft()
-            if seq.awaits_last_token:                # a step ahead sampled its last token: it ends when that lands
-                kept.append(seq)
+            num_output = len(seq.output_ids) + seq.num_pending_tokens     # (Sequence's properties, inlined: the
+            if num_output >= seq.params.max_new_tokens:                   # loop runs for every sequence, every step)
+                kept.append(seq)                     # a step ahead sampled its last token: it ends when that lands
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if self.blocks.num_blocks_needed(seq, num_new):    # a block more (most decodes need none)
+            num_tokens = len(seq.prompt_ids) + num_output
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:   # a block more (rarely)
                 while not self.blocks.can_allocate(seq, num_new):
                     victim = pending.pop() if pending else seq
                     self._preempt(victim)
@@ -101,7 +108,7 @@ class Scheduler:
                 if seq.status is not Status.RUNNING:
                     break
                 self.blocks.allocate(seq, num_new)
-            items.append(ScheduledSeq(seq, num_new))
+            items.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == num_tokens))
             kept.append(seq)
             budget -= num_new
         self.running = kept + list(pending)

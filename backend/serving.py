@@ -9,9 +9,10 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from backend.engine import LLMEngine, StepOutput
+from backend.engine import LLMEngine
 from backend.heap import HeapTrimmer, freeze_heap, unfreeze_heap
 from backend.openmp import one_openmp_thread, release_openmp_pool
+from backend.outputs import StepOutput, TokenRow
 from backend.protocol import ParsedRequest
 from backend.request import FatalEngineError, RequestError
 from backend.responder import Responder, client_cancelled
@@ -132,8 +133,11 @@ class EngineLoop:
         self.num_step_failures = 0
         self._hook(time.perf_counter() - start)
         self.responder.wait_idle()                           # the last step's answers: at most one step queued
-        for out in outputs:
-            self._deliver(out)
+        for entry in outputs.entries:
+            if type(entry) is StepOutput:
+                self._deliver(entry)
+            else:
+                self._deliver_token(entry)
 
     def _step_failed(self, exc: Exception) -> None:
         """A failure outside any one request's input: fail every request in flight; break after several in a row, or
@@ -242,6 +246,12 @@ class EngineLoop:
         self._stop(stream)
         self.responder.cancelled(stream)
         self._aborted_while_idle = True
+
+    def _deliver_token(self, row: TokenRow) -> None:
+        """A sequence's new token, not its last: sent as it is, made a StepOutput on the responder's thread."""
+        route = self.rows.get(row[0].request_id)
+        if route is not None:
+            self.responder.emit(route[0], row, route[1], False)
 
     def _deliver(self, out: StepOutput) -> None:
         if out.request_id not in self.rows:

@@ -4,9 +4,10 @@ engine's own Python costs a step while a GPU would wait (scripts/bench.py --host
 Stages: schedule (Scheduler.schedule), inputs (StepInputs: ids, positions, cache slots, block tables), sampling
 inputs (sampler.prepare), upload (StepStaging's packing of the step's tensors into one buffer; on CPU measured into
 an unpinned buffer, since the CPU path itself sends nothing), outputs (the rest of LLMEngine.step: the runner's glue
-around the forward (adapter slot per token), the download, then per token the counters, a StepOutput and the stop
-checks). The model's forward and the sampling math are device work, and the OpenMP team's sizing (`cpu_team`,
-backend/openmp.py) happens on CPU only: each is timed, none is counted as host time.
+around the forward, the download, then per token the counters, the stop checks and its output: a token row, or a
+StepOutput where the sequence ends; backend/outputs.py). The model's forward and the sampling math are device work,
+and the OpenMP team's sizing (`cpu_team`, backend/openmp.py) happens on CPU only: each is timed, none is counted as
+host time. The heap is frozen, as a server's engine loop freezes it.
 """
 import statistics
 import tempfile
@@ -18,6 +19,7 @@ import torch
 
 from backend import LLMEngine, sampler
 from backend.device import StepStaging
+from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.context import StepInputs
 from backend.model.llama import LlamaModel
 from backend.openmp import TeamSizer
@@ -129,10 +131,12 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
         engine = LLMEngine(str(model_dir), dtype="float32", device=device, kernel_backend=kernel_backend,
                            max_num_seqs=max(n for n, _ in cases), max_num_batched_tokens=8192,
                            kv_cache_memory_bytes=1 << 30, max_loras=1, max_lora_rank=8, cuda_graph_mode=False)
+        freeze_heap()                                     # as a server's engine loop does
         try:
             return {"kernel_backend": engine.runner.ops.name, "num_steps": num_steps, "num_rounds": num_rounds,
                     "cases": [profile_case(engine, n, c, num_steps, num_rounds) for n, c in cases]}
         finally:
+            unfreeze_heap()
             engine.close()
 
 

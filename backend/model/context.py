@@ -31,6 +31,7 @@ class BlockTables:
     def __init__(self):
         self.array = np.zeros((0, 16), dtype=np.int32)
         self.written: list[tuple[object, list, int]] = []     # by row: (sequence, its table, how much is written)
+        self.lengths = np.zeros(0, dtype=np.int64)             # by row: how much is written
 
     def rows(self, seqs: list) -> np.ndarray:
         """[num_seqs, longest table] int32, zero-padded."""
@@ -39,6 +40,7 @@ class BlockTables:
             self.array = np.zeros((max(len(seqs), 2 * self.array.shape[0]), max(longest, 2 * self.array.shape[1])),
                                   dtype=np.int32)
             self.written = []
+            self.lengths = np.zeros(self.array.shape[0], dtype=np.int64)
         written = self.written
         for i, seq in enumerate(seqs):
             table = seq.block_table
@@ -57,7 +59,54 @@ class BlockTables:
                 written[i] = (seq, table, len(table))
             else:
                 written.append((seq, table, len(table)))
+        self.lengths[:len(seqs)] = [count for _, _, count in written[:len(seqs)]]
         return self.array[:len(seqs), :longest].copy()
+
+    def rows_after_decode(self, seqs: list, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each
+        (to `positions`): a table grew by its new block where a sequence crossed into one, and only there."""
+        crossed = np.flatnonzero(positions % block_size == 0).tolist()
+        if any(len(self.written[row][1]) > self.array.shape[1] for row in crossed):
+            return self.rows(seqs)
+        for row in crossed:
+            seq, table, count = self.written[row]
+            self.array[row, count:len(table)] = table[count:]
+            self.written[row] = (seq, table, len(table))
+            self.lengths[row] = len(table)
+        return self.array[:len(seqs), :self.lengths[:len(seqs)].max()].copy()
+
+
+class KeptBatch:
+    """The last step's batch, kept from step to step (a persistent batch): its block tables, and, where every
+    sequence of it sampled, what it was launched with. A step of those same sequences, decoding one token each
+    (the steady state of decoding), is launched from it with array updates: the same order (sorted by adapter),
+    adapter slots, sampled rows and greedy sampling plan; its block tables written where a sequence crossed into
+    a new block; one read a row for its context length and its token."""
+
+    def __init__(self):
+        self.tables = BlockTables()
+        self.scheduled: list = []             # the last step's sequences in the scheduler's order, if each sampled
+        self.order: list[int] = []            # the launch order, as indices into `scheduled`
+        self.slots: list[int] = []            # each sequence's adapter slot, in launch order
+        self.rows_of: dict = {}               # sequence -> row of the sampled tokens
+        self.wanted: list[int] = []           # rows whose logits are sent back
+        self.plan = None                      # its sampling plan, where it serves every step (sampler.prepare)
+
+    def is_steady(self, items: list) -> bool:
+        """`items` (the scheduler's order) are the last step's sequences, each decoding the token it sampled."""
+        return bool(self.scheduled) and [item.seq for item in items] == self.scheduled and all(
+            item.num_new_tokens == 1 for item in items)
+
+    def keep(self, scheduled: list, order: list[int], slots: list[int], rows_of: dict, wanted: list[int],
+             plan) -> None:
+        """A step launched: kept where each of its sequences sampled."""
+        every_row_samples = len(rows_of) == len(scheduled)
+        self.scheduled = scheduled if every_row_samples else []
+        self.order, self.slots, self.rows_of, self.wanted = order, slots, rows_of, wanted
+        self.plan = plan if every_row_samples and plan.reusable else None
+
+    def forget(self) -> None:
+        self.scheduled, self.plan = [], None
 
 
 class StepInputs:
@@ -65,15 +114,38 @@ class StepInputs:
     to the device in one copy with the sampler's and LoRA's), and the host-side figures kernels launch with.
     Built with array operations over the batch: a step's host work does not grow with its context."""
 
-    def __init__(self, batch: Batch, block_size: int, tables: BlockTables | None = None):
-        items, n = batch.items, len(batch.items)
-        input_ids: list[int] = []
-        counts: list[int] = []                                   # per item: new tokens, computed tokens, all tokens
-        context_indices: list[int] = []
+    def __init__(self, batch: Batch, block_size: int, tables: BlockTables | None = None, steady: bool = False):
+        """steady: the batch is the last one's sequences in the same order, each decoding the token it sampled
+        (KeptBatch.is_steady), and `tables` were written for that batch."""
+        tables = tables or BlockTables()
         self.pending: list[tuple[int, object]] = []             # (token row, sequence) whose id is still on the device
         self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device
         self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
+        if steady:
+            self._steady_decode([item.seq for item in batch.items], block_size, tables)
+        else:
+            self._any(batch, block_size, tables)
+
+    def _steady_decode(self, seqs: list, block_size: int, tables: "BlockTables") -> None:
+        """The sequences of the step before, each of which sampled, decode the token it sampled: kept tables
+        written where a sequence crossed into a new block, no per-token work."""
+        n = len(seqs)
+        positions = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=n)
+        input_ids = [PENDING if seq.num_pending_tokens else seq.output_ids[-1] for seq in seqs]
+        if PENDING in input_ids:
+            self.pending = [(row, seqs[row]) for row, token in enumerate(input_ids) if token == PENDING]
+        ends = positions + 1
+        block_tables = tables.rows_after_decode(seqs, positions, block_size)
+        rows = np.arange(n)
+        slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
+        self._set(input_ids, positions, slots, np.arange(n + 1), ends, block_tables, rows, [])
+
+    def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
+        items, n = batch.items, len(batch.items)
+        input_ids: list[int] = []
+        counts: list[int] = []                                   # per item: new tokens, computed tokens, all tokens
+        context_indices: list[int] = []
         for index, item in enumerate(items):
             seq, num_new = item.seq, item.num_new_tokens
             start, num_prompt, outputs = seq.num_computed_tokens, len(seq.prompt_ids), seq.output_ids
@@ -102,21 +174,21 @@ class StepInputs:
         else:
             positions = np.arange(len(input_ids)) + np.repeat(starts - query_starts[:-1], num_new)
             token_rows = np.repeat(np.arange(n), num_new)
-        block_tables = (tables or BlockTables()).rows([item.seq for item in items])
+        block_tables = tables.rows([item.seq for item in items])
         slots = block_tables[token_rows, positions // block_size] * block_size + positions % block_size
+        self._set(input_ids, positions, slots, query_starts, ends, block_tables,
+                  query_starts[1:][num_tokens == ends] - 1, context_indices)
+
+    def _set(self, input_ids: list[int], positions: np.ndarray, slots: np.ndarray, query_starts: np.ndarray,
+             ends: np.ndarray, block_tables: np.ndarray, logits_indices: np.ndarray,
+             context_indices: list[int]) -> None:
         self.query_starts = query_starts.tolist()
         self.seq_lens = ends.tolist()
-        self.max_query_len = int(num_new.max())
-        self.tensors = {
-            "input_ids": torch.tensor(input_ids, dtype=torch.int32),
-            "positions": torch.from_numpy(positions.astype(np.int32)),
-            "slot_mapping": torch.from_numpy(slots.astype(np.int32)),
-            "query_starts": torch.from_numpy(query_starts.astype(np.int32)),
-            "seq_lens": torch.from_numpy(ends.astype(np.int32)),
-            "block_tables": torch.from_numpy(block_tables),
-            "logits_indices": torch.from_numpy((query_starts[1:][num_tokens == ends] - 1).astype(np.int32)),
-            "context_indices": torch.tensor(context_indices, dtype=torch.int32),
-        }
+        self.max_query_len = int((query_starts[1:] - query_starts[:-1]).max())
+        arrays = {"input_ids": np.array(input_ids, dtype=np.int32), "positions": positions, "slot_mapping": slots,
+                  "query_starts": query_starts, "seq_lens": ends, "block_tables": block_tables,
+                  "logits_indices": logits_indices, "context_indices": np.array(context_indices, dtype=np.int32)}
+        self.tensors = {name: torch.from_numpy(a.astype(np.int32, copy=False)) for name, a in arrays.items()}
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
         """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its

@@ -11,7 +11,7 @@ from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
-from backend.model.context import BlockTables, StepInputs
+from backend.model.context import KeptBatch, StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
@@ -62,7 +62,7 @@ class ModelRunner:
             self.close()                                         # no workers or process group left behind
             raise
         self.staging = StepStaging(self.device)
-        self.block_tables = BlockTables()                        # the running sequences' tables, kept as arrays
+        self.kept = KeptBatch()                                 # the last step's batch, kept as arrays
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -232,16 +232,29 @@ class ModelRunner:
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
-        token_slots: list[int] = []
-        if lora_cache is not None:
-            batch.items.sort(key=lambda item: lora_cache.slot(item.seq.lora_task_id))
-            token_slots = [lora_cache.slot(item.seq.lora_task_id) for item in batch.items
-                           for _ in range(item.num_new_tokens)]
-        inputs = StepInputs(batch, self.block_size, self.block_tables)
+        kept, items = self.kept, batch.items
+        scheduled = [item.seq for item in items]
+        steady = kept.is_steady(items)
+        order, slots, rows_of, wanted, kept_plan = kept.order, kept.slots, kept.rows_of, kept.wanted, kept.plan
+        kept.forget()                                             # (kept again once launched)
+        if steady:                                                # the last step's order, slots and rows
+            batch.items = [items[i] for i in order]
+            token_slots, sampled = slots if lora_cache is not None else [], list(rows_of)
+        else:
+            order, slots, token_slots = list(range(len(items))), [], []
+            if lora_cache is not None:                            # each adapter one segment
+                order.sort(key=lambda i: lora_cache.slot(items[i].seq.lora_task_id))
+                slots = [lora_cache.slot(items[i].seq.lora_task_id) for i in order]
+            batch.items = [items[i] for i in order]
+            if lora_cache is not None:
+                token_slots = [slot for item, slot in zip(batch.items, slots) for _ in range(item.num_new_tokens)]
+            sampled = [item.seq for item in batch.items if item.samples]
+            rows_of = {seq: row for row, seq in enumerate(sampled)}
+            wanted = [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits]
+        inputs = StepInputs(batch, self.block_size, kept.tables, steady)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
-        sampled = [item.seq for item in batch.items if item.samples]
-        plan = sampler.prepare(sampled, self.model_config.vocab_size)
+        plan = kept_plan if steady and kept_plan is not None else sampler.prepare(sampled, self.model_config.vocab_size)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
         if bucket is not None:
@@ -250,7 +263,6 @@ class ModelRunner:
             logits = self.piecewise.run(token_bucket, inputs, token_slots, self.staging, plan, lora_cache)
         else:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
-        wanted = [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits]
         raw = None
         if wanted:                                                # before sampling changes them in place
             rows = pin(torch.tensor(wanted), self.device).to(self.device, non_blocking=True)
@@ -260,7 +272,8 @@ class ModelRunner:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
         download = self.staging.download(results, *([raw] if raw is not None else []))
-        return LaunchedStep(batch, {seq: row for row, seq in enumerate(sampled)}, tokens, download, wanted)
+        kept.keep(scheduled, order, slots, rows_of, wanted, plan)
+        return LaunchedStep(batch, rows_of, tokens, download, wanted)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
                  lora_cache: LoraCache | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from backend import LLMEngine
 from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
+from backend.outputs import request_of
 from backend.request import Status
 from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, kv_bytes_for_blocks, random_prompts
 
@@ -193,11 +194,12 @@ def test_a_stop_found_a_step_late_sends_no_extra_token(tiny_model_dir, prompts, 
     engine = make_engine(tiny_model_dir, True)
     dropped = []
     collect = engine._collect
-    def watched(launched):
-        outputs = collect(launched)
+    def watched(launched, entries):
+        first = len(entries)
+        collect(launched, entries)
+        sent = {request_of(entry) for entry in entries[first:]}
         dropped.extend(seq.request_id for seq in launched.rows_of if seq.status is Status.FINISHED
-                       and seq.request_id not in {out.request_id for out in outputs})
-        return outputs
+                       and seq.request_id not in sent)
     engine._collect = watched
     sync = drive(make_engine(tiny_model_dir, False), requests)
     overlapped = drive(engine, requests)

@@ -8,6 +8,7 @@ import torch
 from backend.model.context import BlockTables, StepInputs
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
+from tests.helpers import random_prompts
 
 BLOCK_SIZE = 4
 
@@ -110,3 +111,49 @@ def test_kept_tables_over_steps_of_a_changing_batch(seed):
         width = max(len(seq.block_table) for seq in batch)
         assert tables.rows(batch).tolist() == [seq.block_table + [0] * (width - len(seq.block_table))
                                                for seq in batch]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapters, monkeypatch, overlap):
+    """A step of the last step's sequences is launched from what was kept (runner's KeptBatch): its inputs equal
+    those built from scratch, over a workload whose batch changes (adapters, stops, forks, an abort, block
+    crossings), and its tokens equal a run that always builds from scratch."""
+    from backend import LLMEngine
+    from backend.model.context import KeptBatch
+    steady_rows = []
+    steady_decode = StepInputs._steady_decode
+
+    def checked(self, seqs, block_size, tables):
+        steady_decode(self, seqs, block_size, tables)
+        general = StepInputs(Batch([ScheduledSeq(seq, 1) for seq in seqs]), block_size)
+        for name, t in general.tensors.items():
+            assert torch.equal(self.tensors[name], t), name
+        assert (self.query_starts, self.seq_lens, self.pending) == (general.query_starts, general.seq_lens,
+                                                                    general.pending)
+        steady_rows.append(len(seqs))
+
+    def run() -> dict:
+        engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
+                           kv_cache_memory_bytes=1 << 20, max_loras=2, overlap_steps="true" if overlap else "false")
+        for task_id, path in enumerate(tiny_adapters[:2], start=1):
+            engine.add_lora_dir(task_id, path)
+        prompts = random_prompts([5, 9, 13, 6, 17, 3], 512, seed=3)
+        ids = [engine.add_request(prompt, lora_task_id=[None, 1, 2][i % 3], max_new_tokens=[12, 20, 7, 16, 25, 9][i],
+                                  num_return_sequences=2 if i == 3 else 1,
+                                  stop_words=[[prompt[0]]] if i == 4 else [])
+               for i, prompt in enumerate(prompts)]
+        tokens, num_steps = {}, 0
+        while engine.has_unfinished:
+            for out in engine.step():
+                assert not out.error, out.error
+                tokens.setdefault((out.request_id, out.sequence_index), []).extend(out.new_token_ids)
+            num_steps += 1
+            if num_steps == 8:
+                engine.abort(ids[1])
+        return tokens
+
+    monkeypatch.setattr(StepInputs, "_steady_decode", checked)
+    kept = run()
+    assert len(steady_rows) > 10 and len(set(steady_rows)) > 2          # steady steps of several batches
+    monkeypatch.setattr(KeptBatch, "is_steady", lambda self, items: False)
+    assert kept == run()

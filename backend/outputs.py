@@ -1,0 +1,67 @@
+"""What a step hands the serving layer: its outputs by the batch.
+
+Most outputs of a decode step are a sequence's new token and nothing else. Those stay rows of plain values (the
+sequence, the token, its log prob, the sequence's metrics and the step's time) until a server sends them: a
+StepOutput is made for each where it is read (`as_output`), on the server's responder thread, off the engine's.
+Every other output (a sequence that finished, failed, or sends logits) is a StepOutput from the start.
+"""
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator
+
+import torch
+
+from backend.request import SeqMetrics, Sequence
+
+TokenRow = tuple[Sequence, int, float, SeqMetrics, int]    # (sequence, token, log prob, its metrics, step time ns)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: Hashable
+    new_token_ids: list[int]
+    finished: bool = False                    # this sequence is done
+    finish_reason: str | None = None          # "stop", "length", "abort", "error"
+    log_probs: list[float] = field(default_factory=list)
+    error: str | None = None
+    sequence_index: int = 0                   # which of the request's num_return_sequences
+    request_finished: bool = False            # every sequence of the request is done: its last output
+    metrics: SeqMetrics | None = None         # a copy: the sequence's figures as of this output
+    generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
+    context_logits: torch.Tensor | None = None      # [prompt_len, vocab] fp32, with the first token, when asked for
+
+
+class StepOutputs:
+    """A step's outputs in order: token rows and StepOutputs (`entries`). Iterating gives StepOutputs. A token
+    row's metrics object is the sequence's own, which is replaced, never changed, where the figures a row reports
+    change after it (backend/kv_cache.py copies it before counting blocks); its last token time is the row's."""
+    __slots__ = ("entries",)
+
+    def __init__(self):
+        self.entries: list[TokenRow | StepOutput] = []
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        return map(as_output, self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({list(self)!r})"
+
+
+def as_output(entry: TokenRow | StepOutput) -> StepOutput:
+    """An entry of StepOutputs as a StepOutput."""
+    if type(entry) is StepOutput:
+        return entry
+    seq, token, log_prob, m, time_ns = entry
+    metrics = SeqMetrics(m.arrival_time_ns, m.first_scheduled_time_ns, m.first_token_time_ns, time_ns,
+                         m.num_new_blocks, m.num_reused_blocks)
+    return StepOutput(seq.request_id, [token], log_probs=[log_prob] if seq.params.return_log_probs else [],
+                      sequence_index=seq.sequence_index, metrics=metrics)
+
+
+def request_of(entry: TokenRow | StepOutput) -> Hashable:
+    return entry.request_id if type(entry) is StepOutput else entry[0].request_id
