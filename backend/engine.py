@@ -209,24 +209,25 @@ class LLMEngine:
     def _can_run_ahead(self, previous: LaunchedStep) -> bool:
         """The next step can be prepared before `previous` lands: no sequence of it needs its last token on the
         host first (penalties, bad words, top-p decay, a grammar, samples of the prompt waiting to fork)."""
-        return not any(seq.params.reads_last_token or seq.matcher is not None or seq in self.seqs.waiting_forks
-                       for seq in previous.rows_of)
+        forks = self.seqs.waiting_forks
+        return not previous.needs_last_tokens and not (forks and any(seq in forks for seq in previous.rows_of))
 
     def _launch(self, batch: Batch, previous: LaunchedStep | None) -> LaunchedStep:
         """Start a scheduled step; its sequences count the tokens it computes, and the one it samples."""
         self.num_steps += 1
-        self.last_step_kind = "decode" if batch.is_decode else "prefill"
         self.last_step = batch.summary(time.time())
+        self.last_step_kind = "decode" if self.last_step.is_decode else "prefill"
         if self.num_steps in self.config.inject_fault_steps:
             raise RuntimeError(f"injected fault at step {self.num_steps}")
         waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
         launched = self.runner.launch(batch, self.lora_cache, [seq.lora_task_id for seq in waiting], previous)
         now = time.time_ns()
         for item in batch.items:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            item.seq.num_pending_tokens += item.samples
-            if not item.seq.metrics.first_scheduled_time_ns:
-                item.seq.metrics.first_scheduled_time_ns = now
+            seq = item.seq
+            if not seq.metrics.first_scheduled_time_ns:
+                seq.metrics.first_scheduled_time_ns = now
+            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_pending_tokens += item.samples
         return launched
 
     def _collect(self, launched: LaunchedStep, entries: list) -> None:

@@ -43,6 +43,12 @@ class StepSummary:
     num_context_tokens: int = 0               # those prompt tokens
     num_generation: int = 0                   # sequences decoding one generated token
     time: float = 0.0                         # when it was scheduled (time.time())
+    num_tokens: int = 0                       # every token the step computes
+
+    @property
+    def is_decode(self) -> bool:
+        """Each sequence feeds in one generated token: no prompt chunk in the step."""
+        return self.num_context == 0 and self.num_tokens == self.num_scheduled
 
 
 @dataclass(slots=True)
@@ -50,15 +56,19 @@ class Batch:
     items: list[ScheduledSeq]
 
     def summary(self, now: float) -> StepSummary:
-        context = [item.num_new_tokens for item in self.items
-                   if item.seq.num_computed_tokens < len(item.seq.prompt_ids)]
-        return StepSummary(len(self.items), len(context), sum(context), len(self.items) - len(context), now)
+        num_context = num_context_tokens = num_tokens = 0
+        for item in self.items:
+            num_tokens += item.num_new_tokens
+            if item.seq.num_computed_tokens < len(item.seq.prompt_ids):
+                num_context += 1
+                num_context_tokens += item.num_new_tokens
+        return StepSummary(len(self.items), num_context, num_context_tokens, len(self.items) - num_context, now,
+                           num_tokens)
 
     @property
     def is_decode(self) -> bool:
         """Each sequence feeds in one generated token: no prompt chunk in the step."""
-        return all(item.num_new_tokens == 1 and item.seq.num_computed_tokens >= len(item.seq.prompt_ids)
-                   for item in self.items)
+        return self.summary(0.0).is_decode
 
 
 class Scheduler:

@@ -1,4 +1,5 @@
 """Per-step batch metadata, built once per step on the host from the scheduled batch and shared by every layer."""
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,6 +10,12 @@ from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
 PENDING = -1                                  # a token id the host does not have yet (overlapped steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _arange(n: int) -> tuple[torch.Tensor, list[int]]:
+    """0..n-1 as an int32 tensor (shared by the steps of n rows: read only) and as a list."""
+    return torch.arange(n, dtype=torch.int32), list(range(n))
 
 
 @dataclass(slots=True)
@@ -62,11 +69,12 @@ class BlockTables:
         self.lengths[:len(seqs)] = [count for _, _, count in written[:len(seqs)]]
         return self.array[:len(seqs), :longest].copy()
 
-    def rows_after_decode(self, seqs: list, positions: np.ndarray, block_size: int) -> np.ndarray:
-        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each
-        (to `positions`): a table grew by its new block where a sequence crossed into one, and only there."""
-        crossed = np.flatnonzero(positions % block_size == 0).tolist()
-        if any(len(self.written[row][1]) > self.array.shape[1] for row in crossed):
+    def rows_after_decode(self, seqs: list, crossed: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each:
+        a table grew by one block where a sequence crossed into it (the rows `crossed`, into blocks[row]), and only
+        there."""
+        crossed = crossed.tolist()
+        if crossed and int(blocks.max()) >= self.array.shape[1]:
             return self.rows(seqs)
         for row in crossed:
             seq, table, count = self.written[row]
@@ -91,6 +99,7 @@ class KeptBatch:
         self.rows_of: dict = {}               # sequence -> row of the sampled tokens
         self.wanted: list[int] = []           # rows whose logits are sent back
         self.plan = None                      # its sampling plan, where it serves every step (sampler.prepare)
+        self.needs_last_tokens = False        # a row's sampling reads its last token, or its grammar does
 
     def is_steady(self, items: list) -> bool:
         """`items` (the scheduler's order) are the last step's sequences, each decoding the token it sampled."""
@@ -98,11 +107,12 @@ class KeptBatch:
             item.num_new_tokens == 1 for item in items)
 
     def keep(self, scheduled: list, order: list[int], slots: list[int], rows_of: dict, wanted: list[int],
-             plan) -> None:
+             plan, needs_last_tokens: bool) -> None:
         """A step launched: kept where each of its sequences sampled."""
         every_row_samples = len(rows_of) == len(scheduled)
         self.scheduled = scheduled if every_row_samples else []
         self.order, self.slots, self.rows_of, self.wanted = order, slots, rows_of, wanted
+        self.needs_last_tokens = needs_last_tokens
         self.plan = plan if every_row_samples and plan.reusable else None
 
     def forget(self) -> None:
@@ -135,11 +145,19 @@ class StepInputs:
         input_ids = [PENDING if seq.num_pending_tokens else seq.output_ids[-1] for seq in seqs]
         if PENDING in input_ids:
             self.pending = [(row, seqs[row]) for row, token in enumerate(input_ids) if token == PENDING]
-        ends = positions + 1
-        block_tables = tables.rows_after_decode(seqs, positions, block_size)
-        rows = np.arange(n)
-        slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
-        self._set(input_ids, positions, slots, np.arange(n + 1), ends, block_tables, rows, [])
+        blocks, offsets = np.divmod(positions, block_size)
+        block_tables = tables.rows_after_decode(seqs, np.flatnonzero(offsets == 0), blocks)
+        rows = np.empty((3, n), dtype=np.int32)                  # positions, slots, context lengths
+        rows[0] = positions
+        rows[1] = block_tables[np.arange(n), blocks] * block_size + offsets
+        rows[2] = rows[0] + 1
+        arange = _arange(n + 1)
+        self.query_starts, self.seq_lens, self.max_query_len = arange[1], rows[2].tolist(), 1
+        self.tensors = {"input_ids": torch.from_numpy(np.array(input_ids, dtype=np.int32)),
+                        "positions": torch.from_numpy(rows[0]), "slot_mapping": torch.from_numpy(rows[1]),
+                        "query_starts": arange[0], "seq_lens": torch.from_numpy(rows[2]),
+                        "block_tables": torch.from_numpy(block_tables), "logits_indices": arange[0][:n],
+                        "context_indices": arange[0][:0]}
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
         items, n = batch.items, len(batch.items)

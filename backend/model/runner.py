@@ -36,6 +36,8 @@ class LaunchedStep:
     download: Download                        # tokens [num_sampled] (with log probs [2, num_sampled] where some
                                               # row asked), asked-for logits
     wanted: list[int]                         # the rows whose logits come back
+    needs_last_tokens: bool                   # a row's next inputs need its token on the host (penalties, bad
+                                              # words, top-p decay, a grammar)
 
 
 class ModelRunner:
@@ -236,6 +238,7 @@ class ModelRunner:
         scheduled = [item.seq for item in items]
         steady = kept.is_steady(items)
         order, slots, rows_of, wanted, kept_plan = kept.order, kept.slots, kept.rows_of, kept.wanted, kept.plan
+        needs_last_tokens = kept.needs_last_tokens
         kept.forget()                                             # (kept again once launched)
         if steady:                                                # the last step's order, slots and rows
             batch.items = [items[i] for i in order]
@@ -251,6 +254,7 @@ class ModelRunner:
             sampled = [item.seq for item in batch.items if item.samples]
             rows_of = {seq: row for row, seq in enumerate(sampled)}
             wanted = [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits]
+            needs_last_tokens = any(seq.params.reads_last_token or seq.matcher is not None for seq in sampled)
         inputs = StepInputs(batch, self.block_size, kept.tables, steady)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
@@ -272,8 +276,8 @@ class ModelRunner:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
         download = self.staging.download(results, *([raw] if raw is not None else []))
-        kept.keep(scheduled, order, slots, rows_of, wanted, plan)
-        return LaunchedStep(batch, rows_of, tokens, download, wanted)
+        kept.keep(scheduled, order, slots, rows_of, wanted, plan, needs_last_tokens)
+        return LaunchedStep(batch, rows_of, tokens, download, wanted, needs_last_tokens)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
                  lora_cache: LoraCache | None) -> torch.Tensor:
