@@ -34,9 +34,12 @@ class Responder:
         self.thread = threading.Thread(target=self._run, name="responder", daemon=True)
         self.thread.start()
 
-    def emit(self, stream, out: StepOutput | TokenRow, batch_index: int, last: bool) -> None:
-        """Queue an output for the stream (a token row is made a StepOutput here, on the responder's thread)."""
-        self.calls.put((stream, "emit", (out, batch_index, last)))
+    def emit(self, emits: list[tuple[object, StepOutput | TokenRow, int, bool]]) -> None:
+        """Queue a step's outputs, (stream, output, batch index, last) each in order, as one call: a queue operation
+        (and a wake-up of this thread) a step, not one a token. A token row is made a StepOutput here, on the
+        responder's thread."""
+        if emits:
+            self.calls.put((None, "emit", emits))
 
     def fail(self, stream, message: str) -> None:
         self.calls.put((stream, "fail", (message,)))
@@ -96,23 +99,26 @@ class Responder:
             self.watched[stream] = None
         elif what == "forget":
             self.broken.discard(stream)
-        elif stream in self.broken:
-            return
         elif what == "emit":
-            out, batch_index, final = args
-            try:
-                stream.emit(as_output(out), batch_index, final)
-            except Exception as exc:                         # a broken sender closes its own stream only
-                quietly(stream.fail, f"response failed: {exc}")
-                if not final:                                # not its last: the loop still runs its rows
-                    self.broken.add(stream)
-                    self.on_broken(stream)
-                final = True
-            if final:
-                self.watched.pop(stream, None)
-        else:                                                # fail, cancelled: a final answer
+            for each in args:
+                self._emit(*each)
+        elif stream not in self.broken:                      # fail, cancelled: a final answer
             self.watched.pop(stream, None)
             quietly(getattr(stream, what), *args)
+
+    def _emit(self, stream, out: StepOutput | TokenRow, batch_index: int, final: bool) -> None:
+        if stream in self.broken:
+            return
+        try:
+            stream.emit(as_output(out), batch_index, final)
+        except Exception as exc:                             # a broken sender closes its own stream only
+            quietly(stream.fail, f"response failed: {exc}")
+            if not final:                                    # not its last: the loop still runs its rows
+                self.broken.add(stream)
+                self.on_broken(stream)
+            final = True
+        if final:
+            self.watched.pop(stream, None)
 
 
 def client_cancelled(stream) -> bool:

@@ -133,11 +133,15 @@ class EngineLoop:
         self.num_step_failures = 0
         self._hook(time.perf_counter() - start)
         self.responder.wait_idle()                           # the last step's answers: at most one step queued
+        emits: list[tuple[Stream, StepOutput | TokenRow, int, bool]] = []
         for entry in outputs.entries:
             if type(entry) is StepOutput:
-                self._deliver(entry)
-            else:
-                self._deliver_token(entry)
+                self._deliver(entry, emits)
+            else:                                            # a sequence's new token, not its last: as it is
+                route = self.rows.get(entry[0].request_id)
+                if route is not None:
+                    emits.append((route[0], entry, route[1], False))
+        self.responder.emit(emits)
 
     def _step_failed(self, exc: Exception) -> None:
         """A failure outside any one request's input: fail every request in flight; break after several in a row, or
@@ -247,13 +251,8 @@ class EngineLoop:
         self.responder.cancelled(stream)
         self._aborted_while_idle = True
 
-    def _deliver_token(self, row: TokenRow) -> None:
-        """A sequence's new token, not its last: sent as it is, made a StepOutput on the responder's thread."""
-        route = self.rows.get(row[0].request_id)
-        if route is not None:
-            self.responder.emit(route[0], row, route[1], False)
-
-    def _deliver(self, out: StepOutput) -> None:
+    def _deliver(self, out: StepOutput, emits: list) -> None:
+        """Route an output to its stream: added to the step's `emits`, or, an error, sent after them."""
         if out.request_id not in self.rows:
             return
         stream, batch_index = self.rows[out.request_id]
@@ -263,11 +262,13 @@ class EngineLoop:
         last = not self.streams[stream]
         if out.error:
             self._stop(stream)                               # the other rows end with it
+            self.responder.emit(emits[:])                    # what came before it, first
+            emits.clear()
             self.responder.fail(stream, out.error)
             return
         if last:
             self._close(stream)
-        self.responder.emit(stream, out, batch_index, last)
+        emits.append((stream, out, batch_index, last))
 
     def _stop(self, stream: Stream) -> None:
         """Abort the stream's rows still in flight, and close it."""

@@ -66,6 +66,26 @@ def test_the_engine_steps_while_a_send_blocks_but_runs_at_most_one_step_ahead(en
     assert slow.wait().tokens == want[id(slow)] and other.wait().tokens == want[id(other)]
     loop.stop()
 
+def test_a_steps_outputs_reach_the_responder_in_one_call(engine, monkeypatch):
+    """Outputs by the batch: the loop queues a step's answers to its streams as one call (one queue operation and
+    one wake-up of the responder a step, not one a token), each stream's in order, finals last."""
+    streams = [FakeStream(prompt, max_new_tokens=6) for prompt in prompts(engine, 4)]
+    want = [engine.generate([s.requests[0].prompt_ids], max_new_tokens=6)[0] for s in streams]
+    loop = EngineLoop(engine, idle_wait_s=0.01)
+    queued = []
+    put = loop.responder.calls.put
+    monkeypatch.setattr(loop.responder.calls, "put", lambda call: (queued.append(call), put(call)))
+    steps = []
+    monkeypatch.setattr(loop, "on_step", lambda engine, seconds: steps.append(seconds))
+    for stream in streams:
+        loop.inbox.put(("add", stream, ""))                   # all four before the loop's next step
+    assert [s.wait().tokens for s in streams] == want and all(s.answers == ["finish"] for s in streams)
+    loop.stop()
+    emits = [call[2] for call in queued if call is not None and call[1] == "emit"]
+    assert 4 * 6 == sum(len(e) for e in emits) and len(emits) <= len(steps)
+    assert max(len(e) for e in emits) == 4                     # a decode step's four tokens in one call
+
+
 def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_keeps_serving(engine, loop, monkeypatch):
     first, second = prompts(engine, 2)
     schedule = engine.scheduler.schedule
