@@ -104,3 +104,51 @@ def decode_attention_vs_bound(cfg, bandwidth: float, num_seqs: int = 64, context
     bound = kv_bytes / (bandwidth / 2)                                 # the copy bandwidth counts read + write
     return {"num_seqs": num_seqs, "context": context, "us": seconds * 1e6, "bound_us": bound * 1e6,
             "vs_bound": seconds / bound}
+
+
+def single_sequence_attention(cfg, contexts=(128, 256, 512, 1024, 2048), num_replays: int = 20,
+                              device: str = "cuda") -> dict:
+    """W3's attention: one sequence decoding over `contexts` tokens, one call a layer (each layer its own cache),
+    replayed as a CUDA graph as a decode graph would: microseconds a layer at the split count the decode graphs
+    use (bucket 1, the context's class) and at one split (no reduce kernel). What the split rule costs a single
+    stream, for the next GPU run to settle. On CPU (a dry run, under the Triton interpreter) the calls run eagerly."""
+    from backend.model.graphs import CONTEXT_CLASSES
+    from kernels.metadata import AttentionMetadata
+    from kernels.paged_attention import decode_graph_splits, paged_attention
+    block_size, num_layers, dev = 16, cfg.num_layers, torch.device(device)
+    classes = sorted({min(c, cfg.max_position_embeddings) for c in CONTEXT_CLASSES + (cfg.max_position_embeddings,)})
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
+    results = {}
+    for context in contexts:
+        context_class = next(c for c in classes if c >= context)
+        splits = decode_graph_splits(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, context_class, dev)
+        num_blocks = -(-context // block_size)
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        caches = [(torch.randn(shape, dtype=torch.bfloat16, device=device),
+                   torch.randn(shape, dtype=torch.bfloat16, device=device)) for _ in range(num_layers)]
+        meta = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32, device=device),
+                                 torch.tensor([context], dtype=torch.int32, device=device),
+                                 torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+                                 torch.zeros(1, dtype=torch.int32, device=device), [0, 1], [context], 1, context_class)
+        case = {"graph_splits": splits}
+        for label, num_splits in (("us_graph_splits", splits), ("us_one_split", 1)):
+            def layers():
+                for k, v in caches:
+                    paged_attention(q, k, v, meta, cfg.head_dim ** -0.5, num_splits=num_splits)
+            layers()                                                    # compiles, outside the capture
+            sync(device)
+            replay = layers
+            if dev.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    layers()
+                replay = graph.replay
+            replay()
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(num_replays):
+                replay()
+            sync(device)
+            case[label] = (time.perf_counter() - start) / (num_replays * num_layers) * 1e6
+        results[context] = case
+    return results

@@ -30,7 +30,8 @@ from bench.engine import make_engine, run_engine                                
 from bench.hf import run_hf                                                         # noqa: E402
 from bench.lora_kernels import lora_kernels, summary                                # noqa: E402
 from bench.roofline import weight_bytes                                             # noqa: E402
-from bench.step_profile import decode_attention_vs_bound, decode_step_profile, sync   # noqa: E402
+from bench.step_profile import (decode_attention_vs_bound, decode_step_profile, single_sequence_attention,  # noqa: E402
+                                sync)
 from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
@@ -161,6 +162,11 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         except Exception as err:                                      # a measurement, not worth the run
             results["decode_attention"] = {"error": f"{type(err).__name__}: {err}"}
         print(f"  {shape} decode attention: {results['decode_attention']}", flush=True)
+        try:
+            results["single_sequence_attention"] = single_sequence_attention(cfg, device=args.device)
+        except Exception as err:                                      # a measurement, not worth the run
+            results["single_sequence_attention"] = {"error": f"{type(err).__name__}: {err}"}
+        print(f"  {shape} single-sequence attention: {results['single_sequence_attention']}", flush=True)
         free_memory(args.device)
     context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * 2
@@ -208,6 +214,11 @@ def table(report: dict) -> str:
         if "vs_bound" in a:
             lines.append(f"{shape} decode attention, {a['num_seqs']} x {a['context']} tokens: {a['us']:.0f} us, "
                          f"{a['vs_bound']:.2f}x the K/V read time (target <= 1.2x)")
+        single = r.get("single_sequence_attention", {})
+        if "error" not in single and single:
+            lines.append(f"{shape} one sequence's attention a layer, graphed (us at the graphs' splits / at one): "
+                         + ", ".join(f"{context} tokens {c['us_graph_splits']:.1f} ({c['graph_splits']}) / "
+                                     f"{c['us_one_split']:.1f}" for context, c in single.items()))
     return "\n".join(lines)
 
 
