@@ -9,6 +9,7 @@ bucket has a graph per context class (CONTEXT_CLASSES), whose split count suits 
 Steps with prompt chunks go to the piecewise graphs (backend/model/piecewise.py) or run eagerly. capture=False
 runs the same padded steps eagerly: how the CPU tests check everything but the capture itself.
 """
+import numpy as np
 import torch
 
 from backend.lora.batch import LoraBatch, LoraSegments
@@ -31,18 +32,25 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_tokens: int,
                   num_segments: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A step's per-token host tensors padded to num_tokens (token 0 at position 0, cache slot -1 so nothing is
-    written), its LoRA segments (adapter slot per token, -1 for none) padded to num_segments (empty ones at the
-    end), and its LoRA work list to the graph's length (idle items at the end; kernels/lora.py)."""
+    written), and its LoRA segments (padded_segments)."""
     zeros = torch.zeros(num_tokens - len(token_slots), dtype=torch.int32)
-    block_m = block_m_for(num_tokens, dtype)
-    segments = LoraSegments.from_token_slots(token_slots + [-1] * len(zeros), block_m,
-                                             max_work_items(num_tokens, num_segments, block_m))
-    num_empty = num_segments - len(segments.slots_list)
-    assert num_empty >= 0, "more LoRA segments than a graph can have"
     return {
         "input_ids": torch.cat([tensors["input_ids"], zeros]),
         "positions": torch.cat([tensors["positions"], zeros]),
         "slot_mapping": torch.cat([tensors["slot_mapping"], zeros - 1]),
+    } | padded_segments(token_slots, num_tokens, num_segments, dtype)
+
+
+def padded_segments(token_slots: list[int], num_tokens: int, num_segments: int,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A step's LoRA segments (adapter slot per token, -1 for none, padding rows -1) padded to num_segments (empty
+    ones at the end), and its LoRA work list to the graph's length (idle items at the end; kernels/lora.py)."""
+    block_m = block_m_for(num_tokens, dtype)
+    segments = LoraSegments.from_token_slots(token_slots + [-1] * (num_tokens - len(token_slots)), block_m,
+                                             max_work_items(num_tokens, num_segments, block_m))
+    num_empty = num_segments - len(segments.slots_list)
+    assert num_empty >= 0, "more LoRA segments than a graph can have"
+    return {
         "lora_starts": torch.cat([segments.starts, torch.full((num_empty,), num_tokens, dtype=torch.int32)]),
         "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
         "lora_work": segments.work,
@@ -77,16 +85,21 @@ def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, op
 
 
 def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int, num_segments: int,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A decode step's host tensors padded to `bucket` rows (padding rows read an empty context): ROW_INPUTS as the
-    rows of "row_inputs" [4, bucket], its LoRA segments padded to num_segments, its block tables. (Every row is one
-    query token: query_starts is the graphs' fixed arange.)"""
-    t, num_pad = inputs.tensors, bucket - len(inputs.seq_lens)
-    zeros = torch.zeros(num_pad, dtype=torch.int32)
-    padded = padded_tokens(t, token_slots, bucket, num_segments, dtype)
-    padded["seq_lens"] = torch.cat([t["seq_lens"], zeros])
-    return {"row_inputs": torch.stack([padded.pop(name) for name in ROW_INPUTS]), **padded,
-            "block_tables": torch.cat([t["block_tables"], zeros[:, None].expand(-1, t["block_tables"].shape[1])])}
+                  dtype: torch.dtype, with_segments: bool = True) -> dict[str, torch.Tensor]:
+    """A decode step's host tensors padded to `bucket` rows (padding rows: token 0 at position 0, cache slot -1 so
+    nothing is written, an empty context so nothing is read): ROW_INPUTS as the rows of "row_inputs" [4, bucket],
+    its block tables, and (with_segments) its LoRA segments padded to num_segments. Every row is one query token:
+    query_starts is the graphs' fixed arange. Written through numpy: fewer host calls than a torch op a tensor."""
+    t, num_seqs = inputs.tensors, len(inputs.seq_lens)
+    rows = np.zeros((len(ROW_INPUTS), bucket), dtype=np.int32)
+    for row, name in zip(rows, ROW_INPUTS):
+        row[:num_seqs] = t[name].numpy()
+    rows[ROW_INPUTS.index("slot_mapping"), num_seqs:] = -1
+    tables = t["block_tables"].numpy()
+    padded_tables = np.zeros((bucket, tables.shape[1]), dtype=np.int32)
+    padded_tables[:num_seqs] = tables
+    host = {"row_inputs": torch.from_numpy(rows), "block_tables": torch.from_numpy(padded_tables)}
+    return host | padded_segments(token_slots, bucket, num_segments, dtype) if with_segments else host
 
 
 class DecodeGraphs:
@@ -117,6 +130,7 @@ class DecodeGraphs:
                                                               block_size, context, device)
                        for bucket in self.buckets for context in self.contexts}
         self.capture = capture
+        self.segments_of: tuple[list[int], int] | None = None          # the token slots and rows the LoRA buffers hold
         self.graphs: dict[tuple[tuple[int, int], bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}
         if capture:
@@ -137,13 +151,17 @@ class DecodeGraphs:
             lora_cache) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode step (plan.t goes up with the inputs, in the same copy)."""
         rows, _ = bucket
-        host = padded_inputs(inputs, token_slots or [-1] * len(inputs.seq_lens), rows, self.num_segments, self.dtype)
+        token_slots = token_slots or [-1] * len(inputs.seq_lens)
+        segments_in_place = self.segments_of == (token_slots, rows)   # a steady batch: the buffers hold them
+        host = padded_inputs(inputs, token_slots, rows, self.num_segments, self.dtype, not segments_in_place)
         t = staging.upload(host | plan.t | inputs.pending_maps)
         t["input_ids"] = t["row_inputs"][0]
         inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
         self.row_inputs[:, :rows].copy_(t["row_inputs"])
-        copy_lora(self.buffers, t)
+        if not segments_in_place:
+            copy_lora(self.buffers, t)
+            self.segments_of = (token_slots, rows)
         self.buffers["block_tables"][:rows, :t["block_tables"].shape[1]].copy_(t["block_tables"])
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
+from backend.model import graphs as graphs_module
 from backend.model.graphs import DecodeGraphs, bucket_sizes
 from tests.helpers import INTERPRETER_MARK, needs_cuda, random_prompts
 
@@ -67,9 +68,10 @@ def test_a_step_replays_the_graph_of_its_rows_and_its_longest_context(tiny_model
 
 
 @INTERPRETER_MARK
-def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters):
+def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, monkeypatch):
     """Every decode step padded to its bucket (padding rows write no cache slot and read no context), with the
-    attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps."""
+    attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps. A
+    step of the same sequences as the one before leaves the LoRA buffers as they are."""
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
@@ -77,8 +79,11 @@ def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_ad
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
                                  runner.device, capture=False)
     buckets = count_graph_steps(runner.graphs)
+    copies, copy_lora = [], graphs_module.copy_lora
+    monkeypatch.setattr(graphs_module, "copy_lora", lambda *args: (copies.append(len(buckets)), copy_lora(*args)))
     assert run(engine, prompts) == want
     assert {6, 4, 2, 1} <= set(buckets), buckets
+    assert 0 < len(copies) < len(buckets) and len(set(copies)) == len(copies), (copies, buckets)   # not every step
 
 
 @INTERPRETER_MARK

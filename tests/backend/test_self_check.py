@@ -130,12 +130,12 @@ def no_lora_copy(buffers, t):
     """graphs.copy_lora that leaves the graph's LoRA buffers as they were (padding: no adapter)."""
 
 
-PADDED_TOKENS = graphs.padded_tokens
+PADDED_TOKENS, PADDED_INPUTS = graphs.padded_tokens, graphs.padded_inputs
 
 
-def padding_writes_slot_0(tensors, token_slots, num_tokens, num_segments, dtype):
-    padded = PADDED_TOKENS(tensors, token_slots, num_tokens, num_segments, dtype)
-    padded["slot_mapping"] = padded["slot_mapping"].clamp(min=0)
+def padding_writes_slot_0(inputs, token_slots, bucket, num_segments, dtype, with_segments=True):
+    padded = PADDED_INPUTS(inputs, token_slots, bucket, num_segments, dtype, with_segments)
+    padded["row_inputs"][graphs.ROW_INPUTS.index("slot_mapping")].clamp_(min=0)
     return padded
 
 
@@ -150,7 +150,7 @@ PIECEWISE_DEFECTS = {                         # a defect of the graphs' code, ru
     "a stale positions buffer": (piecewise, "TOKEN_INPUTS", ("input_ids", "slot_mapping")),
     "the adapters' slots swapped": (piecewise, "padded_tokens", swapped_adapter_slots)}
 DECODE_DEFECTS = {
-    "padding that writes cache slot 0": (graphs, "padded_tokens", padding_writes_slot_0),
+    "padding that writes cache slot 0": (graphs, "padded_inputs", padding_writes_slot_0),
     "the LoRA segments not copied in": (graphs, "copy_lora", no_lora_copy)}
 
 
