@@ -6,6 +6,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from backend.sampler import SamplingPlan
 from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
@@ -84,39 +85,53 @@ class BlockTables:
         return self.array[:len(seqs), :self.lengths[:len(seqs)].max()].copy()
 
 
+@dataclass(slots=True)
+class LaunchRows:
+    """How a batch is launched: the scheduler's items in launch order (each adapter one segment), and its rows."""
+    order: list[int]                          # the launch order, as indices into the scheduler's items
+    slots: list[int]                          # each item's adapter slot, in launch order (none without adapters)
+    rows_of: dict                             # each sampling sequence -> its row of the sampled tokens
+    wanted: list[int]                         # the rows whose logits are sent back
+    needs_last_tokens: bool                   # a row's next inputs need its token on the host (penalties, bad
+                                              # words, top-p decay, a grammar)
+    plan: SamplingPlan | None = None          # the sampling plan, kept where it serves every step (reusable)
+
+    @classmethod
+    def of(cls, items: list, slot_of: Callable[[int | None], int] | None) -> "LaunchRows":
+        """The rows of a batch of items (the scheduler's order); slot_of: an adapter's slot (None: no adapters)."""
+        order, slots = list(range(len(items))), []
+        if slot_of is not None:
+            order.sort(key=lambda i: slot_of(items[i].seq.lora_task_id))
+            slots = [slot_of(items[i].seq.lora_task_id) for i in order]
+        sampled = [items[i].seq for i in order if items[i].samples]
+        return cls(order, slots, {seq: row for row, seq in enumerate(sampled)},
+                   [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits],
+                   any(seq.params.reads_last_token or seq.matcher is not None for seq in sampled))
+
+
 class KeptBatch:
     """The last step's batch, kept from step to step (a persistent batch): its block tables, and, where every
-    sequence of it sampled, what it was launched with. A step of those same sequences, decoding one token each
-    (the steady state of decoding), is launched from it with array updates: the same order (sorted by adapter),
-    adapter slots, sampled rows and greedy sampling plan; its block tables written where a sequence crossed into
-    a new block; one read a row for its context length and its token."""
+    sequence of it sampled, its LaunchRows. A step of those same sequences, decoding one token each (the steady
+    state of decoding), is launched with them: the same order, adapter slots, sampled rows and greedy sampling plan;
+    its block tables written where a sequence crossed into a new block; one read a row for its length and its token."""
 
     def __init__(self):
         self.tables = BlockTables()
         self.scheduled: list = []             # the last step's sequences in the scheduler's order, if each sampled
-        self.order: list[int] = []            # the launch order, as indices into `scheduled`
-        self.slots: list[int] = []            # each sequence's adapter slot, in launch order
-        self.rows_of: dict = {}               # sequence -> row of the sampled tokens
-        self.wanted: list[int] = []           # rows whose logits are sent back
-        self.plan = None                      # its sampling plan, where it serves every step (sampler.prepare)
-        self.needs_last_tokens = False        # a row's sampling reads its last token, or its grammar does
+        self.rows: LaunchRows | None = None
 
-    def is_steady(self, items: list) -> bool:
-        """`items` (the scheduler's order) are the last step's sequences, each decoding the token it sampled."""
-        return bool(self.scheduled) and [item.seq for item in items] == self.scheduled and all(
+    def take_if_steady(self, items: list) -> LaunchRows | None:
+        """The kept rows, if `items` (the scheduler's order) are the last step's sequences, each decoding the token
+        it sampled; else None. Either way they are kept no more (`keep` again once launched)."""
+        rows, scheduled, self.rows, self.scheduled = self.rows, self.scheduled, None, []
+        steady = bool(scheduled) and [item.seq for item in items] == scheduled and all(
             item.num_new_tokens == 1 for item in items)
+        return rows if steady else None
 
-    def keep(self, scheduled: list, order: list[int], slots: list[int], rows_of: dict, wanted: list[int],
-             plan, needs_last_tokens: bool) -> None:
+    def keep(self, scheduled: list, rows: LaunchRows) -> None:
         """A step launched: kept where each of its sequences sampled."""
-        every_row_samples = len(rows_of) == len(scheduled)
-        self.scheduled = scheduled if every_row_samples else []
-        self.order, self.slots, self.rows_of, self.wanted = order, slots, rows_of, wanted
-        self.needs_last_tokens = needs_last_tokens
-        self.plan = plan if every_row_samples and plan.reusable else None
-
-    def forget(self) -> None:
-        self.scheduled, self.plan = [], None
+        if len(rows.rows_of) == len(scheduled):
+            self.scheduled, self.rows = scheduled, rows
 
 
 class StepInputs:
@@ -126,7 +141,7 @@ class StepInputs:
 
     def __init__(self, batch: Batch, block_size: int, tables: BlockTables | None = None, steady: bool = False):
         """steady: the batch is the last one's sequences in the same order, each decoding the token it sampled
-        (KeptBatch.is_steady), and `tables` were written for that batch."""
+        (KeptBatch.take_if_steady), and `tables` were written for that batch."""
         tables = tables or BlockTables()
         self.pending: list[tuple[int, object]] = []             # (token row, sequence) whose id is still on the device
         self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device

@@ -11,7 +11,7 @@ from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
-from backend.model.context import KeptBatch, StepInputs
+from backend.model.context import KeptBatch, LaunchRows, StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
@@ -234,31 +234,18 @@ class ModelRunner:
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
-        kept, items = self.kept, batch.items
-        scheduled = [item.seq for item in items]
-        steady = kept.is_steady(items)
-        order, slots, rows_of, wanted, kept_plan = kept.order, kept.slots, kept.rows_of, kept.wanted, kept.plan
-        needs_last_tokens = kept.needs_last_tokens
-        kept.forget()                                             # (kept again once launched)
-        if steady:                                                # the last step's order, slots and rows
-            batch.items = [items[i] for i in order]
-            token_slots, sampled = slots if lora_cache is not None else [], list(rows_of)
-        else:
-            order, slots, token_slots = list(range(len(items))), [], []
-            if lora_cache is not None:                            # each adapter one segment
-                order.sort(key=lambda i: lora_cache.slot(items[i].seq.lora_task_id))
-                slots = [lora_cache.slot(items[i].seq.lora_task_id) for i in order]
-            batch.items = [items[i] for i in order]
-            if lora_cache is not None:
-                token_slots = [slot for item, slot in zip(batch.items, slots) for _ in range(item.num_new_tokens)]
-            sampled = [item.seq for item in batch.items if item.samples]
-            rows_of = {seq: row for row, seq in enumerate(sampled)}
-            wanted = [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits]
-            needs_last_tokens = any(seq.params.reads_last_token or seq.matcher is not None for seq in sampled)
-        inputs = StepInputs(batch, self.block_size, kept.tables, steady)
+        scheduled = [item.seq for item in batch.items]
+        rows = self.kept.take_if_steady(batch.items)             # a steady decode step: the last step's rows
+        steady = rows is not None
+        rows = rows or LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
+        batch.items = [batch.items[i] for i in rows.order]
+        token_slots = [slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
+        sampled = list(rows.rows_of)
+        inputs = StepInputs(batch, self.block_size, self.kept.tables, steady)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
-        plan = kept_plan if steady and kept_plan is not None else sampler.prepare(sampled, self.model_config.vocab_size)
+        plan = rows.plan or sampler.prepare(sampled, self.model_config.vocab_size)
+        rows.plan = plan if plan.reusable else None
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
         if bucket is not None:
@@ -268,16 +255,16 @@ class ModelRunner:
         else:
             logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
         raw = None
-        if wanted:                                                # before sampling changes them in place
-            rows = pin(torch.tensor(wanted), self.device).to(self.device, non_blocking=True)
-            raw = logits.index_select(0, rows).float()
+        if rows.wanted:                                           # before sampling changes them in place
+            wanted = pin(torch.tensor(rows.wanted), self.device).to(self.device, non_blocking=True)
+            raw = logits.index_select(0, wanted).float()
         tokens, log_probs = sampler.sample(logits, plan)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
         download = self.staging.download(results, *([raw] if raw is not None else []))
-        kept.keep(scheduled, order, slots, rows_of, wanted, plan, needs_last_tokens)
-        return LaunchedStep(batch, rows_of, tokens, download, wanted, needs_last_tokens)
+        self.kept.keep(scheduled, rows)
+        return LaunchedStep(batch, rows.rows_of, tokens, download, rows.wanted, rows.needs_last_tokens)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
                  lora_cache: LoraCache | None) -> torch.Tensor:

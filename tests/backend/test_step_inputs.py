@@ -155,5 +155,5 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     monkeypatch.setattr(StepInputs, "_steady_decode", checked)
     kept = run()
     assert len(steady_rows) > 10 and len(set(steady_rows)) > 2          # steady steps of several batches
-    monkeypatch.setattr(KeptBatch, "is_steady", lambda self, items: False)
+    monkeypatch.setattr(KeptBatch, "keep", lambda self, scheduled, rows: None)       # nothing kept: from scratch
     assert kept == run()
