@@ -162,8 +162,8 @@ class StepInputs:
             self.pending = [(row, seqs[row]) for row, token in enumerate(input_ids) if token == PENDING]
         blocks, offsets = np.divmod(positions, block_size)
         block_tables = tables.rows_after_decode(seqs, np.flatnonzero(offsets == 0), blocks)
-        rows = np.empty((3, n), dtype=np.int32)                  # positions, slots, context lengths
-        rows[0] = positions
+        rows = np.empty((3, -(-n // 4) * 4), dtype=np.int32)[:, :n]   # positions, slots, context lengths: each
+        rows[0] = positions                                     # row 16 bytes aligned, as the kernels specialize
         rows[1] = block_tables[np.arange(n), blocks] * block_size + offsets
         rows[2] = rows[0] + 1
         arange = _arange(n + 1)
