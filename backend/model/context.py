@@ -120,12 +120,12 @@ class KeptBatch:
         self.scheduled: list = []             # the last step's sequences in the scheduler's order, if each sampled
         self.rows: LaunchRows | None = None
 
-    def take_if_steady(self, items: list) -> LaunchRows | None:
-        """The kept rows, if `items` (the scheduler's order) are the last step's sequences, each decoding the token
-        it sampled; else None. Either way they are kept no more (`keep` again once launched)."""
-        rows, scheduled, self.rows, self.scheduled = self.rows, self.scheduled, None, []
-        steady = bool(scheduled) and [item.seq for item in items] == scheduled and all(
-            item.num_new_tokens == 1 for item in items)
+    def take_if_steady(self, scheduled: list, items: list) -> LaunchRows | None:
+        """The kept rows, if `items` (the scheduler's order; `scheduled` their sequences) are the last step's
+        sequences, each decoding the token it sampled; else None. Either way they are kept no more (`keep` again
+        once launched)."""
+        rows, last, self.rows, self.scheduled = self.rows, self.scheduled, None, []
+        steady = bool(last) and scheduled == last and all(item.num_new_tokens == 1 for item in items)
         return rows if steady else None
 
     def keep(self, scheduled: list, rows: LaunchRows) -> None:

@@ -235,11 +235,12 @@ class ModelRunner:
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
         scheduled = [item.seq for item in batch.items]
-        rows = self.kept.take_if_steady(batch.items)             # a steady decode step: the last step's rows
+        rows = self.kept.take_if_steady(scheduled, batch.items)  # a steady decode step: the last step's rows
         steady = rows is not None
         rows = rows or LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
         batch.items = [batch.items[i] for i in rows.order]
-        token_slots = [slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
+        token_slots = rows.slots if steady else [                # (steady: one token a row)
+            slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
         sampled = list(rows.rows_of)
         inputs = StepInputs(batch, self.block_size, self.kept.tables, steady)
         if inputs.pending:
