@@ -243,11 +243,23 @@ class LLMEngine:
         for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
-        now = time.time_ns()
-        for seq, token, log_prob in zip(launched.rows_of, tokens, log_probs):
-            if seq.status is not Status.FINISHED:
+        now, forks, finished, num_dropped = time.time_ns(), self.seqs.waiting_forks, Status.FINISHED, 0
+        for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.ends):
+            if seq.status is finished:
+                num_dropped += 1
+                continue
+            out = seq.output_ids
+            if end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens or forks or logits:
                 entries.append(self._append(seq, token, log_prob, now, logits.get(launched.rows_of[seq])
                                             if logits else None))
+                continue
+            out.append(token)                                  # (_append's steps for a plain token that ends nothing)
+            m = seq.metrics
+            m.last_token_time_ns = now
+            if not m.first_token_time_ns:
+                m.first_token_time_ns = now
+            entries.append((seq, token, log_prob, m, now))
+        self.num_generated_tokens += len(tokens) - num_dropped
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> list[StepOutput]:
         """A failed step fails its requests, never the engine; unless the engine itself cannot go on."""
@@ -263,7 +275,6 @@ class LLMEngine:
                 logits: torch.Tensor | None) -> TokenRow | StepOutput:
         """A sequence's new token: its output, a token row unless it ends the sequence or brings logits."""
         seq.output_ids.append(token)
-        self.num_generated_tokens += 1
         p, m = seq.params, seq.metrics
         m.last_token_time_ns = now
         if not m.first_token_time_ns:

@@ -54,8 +54,14 @@ class StepSummary:
 @dataclass(slots=True)
 class Batch:
     items: list[ScheduledSeq]
+    num_preemptions: int = 0                  # the scheduler's preemptions until this batch (a preempted sequence
+                                              # starts over, though it may be admitted again in the same step)
+    all_decode: bool = False                  # known to be every item one generated token that samples
 
     def summary(self, now: float) -> StepSummary:
+        if self.all_decode:
+            n = len(self.items)
+            return StepSummary(n, 0, 0, n, now, n)
         num_context = num_context_tokens = num_tokens = 0
         for item in self.items:
             num_tokens += item.num_new_tokens
@@ -80,6 +86,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in admission order; the last is the newest
         self.num_preemptions = 0
+        self.decoding: list[ScheduledSeq] | None = None     # the last batch, while it is every running sequence
+                                                            # decoding one token (steady decoding)
 
     @property
     def num_unfinished(self) -> int:
@@ -94,6 +102,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> Batch:
+        if self.decoding is not None and (not self.waiting or len(self.running) >= self.max_num_seqs):
+            batch = self._schedule_decoding()
+            if batch is not None:
+                return batch
+        self.decoding = None
         items: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         pending = deque(self.running)
@@ -149,10 +162,27 @@ class Scheduler:
             self.running.append(seq)
             budget -= num_new
         self.waiting.extendleft(reversed(waiting_for_slot))     # back at the head, in order: first to get a slot
-        return Batch(items)
+        if len(items) == len(self.running) and all(item.num_new_tokens == 1 and item.samples for item in items):
+            self.decoding = items
+        return Batch(items, self.num_preemptions)
+
+    def _schedule_decoding(self) -> Batch | None:
+        """The last step's batch again, where it was every running sequence decoding one token and nothing has
+        changed since but their tokens: each decodes its next (with a block more where it needs one). None where a
+        sequence needs more than that (its last token sampled, or a block that is not free): the general path."""
+        block_size = self.blocks.block_size
+        for seq in self.running:
+            if len(seq.output_ids) + seq.num_pending_tokens >= seq.params.max_new_tokens:
+                return None
+            if seq.num_computed_tokens >= len(seq.block_table) * block_size:
+                if not self.blocks.can_allocate(seq, 1):
+                    return None
+                self.blocks.allocate(seq, 1)
+        return Batch(self.decoding, self.num_preemptions, all_decode=True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out for good (done, aborted or failed) and give back what it holds."""
+        self.decoding = None
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._release(seq)
@@ -163,6 +193,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _preempt(self, seq: Sequence) -> None:
+        self.decoding = None
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)

@@ -6,7 +6,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from backend.sampler import SamplingPlan
+from backend.model.kept import ROW_INPUTS, BlockTables, KeptBatch, decode_constants
 from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
@@ -14,9 +14,9 @@ PENDING = -1                                  # a token id the host does not hav
 
 
 @functools.lru_cache(maxsize=None)
-def _arange(n: int) -> tuple[torch.Tensor, list[int]]:
-    """0..n-1 as an int32 tensor (shared by the steps of n rows: read only) and as a list."""
-    return torch.arange(n, dtype=torch.int32), list(range(n))
+def _arange(n: int) -> list[int]:
+    """0..n-1 (shared by the steps of n rows: read only)."""
+    return list(range(n))
 
 
 @dataclass(slots=True)
@@ -30,149 +30,40 @@ class StepContext:
     between_layers: Callable[[], None] | None = None      # called after each layer (CPU: backend/openmp.TeamSizer)
 
 
-class BlockTables:
-    """The batch's block tables as one int32 array kept from step to step, a row per sequence of the last step: a
-    row is written again only where its sequence changed or its table grew (tables grow by appends, or are replaced
-    whole: backend/kv_cache.py), so a steady decode step writes the blocks its sequences crossed into, not 256 a
-    sequence at 4k tokens of context."""
-
-    def __init__(self):
-        self.array = np.zeros((0, 16), dtype=np.int32)
-        self.written: list[tuple[object, list, int]] = []     # by row: (sequence, its table, how much is written)
-        self.lengths = np.zeros(0, dtype=np.int64)             # by row: how much is written
-
-    def rows(self, seqs: list) -> np.ndarray:
-        """[num_seqs, longest table] int32, zero-padded."""
-        longest = max(len(seq.block_table) for seq in seqs)
-        if len(seqs) > self.array.shape[0] or longest > self.array.shape[1]:
-            self.array = np.zeros((max(len(seqs), 2 * self.array.shape[0]), max(longest, 2 * self.array.shape[1])),
-                                  dtype=np.int32)
-            self.written = []
-            self.lengths = np.zeros(self.array.shape[0], dtype=np.int64)
-        written = self.written
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            if i < len(written) and written[i][0] is seq and written[i][1] is table:
-                count = written[i][2]
-                if len(table) == count:
-                    continue
-                if len(table) > count:                         # grown by appends
-                    self.array[i, count:len(table)] = table[count:]
-                    written[i] = (seq, table, len(table))
-                    continue
-            row = self.array[i]
-            row[:len(table)] = table
-            row[len(table):] = 0
-            if i < len(written):
-                written[i] = (seq, table, len(table))
-            else:
-                written.append((seq, table, len(table)))
-        self.lengths[:len(seqs)] = [count for _, _, count in written[:len(seqs)]]
-        return self.array[:len(seqs), :longest].copy()
-
-    def rows_after_decode(self, seqs: list, crossed: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each:
-        a table grew by one block where a sequence crossed into it (the rows `crossed`, into blocks[row]), and only
-        there."""
-        crossed = crossed.tolist()
-        if crossed and int(blocks.max()) >= self.array.shape[1]:
-            return self.rows(seqs)
-        for row in crossed:
-            seq, table, count = self.written[row]
-            self.array[row, count:len(table)] = table[count:]
-            self.written[row] = (seq, table, len(table))
-            self.lengths[row] = len(table)
-        return self.array[:len(seqs), :self.lengths[:len(seqs)].max()].copy()
-
-
-@dataclass(slots=True)
-class LaunchRows:
-    """How a batch is launched: the scheduler's items in launch order (each adapter one segment), and its rows."""
-    order: list[int]                          # the launch order, as indices into the scheduler's items
-    slots: list[int]                          # each item's adapter slot, in launch order (none without adapters)
-    rows_of: dict                             # each sampling sequence -> its row of the sampled tokens
-    wanted: list[int]                         # the rows whose logits are sent back
-    needs_last_tokens: bool                   # a row's next inputs need its token on the host (penalties, bad
-                                              # words, top-p decay, a grammar)
-    plan: SamplingPlan | None = None          # the sampling plan, kept where it serves every step (reusable)
-
-    @classmethod
-    def of(cls, items: list, slot_of: Callable[[int | None], int] | None) -> "LaunchRows":
-        """The rows of a batch of items (the scheduler's order); slot_of: an adapter's slot (None: no adapters)."""
-        order, slots = list(range(len(items))), []
-        if slot_of is not None:
-            order.sort(key=lambda i: slot_of(items[i].seq.lora_task_id))
-            slots = [slot_of(items[i].seq.lora_task_id) for i in order]
-        sampled = [items[i].seq for i in order if items[i].samples]
-        return cls(order, slots, {seq: row for row, seq in enumerate(sampled)},
-                   [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits],
-                   any(seq.params.reads_last_token or seq.matcher is not None for seq in sampled))
-
-
-class KeptBatch:
-    """The last step's batch, kept from step to step (a persistent batch): its block tables, and, where every
-    sequence of it sampled, its LaunchRows. A step of those same sequences, decoding one token each (the steady
-    state of decoding), is launched with them: the same order, adapter slots, sampled rows and greedy sampling plan;
-    its block tables written where a sequence crossed into a new block; one read a row for its length and its token."""
-
-    def __init__(self):
-        self.tables = BlockTables()
-        self.scheduled: list = []             # the last step's sequences in the scheduler's order, if each sampled
-        self.rows: LaunchRows | None = None
-
-    def take_if_steady(self, scheduled: list, items: list) -> LaunchRows | None:
-        """The kept rows, if `items` (the scheduler's order; `scheduled` their sequences) are the last step's
-        sequences, each decoding the token it sampled; else None. Either way they are kept no more (`keep` again
-        once launched)."""
-        rows, last, self.rows, self.scheduled = self.rows, self.scheduled, None, []
-        steady = bool(last) and scheduled == last and all(item.num_new_tokens == 1 for item in items)
-        return rows if steady else None
-
-    def keep(self, scheduled: list, rows: LaunchRows) -> None:
-        """A step launched: kept where each of its sequences sampled."""
-        if len(rows.rows_of) == len(scheduled):
-            self.scheduled, self.rows = scheduled, rows
-
-
 class StepInputs:
     """The step's token ids, positions, cache slots and attention tables as host int32 tensors (`tensors`, sent
     to the device in one copy with the sampler's and LoRA's), and the host-side figures kernels launch with.
     Built with array operations over the batch: a step's host work does not grow with its context."""
 
-    def __init__(self, batch: Batch, block_size: int, tables: BlockTables | None = None, steady: bool = False):
-        """steady: the batch is the last one's sequences in the same order, each decoding the token it sampled
-        (KeptBatch.take_if_steady), and `tables` were written for that batch."""
-        tables = tables or BlockTables()
+    def __init__(self, batch: Batch, block_size: int, kept: KeptBatch | None = None, steady: bool = False):
+        """kept: the runner's persistent batch (its block tables serve a step from scratch too); steady: the batch
+        is the kept one's sequences in the same order, each decoding the token it sampled (KeptBatch.take_if_steady).
+        """
         self.pending: list[tuple[int, object]] = []             # (token row, sequence) whose id is still on the device
         self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device
         self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
+        self.rows: np.ndarray | None = None                     # a steady step's ROW_INPUTS [4, n] (kept.py)
+        self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
+                                                                # step's rows as one [4, n] tensor (`received`)
         if steady:
-            self._steady_decode([item.seq for item in batch.items], block_size, tables)
+            self._steady_decode([item.seq for item in batch.items], block_size, kept)
         else:
-            self._any(batch, block_size, tables)
+            self._any(batch, block_size, kept.tables if kept is not None else BlockTables())
 
-    def _steady_decode(self, seqs: list, block_size: int, tables: "BlockTables") -> None:
-        """The sequences of the step before, each of which sampled, decode the token it sampled: kept tables
-        written where a sequence crossed into a new block, no per-token work."""
+    def _steady_decode(self, seqs: list, block_size: int, kept: KeptBatch) -> None:
+        """The kept sequences, each of which sampled, decode the token it sampled: the kept rows one token on."""
         n = len(seqs)
-        positions = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=n)
         input_ids = [PENDING if seq.num_pending_tokens else seq.output_ids[-1] for seq in seqs]
         if PENDING in input_ids:
             self.pending = [(row, seqs[row]) for row, token in enumerate(input_ids) if token == PENDING]
-        blocks, offsets = np.divmod(positions, block_size)
-        block_tables = tables.rows_after_decode(seqs, np.flatnonzero(offsets == 0), blocks)
-        rows = np.empty((3, -(-n // 4) * 4), dtype=np.int32)[:, :n]   # positions, slots, context lengths: each
-        rows[0] = positions                                     # row 16 bytes aligned, as the kernels specialize
-        rows[1] = block_tables[np.arange(n), blocks] * block_size + offsets
-        rows[2] = rows[0] + 1
-        arange = _arange(n + 1)
-        self.query_starts, self.seq_lens, self.max_query_len = arange[1], rows[2].tolist(), 1
-        self.tensors = {"input_ids": torch.from_numpy(np.array(input_ids, dtype=np.int32)),
-                        "positions": torch.from_numpy(rows[0]), "slot_mapping": torch.from_numpy(rows[1]),
-                        "query_starts": arange[0], "seq_lens": torch.from_numpy(rows[2]),
-                        "block_tables": torch.from_numpy(block_tables), "logits_indices": arange[0][:n],
-                        "context_indices": arange[0][:0]}
+        self.rows, block_tables = kept.advance(seqs, input_ids, block_size)
+        self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
+        views, constants = kept.tensors(n), decode_constants(n)
+        self.tensors = {name: views[name] for name in ROW_INPUTS} | constants
+        self.tensors["block_tables"] = torch.from_numpy(block_tables)
+        self.sent = {"row_inputs": views["row_inputs"], "query_starts": constants["query_starts"],
+                     "block_tables": self.tensors["block_tables"]}
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
         items, n = batch.items, len(batch.items)
@@ -222,6 +113,17 @@ class StepInputs:
                   "query_starts": query_starts, "seq_lens": ends, "block_tables": block_tables,
                   "logits_indices": logits_indices, "context_indices": np.array(context_indices, dtype=np.int32)}
         self.tensors = {name: torch.from_numpy(a.astype(np.int32, copy=False)) for name, a in arrays.items()}
+        self.sent = self.tensors
+
+    def received(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's tensors by name, from what the upload of `sent` gave back (the same tensors on CPU)."""
+        if self.rows is None:
+            return t
+        if t["row_inputs"] is self.sent["row_inputs"]:           # not moved
+            return t | self.tensors
+        starts = t["query_starts"]
+        return t | dict(zip(ROW_INPUTS, t["row_inputs"])) | {"logits_indices": starts[:-1],
+                                                              "context_indices": starts[:0]}
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
         """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its
@@ -254,7 +156,8 @@ class StepInputs:
         inputs.query_starts = tensors["query_starts"].tolist()
         inputs.seq_lens = tensors["seq_lens"].tolist()
         inputs.max_query_len = max(b - a for a, b in zip(inputs.query_starts, inputs.query_starts[1:]))
-        inputs.context_chunks, inputs.pending, inputs.pending_maps = [], [], {}
+        inputs.context_chunks, inputs.pending, inputs.pending_maps, inputs.rows = [], [], {}, None
+        inputs.sent = tensors
         return inputs
 
     def context(self, t: dict[str, torch.Tensor]) -> StepContext:

@@ -14,11 +14,11 @@ import torch
 
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.model.context import StepContext, StepInputs
+from backend.model.kept import ROW_INPUTS
 from kernels.lora import block_m_for, max_work_items
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
-ROW_INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens")    # a row each of one buffer: one copy a step
 CONTEXT_CLASSES = (256, 2048)                 # graphs per bucket for contexts up to these, and up to the model's max:
                                               # a short context's step does not pay a long one's split count
 
@@ -92,8 +92,11 @@ def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int, num_s
     query_starts is the graphs' fixed arange. Written through numpy: fewer host calls than a torch op a tensor."""
     t, num_seqs = inputs.tensors, len(inputs.seq_lens)
     rows = np.zeros((len(ROW_INPUTS), bucket), dtype=np.int32)
-    for row, name in zip(rows, ROW_INPUTS):
-        row[:num_seqs] = t[name].numpy()
+    if inputs.rows is not None:                                 # a steady step's: one [4, n] array already
+        rows[:, :num_seqs] = inputs.rows
+    else:
+        for row, name in zip(rows, ROW_INPUTS):
+            row[:num_seqs] = t[name].numpy()
     rows[ROW_INPUTS.index("slot_mapping"), num_seqs:] = -1
     tables = t["block_tables"].numpy()
     padded_tables = np.zeros((bucket, tables.shape[1]), dtype=np.int32)

@@ -11,7 +11,8 @@ from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
-from backend.model.context import KeptBatch, LaunchRows, StepInputs
+from backend.model.context import StepInputs
+from backend.model.kept import KeptBatch, LaunchRows
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
@@ -38,6 +39,7 @@ class LaunchedStep:
     wanted: list[int]                         # the rows whose logits come back
     needs_last_tokens: bool                   # a row's next inputs need its token on the host (penalties, bad
                                               # words, top-p decay, a grammar)
+    ends: list[int | None]                    # by row: the token that ends it, where that is all it needs checked
 
 
 class ModelRunner:
@@ -235,14 +237,14 @@ class ModelRunner:
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
         scheduled = [item.seq for item in batch.items]
-        rows = self.kept.take_if_steady(scheduled, batch.items)  # a steady decode step: the last step's rows
+        rows = self.kept.take_if_steady(scheduled, batch)       # a steady decode step: the last one's rows
         steady = rows is not None
         rows = rows or LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
         batch.items = [batch.items[i] for i in rows.order]
         token_slots = rows.slots if steady else [                # (steady: one token a row)
             slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
         sampled = list(rows.rows_of)
-        inputs = StepInputs(batch, self.block_size, self.kept.tables, steady)
+        inputs = StepInputs(batch, self.block_size, self.kept, steady)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
         plan = rows.plan or sampler.prepare(sampled, self.model_config.vocab_size)
@@ -264,8 +266,8 @@ class ModelRunner:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
         download = self.staging.download(results, *([raw] if raw is not None else []))
-        self.kept.keep(scheduled, rows)
-        return LaunchedStep(batch, rows.rows_of, tokens, download, rows.wanted, rows.needs_last_tokens)
+        self.kept.keep(scheduled, rows, inputs, self.block_size, batch.num_preemptions)
+        return LaunchedStep(batch, rows.rows_of, tokens, download, rows.wanted, rows.needs_last_tokens, rows.ends)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
                  lora_cache: LoraCache | None) -> torch.Tensor:
@@ -275,7 +277,8 @@ class ModelRunner:
             segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
         if self.tp is not None:                                   # the workers run the same step beside us
             self.tp.step(inputs.tensors, token_slots)
-        t = self.staging.upload(inputs.tensors | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps)
+        t = self.staging.upload(inputs.sent | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps)
+        t = inputs.received(t)
         inputs.fill_pending(t)
         ctx = inputs.context(t)
         ctx.between_layers = self.team.checkpoint if self.team.active else None

@@ -5,10 +5,11 @@ import random
 import pytest
 import torch
 
-from backend.model.context import BlockTables, StepInputs
+from backend.model.context import StepInputs
+from backend.model.kept import BlockTables, KeptBatch
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
-from tests.helpers import random_prompts
+from tests.helpers import kv_bytes_for_blocks, random_prompts
 
 BLOCK_SIZE = 4
 
@@ -54,7 +55,7 @@ def random_item(rng: random.Random, request_id: int) -> ScheduledSeq:
 def test_step_inputs_equal_the_token_by_token_definition(seed):
     rng = random.Random(seed)
     batch = Batch([random_item(rng, i) for i in range(rng.randint(1, 12))])
-    inputs = StepInputs(batch, BLOCK_SIZE, BlockTables())
+    inputs = StepInputs(batch, BLOCK_SIZE, KeptBatch())
     expected = reference(batch, BLOCK_SIZE)
     for name, values in expected.items():
         assert inputs.tensors[name].dtype == torch.int32, name
@@ -113,18 +114,21 @@ def test_kept_tables_over_steps_of_a_changing_batch(seed):
                                                for seq in batch]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapters, monkeypatch, overlap):
+@pytest.mark.parametrize("overlap,num_blocks", [(False, None), (True, None), (False, 14), (True, 14)])
+def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapters, monkeypatch, overlap, num_blocks):
     """A step of the last step's sequences is launched from what was kept (runner's KeptBatch): its inputs equal
     those built from scratch, over a workload whose batch changes (adapters, stops, forks, an abort, block
-    crossings), and its tokens equal a run that always builds from scratch."""
+    crossings; with num_blocks, a cache so small that sequences are preempted, and KV reuse gives them their blocks
+    back), and its tokens equal a run that always builds from scratch."""
     from backend import LLMEngine
-    from backend.model.context import KeptBatch
+    from backend.model.config import ModelConfig
+    cache_bytes = 1 << 20 if num_blocks is None else kv_bytes_for_blocks(num_blocks, 4,
+                                                                          ModelConfig.from_dir(tiny_model_dir))
     steady_rows = []
     steady_decode = StepInputs._steady_decode
 
-    def checked(self, seqs, block_size, tables):
-        steady_decode(self, seqs, block_size, tables)
+    def checked(self, seqs, block_size, kept):
+        steady_decode(self, seqs, block_size, kept)
         general = StepInputs(Batch([ScheduledSeq(seq, 1) for seq in seqs]), block_size)
         for name, t in general.tensors.items():
             assert torch.equal(self.tensors[name], t), name
@@ -134,7 +138,8 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
 
     def run() -> dict:
         engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
-                           kv_cache_memory_bytes=1 << 20, max_loras=2, overlap_steps="true" if overlap else "false")
+                           kv_cache_memory_bytes=cache_bytes, max_loras=2, overlap_steps="true" if overlap else "false",
+                           enable_kv_cache_reuse=num_blocks is not None)
         for task_id, path in enumerate(tiny_adapters[:2], start=1):
             engine.add_lora_dir(task_id, path)
         prompts = random_prompts([5, 9, 13, 6, 17, 3], 512, seed=3)
@@ -150,10 +155,26 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
             num_steps += 1
             if num_steps == 8:
                 engine.abort(ids[1])
+        assert (engine.scheduler.num_preemptions > 0) == (num_blocks is not None)
         return tokens
 
     monkeypatch.setattr(StepInputs, "_steady_decode", checked)
     kept = run()
     assert len(steady_rows) > 10 and len(set(steady_rows)) > 2          # steady steps of several batches
-    monkeypatch.setattr(KeptBatch, "keep", lambda self, scheduled, rows: None)       # nothing kept: from scratch
+    monkeypatch.setattr(KeptBatch, "keep", lambda self, *args: None)       # nothing kept: from scratch
     assert kept == run()
+
+
+def test_a_preemption_since_the_kept_step_means_a_step_from_scratch():
+    """A sequence preempted since the kept step, and admitted again with its blocks from the cache, may decode one
+    token at the position it had: its table is another, so what was kept of it no longer holds."""
+    from backend.model.kept import LaunchRows
+    seq = Sequence(0, [1, 2, 3], SamplingParams())
+    seq.block_table = [4]
+    first = Batch([ScheduledSeq(seq, 3)])
+    kept = KeptBatch()
+    rows = LaunchRows.of(first.items, None)
+    kept.keep([seq], rows, StepInputs(first, BLOCK_SIZE, kept), BLOCK_SIZE, first.num_preemptions)
+    assert kept.take_if_steady([seq], Batch([ScheduledSeq(seq, 1, True)])) is rows
+    kept.keep([seq], rows, StepInputs(first, BLOCK_SIZE, kept), BLOCK_SIZE, first.num_preemptions)
+    assert kept.take_if_steady([seq], Batch([ScheduledSeq(seq, 1, True)], num_preemptions=1)) is None
