@@ -178,11 +178,14 @@ class LLMEngine:
         self._finish_request(request_id, "abort")
         return True
 
-    @torch.inference_mode()
     def step(self) -> StepOutputs:
         """One forward over the scheduled batch; the new token (if any) and finished flag of each request. With
         overlap_steps on, the step is launched before the one in flight lands, and the outputs are that one's: the
-        host's work for a step runs while the device computes the next."""
+        host's work for a step runs while the device computes the next. (Under torch.inference_mode, which it
+        enters where its caller has not: a server's loop enters it once.)"""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.step()
         previous, self.in_flight = self.in_flight, None
         outputs = StepOutputs()
         if previous is not None:
@@ -221,6 +224,12 @@ class LLMEngine:
             raise RuntimeError(f"injected fault at step {self.num_steps}")
         waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
         launched = self.runner.launch(batch, self.lora_cache, [seq.lora_task_id for seq in waiting], previous)
+        if batch.all_decode:                                # (each scheduled before: its first time is set)
+            for item in batch.items:
+                seq = item.seq
+                seq.num_computed_tokens += 1
+                seq.num_pending_tokens += 1
+            return launched
         now = time.time_ns()
         for item in batch.items:
             seq = item.seq
@@ -238,13 +247,12 @@ class LLMEngine:
         except Exception as exc:
             entries += self._fail_batch(launched.batch, exc)
             return
-        for seq in launched.rows_of:
-            seq.num_pending_tokens -= 1
         for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
         now, forks, finished, num_dropped = time.time_ns(), self.seqs.waiting_forks, Status.FINISHED, 0
         for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.ends):
+            seq.num_pending_tokens -= 1
             if seq.status is finished:
                 num_dropped += 1
                 continue

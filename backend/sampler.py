@@ -32,6 +32,12 @@ class SamplingPlan:
     reusable: bool = False                    # greedy rows with nothing that reads their tokens: the same plan serves
                                               # every step of the same rows
 
+    @property
+    def keeps_logits(self) -> bool:
+        """Nothing changes the logits before the argmax (no bias, penalty, ban or grammar): the greedy tokens are the
+        raw logits' argmax, which a decode graph takes itself."""
+        return not (self.num_biased or self.num_repetition or self.num_presence or self.num_bans or self.num_guided)
+
 
 def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
     out = torch.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=torch.int32)
@@ -220,14 +226,20 @@ def first_max(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return (start + logits.gather(1, cols).argmax(-1, keepdim=True))[:, 0]                 # repeats its last column
 
 
-def sample(logits: torch.Tensor, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device.
-    Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (None unless some row asked). A greedy
-    step on CUDA is one kernel: the argmax (the first maximum, as first_max's two passes give on CPU)."""
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row [num_rows] int64: one kernel on CUDA, first_max's two passes on CPU."""
+    return logits.argmax(-1) if logits.is_cuda else first_max(logits)
+
+
+def sample(logits: torch.Tensor, plan: SamplingPlan,
+           greedy_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device; greedy_tokens:
+    greedy(logits) where the caller has them (a decode graph's), used where the plan keeps the logits as they are.
+    Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (None unless some row asked)."""
     apply_bias(logits, plan)
     apply_penalties(logits, plan)
     apply_bans(logits, plan)
-    tokens = logits.argmax(-1) if logits.is_cuda else first_max(logits)
+    tokens = greedy_tokens if greedy_tokens is not None and plan.keeps_logits else greedy(logits)
     if plan.any_sampled:
         tokens = torch.where(plan.t["s_greedy"] != 0, tokens, sample_rows(logits, plan))
     if not plan.any_log_probs:

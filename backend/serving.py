@@ -9,6 +9,8 @@ import threading
 import time
 from typing import Callable, Protocol
 
+import torch
+
 from backend.engine import LLMEngine
 from backend.heap import HeapTrimmer, freeze_heap, unfreeze_heap
 from backend.openmp import one_openmp_thread, release_openmp_pool
@@ -112,6 +114,7 @@ class EngineLoop:
         self.heap.stop()
         unfreeze_heap()
 
+    @torch.inference_mode()                                  # once, not a step at a time
     def _run(self) -> None:
         while self._running:
             try:

@@ -106,7 +106,7 @@ def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int,
     for _ in range(num_rounds):
         clock = StageClock()
         start = time.perf_counter()
-        with clock.installed(engine):
+        with clock.installed(engine), torch.inference_mode():              # as a server's loop runs its steps
             clock.on = True
             for _ in range(num_steps):
                 engine.step()

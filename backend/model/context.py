@@ -61,9 +61,9 @@ class StepInputs:
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
         views, constants = kept.tensors(n), decode_constants(n)
         self.tensors = {name: views[name] for name in ROW_INPUTS} | constants
-        self.tensors["block_tables"] = torch.from_numpy(block_tables)
+        self.tensors["block_tables"] = block_tables
         self.sent = {"row_inputs": views["row_inputs"], "query_starts": constants["query_starts"],
-                     "block_tables": self.tensors["block_tables"]}
+                     "block_tables": block_tables}
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
         items, n = batch.items, len(batch.items)

@@ -1,5 +1,6 @@
 """CUDA graphs of decode steps: one per batch-size bucket (1, 2, 4, ... max_num_seqs), with and without adapters,
-captured at start over fixed device buffers and replayed for every step whose sequences all decode one token.
+captured at start over fixed device buffers and replayed for every step whose sequences all decode one token. Each
+graph takes the greedy tokens too (the argmax of its logits): a greedy step launches no sampling of its own.
 
 A step of n sequences runs the graph of the smallest bucket B >= n: its inputs are padded to B rows (token 0 at
 position 0, cache slot -1 so nothing is written, an empty context so nothing is read) and copied into the buffers;
@@ -15,6 +16,7 @@ import torch
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.model.context import StepContext, StepInputs
 from backend.model.kept import ROW_INPUTS
+from backend.sampler import greedy
 from kernels.lora import block_m_for, max_work_items
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
@@ -136,6 +138,8 @@ class DecodeGraphs:
         self.segments_of: tuple[list[int], int] | None = None          # the token slots and rows the LoRA buffers hold
         self.graphs: dict[tuple[tuple[int, int], bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}
+        self.argmax: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}     # each graph's greedy tokens
+        self.greedy: torch.Tensor | None = None          # the last step's greedy tokens [num_seqs], taken in the graph
         if capture:
             self._capture_all()
 
@@ -169,13 +173,17 @@ class DecodeGraphs:
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
             lora_cache.wait_for_slots(token_slots)
-        key = (bucket, with_lora)
+        key, num_seqs = (bucket, with_lora), len(inputs.seq_lens)
         if self.capture:
             self.graphs[key].replay()
-            logits = self.outputs[key]
+            logits, tokens = self.outputs[key], self.argmax.get(key)
         else:
             logits = self._forward(*key)
-        return logits[:len(inputs.seq_lens)] if self.logits else None
+            tokens = greedy(logits) if self.logits else None
+        if not self.logits:
+            return None
+        self.greedy = tokens[:num_seqs]
+        return logits[:num_seqs]
 
     def _forward(self, bucket: tuple[int, int], with_lora: bool) -> torch.Tensor:
         """The model over the first rows of the buffers, for contexts up to the bucket's class: what a graph
@@ -200,6 +208,8 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bucket, with_lora] = self._forward(bucket, with_lora)
+                    self.outputs[bucket, with_lora] = logits = self._forward(bucket, with_lora)
+                    if self.logits:                                     # greedy sampling, in the graph
+                        self.argmax[bucket, with_lora] = greedy(logits)
                 self.graphs[bucket, with_lora] = graph
         torch.cuda.synchronize(self.device)

@@ -15,7 +15,6 @@ import torch
 
 from backend.sampler import SamplingPlan
 
-NONE = np.zeros(0, dtype=np.int64)
 ROW_INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens")    # a decode step's rows: one [4, n] array
 
 
@@ -36,6 +35,8 @@ class BlockTables:
         self.array = np.zeros((0, 16), dtype=np.int32)
         self.written: list[tuple[object, list, int]] = []     # by row: (sequence, its table, how much is written)
         self.width = 0                                         # the longest table of the last call's rows
+        self.view: torch.Tensor | None = None                  # rows_after_decode's tensor over the array
+        self.view_of: np.ndarray | None = None
 
     def rows(self, seqs: list) -> np.ndarray:
         """[num_seqs, longest table] int32, zero-padded."""
@@ -65,17 +66,22 @@ class BlockTables:
         self.width = longest
         return self.array[:len(seqs), :longest].copy()
 
-    def rows_after_decode(self, seqs: list, crossed: np.ndarray) -> np.ndarray:
-        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each:
-        a table grew by one block where a sequence crossed into it (the rows `crossed`), and only there."""
-        for row in crossed.tolist():
-            seq, table, count = self.written[row]
+    def rows_after_decode(self, seqs: list) -> tuple[list[int], torch.Tensor]:
+        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each: a
+        table grew by one block where its sequence crossed into it, and only there -> (those rows, the rows as a
+        tensor over the array: valid until the next call)."""
+        written, n = self.written, len(seqs)
+        grown = [row for row, (_, table, count) in enumerate(written[:n]) if len(table) != count]
+        for row in grown:
+            seq, table, count = written[row]
             if len(table) > self.array.shape[1]:
-                return self.rows(seqs)
+                return grown, torch.from_numpy(self.rows(seqs))
             self.array[row, count:len(table)] = table[count:]
-            self.written[row] = (seq, table, len(table))
+            written[row] = (seq, table, len(table))
             self.width = max(self.width, len(table))
-        return self.array[:len(seqs), :self.width].copy()
+        if self.view is None or self.view.shape != (n, self.width) or self.view_of is not self.array:
+            self.view, self.view_of = torch.from_numpy(self.array[:n, :self.width]), self.array
+        return grown, self.view
 
 
 @dataclass(slots=True)
@@ -123,63 +129,63 @@ class KeptBatch:
 
     def __init__(self):
         self.tables = BlockTables()
-        self.scheduled: list = []             # the last step's sequences in the scheduler's order, if each sampled
+        self.items: list = []                 # the last step's scheduled items (the scheduler's order), if each sampled
+        self.launch_items: list = []          # and in launch order
         self.rows: LaunchRows | None = None
         self.num_preemptions = 0              # the scheduler's count when they were kept (a preemption starts a
                                               # sequence over, with a new table, though it may run again at once)
-        self.state = np.zeros((5, 0), dtype=np.int32)   # [ROW_INPUTS..., offset in its block - block size] by row
+        self.state = np.zeros((4, 0), dtype=np.int32)   # ROW_INPUTS of each row's sampled token
         self.views: dict[str, torch.Tensor] = {}          # state's ROW_INPUTS rows [:num_views] as tensors
         self.num_views = 0
 
-    def take_if_steady(self, scheduled: list, batch) -> LaunchRows | None:
-        """The kept rows, if the batch (`scheduled`: its sequences, in the scheduler's order) is the last step's
-        sequences, each decoding the token it sampled; else None. Either way they are kept no more (`keep` again
-        once launched)."""
-        rows, last, self.rows, self.scheduled = self.rows, self.scheduled, None, []
-        steady = (bool(last) and batch.num_preemptions == self.num_preemptions and scheduled == last
-                  and (batch.all_decode or all(item.num_new_tokens == 1 for item in batch.items)))
-        return rows if steady else None
+    def take_if_steady(self, batch) -> tuple[LaunchRows, list] | None:
+        """The kept rows and items in launch order, if the batch is the last step's sequences, each decoding the
+        token it sampled; else None. Either way they are kept no more (`keep` again once launched)."""
+        rows, last, self.rows, self.items = self.rows, self.items, None, []
+        if not last or batch.num_preemptions != self.num_preemptions or len(batch.items) != len(last):
+            return None
+        if batch.items is last:               # (the scheduler hands out the same list while steady)
+            return rows, self.launch_items
+        if not all(item.num_new_tokens == 1 and item.seq is kept.seq for item, kept in zip(batch.items, last)):
+            return None
+        return rows, [batch.items[i] for i in rows.order]
 
-    def keep(self, scheduled: list, rows: LaunchRows, inputs, block_size: int, num_preemptions: int) -> None:
-        """A step launched (its StepInputs `inputs`): kept where each of its sequences sampled."""
-        if len(rows.rows_of) != len(scheduled):
+    def keep(self, items: list, launch_items: list, rows: LaunchRows, inputs, num_preemptions: int) -> None:
+        """A step launched (its scheduled items, and in launch order; its StepInputs `inputs`): kept where each of its
+        sequences sampled."""
+        if len(rows.rows_of) != len(items):
             return
-        self.scheduled, self.rows, self.num_preemptions = scheduled, rows, num_preemptions
+        self.items, self.launch_items, self.rows, self.num_preemptions = items, launch_items, rows, num_preemptions
         if inputs.rows is not None:                            # a steady step: the state is its inputs already
             return
-        n, t = len(scheduled), inputs.tensors
+        n, t = len(launch_items), inputs.tensors
         state, last = self._state(n), t["logits_indices"].numpy()
         state[1, :n] = t["positions"].numpy()[last]
         state[2, :n] = t["slot_mapping"].numpy()[last]
         state[3, :n] = t["seq_lens"].numpy()
-        state[4, :n] = state[1, :n] % block_size - block_size
 
-    def advance(self, seqs: list, input_ids: list[int], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def advance(self, seqs: list, input_ids: list[int], block_size: int) -> tuple[np.ndarray, torch.Tensor]:
         """A steady step's inputs: the kept rows (seqs) one token on, fed input_ids -> (ROW_INPUTS [4, n] int32,
-        block tables [n, longest]). The ROW_INPUTS rows are views of the state, as are `views`: valid until the
-        next step."""
+        block tables [n, longest]). Both are views of what is kept, as are `tensors`: valid until the next step."""
         n, state = len(seqs), self.state
-        state[1:, :n] += 1                                     # positions, slots, lengths, block offsets
-        countdown = state[4, :n]
-        crossed = NONE if countdown.all() else np.flatnonzero(countdown == 0)    # rows whose token starts a block
-        tables = self.tables.rows_after_decode(seqs, crossed)
-        if len(crossed):
-            state[2, crossed] = tables[crossed, state[1, crossed] // block_size] * block_size
-            countdown[crossed] = -block_size
+        state[1:, :n] += 1                                     # positions, slots, lengths
+        crossed, tables = self.tables.rows_after_decode(seqs)  # (a table grows where its token starts a block)
+        for row in crossed:
+            state[2, row] = seqs[row].block_table[state[1, row] // block_size] * block_size
         state[0, :n] = input_ids
-        return state[:4, :n], tables
+        return state[:, :n], tables
 
     def tensors(self, n: int) -> dict[str, torch.Tensor]:
         """ROW_INPUTS of the first n rows of the state as tensors over it, and the four as "row_inputs" [4, n] (made
         once for each n)."""
         if self.num_views != n:
             self.views = {name: torch.from_numpy(self.state[i, :n]) for i, name in enumerate(ROW_INPUTS)}
-            self.views["row_inputs"] = torch.from_numpy(self.state[:4, :n])
+            self.views["row_inputs"] = torch.from_numpy(self.state[:, :n])
             self.num_views = n
         return self.views
 
     def _state(self, n: int) -> np.ndarray:
         if n > self.state.shape[1]:
-            self.state = np.zeros((5, max(-(-n // 4) * 4, 2 * self.state.shape[1])), dtype=np.int32)   # rows 16
+            self.state = np.zeros((4, max(-(-n // 4) * 4, 2 * self.state.shape[1])), dtype=np.int32)   # rows 16
             self.num_views = 0                                                                        # bytes aligned
         return self.state

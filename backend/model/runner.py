@@ -236,23 +236,24 @@ class ModelRunner:
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
-        scheduled = [item.seq for item in batch.items]
-        rows = self.kept.take_if_steady(scheduled, batch)       # a steady decode step: the last one's rows
-        steady = rows is not None
-        rows = rows or LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
-        batch.items = [batch.items[i] for i in rows.order]
-        token_slots = rows.slots if steady else [                # (steady: one token a row)
-            slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
-        sampled = list(rows.rows_of)
-        inputs = StepInputs(batch, self.block_size, self.kept, steady)
+        scheduled, kept = batch.items, self.kept.take_if_steady(batch)   # a steady decode step: the last one's rows
+        if kept is not None:
+            rows, batch.items = kept
+            token_slots = rows.slots                              # (one token a row)
+        else:
+            rows = LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
+            batch.items = [batch.items[i] for i in rows.order]
+            token_slots = [slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
+        inputs = StepInputs(batch, self.block_size, self.kept, kept is not None)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
-        plan = rows.plan or sampler.prepare(sampled, self.model_config.vocab_size)
+        plan = rows.plan or sampler.prepare(list(rows.rows_of), self.model_config.vocab_size)
         rows.plan = plan if plan.reusable else None
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
+        greedy = None
         if bucket is not None:
-            logits = self.graph_step(bucket, inputs, token_slots, plan, lora_cache)
+            logits, greedy = self.graph_step(bucket, inputs, token_slots, plan, lora_cache), self.graphs.greedy
         elif token_bucket is not None:
             logits = self.piecewise.run(token_bucket, inputs, token_slots, self.staging, plan, lora_cache)
         else:
@@ -261,12 +262,12 @@ class ModelRunner:
         if rows.wanted:                                           # before sampling changes them in place
             wanted = pin(torch.tensor(rows.wanted), self.device).to(self.device, non_blocking=True)
             raw = logits.index_select(0, wanted).float()
-        tokens, log_probs = sampler.sample(logits, plan)
+        tokens, log_probs = sampler.sample(logits, plan, greedy)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
         download = self.staging.download(results, *([raw] if raw is not None else []))
-        self.kept.keep(scheduled, rows, inputs, self.block_size, batch.num_preemptions)
+        self.kept.keep(scheduled, batch.items, rows, inputs, batch.num_preemptions)
         return LaunchedStep(batch, rows.rows_of, tokens, download, rows.wanted, rows.needs_last_tokens, rows.ends)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
@@ -288,7 +289,9 @@ class ModelRunner:
             lora_cache.wait_for_slots(segments.slots_list)
             ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
         logits = self.model.forward(ctx, self.kv_caches, with_context=bool(inputs.context_chunks))
-        context = logits[plan.num_rows:].cpu() if inputs.context_chunks else None    # asked for: copied once
+        if not inputs.context_chunks:
+            return logits
+        context = logits[plan.num_rows:].cpu()                   # asked for: copied once
         offset = 0
         for index, first, num_rows in inputs.context_chunks:
             chunks = batch.items[index].seq.context_logits

@@ -70,8 +70,10 @@ def test_a_step_replays_the_graph_of_its_rows_and_its_longest_context(tiny_model
 @INTERPRETER_MARK
 def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, monkeypatch):
     """Every decode step padded to its bucket (padding rows write no cache slot and read no context), with the
-    attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps. A
-    step of the same sequences as the one before leaves the LoRA buffers as they are."""
+    attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps, their
+    greedy tokens taken in the graph (the sampler takes no argmax of its own). A step of the same sequences as the one
+    before leaves the LoRA buffers as they are."""
+    from backend import sampler
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
@@ -81,8 +83,11 @@ def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_ad
     buckets = count_graph_steps(runner.graphs)
     copies, copy_lora = [], graphs_module.copy_lora
     monkeypatch.setattr(graphs_module, "copy_lora", lambda *args: (copies.append(len(buckets)), copy_lora(*args)))
+    argmaxes, greedy = [], sampler.greedy
+    monkeypatch.setattr(sampler, "greedy", lambda logits: argmaxes.append(len(buckets)) or greedy(logits))
     assert run(engine, prompts) == want
     assert {6, 4, 2, 1} <= set(buckets), buckets
+    assert len(argmaxes) == engine.num_steps - len(buckets)             # the steps with prompt tokens only
     assert 0 < len(copies) < len(buckets) and len(set(copies)) == len(copies), (copies, buckets)   # not every step
 
 

@@ -174,7 +174,7 @@ def test_a_preemption_since_the_kept_step_means_a_step_from_scratch():
     first = Batch([ScheduledSeq(seq, 3)])
     kept = KeptBatch()
     rows = LaunchRows.of(first.items, None)
-    kept.keep([seq], rows, StepInputs(first, BLOCK_SIZE, kept), BLOCK_SIZE, first.num_preemptions)
-    assert kept.take_if_steady([seq], Batch([ScheduledSeq(seq, 1, True)])) is rows
-    kept.keep([seq], rows, StepInputs(first, BLOCK_SIZE, kept), BLOCK_SIZE, first.num_preemptions)
-    assert kept.take_if_steady([seq], Batch([ScheduledSeq(seq, 1, True)], num_preemptions=1)) is None
+    kept.keep(first.items, first.items, rows, StepInputs(first, BLOCK_SIZE, kept), 0)
+    assert kept.take_if_steady(Batch([ScheduledSeq(seq, 1, True)]))[0] is rows
+    kept.keep(first.items, first.items, rows, StepInputs(first, BLOCK_SIZE, kept), 0)
+    assert kept.take_if_steady(Batch([ScheduledSeq(seq, 1, True)], num_preemptions=1)) is None
