@@ -100,12 +100,7 @@ class StepStaging:
         if self.device.type == "cpu":
             return tensors
         host, offsets = self.pack(tensors)
-        dev = host.to(self.device, non_blocking=True)
-        views = {}
-        for (name, t), offset in zip(tensors.items(), offsets):
-            view = dev[offset:offset + t.numel()].view(t.shape)
-            views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
-        return views
+        return unpacked(host.to(self.device, non_blocking=True), tensors, offsets)
 
     @staticmethod
     def pack(tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
@@ -145,6 +140,15 @@ class Download:
         if self.done is not None:
             self.done.synchronize()
         return self.hosts
+
+
+def unpacked(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], offsets: list[int]) -> dict[str, torch.Tensor]:
+    """Views of a packed buffer (StepStaging.pack of `tensors`, at `offsets`) by name, in the tensors' shapes."""
+    views = {}
+    for (name, t), offset in zip(tensors.items(), offsets):
+        view = buffer[offset:offset + t.numel()].view(t.shape)
+        views[name] = view.view(torch.float32) if t.dtype == torch.float32 else view
+    return views
 
 
 def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:

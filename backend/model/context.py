@@ -121,9 +121,8 @@ class StepInputs:
             return t
         if t["row_inputs"] is self.sent["row_inputs"]:           # not moved
             return t | self.tensors
-        starts = t["query_starts"]
-        return t | dict(zip(ROW_INPUTS, t["row_inputs"])) | {"logits_indices": starts[:-1],
-                                                              "context_indices": starts[:0]}
+        starts, rows = t["query_starts"], t["row_inputs"][:, :len(self.seq_lens)]
+        return t | dict(zip(ROW_INPUTS, rows)) | {"logits_indices": starts[:-1], "context_indices": starts[:0]}
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
         """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its

@@ -176,11 +176,11 @@ class KeptBatch:
         return state[:, :n], tables
 
     def tensors(self, n: int) -> dict[str, torch.Tensor]:
-        """ROW_INPUTS of the first n rows of the state as tensors over it, and the four as "row_inputs" [4, n] (made
-        once for each n)."""
+        """ROW_INPUTS of the first n rows of the state as tensors over it, and the four as "row_inputs" [4, n rounded
+        up to 4] (each row of its copy 16 bytes aligned, as the kernels specialize; made once for each n)."""
         if self.num_views != n:
             self.views = {name: torch.from_numpy(self.state[i, :n]) for i, name in enumerate(ROW_INPUTS)}
-            self.views["row_inputs"] = torch.from_numpy(self.state[:, :n])
+            self.views["row_inputs"] = torch.from_numpy(self.state[:, :-(-n // 4) * 4])
             self.num_views = n
         return self.views
 

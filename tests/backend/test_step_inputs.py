@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from backend.device import StepStaging, unpacked
 from backend.model.context import StepInputs
 from backend.model.kept import BlockTables, KeptBatch
 from backend.request import SamplingParams, Sequence
@@ -130,8 +131,12 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     def checked(self, seqs, block_size, kept):
         steady_decode(self, seqs, block_size, kept)
         general = StepInputs(Batch([ScheduledSeq(seq, 1) for seq in seqs]), block_size)
+        sent = self.sent | {"s_other": torch.zeros(3, dtype=torch.int32)}     # as a device gets them: packed
+        host, offsets = StepStaging.pack(sent, pinned=False)
+        uploaded = self.received(unpacked(host, sent, offsets))
         for name, t in general.tensors.items():
             assert torch.equal(self.tensors[name], t), name
+            assert torch.equal(uploaded[name], t) and uploaded[name].data_ptr() % 16 == 0, name
         assert (self.query_starts, self.seq_lens, self.pending) == (general.query_starts, general.seq_lens,
                                                                     general.pending)
         steady_rows.append(len(seqs))
