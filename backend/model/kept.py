@@ -113,11 +113,11 @@ class LaunchRows:
 
 def plain_end(seq) -> int | None:
     """Where a sequence's next tokens need nothing but appending until one ends it (by its end id, or its length):
-    that end id (-1: none). None where a token needs more: log probs or logits to return, stop words, a grammar,
-    top-p decay, min_tokens still to come."""
+    that end id (-1: none). None where a token needs more: log probs or logits to return (the prompt's come with the
+    first token), stop words, a grammar, top-p decay, min_tokens still to come."""
     p = seq.params
     if (p.return_log_probs or p.return_generation_logits or p.stop_words or seq.matcher is not None
-            or p.top_p_decay != 1.0 or p.top_p_reset_id is not None or seq.context_logits
+            or p.top_p_decay != 1.0 or p.top_p_reset_id is not None or (p.return_context_logits and not seq.output_ids)
             or p.min_tokens > len(seq.output_ids)):
         return None
     return -1 if p.end_id is None or p.ignore_end_id else p.end_id

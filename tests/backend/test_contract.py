@@ -178,12 +178,16 @@ def test_generation_logits_are_the_models_logits_of_each_new_token(engine, hf_ti
     assert torch.allclose(torch.stack(rows), hf.float(), atol=1e-4)   # raw: before the repetition penalty
 
 
-def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_model_dir, hf_tiny, monkeypatch):
+@pytest.mark.parametrize("max_num_batched_tokens", [8, 64])
+def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_model_dir, hf_tiny, monkeypatch,
+                                                                        max_num_batched_tokens):
+    """In chunks of 8 tokens, and in one (the logits arrive in the step that samples the first token)."""
     import torch
 
     import backend.engine
     chunked = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
-                        kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=8, enable_kv_cache_reuse=True)
+                        kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=max_num_batched_tokens,
+                        enable_kv_cache_reuse=True)
     prompt = random_prompts([23], 512, seed=9)[0]
     for _ in range(2):                              # the second time its blocks are cached, but not reused
         chunked.add_request(prompt, SamplingParams(max_new_tokens=2, return_context_logits=True))
