@@ -45,7 +45,7 @@ class StepInputs:
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
         self.rows: np.ndarray | None = None                     # a steady step's ROW_INPUTS [4, n] (kept.py)
         self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
-                                                                # step's rows as one [4, n] tensor (`received`)
+                                                                # step's rows as one tensor (`received`)
         if steady:
             self._steady_decode([item.seq for item in batch.items], block_size, kept)
         else:
