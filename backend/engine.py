@@ -257,8 +257,7 @@ class LLMEngine:
                 num_dropped += 1
                 continue
             out = seq.output_ids
-            if (end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens or forks or logits
-                    or seq.context_logits):
+            if end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens or forks or logits:
                 entries.append(self._append(seq, token, log_prob, now, logits.get(launched.rows_of[seq])
                                             if logits else None))
                 continue
