@@ -106,7 +106,14 @@ class StepStaging:
     def pack(tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
         """The tensors as int32 in one host buffer (page-locked unless pinned=False: the host-profile bench on a
         machine without CUDA), each at an aligned offset -> (buffer [total], offsets). Written through numpy: a
-        torch slice and copy cost ~3 us a tensor of host time, numpy's a tenth of it."""
+        torch slice and copy cost ~3 us a tensor of host time, numpy's a tenth of it. A lone int32 tensor (a steady
+        step's kept buffer, laid out already) is one copy."""
+        if len(tensors) == 1:
+            (t,) = tensors.values()
+            if t.dtype == torch.int32 and t.dim() == 1:
+                host = torch.empty(t.shape[0], dtype=torch.int32, pin_memory=pinned)
+                host.copy_(t)
+                return host, [0]
         flat = [_as_int32(t) for t in tensors.values()]
         offsets, total = aligned_offsets([f.size for f in flat])
         host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)

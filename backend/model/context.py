@@ -6,7 +6,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from backend.model.kept import ROW_INPUTS, BlockTables, KeptBatch, decode_constants
+from backend.model.kept import ROW_INPUTS, BlockTables, KeptBatch, kept_views
 from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
@@ -44,8 +44,10 @@ class StepInputs:
         self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
         self.rows: np.ndarray | None = None                     # a steady step's ROW_INPUTS [4, n] (kept.py)
+        self.row_inputs: torch.Tensor | None = None             # and as the kept buffer's [4, C] (KeptBatch)
+        self.capacity = 0
         self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
-                                                                # step's rows as one tensor (`received`)
+                                                                # step's kept buffer as it lies (`received`)
         if steady:
             self._steady_decode([item.seq for item in batch.items], block_size, kept)
         else:
@@ -57,13 +59,10 @@ class StepInputs:
         input_ids = [PENDING if seq.num_pending_tokens else seq.output_ids[-1] for seq in seqs]
         if PENDING in input_ids:
             self.pending = [(row, seqs[row]) for row, token in enumerate(input_ids) if token == PENDING]
-        self.rows, block_tables = kept.advance(seqs, input_ids, block_size)
+        self.rows = kept.advance(seqs, input_ids, block_size)
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
-        views, constants = kept.tensors(n), decode_constants(n)
-        self.tensors = {name: views[name] for name in ROW_INPUTS} | constants
-        self.tensors["block_tables"] = block_tables
-        self.sent = {"row_inputs": views["row_inputs"], "query_starts": constants["query_starts"],
-                     "block_tables": block_tables}
+        self.tensors, self.row_inputs, sent = kept.tensors(n)
+        self.sent, self.capacity = {"kept": sent}, kept.capacity
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
         items, n = batch.items, len(batch.items)
@@ -119,10 +118,13 @@ class StepInputs:
         """The step's tensors by name, from what the upload of `sent` gave back (the same tensors on CPU)."""
         if self.rows is None:
             return t
-        if t["row_inputs"] is self.sent["row_inputs"]:           # not moved
-            return t | self.tensors
-        starts, rows = t["query_starts"], t["row_inputs"][:, :len(self.seq_lens)]
-        return t | dict(zip(ROW_INPUTS, rows)) | {"logits_indices": starts[:-1], "context_indices": starts[:0]}
+        sent = t["kept"]
+        if sent is self.sent["kept"]:                            # not moved
+            return t | self.tensors | {"row_inputs": self.row_inputs}
+        n, cap = len(self.seq_lens), self.capacity
+        state = sent[:4 * cap].view(4, cap)
+        return t | {name: state[i, :n] for i, name in enumerate(ROW_INPUTS)} | kept_views(
+            sent, n, cap, self.tensors["block_tables"].shape[1]) | {"row_inputs": state}
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
         """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its

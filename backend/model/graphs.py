@@ -15,7 +15,7 @@ import torch
 
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.model.context import StepContext, StepInputs
-from backend.model.kept import ROW_INPUTS
+from backend.model.kept import PADDING, ROW_INPUTS
 from backend.sampler import greedy
 from kernels.lora import block_m_for, max_work_items
 from kernels.metadata import AttentionMetadata
@@ -86,25 +86,20 @@ def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, op
     return LoraBatch(lora_slots, segments, ops)
 
 
-def padded_inputs(inputs: StepInputs, token_slots: list[int], bucket: int, num_segments: int,
-                  dtype: torch.dtype, with_segments: bool = True) -> dict[str, torch.Tensor]:
+def padded_inputs(inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
     """A decode step's host tensors padded to `bucket` rows (padding rows: token 0 at position 0, cache slot -1 so
-    nothing is written, an empty context so nothing is read): ROW_INPUTS as the rows of "row_inputs" [4, bucket],
-    its block tables, and (with_segments) its LoRA segments padded to num_segments. Every row is one query token:
-    query_starts is the graphs' fixed arange. Written through numpy: fewer host calls than a torch op a tensor."""
+    nothing is written, an empty context so nothing is read): ROW_INPUTS as the rows of "row_inputs" [4, bucket] and
+    its block tables. Every row is one query token: query_starts is the graphs' fixed arange. (A steady step's kept
+    buffer holds them padded already: KeptBatch.) Written through numpy: fewer host calls than a torch op a tensor."""
     t, num_seqs = inputs.tensors, len(inputs.seq_lens)
-    rows = np.zeros((len(ROW_INPUTS), bucket), dtype=np.int32)
-    if inputs.rows is not None:                                 # a steady step's: one [4, n] array already
-        rows[:, :num_seqs] = inputs.rows
-    else:
-        for row, name in zip(rows, ROW_INPUTS):
-            row[:num_seqs] = t[name].numpy()
-    rows[ROW_INPUTS.index("slot_mapping"), num_seqs:] = -1
+    rows = np.empty((len(ROW_INPUTS), bucket), dtype=np.int32)
+    rows[:] = PADDING[:, None]
+    for row, name in zip(rows, ROW_INPUTS):
+        row[:num_seqs] = t[name].numpy()
     tables = t["block_tables"].numpy()
     padded_tables = np.zeros((bucket, tables.shape[1]), dtype=np.int32)
     padded_tables[:num_seqs] = tables
-    host = {"row_inputs": torch.from_numpy(rows), "block_tables": torch.from_numpy(padded_tables)}
-    return host | padded_segments(token_slots, bucket, num_segments, dtype) if with_segments else host
+    return {"row_inputs": torch.from_numpy(rows), "block_tables": torch.from_numpy(padded_tables)}
 
 
 class DecodeGraphs:
@@ -160,16 +155,20 @@ class DecodeGraphs:
         rows, _ = bucket
         token_slots = token_slots or [-1] * len(inputs.seq_lens)
         segments_in_place = self.segments_of == (token_slots, rows)   # a steady batch: the buffers hold them
-        host = padded_inputs(inputs, token_slots, rows, self.num_segments, self.dtype, not segments_in_place)
+        steady = inputs.rows is not None and inputs.capacity >= rows   # its kept buffer: padded rows as they lie
+        host = inputs.sent if steady else padded_inputs(inputs, rows)
+        if not segments_in_place:
+            host = host | padded_segments(token_slots, rows, self.num_segments, self.dtype)
         t = staging.upload(host | plan.t | inputs.pending_maps)
-        t["input_ids"] = t["row_inputs"][0]
+        t = inputs.received(t) if steady else t | {"input_ids": t["row_inputs"][0]}
         inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
-        self.row_inputs[:, :rows].copy_(t["row_inputs"])
+        self.row_inputs[:, :rows].copy_(t["row_inputs"][:, :rows])
         if not segments_in_place:
             copy_lora(self.buffers, t)
             self.segments_of = (token_slots, rows)
-        self.buffers["block_tables"][:rows, :t["block_tables"].shape[1]].copy_(t["block_tables"])
+        tables = t["block_tables"]                                     # (a steady step's: its sequences' rows)
+        self.buffers["block_tables"][:tables.shape[0], :tables.shape[1]].copy_(tables)
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
             lora_cache.wait_for_slots(token_slots)

@@ -6,7 +6,6 @@ were; every row's position, cache slot and context length one further, in one ar
 written only where its sequence crossed into a new block. Any other step is built from scratch (StepInputs), and
 kept in turn where each of its sequences sampled.
 """
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,34 +15,28 @@ import torch
 from backend.sampler import SamplingPlan
 
 ROW_INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens")    # a decode step's rows: one [4, n] array
-
-
-@functools.lru_cache(maxsize=None)
-def decode_constants(n: int) -> dict[str, torch.Tensor]:
-    """The inputs every decode step of n rows shares (read only): one query a row, each row's logits."""
-    arange = torch.arange(n + 1, dtype=torch.int32)
-    return {"query_starts": arange, "logits_indices": arange[:n], "context_indices": arange[:0]}
+PADDING = np.array([0, 0, -1, 0], dtype=np.int32)     # ROW_INPUTS of a padding row: token 0 at position 0, cache slot
+                                                      # -1 (nothing written), an empty context (nothing read)
 
 
 class BlockTables:
     """The batch's block tables as one int32 array kept from step to step, a row per sequence of the last step: a
     row is written again only where its sequence changed or its table grew (tables grow by appends, or are replaced
     whole: backend/kv_cache.py), so a steady decode step writes the blocks its sequences crossed into, not 256 a
-    sequence at 4k tokens of context."""
+    sequence at 4k tokens of context. allocate(rows, width): a zeroed int32 array of at least that shape (the kept
+    batch lays it out in its buffer)."""
 
-    def __init__(self):
-        self.array = np.zeros((0, 16), dtype=np.int32)
+    def __init__(self, allocate: Callable[[int, int], np.ndarray] | None = None):
+        self.allocate = allocate or (lambda rows, width: np.zeros((rows, width), dtype=np.int32))
+        self.array = self.allocate(0, 16)
         self.written: list[tuple[object, list, int]] = []     # by row: (sequence, its table, how much is written)
         self.width = 0                                         # the longest table of the last call's rows
-        self.view: torch.Tensor | None = None                  # rows_after_decode's tensor over the array
-        self.view_of: np.ndarray | None = None
 
     def rows(self, seqs: list) -> np.ndarray:
         """[num_seqs, longest table] int32, zero-padded."""
         longest = max(len(seq.block_table) for seq in seqs)
         if len(seqs) > self.array.shape[0] or longest > self.array.shape[1]:
-            self.array = np.zeros((max(len(seqs), 2 * self.array.shape[0]), max(longest, 2 * self.array.shape[1])),
-                                  dtype=np.int32)
+            self.array = self.allocate(max(len(seqs), 2 * self.array.shape[0]), max(longest, 2 * self.array.shape[1]))
             self.written = []
         written = self.written
         for i, seq in enumerate(seqs):
@@ -66,22 +59,21 @@ class BlockTables:
         self.width = longest
         return self.array[:len(seqs), :longest].copy()
 
-    def rows_after_decode(self, seqs: list) -> tuple[list[int], torch.Tensor]:
-        """`rows(seqs)` where seqs are the rows of the last call, in order, and have since decoded one token each: a
-        table grew by one block where its sequence crossed into it, and only there -> (those rows, the rows as a
-        tensor over the array: valid until the next call)."""
+    def rows_after_decode(self, seqs: list) -> list[int]:
+        """`rows(seqs)` written in place, where seqs are the rows of the last call, in order, and have since decoded
+        one token each: a table grew by one block where its sequence crossed into it, and only there -> those rows
+        (the tables: `array[:len(seqs), :width]`)."""
         written, n = self.written, len(seqs)
         grown = [row for row, (_, table, count) in enumerate(written[:n]) if len(table) != count]
         for row in grown:
             seq, table, count = written[row]
             if len(table) > self.array.shape[1]:
-                return grown, torch.from_numpy(self.rows(seqs))
+                self.rows(seqs)
+                return grown
             self.array[row, count:len(table)] = table[count:]
             written[row] = (seq, table, len(table))
             self.width = max(self.width, len(table))
-        if self.view is None or self.view.shape != (n, self.width) or self.view_of is not self.array:
-            self.view, self.view_of = torch.from_numpy(self.array[:n, :self.width]), self.array
-        return grown, self.view
+        return grown
 
 
 @dataclass(slots=True)
@@ -125,18 +117,43 @@ def plain_end(seq) -> int | None:
 
 class KeptBatch:
     """The last step's batch where every sequence of it sampled: its sequences, LaunchRows and block tables, and
-    by row the step inputs of its sampled token (`state`), which a steady step moves one token on."""
+    by row the step inputs of its sampled token (`state`), which a steady step moves one token on.
 
-    def __init__(self):
-        self.tables = BlockTables()
+    The state, the decode steps' constant arange and the block tables lie in one int32 buffer, in the layout a
+    device reads them: [4, C] ROW_INPUTS (C columns, a multiple of 4: each row 16 bytes aligned; columns past the
+    batch hold padding rows, as a decode graph wants them), [C + 4] 0, 1, 2, ... (query starts, logits indices),
+    [C, W] block tables. A steady step sends its first rows as they lie: one copy, nothing packed or padded."""
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = 0                     # C
+        self.buffer = np.zeros(0, dtype=np.int32)
+        self.state = np.zeros((4, 0), dtype=np.int32)
+        self.tables = BlockTables(self._lay_out)
+        self.tables.array = self._lay_out(capacity, self.tables.array.shape[1])
         self.items: list = []                 # the last step's scheduled items (the scheduler's order), if each sampled
         self.launch_items: list = []          # and in launch order
         self.rows: LaunchRows | None = None
         self.num_preemptions = 0              # the scheduler's count when they were kept (a preemption starts a
                                               # sequence over, with a new table, though it may run again at once)
-        self.state = np.zeros((4, 0), dtype=np.int32)   # ROW_INPUTS of each row's sampled token
-        self.views: dict[str, torch.Tensor] = {}          # state's ROW_INPUTS rows [:num_views] as tensors
-        self.num_views = 0
+        self.views: tuple = ()                # `tensors` of the last (rows, table width)
+        self.views_of: tuple[int, int] | None = None
+
+    def _lay_out(self, num_rows: int, width: int) -> np.ndarray:
+        """A buffer for num_rows rows (at least) of block tables width wide, holding the last one's state and tables
+        -> its tables [C, width]."""
+        old_state, old_tables = self.state, getattr(self, "tables", None)        # (none yet: BlockTables' first)
+        cap = max(-(-num_rows // 4) * 4, self.capacity)
+        self.buffer = np.zeros(5 * cap + 4 + cap * width, dtype=np.int32)
+        self.state = self.buffer[:4 * cap].reshape(4, cap)
+        self.state[:] = PADDING[:, None]
+        self.state[:, :old_state.shape[1]] = old_state
+        self.buffer[4 * cap:5 * cap + 4] = np.arange(cap + 4, dtype=np.int32)
+        tables = self.buffer[5 * cap + 4:].reshape(cap, width)
+        if old_tables is not None:
+            old = old_tables.array
+            tables[:old.shape[0], :old.shape[1]] = old
+        self.capacity, self.views_of = cap, None
+        return tables
 
     def take_if_steady(self, batch) -> tuple[LaunchRows, list] | None:
         """The kept rows and items in launch order, if the batch is the last step's sequences, each decoding the
@@ -159,33 +176,43 @@ class KeptBatch:
         if inputs.rows is not None:                            # a steady step: the state is its inputs already
             return
         n, t = len(launch_items), inputs.tensors
-        state, last = self._state(n), t["logits_indices"].numpy()
+        if n > self.capacity:
+            self.tables.array = self._lay_out(n, self.tables.array.shape[1])
+        state, last = self.state, t["logits_indices"].numpy()
         state[1, :n] = t["positions"].numpy()[last]
         state[2, :n] = t["slot_mapping"].numpy()[last]
         state[3, :n] = t["seq_lens"].numpy()
+        state[:, n:] = PADDING[:, None]
 
-    def advance(self, seqs: list, input_ids: list[int], block_size: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A steady step's inputs: the kept rows (seqs) one token on, fed input_ids -> (ROW_INPUTS [4, n] int32,
-        block tables [n, longest]). Both are views of what is kept, as are `tensors`: valid until the next step."""
+    def advance(self, seqs: list, input_ids: list[int], block_size: int) -> np.ndarray:
+        """A steady step's inputs: the kept rows (seqs) one token on, fed input_ids -> ROW_INPUTS [4, n] int32, a
+        view of the state (as `tensors` are: valid until the next step)."""
         n, state = len(seqs), self.state
         state[1:, :n] += 1                                     # positions, slots, lengths
-        crossed, tables = self.tables.rows_after_decode(seqs)  # (a table grows where its token starts a block)
+        crossed = self.tables.rows_after_decode(seqs)          # (a table grows where its token starts a block)
+        state = self.state                                     # (laid out anew where a table outgrew the buffer)
         for row in crossed:
             state[2, row] = seqs[row].block_table[state[1, row] // block_size] * block_size
         state[0, :n] = input_ids
-        return state[:, :n], tables
+        return state[:, :n]
 
-    def tensors(self, n: int) -> dict[str, torch.Tensor]:
-        """ROW_INPUTS of the first n rows of the state as tensors over it, and the four as "row_inputs" [4, n rounded
-        up to 4] (each row of its copy 16 bytes aligned, as the kernels specialize; made once for each n)."""
-        if self.num_views != n:
-            self.views = {name: torch.from_numpy(self.state[i, :n]) for i, name in enumerate(ROW_INPUTS)}
-            self.views["row_inputs"] = torch.from_numpy(self.state[:, :-(-n // 4) * 4])
-            self.num_views = n
+    def tensors(self, n: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The first n rows as a decode step's tensors, views of the buffer: ROW_INPUTS, block tables, query starts
+        and logits indices (one query a row, each row's logits) -> (them, the ROW_INPUTS [4, C], the buffer up to
+        the n-th table row: all of it a step sends; StepInputs.received takes the same views of its copy). Made once
+        for each (n, width)."""
+        if self.views_of != (n, self.tables.width):
+            cap, buffer = self.capacity, torch.from_numpy(self.buffer)
+            state, sent = buffer[:4 * cap].view(4, cap), buffer[:5 * cap + 4 + n * self.tables.array.shape[1]]
+            views = {name: state[i, :n] for i, name in enumerate(ROW_INPUTS)} | kept_views(sent, n, cap,
+                                                                                          self.tables.width)
+            self.views, self.views_of = (views, state, sent), (n, self.tables.width)
         return self.views
 
-    def _state(self, n: int) -> np.ndarray:
-        if n > self.state.shape[1]:
-            self.state = np.zeros((4, max(-(-n // 4) * 4, 2 * self.state.shape[1])), dtype=np.int32)   # rows 16
-            self.num_views = 0                                                                        # bytes aligned
-        return self.state
+
+def kept_views(sent: torch.Tensor, n: int, cap: int, width: int) -> dict[str, torch.Tensor]:
+    """A steady step's buffer as sent (KeptBatch.tensors' "kept", or its copy on the device): the decode constants
+    and the block tables [n, width] as views of it."""
+    arange, tables = sent[4 * cap:5 * cap + 4], sent[5 * cap + 4:]
+    return {"query_starts": arange[:n + 1], "logits_indices": arange[:n], "context_indices": arange[:0],
+            "block_tables": tables.view(n, -1)[:, :width]}

@@ -66,7 +66,7 @@ class ModelRunner:
             self.close()                                         # no workers or process group left behind
             raise
         self.staging = StepStaging(self.device)
-        self.kept = KeptBatch()                                 # the last step's batch, kept as arrays
+        self.kept = KeptBatch(config.max_num_seqs)              # the last step's batch, kept as arrays
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None

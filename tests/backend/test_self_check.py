@@ -133,8 +133,8 @@ def no_lora_copy(buffers, t):
 PADDED_TOKENS, PADDED_INPUTS = graphs.padded_tokens, graphs.padded_inputs
 
 
-def padding_writes_slot_0(inputs, token_slots, bucket, num_segments, dtype, with_segments=True):
-    padded = PADDED_INPUTS(inputs, token_slots, bucket, num_segments, dtype, with_segments)
+def padding_writes_slot_0(inputs, bucket):
+    padded = PADDED_INPUTS(inputs, bucket)
     padded["row_inputs"][graphs.ROW_INPUTS.index("slot_mapping")].clamp_(min=0)
     return padded
 
