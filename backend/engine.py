@@ -8,6 +8,7 @@ import torch
 
 from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
 from backend.device import is_device_fault, resolve_lora_dtype
+from backend.intake import SAMPLING_FIELDS, RequestIntake
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
 from backend.lora.dora import checkpoint_weights
@@ -17,13 +18,10 @@ from backend.model.config import ModelConfig
 from backend.model.runner import LaunchedStep, ModelRunner
 from backend.outputs import StepOutput, StepOutputs, TokenRow
 from backend.overlap_check import check_overlap
-from backend.request import (FatalEngineError, RequestError, RequestLimits, SamplingParams, SeqMetrics, Sequence,
-                             Status, validate_prompt)
+from backend.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status
 from backend.scheduler import Batch, Scheduler, StepSummary
 from backend.sequences import RequestTable
 
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
 
 
 class LLMEngine:
@@ -49,16 +47,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.config.kv_block_size, self.config.kv_watermark,
                                    self.config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(self.config, self.blocks, self.lora_cache)
-        self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
-        if self.config.guided_decoding_backend == "xgrammar":
-            from backend.guided import GuidedDecoding
-            tokenizer_dir = self.config.tokenizer_dir or self.config.model_dir
-            try:
-                self.guided = GuidedDecoding(tokenizer_dir, self.model_config.vocab_size)
-            except (OSError, ValueError) as err:      # a token-ids-only deployment: no tokenizer, no grammars
-                self.guided_off = f"no tokenizer in {tokenizer_dir} ({type(err).__name__})"
-        self.limits = RequestLimits(self.model_config.max_position_embeddings - 1, self.config.max_words,
-                                    self.config.max_word_len)
+        self.intake = RequestIntake(self.config, self.model_config, self.blocks, self.lora_cache)
         self.seqs = RequestTable()                          # a request's sequences, by sequence index
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -121,55 +110,23 @@ class LLMEngine:
             raise RequestError("max_queue_size", f"queue full ({self.config.max_queue_size} requests waiting): "
                                                  "retry later")
         params = params or SamplingParams(**sampling)
-        cfg = self.model_config
-        if len(prompt_ids) > self.limits.max_input_len:
-            raise RequestError("input_ids", f"{len(prompt_ids)} tokens exceed the model's max input length "
-                                            f"{self.limits.max_input_len}")
-        params.validate(cfg.vocab_size, self.limits)
-        prompt_ids = [int(t) for t in prompt_ids]
-        validate_prompt(prompt_ids, params.max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
-        if params.return_context_logits and len(prompt_ids) * cfg.vocab_size * 4 > MAX_CONTEXT_LOGITS_BYTES:
-            raise RequestError("return_context_logits",
-                               f"{len(prompt_ids)} prompt tokens x vocabulary {cfg.vocab_size} logits exceed "
-                               f"{MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
-        needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
-        if needed > self.blocks.num_blocks:
-            raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "
-                                                     f"the cache holds {self.blocks.num_blocks}")
+        prompt_ids = self.intake.check(prompt_ids, params)
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self.seqs:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        if (lora_weights is None) != (lora_config is None):
-            raise RequestError("lora_config" if lora_config is None else "lora_weights",
-                               "lora_weights and lora_config must be sent together")
-        if (lora_weights is not None or lora_adapter is not None) and lora_task_id is None:
-            raise RequestError("lora_task_id", "must be set when lora_weights are sent")
-        if lora_weights is not None:
-            lora_adapter = self.lora_cache.parse(lora_weights, lora_config)
-        if lora_adapter is not None:
-            self.lora_cache.insert(int(lora_task_id), lora_adapter)
-        lora_task_id = None if lora_task_id is None else int(lora_task_id)
-        if params.guide_type is not None:
-            params.grammar = params.grammar or self.compile_guide(params)
-        for _ in range(params.num_return_sequences):
-            self.lora_cache.ref(lora_task_id)                # raises for an adapter the cache lacks
-        if lora_name and lora_task_id is not None:
-            self.lora_cache.names[lora_task_id] = lora_name
-        adapter_key = self.lora_cache.key(lora_task_id)
-        members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i, adapter_key=adapter_key)
-                   for i in range(params.num_return_sequences)]
-        if params.grammar is not None:
-            for seq in members:
-                seq.matcher = self.guided.matcher(params.grammar)
+        members = self.intake.sequences(request_id, prompt_ids, params, lora_task_id, lora_weights, lora_config,
+                                        lora_adapter, lora_name)
         self.seqs.add(request_id, members)
         self.scheduler.add(members[0])
         return request_id
 
+    @property
+    def limits(self) -> RequestLimits:
+        return self.intake.limits
+
     def compile_guide(self, params: SamplingParams):
         """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
-        if self.guided is None:
-            raise RequestError("guided_decoding_guide_type", f"guided decoding is off: {self.guided_off}")
-        return self.guided.compile(params.guide_type, params.guide)
+        return self.intake.compile_guide(params)
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request (every sequence of it) and free what it holds. False if it is not in flight."""
@@ -213,7 +170,7 @@ class LLMEngine:
         """The next step can be prepared before `previous` lands: no sequence of it needs its last token on the
         host first (penalties, bad words, top-p decay, a grammar, samples of the prompt waiting to fork)."""
         forks = self.seqs.waiting_forks
-        return not previous.needs_last_tokens and not (forks and any(seq in forks for seq in previous.rows_of))
+        return not previous.rows.needs_last_tokens and not (forks and any(seq in forks for seq in previous.rows_of))
 
     def _launch(self, batch: Batch, previous: LaunchedStep | None) -> LaunchedStep:
         """Start a scheduled step; its sequences count the tokens it computes, and the one it samples."""
@@ -251,7 +208,7 @@ class LLMEngine:
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
         now, forks, finished, num_dropped = time.time_ns(), self.seqs.waiting_forks, Status.FINISHED, 0
-        for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.ends):
+        for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.rows.ends):
             seq.num_pending_tokens -= 1
             if seq.status is finished:
                 num_dropped += 1

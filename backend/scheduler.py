@@ -88,6 +88,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.decoding: list[ScheduledSeq] | None = None     # the last batch, while it is every running sequence
                                                             # decoding one token (steady decoding)
+        self.num_decoded = 0                # steady steps since: each sequence has computed and sampled as many more
+        self.steps_to_length = 0            # steady steps until a sequence samples its last token
+        self.phases: list[list[Sequence]] = []      # its sequences by computed tokens mod the block size
 
     @property
     def num_unfinished(self) -> int:
@@ -162,18 +165,30 @@ class Scheduler:
             self.running.append(seq)
             budget -= num_new
         self.waiting.extendleft(reversed(waiting_for_slot))     # back at the head, in order: first to get a slot
-        if len(items) == len(self.running) and all(item.num_new_tokens == 1 and item.samples for item in items):
-            self.decoding = items
+        if items and len(items) == len(self.running) and all(item.num_new_tokens == 1 and item.samples
+                                                             for item in items):
+            self._start_decoding(items)
         return Batch(items, self.num_preemptions)
+
+    def _start_decoding(self, items: list[ScheduledSeq]) -> None:
+        """Steady decoding from this batch on: each step, every sequence one token more. A sequence needs a block more
+        where its computed tokens reach a multiple of the block size, so a step looks at the one phase that does."""
+        block_size = self.blocks.block_size
+        self.decoding, self.num_decoded, self.phases = items, 0, [[] for _ in range(block_size)]
+        self.steps_to_length = min(item.seq.params.max_new_tokens - len(item.seq.output_ids)
+                                   - item.seq.num_pending_tokens for item in items)
+        for item in items:
+            self.phases[item.seq.num_computed_tokens % block_size].append(item.seq)
 
     def _schedule_decoding(self) -> Batch | None:
         """The last step's batch again, where it was every running sequence decoding one token and nothing has
         changed since but their tokens: each decodes its next (with a block more where it needs one). None where a
         sequence needs more than that (its last token sampled, or a block that is not free): the general path."""
+        self.num_decoded += 1
+        if self.num_decoded >= self.steps_to_length:
+            return None
         block_size = self.blocks.block_size
-        for seq in self.running:
-            if len(seq.output_ids) + seq.num_pending_tokens >= seq.params.max_new_tokens:
-                return None
+        for seq in self.phases[-self.num_decoded % block_size]:        # computed a multiple of the block size
             if seq.num_computed_tokens >= len(seq.block_table) * block_size:
                 if not self.blocks.can_allocate(seq, 1):
                     return None

@@ -88,6 +88,7 @@ class LaunchRows:
     ends: list[int | None]                    # by row, where its tokens need nothing but appending: the token that
                                               # ends it (-1: none); else None (plain_end)
     plan: SamplingPlan | None = None          # the sampling plan, kept where it serves every step (reusable)
+    any_adapter: bool = False                 # an item runs with an adapter
 
     @classmethod
     def of(cls, items: list, slot_of: Callable[[int | None], int] | None) -> "LaunchRows":
@@ -100,7 +101,7 @@ class LaunchRows:
         return cls(order, slots, {seq: row for row, seq in enumerate(sampled)},
                    [row for row, seq in enumerate(sampled) if seq.params.return_generation_logits],
                    any(seq.params.reads_last_token or seq.matcher is not None for seq in sampled),
-                   [plain_end(seq) for seq in sampled])
+                   [plain_end(seq) for seq in sampled], any_adapter=any(slot >= 0 for slot in slots))
 
 
 def plain_end(seq) -> int | None:
@@ -184,16 +185,16 @@ class KeptBatch:
         state[3, :n] = t["seq_lens"].numpy()
         state[:, n:] = PADDING[:, None]
 
-    def advance(self, seqs: list, input_ids: list[int], block_size: int) -> np.ndarray:
-        """A steady step's inputs: the kept rows (seqs) one token on, fed input_ids -> ROW_INPUTS [4, n] int32, a
-        view of the state (as `tensors` are: valid until the next step)."""
+    def advance(self, seqs: list, block_size: int) -> np.ndarray:
+        """A steady step's inputs: the kept rows (seqs) one token on -> ROW_INPUTS [4, n] int32, a view of the state
+        (as `tensors` are: valid until the next step). Its input ids are the tokens the kept step sampled, which the
+        runner writes in when they land (ModelRunner.collect), or still on the device (a step ahead)."""
         n, state = len(seqs), self.state
         state[1:, :n] += 1                                     # positions, slots, lengths
         crossed = self.tables.rows_after_decode(seqs)          # (a table grows where its token starts a block)
         state = self.state                                     # (laid out anew where a table outgrew the buffer)
         for row in crossed:
             state[2, row] = seqs[row].block_table[state[1, row] // block_size] * block_size
-        state[0, :n] = input_ids
         return state[:, :n]
 
     def tensors(self, n: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:

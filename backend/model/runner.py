@@ -32,14 +32,15 @@ CPU_KV_CACHE_BYTES = 1 << 30
 class LaunchedStep:
     """A step whose device work is queued: its results come back through `download`."""
     batch: Batch
-    rows_of: dict                             # each sampling sequence -> its row of `tokens`
+    rows: LaunchRows                          # its rows: rows_of (each sampling sequence -> its row of `tokens`),
+                                              # wanted, needs_last_tokens, ends
     tokens: torch.Tensor                      # [num_sampled] sampled ids, on the device: the next step's inputs
     download: Download                        # tokens [num_sampled] (with log probs [2, num_sampled] where some
                                               # row asked), asked-for logits
-    wanted: list[int]                         # the rows whose logits come back
-    needs_last_tokens: bool                   # a row's next inputs need its token on the host (penalties, bad
-                                              # words, top-p decay, a grammar)
-    ends: list[int | None]                    # by row: the token that ends it, where that is all it needs checked
+
+    @property
+    def rows_of(self) -> dict:
+        return self.rows.rows_of
 
 
 class ModelRunner:
@@ -229,10 +230,13 @@ class ModelRunner:
     def collect(self, step: "LaunchedStep") -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
         """A launched step's tokens, log probs and asked-for logits, once they reach the host (see `run`)."""
         host, *host_raw = step.download.wait()
-        raw = dict(zip(step.wanted, host_raw[0].clone())) if host_raw else {}    # off the pinned buffer
-        if host.dim() == 1:                                       # no row asked for log probs
-            return host.tolist(), [0.0] * host.shape[0], raw
-        return host[0].long().tolist(), host[1].tolist(), raw
+        raw = dict(zip(step.rows.wanted, host_raw[0].clone())) if host_raw else {}    # off the pinned buffer
+        tokens = host if host.dim() == 1 else host[0].int()      # (with log probs: [2, rows] fp64)
+        if step.rows is self.kept.rows:                           # the next steady step's input ids (kept.py)
+            self.kept.state[0, :tokens.shape[0]] = tokens.numpy()
+        if host.dim() == 1:
+            return tokens.tolist(), [0.0] * host.shape[0], raw
+        return tokens.tolist(), host[1].tolist(), raw
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
@@ -257,7 +261,7 @@ class ModelRunner:
         elif token_bucket is not None:
             logits = self.piecewise.run(token_bucket, inputs, token_slots, self.staging, plan, lora_cache)
         else:
-            logits = self._forward(batch, inputs, plan, token_slots, lora_cache)
+            logits = self._forward(batch, inputs, plan, token_slots if rows.any_adapter else None, lora_cache)
         raw = None
         if rows.wanted:                                           # before sampling changes them in place
             wanted = pin(torch.tensor(rows.wanted), self.device).to(self.device, non_blocking=True)
@@ -268,16 +272,17 @@ class ModelRunner:
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
         download = self.staging.download(results, *([raw] if raw is not None else []))
         self.kept.keep(scheduled, batch.items, rows, inputs, batch.num_preemptions)
-        return LaunchedStep(batch, rows.rows_of, tokens, download, rows.wanted, rows.needs_last_tokens, rows.ends)
+        return LaunchedStep(batch, rows, tokens, download)
 
-    def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int],
+    def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int] | None,
                  lora_cache: LoraCache | None) -> torch.Tensor:
-        """The eager step: logits [num_sampled, vocab]; prompt logits asked for go to their sequences."""
+        """The eager step: logits [num_sampled, vocab]; prompt logits asked for go to their sequences. token_slots:
+        each token's adapter slot (None: no adapter in the step)."""
         segments = None
-        if any(slot >= 0 for slot in token_slots):
+        if token_slots is not None:
             segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
         if self.tp is not None:                                   # the workers run the same step beside us
-            self.tp.step(inputs.tensors, token_slots)
+            self.tp.step(inputs.tensors, token_slots or [])
         t = self.staging.upload(inputs.sent | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps)
         t = inputs.received(t)
         inputs.fill_pending(t)

@@ -184,7 +184,7 @@ def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_mod
     """In chunks of 8 tokens, and in one (the logits arrive in the step that samples the first token)."""
     import torch
 
-    import backend.engine
+    import backend.intake
     chunked = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
                         kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=max_num_batched_tokens,
                         enable_kv_cache_reuse=True)
@@ -194,7 +194,7 @@ def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_mod
         [context] = [out.context_logits for out in iter_outputs(chunked) if out.context_logits is not None]
         with torch.no_grad():
             assert torch.allclose(context, hf_tiny(torch.tensor([prompt])).logits[0].float(), atol=1e-4)
-    monkeypatch.setattr(backend.engine, "MAX_CONTEXT_LOGITS_BYTES", 8 << 10)
+    monkeypatch.setattr(backend.intake, "MAX_CONTEXT_LOGITS_BYTES", 8 << 10)
     with pytest.raises(RequestError, match=r"return_context_logits: 23 prompt tokens x vocabulary 512 logits exceed"):
         chunked.add_request(prompt, SamplingParams(return_context_logits=True))
 

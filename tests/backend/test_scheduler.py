@@ -57,6 +57,45 @@ def test_a_step_is_a_decode_step_only_without_prompt_tokens():
     assert not sched.schedule().is_decode                        # a decode beside a prompt chunk
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_steady_decoding_repeats_the_batch_with_a_block_where_a_sequence_crosses(block_size, ahead):
+    """While every running sequence decodes one token, the batch is handed out again (all_decode) and a sequence gets
+    its next block at the step whose token starts it, never before; a sequence whose last token is sampled is not
+    scheduled again, also where that token lands a step later (ahead: each step's tokens land after the next step
+    is scheduled, as with overlap_steps)."""
+    sched = make_scheduler(num_blocks=64, block_size=block_size, max_tokens=64)
+    seqs = [Sequence(i, list(range(3 + 5 * i)), SamplingParams(max_new_tokens=[30, 9, 21][i])) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+
+    def land(batch):
+        for seq in [item.seq for item in batch.items if item.samples]:
+            seq.num_pending_tokens -= 1
+            seq.output_ids.append(7)
+            if len(seq.output_ids) >= seq.params.max_new_tokens:
+                sched.finish(seq, "length")
+
+    batches, in_flight = [], None
+    while sched.num_unfinished:
+        batch = sched.schedule()
+        for item in batch.items:                              # launched
+            seq = item.seq
+            assert len(seq.output_ids) + seq.num_pending_tokens < seq.params.max_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_pending_tokens += item.samples
+            assert seq.num_computed_tokens <= len(seq.block_table) * block_size
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // block_size)     # a block only when needed
+        if in_flight is not None:
+            land(in_flight)
+        in_flight = batch if ahead else land(batch)
+        batches.append(batch)
+        assert len(batches) < 200
+    steady = [len(batch.items) for batch in batches if batch.all_decode]
+    assert [len(seq.output_ids) for seq in seqs] == [30, 9, 21]
+    assert steady.count(3) >= 5 and steady.count(2) >= 5 and steady.count(1) >= 5, steady
+
+
 def test_newest_running_sequence_is_preempted_when_blocks_run_out():
     sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
     a, b = Sequence(0, list(range(8)), SamplingParams()), Sequence(1, list(range(8)), SamplingParams())

@@ -1,0 +1,83 @@
+"""Request intake: a request checked against the engine's limits before any work that grows with its size (each error
+names its field), its adapter cached, its grammar compiled, and its sequences made, for the engine to queue."""
+from dataclasses import fields
+
+from backend.config import EngineConfig
+from backend.kv_cache import BlockManager
+from backend.lora.cache import LoraCache
+from backend.lora.format import LoraAdapter
+from backend.model.config import ModelConfig
+from backend.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
+
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
+
+
+class RequestIntake:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, blocks: BlockManager, lora_cache: LoraCache):
+        self.model_config = model_config
+        self.blocks = blocks
+        self.lora_cache = lora_cache
+        self.limits = RequestLimits(model_config.max_position_embeddings - 1, config.max_words, config.max_word_len)
+        self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
+        if config.guided_decoding_backend == "xgrammar":
+            from backend.guided import GuidedDecoding
+            tokenizer_dir = config.tokenizer_dir or config.model_dir
+            try:
+                self.guided = GuidedDecoding(tokenizer_dir, model_config.vocab_size)
+            except (OSError, ValueError) as err:      # a token-ids-only deployment: no tokenizer, no grammars
+                self.guided_off = f"no tokenizer in {tokenizer_dir} ({type(err).__name__})"
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints, once it and the sampling parameters fit the model, the limits and the KV cache."""
+        cfg = self.model_config
+        if len(prompt_ids) > self.limits.max_input_len:
+            raise RequestError("input_ids", f"{len(prompt_ids)} tokens exceed the model's max input length "
+                                            f"{self.limits.max_input_len}")
+        params.validate(cfg.vocab_size, self.limits)
+        prompt_ids = [int(t) for t in prompt_ids]
+        validate_prompt(prompt_ids, params.max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
+        if params.return_context_logits and len(prompt_ids) * cfg.vocab_size * 4 > MAX_CONTEXT_LOGITS_BYTES:
+            raise RequestError("return_context_logits",
+                               f"{len(prompt_ids)} prompt tokens x vocabulary {cfg.vocab_size} logits exceed "
+                               f"{MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
+        needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
+        if needed > self.blocks.num_blocks:
+            raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "
+                                                     f"the cache holds {self.blocks.num_blocks}")
+        return prompt_ids
+
+    def sequences(self, request_id, prompt_ids: list[int], params: SamplingParams, lora_task_id: int | None,
+                  lora_weights=None, lora_config=None, lora_adapter: LoraAdapter | None = None,
+                  lora_name: str | None = None) -> list[Sequence]:
+        """A checked request's sequences (one per num_return_sequences), its adapter cached and referenced by each,
+        its grammar compiled."""
+        if (lora_weights is None) != (lora_config is None):
+            raise RequestError("lora_config" if lora_config is None else "lora_weights",
+                               "lora_weights and lora_config must be sent together")
+        if (lora_weights is not None or lora_adapter is not None) and lora_task_id is None:
+            raise RequestError("lora_task_id", "must be set when lora_weights are sent")
+        if lora_weights is not None:
+            lora_adapter = self.lora_cache.parse(lora_weights, lora_config)
+        if lora_adapter is not None:
+            self.lora_cache.insert(int(lora_task_id), lora_adapter)
+        lora_task_id = None if lora_task_id is None else int(lora_task_id)
+        if params.guide_type is not None:
+            params.grammar = params.grammar or self.compile_guide(params)
+        for _ in range(params.num_return_sequences):
+            self.lora_cache.ref(lora_task_id)                # raises for an adapter the cache lacks
+        if lora_name and lora_task_id is not None:
+            self.lora_cache.names[lora_task_id] = lora_name
+        adapter_key = self.lora_cache.key(lora_task_id)
+        members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i, adapter_key=adapter_key)
+                   for i in range(params.num_return_sequences)]
+        if params.grammar is not None:
+            for seq in members:
+                seq.matcher = self.guided.matcher(params.grammar)
+        return members
+
+    def compile_guide(self, params: SamplingParams):
+        """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
+        if self.guided is None:
+            raise RequestError("guided_decoding_guide_type", f"guided decoding is off: {self.guided_off}")
+        return self.guided.compile(params.guide_type, params.guide)
