@@ -34,9 +34,10 @@ class BlockTables:
 
     def rows(self, seqs: list) -> np.ndarray:
         """[num_seqs, longest table] int32, zero-padded."""
-        longest = max(len(seq.block_table) for seq in seqs)
-        if len(seqs) > self.array.shape[0] or longest > self.array.shape[1]:
-            self.array = self.allocate(max(len(seqs), 2 * self.array.shape[0]), max(longest, 2 * self.array.shape[1]))
+        longest, (num_rows, width) = max(len(seq.block_table) for seq in seqs), self.array.shape
+        if len(seqs) > num_rows or longest > width:              # the dimension short of room doubles
+            self.array = self.allocate(num_rows if len(seqs) <= num_rows else max(len(seqs), 2 * num_rows),
+                                       width if longest <= width else max(longest, 2 * width))
             self.written = []
         written = self.written
         for i, seq in enumerate(seqs):

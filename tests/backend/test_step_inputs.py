@@ -66,6 +66,35 @@ def test_step_inputs_equal_the_token_by_token_definition(seed):
     assert inputs.max_query_len == max(item.num_new_tokens for item in batch.items)
 
 
+def decoding_item(request_id: int, num_blocks: int) -> ScheduledSeq:
+    """A sequence decoding its next token, its table num_blocks long."""
+    seq = Sequence(request_id, list(range(3, 3 + 4 * num_blocks - 2)), SamplingParams())
+    seq.output_ids = [5]
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.block_table = list(range(10 * request_id, 10 * request_id + num_blocks))
+    return ScheduledSeq(seq, 1)
+
+
+def test_the_kept_buffer_lays_out_a_steady_steps_inputs_with_padding_rows_past_the_batch():
+    """What a steady step sends (KeptBatch.tensors): [4, C] rows, padding rows (token 0, position 0, slot -1, length
+    0) past the batch, as a decode graph's buffers want them, after a batch shrinks and after the buffer grows."""
+    from backend.model.kept import PADDING, LaunchRows
+    kept = KeptBatch(capacity=5)
+    for num_blocks in ([1, 2, 1, 3, 2, 1], [2, 1], [40, 1, 2]):       # more rows than C; fewer; a wider table
+        items = [decoding_item(i, n) for i, n in enumerate(num_blocks)]
+        inputs = StepInputs(Batch(items), BLOCK_SIZE, kept)
+        kept.keep(items, items, LaunchRows.of(items, None), inputs, 0)
+        n, state = len(items), kept.state
+        assert kept.capacity % 4 == 0 and kept.capacity >= n
+        assert (state[:, n:] == PADDING[:, None]).all()
+        tensors, rows, sent = kept.tensors(n)
+        assert rows.shape == (4, kept.capacity) and sent.data_ptr() == rows.data_ptr()
+        for i, name in enumerate(("positions", "slot_mapping", "seq_lens"), start=1):
+            assert tensors[name].tolist() == inputs.tensors[name].tolist() == rows[i, :n].tolist(), name
+        assert tensors["block_tables"].tolist() == inputs.tensors["block_tables"].tolist()
+        assert tensors["query_starts"].tolist() == list(range(n + 1))
+
+
 def test_kept_tables_follow_appends_replacements_and_frees():
     tables = BlockTables()
     seq = Sequence(0, [1] * 8, SamplingParams())
