@@ -55,10 +55,12 @@ class StepInputs:
 
     def _steady_decode(self, seqs: list, block_size: int, kept: KeptBatch) -> None:
         """The kept sequences, each of which sampled, decode the token it sampled: the kept rows one token on."""
-        n = len(seqs)
+        n, input_ids = len(seqs), None
         if seqs[0].num_pending_tokens:      # the kept step is in flight: every row's token is still on the device
             self.pending = list(enumerate(seqs))
-        self.rows = kept.advance(seqs, block_size)     # (else its tokens are in place: the runner's collect)
+        else:
+            input_ids = [seq.output_ids[-1] for seq in seqs]
+        self.rows = kept.advance(seqs, input_ids, block_size)
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
         self.tensors, self.row_inputs, sent = kept.tensors(n)
         self.sent, self.capacity = {"kept": sent}, kept.capacity

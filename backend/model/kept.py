@@ -186,16 +186,18 @@ class KeptBatch:
         state[3, :n] = t["seq_lens"].numpy()
         state[:, n:] = PADDING[:, None]
 
-    def advance(self, seqs: list, block_size: int) -> np.ndarray:
-        """A steady step's inputs: the kept rows (seqs) one token on -> ROW_INPUTS [4, n] int32, a view of the state
-        (as `tensors` are: valid until the next step). Its input ids are the tokens the kept step sampled, which the
-        runner writes in when they land (ModelRunner.collect), or still on the device (a step ahead)."""
+    def advance(self, seqs: list, input_ids: list[int] | None, block_size: int) -> np.ndarray:
+        """A steady step's inputs: the kept rows (seqs) one token on, fed input_ids (None: they are still on the
+        device, a step ahead) -> ROW_INPUTS [4, n] int32, a view of the state (as `tensors` are: valid until the next
+        step)."""
         n, state = len(seqs), self.state
         state[1:, :n] += 1                                     # positions, slots, lengths
         crossed = self.tables.rows_after_decode(seqs)          # (a table grows where its token starts a block)
         state = self.state                                     # (laid out anew where a table outgrew the buffer)
         for row in crossed:
             state[2, row] = seqs[row].block_table[state[1, row] // block_size] * block_size
+        if input_ids is not None:
+            state[0, :n] = input_ids
         return state[:, :n]
 
     def tensors(self, n: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:

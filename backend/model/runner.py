@@ -231,12 +231,9 @@ class ModelRunner:
         """A launched step's tokens, log probs and asked-for logits, once they reach the host (see `run`)."""
         host, *host_raw = step.download.wait()
         raw = dict(zip(step.rows.wanted, host_raw[0].clone())) if host_raw else {}    # off the pinned buffer
-        tokens = host if host.dim() == 1 else host[0].int()      # (with log probs: [2, rows] fp64)
-        if step.rows is self.kept.rows:                           # the next steady step's input ids (kept.py)
-            self.kept.state[0, :tokens.shape[0]] = tokens.numpy()
-        if host.dim() == 1:
-            return tokens.tolist(), [0.0] * host.shape[0], raw
-        return tokens.tolist(), host[1].tolist(), raw
+        if host.dim() == 1:                                       # no row asked for log probs
+            return host.tolist(), [0.0] * host.shape[0], raw
+        return host[0].long().tolist(), host[1].tolist(), raw
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
