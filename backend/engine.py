@@ -23,7 +23,6 @@ from backend.scheduler import Batch, Scheduler, StepSummary
 from backend.sequences import RequestTable
 
 
-
 class LLMEngine:
     def __init__(self, model_dir: str, **kwargs):
         engine_kwargs, lora_kwargs = split_engine_kwargs(kwargs)
