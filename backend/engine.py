@@ -206,14 +206,15 @@ class LLMEngine:
         for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
-        now, forks, finished, num_dropped = time.time_ns(), self.seqs.waiting_forks, Status.FINISHED, 0
+        now, finished, num_dropped = time.time_ns(), Status.FINISHED, 0
+        every_row = bool(self.seqs.waiting_forks or logits)            # each token through _append
         for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.rows.ends):
             seq.num_pending_tokens -= 1
             if seq.status is finished:
                 num_dropped += 1
                 continue
             out = seq.output_ids
-            if end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens or forks or logits:
+            if every_row or end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens:
                 entries.append(self._append(seq, token, log_prob, now, logits.get(launched.rows_of[seq])
                                             if logits else None))
                 continue

@@ -57,6 +57,8 @@ class Batch:
     num_preemptions: int = 0                  # the scheduler's preemptions until this batch (a preempted sequence
                                               # starts over, though it may be admitted again in the same step)
     all_decode: bool = False                  # known to be every item one generated token that samples
+    grown: list[Sequence] | None = None       # and then: the sequences given a block this step (the only tables
+                                              # that changed since the last step)
 
     def summary(self, now: float) -> StepSummary:
         if self.all_decode:
@@ -187,13 +189,14 @@ class Scheduler:
         self.num_decoded += 1
         if self.num_decoded >= self.steps_to_length:
             return None
-        block_size = self.blocks.block_size
+        block_size, grown = self.blocks.block_size, []
         for seq in self.phases[-self.num_decoded % block_size]:        # computed a multiple of the block size
             if seq.num_computed_tokens >= len(seq.block_table) * block_size:
                 if not self.blocks.can_allocate(seq, 1):
                     return None
                 self.blocks.allocate(seq, 1)
-        return Batch(self.decoding, self.num_preemptions, all_decode=True)
+                grown.append(seq)
+        return Batch(self.decoding, self.num_preemptions, all_decode=True, grown=grown)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out for good (done, aborted or failed) and give back what it holds."""

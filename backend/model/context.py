@@ -49,18 +49,19 @@ class StepInputs:
         self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
                                                                 # step's kept buffer as it lies (`received`)
         if steady:
-            self._steady_decode([item.seq for item in batch.items], block_size, kept)
+            self._steady_decode(batch, block_size, kept)
         else:
             self._any(batch, block_size, kept.tables if kept is not None else BlockTables())
 
-    def _steady_decode(self, seqs: list, block_size: int, kept: KeptBatch) -> None:
+    def _steady_decode(self, batch: Batch, block_size: int, kept: KeptBatch) -> None:
         """The kept sequences, each of which sampled, decode the token it sampled: the kept rows one token on."""
-        n, input_ids = len(seqs), None
+        seqs, input_ids = kept.seqs, None
+        n = len(seqs)
         if seqs[0].num_pending_tokens:      # the kept step is in flight: every row's token is still on the device
             self.pending = list(enumerate(seqs))
         else:
             input_ids = [seq.output_ids[-1] for seq in seqs]
-        self.rows = kept.advance(seqs, input_ids, block_size)
+        self.rows = kept.advance(input_ids, block_size, batch.grown)
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
         self.tensors, self.row_inputs, sent = kept.tensors(n)
         self.sent, self.capacity = {"kept": sent}, kept.capacity

@@ -60,12 +60,13 @@ class BlockTables:
         self.width = longest
         return self.array[:len(seqs), :longest].copy()
 
-    def rows_after_decode(self, seqs: list) -> list[int]:
+    def rows_after_decode(self, seqs: list, grown: list[int] | None = None) -> list[int]:
         """`rows(seqs)` written in place, where seqs are the rows of the last call, in order, and have since decoded
-        one token each: a table grew by one block where its sequence crossed into it, and only there -> those rows
-        (the tables: `array[:len(seqs), :width]`)."""
+        one token each: a table grew by one block where its sequence crossed into it, and only there (in the rows
+        `grown`, where the caller knows them) -> those rows (the tables: `array[:len(seqs), :width]`)."""
         written, n = self.written, len(seqs)
-        grown = [row for row, (_, table, count) in enumerate(written[:n]) if len(table) != count]
+        if grown is None:
+            grown = [row for row, (_, table, count) in enumerate(written[:n]) if len(table) != count]
         for row in grown:
             seq, table, count = written[row]
             if len(table) > self.array.shape[1]:
@@ -135,6 +136,8 @@ class KeptBatch:
         self.items: list = []                 # the last step's scheduled items (the scheduler's order), if each sampled
         self.launch_items: list = []          # and in launch order
         self.rows: LaunchRows | None = None
+        self.seqs: list = []                  # the kept rows' sequences, and each one's row (kept until replaced)
+        self.row_of: dict = {}
         self.num_preemptions = 0              # the scheduler's count when they were kept (a preemption starts a
                                               # sequence over, with a new table, though it may run again at once)
         self.views: tuple = ()                # `tensors` of the last (rows, table width)
@@ -177,6 +180,7 @@ class KeptBatch:
         self.items, self.launch_items, self.rows, self.num_preemptions = items, launch_items, rows, num_preemptions
         if inputs.rows is not None:                            # a steady step: the state is its inputs already
             return
+        self.seqs, self.row_of = [item.seq for item in launch_items], rows.rows_of
         n, t = len(launch_items), inputs.tensors
         if n > self.capacity:
             self.tables.array = self._lay_out(n, self.tables.array.shape[1])
@@ -186,13 +190,14 @@ class KeptBatch:
         state[3, :n] = t["seq_lens"].numpy()
         state[:, n:] = PADDING[:, None]
 
-    def advance(self, seqs: list, input_ids: list[int] | None, block_size: int) -> np.ndarray:
-        """A steady step's inputs: the kept rows (seqs) one token on, fed input_ids (None: they are still on the
+    def advance(self, input_ids: list[int] | None, block_size: int, grown: list | None) -> np.ndarray:
+        """A steady step's inputs: the kept rows (`seqs`) one token on, fed input_ids (None: they are still on the
         device, a step ahead) -> ROW_INPUTS [4, n] int32, a view of the state (as `tensors` are: valid until the next
-        step)."""
-        n, state = len(seqs), self.state
+        step). grown: the sequences given a block since the kept step, where the scheduler knows them."""
+        seqs, row_of, state = self.seqs, self.row_of, self.state
+        n = len(seqs)
         state[1:, :n] += 1                                     # positions, slots, lengths
-        crossed = self.tables.rows_after_decode(seqs)          # (a table grows where its token starts a block)
+        crossed = self.tables.rows_after_decode(seqs, None if grown is None else [row_of[seq] for seq in grown])
         state = self.state                                     # (laid out anew where a table outgrew the buffer)
         for row in crossed:
             state[2, row] = seqs[row].block_table[state[1, row] // block_size] * block_size

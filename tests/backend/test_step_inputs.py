@@ -157,8 +157,10 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     steady_rows = []
     steady_decode = StepInputs._steady_decode
 
-    def checked(self, seqs, block_size, kept):
-        steady_decode(self, seqs, block_size, kept)
+    def checked(self, batch, block_size, kept):
+        steady_decode(self, batch, block_size, kept)
+        seqs = [item.seq for item in batch.items]                   # (in launch order)
+        assert kept.seqs == seqs
         general = StepInputs(Batch([ScheduledSeq(seq, 1) for seq in seqs]), block_size)
         sent = self.sent | {"s_other": torch.zeros(3, dtype=torch.int32)}     # as a device gets them: packed
         host, offsets = StepStaging.pack(sent, pinned=False)
