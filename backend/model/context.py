@@ -6,7 +6,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from backend.model.kept import ROW_INPUTS, BlockTables, KeptBatch, kept_views
+from backend.model.kept import BlockTables, KeptBatch, kept_views
 from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
@@ -45,7 +45,6 @@ class StepInputs:
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
         self.rows: np.ndarray | None = None                     # a steady step's ROW_INPUTS [4, n] (kept.py)
         self.row_inputs: torch.Tensor | None = None             # and as the kept buffer's [4, C] (KeptBatch)
-        self.capacity = 0
         self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
                                                                 # step's kept buffer as it lies (`received`)
         if steady:
@@ -64,7 +63,7 @@ class StepInputs:
         self.rows = kept.advance(input_ids, block_size, batch.grown)
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
         self.tensors, self.row_inputs, sent = kept.tensors(n)
-        self.sent, self.capacity = {"kept": sent}, kept.capacity
+        self.sent = {"kept": sent}
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
         items, n = batch.items, len(batch.items)
@@ -123,10 +122,9 @@ class StepInputs:
         sent = t["kept"]
         if sent is self.sent["kept"]:                            # not moved
             return t | self.tensors | {"row_inputs": self.row_inputs}
-        n, cap = len(self.seq_lens), self.capacity
-        state = sent[:4 * cap].view(4, cap)
-        return t | {name: state[i, :n] for i, name in enumerate(ROW_INPUTS)} | kept_views(
-            sent, n, cap, self.tensors["block_tables"].shape[1]) | {"row_inputs": state}
+        views, state = kept_views(sent, len(self.seq_lens), self.row_inputs.shape[1],
+                                  self.tensors["block_tables"].shape[1])
+        return t | views | {"row_inputs": state}
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
         """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its

@@ -155,7 +155,7 @@ class DecodeGraphs:
         rows, _ = bucket
         token_slots = token_slots or [-1] * len(inputs.seq_lens)
         segments_in_place = self.segments_of == (token_slots, rows)   # a steady batch: the buffers hold them
-        steady = inputs.rows is not None and inputs.capacity >= rows   # its kept buffer: padded rows as they lie
+        steady = inputs.rows is not None and inputs.row_inputs.shape[1] >= rows   # its kept buffer: padded rows
         host = inputs.sent if steady else padded_inputs(inputs, rows)
         if not segments_in_place:
             host = host | padded_segments(token_slots, rows, self.num_segments, self.dtype)

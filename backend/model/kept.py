@@ -211,17 +211,16 @@ class KeptBatch:
         the n-th table row: all of it a step sends; StepInputs.received takes the same views of its copy). Made once
         for each (n, width)."""
         if self.views_of != (n, self.tables.width):
-            cap, buffer = self.capacity, torch.from_numpy(self.buffer)
-            state, sent = buffer[:4 * cap].view(4, cap), buffer[:5 * cap + 4 + n * self.tables.array.shape[1]]
-            views = {name: state[i, :n] for i, name in enumerate(ROW_INPUTS)} | kept_views(sent, n, cap,
-                                                                                          self.tables.width)
+            sent = torch.from_numpy(self.buffer[:5 * self.capacity + 4 + n * self.tables.array.shape[1]])
+            views, state = kept_views(sent, n, self.capacity, self.tables.width)
             self.views, self.views_of = (views, state, sent), (n, self.tables.width)
         return self.views
 
 
-def kept_views(sent: torch.Tensor, n: int, cap: int, width: int) -> dict[str, torch.Tensor]:
-    """A steady step's buffer as sent (KeptBatch.tensors' "kept", or its copy on the device): the decode constants
-    and the block tables [n, width] as views of it."""
-    arange, tables = sent[4 * cap:5 * cap + 4], sent[5 * cap + 4:]
-    return {"query_starts": arange[:n + 1], "logits_indices": arange[:n], "context_indices": arange[:0],
-            "block_tables": tables.view(n, -1)[:, :width]}
+def kept_views(sent: torch.Tensor, n: int, cap: int, width: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A steady step's buffer as sent (KeptBatch.tensors' "kept", or its copy on the device) -> (the step's tensors
+    as views of it: ROW_INPUTS, the decode constants, the block tables [n, width]; ROW_INPUTS [4, C])."""
+    state, arange, tables = sent[:4 * cap].view(4, cap), sent[4 * cap:5 * cap + 4], sent[5 * cap + 4:]
+    views = {name: state[i, :n] for i, name in enumerate(ROW_INPUTS)}
+    return views | {"query_starts": arange[:n + 1], "logits_indices": arange[:n], "context_indices": arange[:0],
+                    "block_tables": tables.view(n, -1)[:, :width]}, state
