@@ -1,5 +1,6 @@
-"""One decode step on the GPU, measured: kernel launches, the share of GPU time in attention / LoRA / GEMMs
-(torch.profiler), and the step's wall time eager and as a CUDA graph replay. Used by scripts/gpu_bench.py."""
+"""One decode step on the GPU, measured: kernel launches (the most frequent by name), the share of GPU time in
+attention / LoRA / GEMMs (torch.profiler), and the step's wall time eager and as a CUDA graph replay. Used by
+scripts/gpu_bench.py."""
 import time
 
 import torch
@@ -44,7 +45,13 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
         for e in kernels:
             busy[kind_of(e.name)] = busy.get(kind_of(e.name), 0.0) + e.device_time
         total = sum(busy.values()) or 1.0
+        by_name = {}
+        for e in kernels:
+            count, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (count + 1, us + e.device_time)
         result = {"num_seqs": len(requests), "launches_per_step": len(kernels),
+                  "kernels": {name[:60]: (count, round(us, 1)) for name, (count, us)
+                              in sorted(by_name.items(), key=lambda item: -item[1][0])[:16]},
                   "launches_per_layer": len(kernels) / engine.model_config.num_layers,
                   "gpu_time_share": {kind: t / total for kind, t in sorted(busy.items())},
                   "gpu_busy_ms": sum(busy.values()) / 1e3,                  # the kernels' own time, eager
