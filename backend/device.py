@@ -84,14 +84,28 @@ def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 ALIGN_INTS = 4                                # 16 bytes: Triton's pointer specialization
 
 
+STAGING_RING = 3                              # host buffers a steady step's upload takes in turn: one being read by
+                                              # the copy in flight, one written, one spare
+
+
 class StepStaging:
     """A step's host tensors packed into one pinned int32 buffer, one non-blocking copy to the device, and
-    views of it by name; results come back through pinned buffers, waited for when the host needs them. Every
-    buffer comes from torch's caching host allocator, which reuses a block only once the copies that read or
-    wrote it are done: with a step in flight, the next step's inputs never overwrite the ones it is reading."""
+    views of it by name; results come back through pinned buffers, waited for when the host needs them. A buffer
+    is never written while a copy that reads it may still run: a steady step's (a lone int32 tensor, the kept
+    batch's buffer) is the next of a ring of buffers, taken only once the event after its last copy has passed
+    (else, as every other step's, a fresh one from torch's caching host allocator, which reuses a block only once
+    the copies that read or wrote it are done)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pinned: bool | None = None):
         self.device = device
+        self.pinned = device.type == "cuda" if pinned is None else pinned     # (False: the host-profile bench)
+        self.ring: list[tuple[torch.Tensor, np.ndarray]] = []    # (buffer, its numpy view) ...
+        self.ring_views: list[tuple[torch.Tensor, np.ndarray]] = []   # ... and both cut to the last size staged
+        self.ring_done: list = []                                # by buffer: the event after the copy that read it
+        self.turn = 0
+        self.staged: int | None = None                           # the ring buffer the last `pack` filled
+        self.source: tuple[torch.Tensor, np.ndarray] | None = None    # the last lone tensor, and as numpy (a
+                                                                      # steady step sends the same one each time)
 
     def upload(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host int32 / int64 / float32 / bool tensors -> the same on the device (int64 and bool as int32). Each
@@ -100,27 +114,58 @@ class StepStaging:
         if self.device.type == "cpu":
             return tensors
         host, offsets = self.pack(tensors)
-        return unpacked(host.to(self.device, non_blocking=True), tensors, offsets)
+        moved = host.to(self.device, non_blocking=True)
+        if self.staged is not None:
+            self.ring_done[self.staged].record(torch.cuda.current_stream(self.device))
+        return unpacked(moved, tensors, offsets)
 
-    @staticmethod
-    def pack(tensors: dict[str, torch.Tensor], pinned: bool = True) -> tuple[torch.Tensor, list[int]]:
-        """The tensors as int32 in one host buffer (page-locked unless pinned=False: the host-profile bench on a
-        machine without CUDA), each at an aligned offset -> (buffer [total], offsets). Written through numpy: a
-        torch slice and copy cost ~3 us a tensor of host time, numpy's a tenth of it. A lone int32 tensor (a steady
-        step's kept buffer, laid out already) is one copy."""
+    def pack(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The tensors as int32 in one host buffer (page-locked where `pinned`), each at an aligned offset ->
+        (buffer [total], offsets). Written through numpy: a torch slice and copy cost ~3 us a tensor of host time,
+        numpy's a tenth of it. A lone int32 tensor (a steady step's kept buffer, laid out already) is one copy into
+        the ring's next buffer."""
+        self.staged = None
         if len(tensors) == 1:
             (t,) = tensors.values()
             if t.dtype == torch.int32 and t.dim() == 1:
-                host = torch.empty(t.shape[0], dtype=torch.int32, pin_memory=pinned)
-                host.copy_(t)
-                return host, [0]
+                host = self._ring_buffer(t.shape[0])
+                if host is not None:
+                    if self.source is None or self.source[0] is not t:
+                        self.source = (t, t.numpy())
+                    np.copyto(host[1], self.source[1])
+                    return host[0], [0]
         flat = [_as_int32(t) for t in tensors.values()]
         offsets, total = aligned_offsets([f.size for f in flat])
-        host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)
+        host = torch.empty(total, dtype=torch.int32, pin_memory=self.pinned)
         out = host.numpy()
         for f, offset in zip(flat, offsets):
             out[offset:offset + f.size] = f
         return host, offsets
+
+    def _ring_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        """The ring's next buffer cut to `size` ints (as a tensor and as numpy), if no copy may still read it (else
+        None)."""
+        index = self.turn % STAGING_RING
+        if index < len(self.ring):
+            done = self.ring_done[index]
+            if done is not None and not done.query():
+                return None
+        self.turn += 1
+        if index == len(self.ring) or self.ring[index][0].shape[0] < size:
+            host = torch.empty(2 * size, dtype=torch.int32, pin_memory=self.pinned)
+            entry = (host, host.numpy())
+            if index == len(self.ring):
+                self.ring.append(entry)
+                self.ring_views.append(entry)
+                self.ring_done.append(torch.cuda.Event() if self.pinned else None)
+            else:
+                self.ring[index] = self.ring_views[index] = entry
+        self.staged = index
+        views = self.ring_views[index]
+        if views[0].shape[0] != size:
+            host, host_np = self.ring[index]
+            views = self.ring_views[index] = (host[:size], host_np[:size])
+        return views
 
     def download(self, *tensors: torch.Tensor) -> "Download":
         """Start the step's one device -> host transfer (of one tensor or a few, each into a pinned buffer of its

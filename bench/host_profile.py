@@ -79,7 +79,7 @@ class StageClock:
         self.wrap(Scheduler, "schedule", "schedule")
         self.wrap(StepInputs, "__init__", "inputs")
         self.wrap(sampler, "prepare", "sampling_inputs")
-        self.wrap(StepStaging, "upload", "upload", (lambda staging, t: StepStaging.pack(t, pinned=False)) if cpu else None)
+        self.wrap(StepStaging, "upload", "upload", (lambda staging, t: staging.pack(t)) if cpu else None)
         self.wrap(LlamaModel, "forward", "model")
         self.wrap(TeamSizer, "start", "cpu_team")
         self.wrap(TeamSizer, "checkpoint", "cpu_team")

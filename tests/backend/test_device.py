@@ -7,7 +7,7 @@ import torch
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from backend.device import StepStaging, aligned_offsets, resolve_dtype
+from backend.device import STAGING_RING, StepStaging, aligned_offsets, resolve_dtype
 from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, kv_bytes_for_blocks, needs_cuda, peft_greedy,
                            peft_model_with, random_prompts)
 
@@ -230,6 +230,33 @@ def test_step_inputs_are_packed_at_16_byte_offsets():
     positions after its 9 token ids) would compile new kernel variants mid-serving."""
     offsets, total = aligned_offsets([9, 9, 2, 1, 3, 0, 4])
     assert offsets == [0, 12, 24, 28, 32, 36, 36] and total == 40
+
+
+def test_a_lone_int32_tensor_is_staged_in_a_ring_of_buffers_taken_in_turn():
+    """A steady step's buffer is copied into the next of STAGING_RING host buffers (no allocation a step); a
+    buffer grows where a step sends more, and each staged copy holds exactly what was sent."""
+    staging = StepStaging(torch.device("cpu"))
+    staged = []
+    for size in (40, 40, 40, 40, 100, 40):
+        sent = torch.arange(size, dtype=torch.int32) * (len(staged) + 1)
+        host, offsets = staging.pack({"kept": sent})
+        assert offsets == [0] and torch.equal(host, sent) and not host.is_pinned()
+        staged.append(host.data_ptr())
+    assert len(staging.ring) == STAGING_RING == 3
+    assert staged[3] == staged[0] and len(set(staged[:3])) == 3          # in turn; the fifth grew its buffer
+    assert staged[4] != staged[1] and staged[5] == staged[2]
+
+
+@needs_cuda
+def test_a_staging_buffer_is_not_written_while_a_copy_may_still_read_it():
+    """With the stream held up by a long kernel, five steady uploads in a row each land with their own values: the
+    ring's buffers are still to be read, so the fourth and fifth go through fresh pinned buffers."""
+    staging = StepStaging(torch.device("cuda"))
+    torch.cuda._sleep(200_000_000)                    # ~0.1 s of GPU time queued before the copies
+    sent = [torch.full((1000,), i, dtype=torch.int32) for i in range(5)]
+    moved = [staging.upload({"kept": t})["kept"] for t in sent]
+    assert all(m.tolist() == t.tolist() for m, t in zip(moved, sent))
+    assert len(staging.ring) == STAGING_RING
 
 
 @needs_cuda

@@ -163,7 +163,7 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
         assert kept.seqs == seqs
         general = StepInputs(Batch([ScheduledSeq(seq, 1) for seq in seqs]), block_size)
         sent = self.sent | {"s_other": torch.zeros(3, dtype=torch.int32)}     # as a device gets them: packed
-        host, offsets = StepStaging.pack(sent, pinned=False)
+        host, offsets = StepStaging(torch.device("cpu")).pack(sent)
         uploaded = self.received(unpacked(host, sent, offsets))
         known = general.tensors["input_ids"] != PENDING             # (a pending id comes from the device)
         for name, t in general.tensors.items():
