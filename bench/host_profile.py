@@ -8,6 +8,11 @@ around the forward, the download, then per token the counters, the stop checks a
 StepOutput where the sequence ends; backend/outputs.py). The model's forward and the sampling math are device work,
 and the OpenMP team's sizing (`cpu_team`, backend/openmp.py) happens on CPU only: each is timed, none is counted as
 host time. The heap is frozen, as a server's engine loop freezes it.
+
+On CUDA (`--host-device cuda`) the engine runs as it serves: CUDA graphs, steps one ahead; upload is the real one
+(the ring's copy and the transfer's launch), `wait` the host waiting for a step's tokens (`Download.wait`: the
+device's time, not counted), `step_ms` each step's wall time. A CPU forward leaves the host's caches cold for
+what follows it (a numpy call right after costs 3-7x its warm time on a 2-core VM); a GPU's does not.
 """
 import statistics
 import tempfile
@@ -18,7 +23,7 @@ from pathlib import Path
 import torch
 
 from backend import LLMEngine, sampler
-from backend.device import StepStaging
+from backend.device import Download, StepStaging
 from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.context import StepInputs
 from backend.model.llama import LlamaModel
@@ -84,6 +89,7 @@ class StageClock:
         self.wrap(TeamSizer, "start", "cpu_team")
         self.wrap(TeamSizer, "checkpoint", "cpu_team")
         self.wrap(sampler, "sample", "sampling")
+        self.wrap(Download, "wait", "wait")
         try:
             yield self
         finally:
@@ -130,10 +136,12 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
         model_dir = build_tiny_model(Path(tmp))
         engine = LLMEngine(str(model_dir), dtype="float32", device=device, kernel_backend=kernel_backend,
                            max_num_seqs=max(n for n, _ in cases), max_num_batched_tokens=8192,
-                           kv_cache_memory_bytes=1 << 30, max_loras=1, max_lora_rank=8, cuda_graph_mode=False)
+                           kv_cache_memory_bytes=1 << 30, max_loras=1, max_lora_rank=8,
+                           cuda_graph_mode=device != "cpu")
         freeze_heap()                                     # as a server's engine loop does
         try:
-            return {"kernel_backend": engine.runner.ops.name, "num_steps": num_steps, "num_rounds": num_rounds,
+            return {"kernel_backend": engine.runner.ops.name, "device": str(engine.runner.device),
+                    "num_steps": num_steps, "num_rounds": num_rounds,
                     "cases": [profile_case(engine, n, c, num_steps, num_rounds) for n, c in cases]}
         finally:
             unfreeze_heap()
@@ -141,9 +149,10 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
 
 
 def print_profile(result: dict, machine: str) -> None:
-    print(f"host ms per decode step by stage ({machine}; tiny model, kernels {result['kernel_backend']}, "
+    print(f"host ms per decode step by stage ({machine}; tiny model on {result['device']}, kernels "
+          f"{result['kernel_backend']}, "
           f"medians of {result['num_rounds']} rounds of {result['num_steps']} steps; model and sampling math excluded)")
-    head = ("seqs", "context") + HOST_STAGES + ("host_ms", "model", "sampling", "cpu_team")
+    head = ("seqs", "context") + HOST_STAGES + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")
     print("  ".join(f"{h:>15}" for h in head))
     for case in result["cases"]:
         print("  ".join(f"{case['num_seqs']:>15}" if h == "seqs" else f"{case['context']:>15}" if h == "context"

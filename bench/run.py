@@ -104,6 +104,8 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     parser.add_argument("--host-profile", action="store_true",
                         help="instead of the workloads: host ms per decode step by stage (tiny model, CPU)")
+    parser.add_argument("--host-device", default="cpu",
+                        help="the host profile's device (cuda: the real uploads, graph replays and waits)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.host_profile:
@@ -156,7 +158,7 @@ def machine() -> str:
 
 def run_host_profile(args) -> None:
     from bench.host_profile import host_profile, print_profile
-    result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend)}
+    result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend, device=args.host_device)}
     print_profile(result, result["machine"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
