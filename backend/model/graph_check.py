@@ -42,20 +42,22 @@ def probe_adapter(cfg, rank: int, dtype, device, seed: int) -> LoraAdapter:
 
 class Probes:
     """The probe adapters in two device slots while the check runs (as a request's would be), out again after,
-    with the cache's counters as they were."""
+    with the cache's counters as they were. With one slot (max_loras 1) one adapter, at the top rank, serves both
+    rows that carry one."""
 
     def __init__(self, runner, lora_cache):
         self.lora_cache = lora_cache
         self.stats = copy(lora_cache.stats)
         max_rank = lora_cache.cfg.max_lora_rank
-        for task, rank in zip(PROBE_TASKS, (max_rank, max(1, max_rank // 4))):
+        self.tasks = PROBE_TASKS[:lora_cache.cfg.max_loras]
+        for task, rank in zip(self.tasks, (max_rank, max(1, max_rank // 4))):
             lora_cache.insert(task, probe_adapter(runner.model_config, rank, lora_cache.dtype, runner.device,
                                                   seed=-task))
             lora_cache.acquire(task)
-        self.slots = [lora_cache.slot(task) for task in PROBE_TASKS]
+        self.slots = [lora_cache.slot(task) for task in self.tasks] * (len(PROBE_TASKS) // len(self.tasks))
 
     def close(self) -> None:
-        for task in PROBE_TASKS:
+        for task in self.tasks:
             self.lora_cache.release(task)
             self.lora_cache.remove(task)
         self.lora_cache.stats = self.stats

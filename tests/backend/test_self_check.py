@@ -92,11 +92,11 @@ def test_strict_refuses_to_start_naming_the_kernel(tiny_model_dir, monkeypatch):
                   kv_cache_memory_bytes=1 << 20)
 
 
-def uncaptured(tiny_model_dir, dtype: str = "float32", model_dir=None, max_num_seqs: int = 4):
+def uncaptured(tiny_model_dir, dtype: str = "float32", model_dir=None, max_num_seqs: int = 4, max_loras: int = 8):
     """An engine whose decode and piecewise graphs run their padded fixed-buffer steps without capture
     (backend/model/graphs.py, piecewise.py): what a GPU replays, checkable on a CPU."""
     engine = LLMEngine(model_dir or tiny_model_dir, dtype=dtype, kernel_backend="triton",
-                       kv_cache_memory_bytes=1 << 20, max_num_seqs=max_num_seqs)
+                       kv_cache_memory_bytes=1 << 20, max_num_seqs=max_num_seqs, max_loras=max_loras)
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, max_num_seqs,
                                  runner.block_size, runner.device, capture=False)
@@ -124,6 +124,18 @@ def test_piecewise_graphs_whose_step_differs_from_the_eager_step_are_caught(tiny
     pieces = runner.piecewise.run
     runner.piecewise.run = lambda *args: pieces(*args) + 0.5 * torch.arange(pieces(*args).shape[-1])
     assert "a step of 3 prompts: max logit error" in check_piecewise_graphs(runner, engine.lora_cache)
+
+
+def test_the_graph_checks_run_with_one_adapter_slot(tiny_model_dir, monkeypatch):
+    """max_loras 1: one probe adapter serves both probe rows that carry one (an engine with one slot raised at start
+    on the third GPU run: the second probe found no slot); both checks pass, and still catch lost adapters."""
+    engine, runner = uncaptured(tiny_model_dir, max_loras=1)
+    assert check_graphs(runner, engine.lora_cache) is None
+    assert check_piecewise_graphs(runner, engine.lora_cache) is None
+    assert engine.lora_cache.host == {} and engine.lora_cache.slot_of == {}                # the probes gone
+    monkeypatch.setattr(graphs, "copy_lora", no_lora_copy)
+    engine, runner = uncaptured(tiny_model_dir, max_loras=1)      # (buffers that never held the probes' segments)
+    assert "max logit error" in (check_graphs(runner, engine.lora_cache) or "")
 
 
 def no_lora_copy(buffers, t):
