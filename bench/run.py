@@ -13,10 +13,8 @@ from backend.model.config import ModelConfig
 from bench import ROOT
 from bench.engine import make_engine, run_engine, sweep_concurrency
 from bench.hf import run_hf
-from bench.openai_api import run_openai_workload
 from bench.report import combine_rounds, median_ratios, print_drift, print_table
 from bench.roofline import cpu_name, measure_roofline, workload_flops, weight_bytes
-from bench.server import run_server_workload
 from bench.vllm_baseline import run_vllm
 from bench.workloads import WORKLOADS, make_requests
 
@@ -33,7 +31,9 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
                  sweep: bool = False) -> dict:
     workload = WORKLOADS[name]
     requests = make_requests(workload, cfg.vocab_size, num_requests(name, args))
-    if workload.server:
+    if workload.server:                                  # (tritonclient: not on a GPU machine's image)
+        from bench.openai_api import run_openai_workload
+        from bench.server import run_server_workload
         run = run_openai_workload if workload.api == "openai" else run_server_workload
         res = run(args.model_dir, requests, workload, args.dtype, workload.concurrency,
                   kernel_backend=args.kernel_backend)
