@@ -13,6 +13,7 @@ On CUDA (`--host-device cuda`) the engine runs as it serves: CUDA graphs, steps 
 (the ring's copy and the transfer's launch), `wait` the host waiting for a step's tokens (`Download.wait`: the
 device's time, not counted), `step_ms` each step's wall time. A CPU forward leaves the host's caches cold for
 what follows it (a numpy call right after costs 3-7x its warm time on a 2-core VM); a GPU's does not.
+`--host-detail` splits `outputs` into the functions that make it (DETAIL_STAGES, each its own time).
 """
 import statistics
 import tempfile
@@ -26,7 +27,10 @@ from backend import LLMEngine, sampler
 from backend.device import Download, StepStaging
 from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.context import StepInputs
+from backend.model.graphs import DecodeGraphs
+from backend.model.kept import KeptBatch
 from backend.model.llama import LlamaModel
+from backend.model.runner import ModelRunner
 from backend.openmp import TeamSizer
 from backend.scheduler import Scheduler
 
@@ -35,6 +39,8 @@ TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="
             vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=8192,
             bos_token_id=1, eos_token_id=2)
 HOST_STAGES = ("schedule", "inputs", "sampling_inputs", "upload", "outputs")
+DETAIL_STAGES = ("engine_launch", "runner_launch", "forward_glue", "graph_step", "replay", "download", "keep",
+                 "runner_collect", "engine_collect")          # --host-detail: parts of `outputs`, each its own time
 CASES = ((1, 128), (32, 128), (128, 128), (32, 4096))        # (sequences, tokens of context)
 
 
@@ -50,7 +56,8 @@ class StageClock:
     """Wraps the functions a step calls with timers; `seconds` sums each stage's own time over the steps timed (a
     stage called inside another, as the OpenMP team's checkpoint inside the forward, is taken out of the outer one)."""
 
-    def __init__(self):
+    def __init__(self, detail: bool = False):
+        self.detail = detail
         self.seconds: dict[str, float] = {}
         self.on = False
         self.patches: list[tuple[object, str, object]] = []
@@ -90,6 +97,13 @@ class StageClock:
         self.wrap(TeamSizer, "checkpoint", "cpu_team")
         self.wrap(sampler, "sample", "sampling")
         self.wrap(Download, "wait", "wait")
+        if self.detail:
+            for owner, name, stage in ((LLMEngine, "_launch", "engine_launch"), (ModelRunner, "_launch", "runner_launch"),
+                                       (ModelRunner, "_forward", "forward_glue"), (DecodeGraphs, "run", "graph_step"),
+                                       (torch.cuda.CUDAGraph, "replay", "replay"), (StepStaging, "download", "download"),
+                                       (KeptBatch, "keep", "keep"), (ModelRunner, "collect", "runner_collect"),
+                                       (LLMEngine, "_collect", "engine_collect")):
+                self.wrap(owner, name, stage)
         try:
             yield self
         finally:
@@ -97,7 +111,8 @@ class StageClock:
                 setattr(owner, name, original)
 
 
-def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int, num_rounds: int) -> dict:
+def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int, num_rounds: int,
+                 detail: bool = False) -> dict:
     """num_seqs sequences with `context` prompt tokens each, prefilled, then num_rounds rounds of num_steps decode
     steps timed by stage: each stage's ms per step, the median over the rounds (`host_ms`: the sum of HOST_STAGES'
     medians)."""
@@ -110,7 +125,7 @@ def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int,
         engine.step()                                                  # warm
     rounds = []
     for _ in range(num_rounds):
-        clock = StageClock()
+        clock = StageClock(detail)
         start = time.perf_counter()
         with clock.installed(engine), torch.inference_mode():              # as a server's loop runs its steps
             clock.on = True
@@ -125,13 +140,14 @@ def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int,
     for request_id in list(engine.seqs):
         engine.abort(request_id)
     medians = {stage: statistics.median(r.get(stage, 0.0) for r in rounds) for stage in rounds[0]}
-    medians["host_ms"] = sum(medians.get(s, 0.0) for s in HOST_STAGES)
+    medians["host_ms"] = sum(medians.get(s, 0.0) for s in HOST_STAGES + DETAIL_STAGES)
     return {"num_seqs": num_seqs, "context": context, **{k: round(v, 4) for k, v in medians.items()}}
 
 
 def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_backend: str = "auto",
-                 device: str = "cpu") -> dict:
-    """Every case on one engine over the tiny model (fp32)."""
+                 device: str = "cpu", detail: bool = False) -> dict:
+    """Every case on one engine over the tiny model (fp32); detail: `outputs` split into DETAIL_STAGES (each wrapped
+    call adds ~1 us of its own)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp))
         engine = LLMEngine(str(model_dir), dtype="float32", device=device, kernel_backend=kernel_backend,
@@ -142,7 +158,7 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
         try:
             return {"kernel_backend": engine.runner.ops.name, "device": str(engine.runner.device),
                     "num_steps": num_steps, "num_rounds": num_rounds,
-                    "cases": [profile_case(engine, n, c, num_steps, num_rounds) for n, c in cases]}
+                    "cases": [profile_case(engine, n, c, num_steps, num_rounds, detail) for n, c in cases]}
         finally:
             unfreeze_heap()
             engine.close()
@@ -152,8 +168,9 @@ def print_profile(result: dict, machine: str) -> None:
     print(f"host ms per decode step by stage ({machine}; tiny model on {result['device']}, kernels "
           f"{result['kernel_backend']}, "
           f"medians of {result['num_rounds']} rounds of {result['num_steps']} steps; model and sampling math excluded)")
-    head = ("seqs", "context") + HOST_STAGES + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")
-    print("  ".join(f"{h:>15}" for h in head))
+    detail = tuple(s for s in DETAIL_STAGES if any(s in case for case in result["cases"]))
+    head = ("seqs", "context") + HOST_STAGES + detail + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")
+    print(" ".join(f"{h:>{max(7, len(h))}}" for h in head))
     for case in result["cases"]:
-        print("  ".join(f"{case['num_seqs']:>15}" if h == "seqs" else f"{case['context']:>15}" if h == "context"
-                        else f"{case.get(h, 0.0):>15.3f}" for h in head))
+        print(" ".join(f"{case['num_seqs']:>7}" if h == "seqs" else f"{case['context']:>7}" if h == "context"
+                       else f"{case.get(h, 0.0):>{max(7, len(h))}.3f}" for h in head))

@@ -106,6 +106,8 @@ def main(doc: str = __doc__) -> None:
                         help="instead of the workloads: host ms per decode step by stage (tiny model, CPU)")
     parser.add_argument("--host-device", default="cpu",
                         help="the host profile's device (cuda: the real uploads, graph replays and waits)")
+    parser.add_argument("--host-detail", action="store_true",
+                        help="the host profile's outputs stage split by function (launch, graph step, collect, ...)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.host_profile:
@@ -158,7 +160,8 @@ def machine() -> str:
 
 def run_host_profile(args) -> None:
     from bench.host_profile import host_profile, print_profile
-    result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend, device=args.host_device)}
+    result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend, device=args.host_device,
+                                                  detail=args.host_detail)}
     print_profile(result, result["machine"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,14 @@
+"""bench/host_profile.py (scripts/bench.py --host-profile): every stage of a decode step timed, and with detail the
+outputs stage split by function, on a real engine over the tiny model."""
+from bench.host_profile import DETAIL_STAGES, HOST_STAGES, host_profile
+
+
+def test_the_host_profile_times_each_stage_and_splits_the_outputs_on_request():
+    plain, detailed = (host_profile(num_steps=4, num_rounds=1, cases=((2, 16),), detail=detail)["cases"][0]
+                       for detail in (False, True))
+    on_cpu = ("graph_step", "replay")                                  # CUDA graphs only
+    assert all(plain[stage] > 0 for stage in HOST_STAGES if stage != "sampling_inputs")   # (greedy rows: none)
+    assert not any(stage in plain for stage in DETAIL_STAGES)
+    assert all(detailed[stage] > 0 for stage in DETAIL_STAGES if stage not in on_cpu)
+    for case in (plain, detailed):
+        assert (case["num_seqs"], case["context"]) == (2, 16) and 0 < case["host_ms"] < case["step_ms"]
