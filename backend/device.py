@@ -94,7 +94,8 @@ class StepStaging:
     is never written while a copy that reads it may still run: a steady step's (a lone int32 tensor, the kept
     batch's buffer) is the next of a ring of buffers, taken only once the event after its last copy has passed
     (else, as every other step's, a fresh one from torch's caching host allocator, which reuses a block only once
-    the copies that read or wrote it are done)."""
+    the copies that read or wrote it are done). A steady step's copy lands in the same device buffer every step:
+    the copy is queued behind the steps before it on the stream, so they have read what it overwrites."""
 
     def __init__(self, device: torch.device, pinned: bool | None = None):
         self.device = device
@@ -106,6 +107,8 @@ class StepStaging:
         self.staged: int | None = None                           # the ring buffer the last `pack` filled
         self.source: tuple[torch.Tensor, np.ndarray] | None = None    # the last lone tensor, and as numpy (a
                                                                       # steady step sends the same one each time)
+        self.on_device: torch.Tensor | None = None             # where a steady step's buffer lands, every step
+        self.landing: torch.Tensor | None = None               # and cut to the last size sent
 
     def upload(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host int32 / int64 / float32 / bool tensors -> the same on the device (int64 and bool as int32). Each
@@ -114,10 +117,12 @@ class StepStaging:
         if self.device.type == "cpu":
             return tensors
         host, offsets = self.pack(tensors)
-        moved = host.to(self.device, non_blocking=True)
-        if self.staged is not None:
-            self.ring_done[self.staged].record(torch.cuda.current_stream(self.device))
-        return unpacked(moved, tensors, offsets)
+        if self.staged is None:
+            return unpacked(host.to(self.device, non_blocking=True), tensors, offsets)
+        landing = self._landing(host.shape[0])                 # (the steps before read it in stream order first)
+        landing.copy_(host, non_blocking=True)
+        self.ring_done[self.staged].record(torch.cuda.current_stream(self.device))
+        return dict.fromkeys(tensors, landing)
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The tensors as int32 in one host buffer (page-locked where `pinned`), each at an aligned offset ->
@@ -166,6 +171,15 @@ class StepStaging:
             host, host_np = self.ring[index]
             views = self.ring_views[index] = (host[:size], host_np[:size])
         return views
+
+    def _landing(self, size: int) -> torch.Tensor:
+        """The device buffer a steady step's copy lands in, cut to `size`: the same tensor while the size repeats,
+        so that what is built on it (StepInputs.received's views) is built once."""
+        if self.landing is None or self.landing.shape[0] != size:
+            if self.on_device is None or self.on_device.shape[0] < size:
+                self.on_device = torch.empty(2 * size, dtype=torch.int32, device=self.device)
+            self.landing = self.on_device[:size]
+        return self.landing
 
     def download(self, *tensors: torch.Tensor) -> "Download":
         """Start the step's one device -> host transfer (of one tensor or a few, each into a pinned buffer of its

@@ -63,7 +63,7 @@ class StepInputs:
         self.rows = kept.advance(input_ids, block_size, batch.grown)
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
         self.tensors, self.row_inputs, sent = kept.tensors(n)
-        self.sent = {"kept": sent}
+        self.sent, self.kept = {"kept": sent}, kept
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
         items, n = batch.items, len(batch.items)
@@ -122,9 +122,12 @@ class StepInputs:
         sent = t["kept"]
         if sent is self.sent["kept"]:                            # not moved
             return t | self.tensors | {"row_inputs": self.row_inputs}
-        views, state = kept_views(sent, len(self.seq_lens), self.row_inputs.shape[1],
-                                  self.tensors["block_tables"].shape[1])
-        return t | views | {"row_inputs": state}
+        layout = (len(self.seq_lens), self.row_inputs.shape[1], self.tensors["block_tables"].shape[1])
+        landed = self.kept.landed                                # (the device copy lands in the same buffer while
+        if landed is None or landed[0] is not sent or landed[1] != layout:     # its size repeats: StepStaging)
+            views, state = kept_views(sent, *layout)
+            landed = self.kept.landed = (sent, layout, views | {"row_inputs": state})
+        return t | landed[2]
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
         """Feed the pending tokens from the step before: rows_of maps its sequences to their rows of `tokens` (its

@@ -135,6 +135,8 @@ class DecodeGraphs:
         self.outputs: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}
         self.argmax: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}     # each graph's greedy tokens
         self.greedy: torch.Tensor | None = None          # the last step's greedy tokens [num_seqs], taken in the graph
+        self.copies: tuple = (None, None, 0)             # the last step's (row inputs, tables, rows) and the slices
+                                                         # its copies into the buffers take
         if capture:
             self._capture_all()
 
@@ -163,12 +165,16 @@ class DecodeGraphs:
         t = inputs.received(t) if steady else t | {"input_ids": t["row_inputs"][0]}
         inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
-        self.row_inputs[:, :rows].copy_(t["row_inputs"][:, :rows])
+        row_inputs, tables = t["row_inputs"], t["block_tables"]        # (a steady step's tables: its rows')
+        last = self.copies                                              # (a steady step's are the step before's)
+        if last[0] is not row_inputs or last[1] is not tables or last[2] != rows:
+            self.copies = (row_inputs, tables, rows, self.row_inputs[:, :rows], row_inputs[:, :rows],
+                           self.buffers["block_tables"][:tables.shape[0], :tables.shape[1]])
+        self.copies[3].copy_(self.copies[4])
         if not segments_in_place:
             copy_lora(self.buffers, t)
             self.segments_of = (token_slots, rows)
-        tables = t["block_tables"]                                     # (a steady step's: its sequences' rows)
-        self.buffers["block_tables"][:tables.shape[0], :tables.shape[1]].copy_(tables)
+        self.copies[5].copy_(tables)
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
             lora_cache.wait_for_slots(token_slots)

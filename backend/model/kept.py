@@ -142,6 +142,7 @@ class KeptBatch:
                                               # sequence over, with a new table, though it may run again at once)
         self.views: tuple = ()                # `tensors` of the last (rows, table width)
         self.views_of: tuple[int, int] | None = None
+        self.landed: tuple | None = None      # the same views of the device copy: (it, its layout, them)
 
     def _lay_out(self, num_rows: int, width: int) -> np.ndarray:
         """A buffer for num_rows rows (at least) of block tables width wide, holding the last one's state and tables

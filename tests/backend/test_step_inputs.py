@@ -154,7 +154,7 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     from backend.model.config import ModelConfig
     cache_bytes = 1 << 20 if num_blocks is None else kv_bytes_for_blocks(num_blocks, 4,
                                                                           ModelConfig.from_dir(tiny_model_dir))
-    steady_rows = []
+    steady_rows, landings = [], {}
     steady_decode = StepInputs._steady_decode
 
     def checked(self, batch, block_size, kept):
@@ -165,10 +165,14 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
         sent = self.sent | {"s_other": torch.zeros(3, dtype=torch.int32)}     # as a device gets them: packed
         host, offsets = StepStaging(torch.device("cpu")).pack(sent)
         uploaded = self.received(unpacked(host, sent, offsets))
+        lone = self.sent["kept"]                                    # as CUDA lands it: one buffer while its size
+        landing = landings.setdefault(lone.shape[0], torch.empty_like(lone))       # repeats, its views kept
+        landed = self.received({"kept": landing.copy_(lone)})
         known = general.tensors["input_ids"] != PENDING             # (a pending id comes from the device)
         for name, t in general.tensors.items():
-            ours, theirs = (uploaded[name][known], t[known]) if name == "input_ids" else (uploaded[name], t)
-            assert torch.equal(ours, theirs) and uploaded[name].data_ptr() % 16 == 0, name
+            for got in (uploaded, landed):
+                ours, theirs = (got[name][known], t[known]) if name == "input_ids" else (got[name], t)
+                assert torch.equal(ours, theirs) and got[name].data_ptr() % 16 == 0, name
             assert torch.equal(self.tensors[name][known] if name == "input_ids" else self.tensors[name], theirs)
         assert (self.query_starts, self.seq_lens, self.pending) == (general.query_starts, general.seq_lens,
                                                                     general.pending)
