@@ -249,14 +249,18 @@ def test_a_lone_int32_tensor_is_staged_in_a_ring_of_buffers_taken_in_turn():
 
 @needs_cuda
 def test_a_staging_buffer_is_not_written_while_a_copy_may_still_read_it():
-    """With the stream held up by a long kernel, five steady uploads in a row each land with their own values: the
-    ring's buffers are still to be read, so the fourth and fifth go through fresh pinned buffers."""
+    """With the stream held up by a long kernel, five steady uploads in a row each land with their own values, as
+    the work queued after each reads them: the ring's host buffers are still to be read, so the fourth and fifth go
+    through fresh pinned buffers; the first three land in one device buffer, each read before the next lands."""
     staging = StepStaging(torch.device("cuda"))
     torch.cuda._sleep(200_000_000)                    # ~0.1 s of GPU time queued before the copies
     sent = [torch.full((1000,), i, dtype=torch.int32) for i in range(5)]
-    moved = [staging.upload({"kept": t})["kept"] for t in sent]
-    assert all(m.tolist() == t.tolist() for m, t in zip(moved, sent))
-    assert len(staging.ring) == STAGING_RING
+    landed = []
+    for t in sent:
+        moved = staging.upload({"kept": t})["kept"]
+        landed.append((moved.data_ptr(), moved.clone()))        # a step's reading, in stream order
+    assert all(read.tolist() == t.tolist() for (_, read), t in zip(landed, sent))
+    assert len(staging.ring) == STAGING_RING and len({ptr for ptr, _ in landed[:3]}) == 1
 
 
 @needs_cuda
