@@ -114,8 +114,8 @@ class StageClock:
 def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int, num_rounds: int,
                  detail: bool = False) -> dict:
     """num_seqs sequences with `context` prompt tokens each, prefilled, then num_rounds rounds of num_steps decode
-    steps timed by stage: each stage's ms per step, the median over the rounds (`host_ms`: the sum of HOST_STAGES'
-    medians)."""
+    steps timed by stage: each stage's ms per step, the median over the rounds (`host_ms`: the sum of the host
+    stages' medians, DETAIL_STAGES' too where timed)."""
     for i in range(num_seqs):
         prompt = [(7 * i + j) % 500 + 3 for j in range(context)]
         engine.add_request(prompt, max_new_tokens=num_rounds * num_steps + 4, ignore_end_id=True)

@@ -103,7 +103,7 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     parser.add_argument("--host-profile", action="store_true",
-                        help="instead of the workloads: host ms per decode step by stage (tiny model, CPU)")
+                        help="instead of the workloads: host ms per decode step by stage (tiny model)")
     parser.add_argument("--host-device", default="cpu",
                         help="the host profile's device (cuda: the real uploads, graph replays and waits)")
     parser.add_argument("--host-detail", action="store_true",
