@@ -5,6 +5,7 @@ device -> host copy (`StepStaging.download`), waited for only when the host need
 side stream (`SideCopies`) and a step waits only for the slots it uses. On CPU all of it is a no-op.
 """
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,6 +89,15 @@ STAGING_RING = 3                              # host buffers a steady step's upl
                                               # the copy in flight, one written, one spare
 
 
+@dataclass(slots=True)
+class StagingBuffer:
+    """One host buffer of the ring, and what reuses it cheaply."""
+    host: torch.Tensor                        # [capacity] int32, pinned on CUDA
+    done: "torch.cuda.Event | None"           # after the copy that read it last (None: no device copies)
+    view: torch.Tensor                        # host cut to the last size staged ...
+    view_np: np.ndarray                       # ... and as numpy
+
+
 class StepStaging:
     """A step's host tensors packed into one pinned int32 buffer, one non-blocking copy to the device, and
     views of it by name; results come back through pinned buffers, waited for when the host needs them. A buffer
@@ -100,11 +110,9 @@ class StepStaging:
     def __init__(self, device: torch.device, pinned: bool | None = None):
         self.device = device
         self.pinned = device.type == "cuda" if pinned is None else pinned     # (False: the host-profile bench)
-        self.ring: list[tuple[torch.Tensor, np.ndarray]] = []    # (buffer, its numpy view) ...
-        self.ring_views: list[tuple[torch.Tensor, np.ndarray]] = []   # ... and both cut to the last size staged
-        self.ring_done: list = []                                # by buffer: the event after the copy that read it
+        self.ring: list[StagingBuffer] = []
         self.turn = 0
-        self.staged: int | None = None                           # the ring buffer the last `pack` filled
+        self.staged: StagingBuffer | None = None                 # the ring buffer the last `pack` filled
         self.source: tuple[torch.Tensor, np.ndarray] | None = None    # the last lone tensor, and as numpy (a
                                                                       # steady step sends the same one each time)
         self.on_device: torch.Tensor | None = None             # where a steady step's buffer lands, every step
@@ -121,7 +129,7 @@ class StepStaging:
             return unpacked(host.to(self.device, non_blocking=True), tensors, offsets)
         landing = self._landing(host.shape[0])                 # (the steps before read it in stream order first)
         landing.copy_(host, non_blocking=True)
-        self.ring_done[self.staged].record(torch.cuda.current_stream(self.device))
+        self.staged.done.record(torch.cuda.current_stream(self.device))
         return dict.fromkeys(tensors, landing)
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -133,12 +141,12 @@ class StepStaging:
         if len(tensors) == 1:
             (t,) = tensors.values()
             if t.dtype == torch.int32 and t.dim() == 1:
-                host = self._ring_buffer(t.shape[0])
-                if host is not None:
+                staged = self._ring_buffer(t.shape[0])
+                if staged is not None:
                     if self.source is None or self.source[0] is not t:
                         self.source = (t, t.numpy())
-                    np.copyto(host[1], self.source[1])
-                    return host[0], [0]
+                    np.copyto(staged.view_np, self.source[1])
+                    return staged.view, [0]
         flat = [_as_int32(t) for t in tensors.values()]
         offsets, total = aligned_offsets([f.size for f in flat])
         host = torch.empty(total, dtype=torch.int32, pin_memory=self.pinned)
@@ -147,30 +155,24 @@ class StepStaging:
             out[offset:offset + f.size] = f
         return host, offsets
 
-    def _ring_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray] | None:
-        """The ring's next buffer cut to `size` ints (as a tensor and as numpy), if no copy may still read it (else
-        None)."""
+    def _ring_buffer(self, size: int) -> StagingBuffer | None:
+        """The ring's next buffer, its view cut to `size` ints, if no copy may still read it (else None)."""
         index = self.turn % STAGING_RING
         if index < len(self.ring):
-            done = self.ring_done[index]
+            done = self.ring[index].done
             if done is not None and not done.query():
                 return None
         self.turn += 1
-        if index == len(self.ring) or self.ring[index][0].shape[0] < size:
+        if index == len(self.ring) or self.ring[index].host.shape[0] < size:
             host = torch.empty(2 * size, dtype=torch.int32, pin_memory=self.pinned)
-            entry = (host, host.numpy())
             if index == len(self.ring):
-                self.ring.append(entry)
-                self.ring_views.append(entry)
-                self.ring_done.append(torch.cuda.Event() if self.pinned else None)
+                self.ring.append(StagingBuffer(host, torch.cuda.Event() if self.pinned else None, host, host.numpy()))
             else:
-                self.ring[index] = self.ring_views[index] = entry
-        self.staged = index
-        views = self.ring_views[index]
-        if views[0].shape[0] != size:
-            host, host_np = self.ring[index]
-            views = self.ring_views[index] = (host[:size], host_np[:size])
-        return views
+                self.ring[index] = StagingBuffer(host, self.ring[index].done, host, host.numpy())
+        staged = self.staged = self.ring[index]
+        if staged.view.shape[0] != size:
+            staged.view, staged.view_np = staged.host[:size], staged.host.numpy()[:size]
+        return staged
 
     def _landing(self, size: int) -> torch.Tensor:
         """The device buffer a steady step's copy lands in, cut to `size`: the same tensor while the size repeats,
