@@ -135,8 +135,8 @@ class DecodeGraphs:
         self.outputs: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}
         self.argmax: dict[tuple[tuple[int, int], bool], torch.Tensor] = {}     # each graph's greedy tokens
         self.greedy: torch.Tensor | None = None          # the last step's greedy tokens [num_seqs], taken in the graph
-        self.copies: tuple = (None, None, 0)             # the last step's (row inputs, tables, rows) and the slices
-                                                         # its copies into the buffers take
+        self.copies: tuple = (None, None, 0, None, None, None)   # the last step's row inputs, tables and rows,
+                                                                 # and the slices its copies took (to, from, to)
         if capture:
             self._capture_all()
 
@@ -166,15 +166,16 @@ class DecodeGraphs:
         inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
         row_inputs, tables = t["row_inputs"], t["block_tables"]        # (a steady step's tables: its rows')
-        last = self.copies                                              # (a steady step's are the step before's)
-        if last[0] is not row_inputs or last[1] is not tables or last[2] != rows:
-            self.copies = (row_inputs, tables, rows, self.row_inputs[:, :rows], row_inputs[:, :rows],
-                           self.buffers["block_tables"][:tables.shape[0], :tables.shape[1]])
-        self.copies[3].copy_(self.copies[4])
+        last_rows, last_tables, num_rows, rows_to, rows_from, tables_to = self.copies   # (a steady step's: the
+        if last_rows is not row_inputs or last_tables is not tables or num_rows != rows:   # step before's slices)
+            rows_to, rows_from = self.row_inputs[:, :rows], row_inputs[:, :rows]
+            tables_to = self.buffers["block_tables"][:tables.shape[0], :tables.shape[1]]
+            self.copies = (row_inputs, tables, rows, rows_to, rows_from, tables_to)
+        rows_to.copy_(rows_from)
         if not segments_in_place:
             copy_lora(self.buffers, t)
             self.segments_of = (token_slots, rows)
-        self.copies[5].copy_(tables)
+        tables_to.copy_(tables)
         with_lora = any(slot >= 0 for slot in token_slots)
         if with_lora:
             lora_cache.wait_for_slots(token_slots)
