@@ -41,14 +41,12 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
             sync(device)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.startswith(("Memcpy", "Memset"))]
-        busy = {}
+        busy, by_name = {}, {}
         for e in kernels:
             busy[kind_of(e.name)] = busy.get(kind_of(e.name), 0.0) + e.device_time
-        total = sum(busy.values()) or 1.0
-        by_name = {}
-        for e in kernels:
             count, us = by_name.get(e.name, (0, 0.0))
             by_name[e.name] = (count + 1, us + e.device_time)
+        total = sum(busy.values()) or 1.0
         result = {"num_seqs": len(requests), "launches_per_step": len(kernels),
                   "kernels": {name[:60]: (count, round(us, 1)) for name, (count, us)
                               in sorted(by_name.items(), key=lambda item: -item[1][0])[:16]},
