@@ -1,6 +1,7 @@
 """The OpenMP runtime's settings per thread: releasing a pool, a team of one for side work, and the stepping
 thread's team sized to the cores it gets (a fake clock and run-queue reading drive the policy; the team size it
 sets is libgomp's own, read back)."""
+import os
 import threading
 
 import pytest
@@ -192,6 +193,34 @@ def test_the_run_queue_wait_is_read_from_linux():
         pytest.skip("no /proc/thread-self/schedstat on this system")
     torch.ones(1 << 20).sum()
     assert 0.0 <= waited <= openmp._run_queue_wait_s()
+
+
+def test_each_thread_reads_its_own_schedstat_through_a_kept_descriptor():
+    if openmp._run_queue_wait_s() is None:
+        pytest.skip("no /proc/thread-self/schedstat on this system")
+    seen = {}
+
+    def read():
+        openmp._run_queue_wait_s()
+        openmp._run_queue_wait_s()                               # the second read reuses the first's descriptor
+        fd = openmp._kept.schedstat.fileno()
+        seen[threading.get_native_id()] = os.readlink(f"/proc/self/fd/{fd}")
+    read()
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    assert len(seen) == 2
+    for tid, target in seen.items():
+        assert target.endswith(f"/task/{tid}/schedstat")
+
+
+def test_the_idle_core_time_is_the_idle_time_of_proc_stat():
+    idle = openmp._idle_core_s()
+    if idle is None:
+        pytest.skip("no /proc/uptime on this system")
+    with open("/proc/stat") as f:
+        stat_idle = int(f.readline().split()[4]) / os.sysconf("SC_CLK_TCK")
+    assert abs(openmp._idle_core_s() - stat_idle) < 0.5 and openmp._idle_core_s() >= idle
 
 
 def test_an_eager_cpu_step_asks_the_sizer_after_every_layer(tiny_model_dir, monkeypatch):
