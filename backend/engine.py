@@ -180,19 +180,20 @@ class LLMEngine:
             raise RuntimeError(f"injected fault at step {self.num_steps}")
         waiting = itertools.islice(self.scheduler.waiting, self.config.lora.max_loras)
         launched = self.runner.launch(batch, self.lora_cache, [seq.lora_task_id for seq in waiting], previous)
+        launched.ahead = self.overlap                       # (else collected before step() returns: none pending)
         if batch.all_decode:                                # (each scheduled before: its first time is set)
             for item in batch.items:
+                item.seq.num_computed_tokens += 1
+        else:
+            now = time.time_ns()
+            for item in batch.items:
                 seq = item.seq
-                seq.num_computed_tokens += 1
-                seq.num_pending_tokens += 1
-            return launched
-        now = time.time_ns()
-        for item in batch.items:
-            seq = item.seq
-            if not seq.metrics.first_scheduled_time_ns:
-                seq.metrics.first_scheduled_time_ns = now
-            seq.num_computed_tokens += item.num_new_tokens
-            seq.num_pending_tokens += item.samples
+                if not seq.metrics.first_scheduled_time_ns:
+                    seq.metrics.first_scheduled_time_ns = now
+                seq.num_computed_tokens += item.num_new_tokens
+        if launched.ahead:
+            for item in batch.items:
+                item.seq.num_pending_tokens += item.samples
         return launched
 
     def _collect(self, launched: LaunchedStep, entries: list) -> None:
@@ -206,10 +207,11 @@ class LLMEngine:
         for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
-        now, finished, num_dropped = time.time_ns(), Status.FINISHED, 0
+        now, finished, num_dropped, ahead = time.time_ns(), Status.FINISHED, 0, launched.ahead
         every_row = bool(self.seqs.waiting_forks or logits)            # each token through _append
         for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.rows.ends):
-            seq.num_pending_tokens -= 1
+            if ahead:
+                seq.num_pending_tokens -= 1
             if seq.status is finished:
                 num_dropped += 1
                 continue

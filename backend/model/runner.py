@@ -37,6 +37,8 @@ class LaunchedStep:
     tokens: torch.Tensor                      # [num_sampled] sampled ids, on the device: the next step's inputs
     download: Download                        # tokens [num_sampled] (with log probs [2, num_sampled] where some
                                               # row asked), asked-for logits
+    ahead: bool = False                       # left in flight while the next step launches: its samples count as
+                                              # pending tokens of their sequences until it is collected
 
     @property
     def rows_of(self) -> dict:
