@@ -14,11 +14,14 @@ On CUDA (`--host-device cuda`) the engine runs as it serves: CUDA graphs, steps 
 device's time, not counted), `step_ms` each step's wall time. A CPU forward leaves the host's caches cold for
 what follows it (a numpy call right after costs 3-7x its warm time on a 2-core VM); a GPU's does not.
 `--host-detail` splits `outputs` into the functions that make it (DETAIL_STAGES, each its own time).
+`--host-forward cached` (CPU) replaces the forward, after its first call for each number of sampled rows, by a copy
+of that call's logits: the engine's every other line runs as before, with the host's caches as warm as a GPU's host
+keeps them (what is left is the host's own work; the CPU forward's eviction is the difference).
 """
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -123,6 +126,27 @@ class StageClock:
                 setattr(owner, name, original)
 
 
+@contextmanager
+def cached_forward():
+    """LlamaModel.forward computed once for each number of sampled rows, then its logits copied (--host-forward
+    cached): no KV is written or read after the first."""
+    original, logits = LlamaModel.forward, {}
+
+    def forward(model, ctx, kv_caches, with_context=False):
+        num_rows = ctx.logits_indices.shape[0]
+        if with_context or num_rows not in logits:
+            out = original(model, ctx, kv_caches, with_context)
+            if with_context:
+                return out
+            logits[num_rows] = out
+        return logits[num_rows].clone()
+    LlamaModel.forward = forward
+    try:
+        yield
+    finally:
+        LlamaModel.forward = original
+
+
 def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int, num_rounds: int,
                  detail: bool = False) -> dict:
     """num_seqs sequences with `context` prompt tokens each, prefilled, then num_rounds rounds of num_steps decode
@@ -156,9 +180,11 @@ def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int,
 
 
 def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_backend: str = "auto",
-                 device: str = "cpu", detail: bool = False) -> dict:
+                 device: str = "cpu", detail: bool = False, forward: str = "real") -> dict:
     """Every case on one engine over the tiny model (fp32); detail: `outputs` split into DETAIL_STAGES (each wrapped
-    call adds ~1 us of its own)."""
+    call adds ~1 us of its own); forward "cached": `cached_forward`."""
+    if forward not in ("real", "cached"):
+        raise ValueError(f"forward must be 'real' or 'cached', got {forward!r}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp))
         engine = LLMEngine(str(model_dir), dtype="float32", device=device, kernel_backend=kernel_backend,
@@ -167,9 +193,10 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
                            cuda_graph_mode=device != "cpu")
         freeze_heap()                                     # as a server's engine loop does
         try:
-            return {"kernel_backend": engine.runner.ops.name, "device": str(engine.runner.device),
-                    "num_steps": num_steps, "num_rounds": num_rounds,
-                    "cases": [profile_case(engine, n, c, num_steps, num_rounds, detail) for n, c in cases]}
+            with cached_forward() if forward == "cached" else nullcontext():
+                return {"kernel_backend": engine.runner.ops.name, "device": str(engine.runner.device),
+                        "num_steps": num_steps, "num_rounds": num_rounds, "forward": forward,
+                        "cases": [profile_case(engine, n, c, num_steps, num_rounds, detail) for n, c in cases]}
         finally:
             unfreeze_heap()
             engine.close()
@@ -177,7 +204,7 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
 
 def print_profile(result: dict, machine: str) -> None:
     print(f"host ms per decode step by stage ({machine}; tiny model on {result['device']}, kernels "
-          f"{result['kernel_backend']}, "
+          f"{result['kernel_backend']}, forward {result.get('forward', 'real')}, "
           f"medians of {result['num_rounds']} rounds of {result['num_steps']} steps; model and sampling math excluded)")
     detail = tuple(s for s in DETAIL_STAGES if any(s in case for case in result["cases"]))
     head = ("seqs", "context") + HOST_STAGES + detail + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")

@@ -21,3 +21,17 @@ def test_the_stage_clock_takes_each_nested_span_out_of_the_one_around_it():
                     ("outer", 12.0, 13.0)]                     # (a later sibling, recorded first: ends first)
     assert clock.resolve() == {"outer": 7.0, "mid": 3.0, "inner": 1.0}
     assert clock.spans == [] and clock.resolve() == {"outer": 7.0, "mid": 3.0, "inner": 1.0}
+
+
+def test_a_cached_forward_runs_the_model_once_for_each_number_of_rows(monkeypatch):
+    import pytest
+    from backend.model.llama import LlamaModel
+    calls = []
+    real = LlamaModel.forward
+    monkeypatch.setattr(LlamaModel, "forward", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    result = host_profile(num_steps=4, num_rounds=2, cases=((2, 16),), forward="cached")
+    case = result["cases"][0]
+    assert result["forward"] == "cached" and 0 < case["host_ms"] < case["step_ms"]
+    assert len(calls) <= 4                                # prefill rows, then decode rows: never again per step
+    with pytest.raises(ValueError, match="forward"):
+        host_profile(cases=((1, 16),), forward="stub")
