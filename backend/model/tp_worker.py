@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from backend.device import StepStaging
 from backend.heap import freeze_heap
-from backend.hugepages import empty_kv_caches
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.format import LoraAdapter, packed_views
 from backend.lora.slots import DeviceSlots
@@ -95,7 +94,9 @@ class Worker:
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, self.dtype, self.device)
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.cfg.num_layers)]
 
     @torch.inference_mode()
     def step(self, t: dict[str, torch.Tensor]) -> None:
