@@ -56,6 +56,7 @@ def one_openmp_thread():
 
 
 _kept = threading.local()                     # each thread's /proc files, open (closed with the thread's data)
+os.register_at_fork(after_in_child=lambda: _kept.__dict__.clear())     # a child's thread is another task
 
 
 def _read_proc(path: str, slot: str) -> bytes:

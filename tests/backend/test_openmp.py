@@ -214,6 +214,21 @@ def test_each_thread_reads_its_own_schedstat_through_a_kept_descriptor():
         assert target.endswith(f"/task/{tid}/schedstat")
 
 
+def test_a_forked_child_reads_its_own_schedstat():
+    if openmp._run_queue_wait_s() is None:
+        pytest.skip("no /proc/thread-self/schedstat on this system")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                  # the child: nothing but the reading
+        openmp._run_queue_wait_s()
+        os.write(write, os.readlink(f"/proc/self/fd/{openmp._kept.schedstat.fileno()}").encode())
+        os._exit(0)
+    os.close(write)
+    target = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    assert target.endswith(f"/task/{pid}/schedstat")              # the child's main thread's id is its pid
+
+
 def test_the_idle_core_time_is_the_idle_time_of_proc_stat():
     idle = openmp._idle_core_s()
     if idle is None:
