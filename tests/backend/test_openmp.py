@@ -225,6 +225,7 @@ def test_a_forked_child_reads_its_own_schedstat():
         os._exit(0)
     os.close(write)
     target = os.read(read, 4096).decode()
+    os.close(read)
     os.waitpid(pid, 0)
     assert target.endswith(f"/task/{pid}/schedstat")              # the child's main thread's id is its pid
 
