@@ -15,7 +15,7 @@ def soak(model_dir, out, duration_s: int) -> dict:
                           str(duration_s), "--adapters", "16", "--max-loras", "3", "--kv-blocks", "12", "--max-prompt",
                           "60", "--max-output", "24", "--model-dir", model_dir, "--out", out],
                          capture_output=True, text=True, timeout=600 + duration_s)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-16000:]     # (the server's last lines, then why)
     return json.loads(out.read_text())
 
 
