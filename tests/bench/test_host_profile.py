@@ -14,15 +14,6 @@ def test_the_host_profile_times_each_stage_and_splits_the_outputs_on_request():
         assert (case["num_seqs"], case["context"]) == (2, 16) and 0 < case["host_ms"] < case["step_ms"]
 
 
-def test_the_stage_clock_takes_each_nested_span_out_of_the_one_around_it():
-    from bench.host_profile import StageClock
-    clock = StageClock()
-    clock.spans += [("outer", 0.0, 10.0), ("mid", 6.0, 7.0), ("mid", 2.0, 5.0), ("inner", 3.0, 4.0),
-                    ("outer", 12.0, 13.0)]                     # (a later sibling, recorded first: ends first)
-    assert clock.resolve() == {"outer": 7.0, "mid": 3.0, "inner": 1.0}
-    assert clock.spans == [] and clock.resolve() == {"outer": 7.0, "mid": 3.0, "inner": 1.0}
-
-
 def test_a_cached_forward_runs_the_model_once_for_each_number_of_rows(monkeypatch):
     import pytest
     from backend.model.llama import LlamaModel
