@@ -16,10 +16,8 @@ expand: programs (item, column group) each own TILES x BLOCK_N columns of one ba
         rows (the band from the slot's bounds), load h once and walk the group's B tiles (pipelined), adding the
         product into the output in place; the epilogue scales the sum by the slot's DoRA magnitudes (1 where the
         slot has none, so a mixed batch of LoRA and DoRA is one pass).
-`LoraLaunch` is a projection's configuration at a step's token count: the launchers and the cost plan
-(kernels/lora_plan.py) both use it.
+How each launches at a step's token count (work list, tiles, splits, grids): kernels/lora_launch.py.
 """
-import math
 import os
 from dataclasses import dataclass
 
@@ -27,15 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_launch import LoraLaunch, block_m_for, plan_launch, work_items
 from kernels.metadata import UNSPECIALIZED_ARGS
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
-WORK_FIELDS = 3                                             # a work item: slot, first row, end row
-TARGET_PROGRAMS = 512                                       # a shrink launch's programs: <= ~1 wave at its occupancy
-SPLIT_COLUMNS_PER_ROW = 16                                  # a split's columns per row of its item: its fp32 partial
-                                                            # (written, read back) stays <= 1/8 of the A it reads
-MAX_PARTIAL_BYTES = 64 << 20                                # the split partials of one launch, fp32
-EXPAND_GROUP = 512                                          # output columns of one expand program (at most)
 
 
 @triton.jit
@@ -145,118 +138,6 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr
         acc = tl.dot(h, tl.trans(b), input_precision="ieee")                       # [BLOCK_M, BLOCK_N]
         total = (base.to(tl.float32) + acc) * scale[None, :]                      # DoRA: the whole output scaled
         tl.store(out_rows + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def block_m_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Rows per work item: 16 for decode steps and short chunks (segments of a few tokens), 64 for long prompt
-    chunks of a 16-bit model (fewer re-reads of each A; fp32 tiles that tall would spill)."""
-    return 64 if num_tokens > 256 and dtype.itemsize <= 2 else 16
-
-
-def max_work_items(num_tokens: int, num_segments: int, block_m: int) -> int:
-    """The most items num_tokens rows in num_segments segments can make (a graph's fixed work-list length)."""
-    return max(1, min(num_tokens, num_segments + num_tokens // block_m))
-
-
-def work_items(starts: list[int], slots: list[int], block_m: int, num_items: int | None = None) -> torch.Tensor:
-    """[num_items, 3] int32 host tensor: [slot, start, end) per block_m rows of each segment with an adapter, then
-    idle items ([-1, 0, 0]) up to num_items."""
-    items = [(slot, row, min(row + block_m, starts[s + 1])) for s, slot in enumerate(slots) if slot >= 0
-             for row in range(starts[s], starts[s + 1], block_m)]
-    num_items = max(1, len(items)) if num_items is None else num_items
-    assert len(items) <= num_items, f"{len(items)} LoRA work items exceed the {num_items} a graph holds"
-    return torch.tensor(items + [(-1, 0, 0)] * (num_items - len(items)), dtype=torch.int32).view(num_items, 3)
-
-
-@dataclass(frozen=True, slots=True)
-class LoraLaunch:
-    """One projection's shrink and expand at a step's token count."""
-    num_items: int
-    num_bands: int
-    in_dim: int
-    out_dim: int
-    max_rank: int
-    block_m: int
-    block_r: int                              # max_rank, as a power of two
-    block_k: int
-    split_k: int
-    blocks_per_split: int                     # BLOCK_K blocks of the input each split reads
-    block_n: int
-    tiles: int                                # BLOCK_N tiles an expand program covers
-    act_bytes: int = 2                        # the activations' element size
-
-    @property
-    def block_c(self) -> int:
-        return triton.next_power_of_2(self.num_bands * self.block_r)
-
-    @property
-    def k_per_split(self) -> int:
-        return self.blocks_per_split * self.block_k
-
-    @property
-    def shrink_grid(self) -> tuple[int, int]:
-        return self.num_items, self.split_k
-
-    @property
-    def expand_grid(self) -> tuple[int, int]:
-        return self.num_items, triton.cdiv(self.out_dim, self.block_n * self.tiles)
-
-    @property
-    def shrink_constexprs(self) -> dict:
-        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_R": self.block_r,
-                "BLOCK_C": self.block_c, "BLOCK_K": self.block_k}
-
-    @property
-    def expand_constexprs(self) -> dict:
-        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TILES": self.tiles,
-                "BLOCK_R": self.block_r}
-
-    @property
-    def shrink_options(self) -> dict:
-        """Four warps, eight for tiles past 4096 accumulators (64 rows of 128 columns, 16 of 512: registers); the K
-        loop's loads pipelined three deep."""
-        return {"num_warps": 8 if self.block_m * self.block_c > 4096 else 4, "num_stages": 3}
-
-    @property
-    def expand_options(self) -> dict:
-        """The group's B tiles pipelined two deep behind the product of the one before."""
-        return {"num_warps": 4, "num_stages": 2}
-
-
-def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int], max_rank: int,
-                block_m: int | None = None, split_k: int | None = None, act_bytes: int = 2) -> LoraLaunch:
-    """The configuration a projection runs with: full-rank tiles (BLOCK_R >= max_rank; every band in one shrink
-    tile, x read once), the input split so that up to TARGET_PROGRAMS shrink programs each read >=
-    SPLIT_COLUMNS_PER_ROW x BLOCK_M columns (or into split_k parts, for tests), and expand programs over groups
-    of columns as wide as the bands' common divisor allows (a group never straddles two bands). Tiles hold half as
-    many fp32 activations (act_bytes 4: an fp32 model) as 16-bit ones, in the same registers."""
-    block_m = block_m or block_m_for(num_tokens)
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    block_c = triton.next_power_of_2(len(widths) * block_r)
-    block_k = min(128 if act_bytes <= 2 else 64, max(16, (8192 if act_bytes <= 2 else 2048) // block_c),
-                  max(16, triton.next_power_of_2(in_dim)))
-    num_bands, cap = len(widths), len(widths) * max_rank
-    k_blocks = triton.cdiv(in_dim, block_k)
-    split_k = split_k or min(triton.cdiv(TARGET_PROGRAMS, num_items),
-                             max(1, in_dim // (SPLIT_COLUMNS_PER_ROW * block_m)),
-                             max(1, MAX_PARTIAL_BYTES // (num_tokens * cap * 4)))
-    blocks_per_split = triton.cdiv(k_blocks, max(1, split_k))
-    split_k = triton.cdiv(k_blocks, blocks_per_split)                 # no split left without columns
-    block_n, tiles = expand_tiles(widths, block_m, block_r, act_bytes)
-    return LoraLaunch(num_items, num_bands, in_dim, sum(widths), max_rank, block_m, block_r, block_k, split_k,
-                      blocks_per_split, block_n, tiles, act_bytes)
-
-
-def expand_tiles(widths: list[int], block_m: int, block_r: int, act_bytes: int = 2) -> tuple[int, int]:
-    """(BLOCK_N, TILES): an expand program's group of TILES x BLOCK_N columns is the widest power of two (up to
-    EXPAND_GROUP) dividing every band's width; its tiles as wide as an fp32 [BLOCK_M, BLOCK_N] accumulator and a
-    [BLOCK_N, BLOCK_R] B tile keep in few registers (128 columns at rank 64 and 16 rows)."""
-    divides = math.gcd(*widths) & -math.gcd(*widths)                 # the largest power of two dividing them
-    if divides < 16:
-        raise ValueError(f"LoRA band widths {widths} must be multiples of 16 for the Triton expand")
-    group = min(divides, EXPAND_GROUP)
-    block_n = min(group, max(16, 2048 // block_m), max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
-    return block_n, group // block_n
 
 
 @dataclass(slots=True)

@@ -88,7 +88,7 @@ def lora_configurations():
     a prompt chunk (512: 64-row items), max_lora_rank 64 and 16 (and 128 at 8B decode), in every dtype pairing."""
     import torch
 
-    from kernels.lora import block_m_for, max_work_items, plan_launch
+    from kernels.lora_launch import block_m_for, max_work_items, plan_launch
     from kernels.lora_plan import launch_args
     shapes = {"8b qkv": (4096, [4096, 1024, 1024]), "8b o": (4096, [4096]), "8b gate_up": (4096, [14336, 14336]),
               "8b down": (14336, [4096]), "smollm2 qkv": (576, [576, 192, 192])}

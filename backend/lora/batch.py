@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.lora.slots import DeviceSlots
-from kernels.lora import block_m_for, work_items
+from kernels.lora_launch import block_m_for, work_items
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from backend.lora.batch import LoraBatch, LoraSegments
 from backend.model.context import StepContext, StepInputs
 from backend.model.kept import PADDING, ROW_INPUTS
 from backend.sampler import greedy
-from kernels.lora import block_m_for, max_work_items
+from kernels.lora_launch import block_m_for, max_work_items
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
@@ -46,7 +46,7 @@ def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_
 def padded_segments(token_slots: list[int], num_tokens: int, num_segments: int,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A step's LoRA segments (adapter slot per token, -1 for none, padding rows -1) padded to num_segments (empty
-    ones at the end), and its LoRA work list to the graph's length (idle items at the end; kernels/lora.py)."""
+    ones at the end), and its LoRA work list to the graph's length (idle items at the end; kernels/lora_launch.py)."""
     block_m = block_m_for(num_tokens, dtype)
     segments = LoraSegments.from_token_slots(token_slots + [-1] * (num_tokens - len(token_slots)), block_m,
                                              max_work_items(num_tokens, num_segments, block_m))

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from frontend.app import CatchAll, FrontendConfig, create_app
+from frontend.app import FrontendConfig, create_app
+from frontend.middleware import CatchAll, error_response
 
 KEYS = {"api_key": "sk-inference", "admin_key": "sk-admin"}
 
@@ -77,6 +78,5 @@ def test_an_unexpected_error_is_a_500_in_openais_shape_and_a_429_says_when_to_re
     asyncio.run(CatchAll(broken)({"type": "http", "method": "GET", "path": "/v1/models"}, None, send))
     assert messages[0]["status"] == 500 and b"internal_error" in messages[1]["body"]
     assert b"/internal/path" not in messages[1]["body"]
-    from frontend.app import error_response
     from frontend.errors import OpenAIError
     assert error_response(OpenAIError(429, "queue full", "RateLimitError")).headers["Retry-After"] == "1"

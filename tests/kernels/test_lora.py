@@ -6,7 +6,8 @@ import torch
 from backend.lora.batch import LoraSegments
 from backend.lora.slots import Band, Projection
 from kernels import reference
-from kernels.lora import LoraStep, block_m_for, lora_expand, lora_shrink, max_work_items, work_items
+from kernels.lora import LoraStep, lora_expand, lora_shrink
+from kernels.lora_launch import block_m_for, max_work_items, work_items
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
