@@ -165,10 +165,21 @@ class StepInputs:
         return inputs
 
     def context(self, t: dict[str, torch.Tensor]) -> StepContext:
-        """The context over `t`: these tensors, or their device copies."""
+        """The context over `t`: these tensors, or their device copies. A steady step's is kept with the batch while
+        its views are the same ones (KeptBatch.tensors, StepInputs.received): only the lengths are set anew, and what
+        a step adds to it (the torch kernels' plan, the adapters, the OpenMP checkpoint) is cleared."""
+        steady = self.rows is not None
+        if steady and self.kept.context is not None and self.kept.context.input_ids is t["input_ids"]:
+            ctx = self.kept.context
+            ctx.attn.seq_lens_list, ctx.attn.max_seq_len, ctx.attn.torch_plan = self.seq_lens, max(self.seq_lens), None
+            ctx.lora = ctx.between_layers = None
+            return ctx
         attn = AttentionMetadata(
             query_starts=t["query_starts"], seq_lens=t["seq_lens"], block_tables=t["block_tables"],
             slot_mapping=t["slot_mapping"], query_starts_list=self.query_starts, seq_lens_list=self.seq_lens,
             max_query_len=self.max_query_len, max_seq_len=max(self.seq_lens))
-        return StepContext(t["input_ids"], t["positions"], attn, t["logits_indices"], t["context_indices"])
+        ctx = StepContext(t["input_ids"], t["positions"], attn, t["logits_indices"], t["context_indices"])
+        if steady:
+            self.kept.context = ctx
+        return ctx
 

@@ -143,6 +143,7 @@ class KeptBatch:
         self.views: tuple = ()                # `tensors` of the last (rows, table width)
         self.views_of: tuple[int, int] | None = None
         self.landed: tuple | None = None      # the same views of the device copy: (it, its layout, them)
+        self.context = None                   # the StepContext over the last steady step's views (StepInputs.context)
 
     def _lay_out(self, num_rows: int, width: int) -> np.ndarray:
         """A buffer for num_rows rows (at least) of block tables width wide, holding the last one's state and tables

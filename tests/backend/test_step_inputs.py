@@ -149,12 +149,13 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     """A step of the last step's sequences is launched from what was kept (runner's KeptBatch): its inputs equal
     those built from scratch, over a workload whose batch changes (adapters, stops, forks, an abort, block
     crossings; with num_blocks, a cache so small that sequences are preempted, and KV reuse gives them their blocks
-    back), and its tokens equal a run that always builds from scratch."""
+    back), and its tokens equal a run that always builds from scratch; its step context, kept with the batch,
+    carries the step's lengths and nothing of the step before."""
     from backend import LLMEngine
     from backend.model.config import ModelConfig
     cache_bytes = 1 << 20 if num_blocks is None else kv_bytes_for_blocks(num_blocks, 4,
                                                                           ModelConfig.from_dir(tiny_model_dir))
-    steady_rows, landings = [], {}
+    steady_rows, landings, contexts = [], {}, []
     steady_decode = StepInputs._steady_decode
 
     def checked(self, batch, block_size, kept):
@@ -176,6 +177,11 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
             assert torch.equal(self.tensors[name][known] if name == "input_ids" else self.tensors[name], theirs)
         assert (self.query_starts, self.seq_lens, self.pending) == (general.query_starts, general.seq_lens,
                                                                     general.pending)
+        ctx, fresh = self.context(self.tensors), general.context(general.tensors)     # (the views the runner's has)
+        assert (ctx.attn.seq_lens_list, ctx.attn.max_seq_len, ctx.attn.query_starts_list, ctx.attn.torch_plan,
+                ctx.lora, ctx.between_layers) == (fresh.attn.seq_lens_list, fresh.attn.max_seq_len,
+                                                  fresh.attn.query_starts_list, None, None, None)
+        contexts.append(ctx)
         steady_rows.append(len(seqs))
 
     def run() -> dict:
@@ -203,6 +209,7 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     monkeypatch.setattr(StepInputs, "_steady_decode", checked)
     kept = run()
     assert len(steady_rows) > 10 and len(set(steady_rows)) > 2          # steady steps of several batches
+    assert sum(a is b for a, b in zip(contexts, contexts[1:])) > 5       # a context kept from step to step
     monkeypatch.setattr(KeptBatch, "keep", lambda self, *args: None)       # nothing kept: from scratch
     assert kept == run()
 
