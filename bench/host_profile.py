@@ -16,7 +16,9 @@ what follows it (a numpy call right after costs 3-7x its warm time on a 2-core V
 `--host-detail` splits `outputs` into the functions that make it (DETAIL_STAGES, each its own time).
 `--host-forward cached` (CPU) replaces the forward, after its first call for each number of sampled rows, by a copy
 of that call's logits: the engine's every other line runs as before, with the host's caches as warm as a GPU's host
-keeps them (what is left is the host's own work; the CPU forward's eviction is the difference).
+keeps them (what is left is the host's own work; the CPU forward's eviction is the difference). `--host-evict-mb N`
+adds that eviction back alone: the cached forward reads N MB of a buffer of its own (32 x 4k tokens of the tiny
+model's KV are 32 MB, as much as this EPYC's L3).
 """
 import statistics
 import tempfile
@@ -24,6 +26,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from backend import LLMEngine, sampler
@@ -116,10 +119,13 @@ class StageClock:
 
 
 @contextmanager
-def cached_forward():
+def cached_forward(evict_mb: int = 0):
     """LlamaModel.forward computed once for each number of sampled rows, then its logits copied (--host-forward
-    cached): no KV is written or read after the first."""
+    cached): no KV is written or read after the first. evict_mb: each call then reads that many MB of a buffer of
+    its own (--host-evict-mb), as a CPU forward streams its KV through the caches: the host's work after it finds
+    them as cold as after the real one, and nothing else differs."""
     original, logits = LlamaModel.forward, {}
+    streamed = np.ones(evict_mb << 18, dtype=np.float32)
 
     def forward(model, ctx, kv_caches, with_context=False):
         if with_context:                                  # (prompt logits asked for: never in the profile's steps)
@@ -127,6 +133,7 @@ def cached_forward():
         num_rows = ctx.logits_indices.shape[0]
         if num_rows not in logits:
             logits[num_rows] = original(model, ctx, kv_caches)
+        streamed.sum()
         return logits[num_rows].clone()
     LlamaModel.forward = forward
     try:
@@ -169,11 +176,13 @@ def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int,
 
 
 def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_backend: str = "auto",
-                 device: str = "cpu", detail: bool = False, forward: str = "real") -> dict:
+                 device: str = "cpu", detail: bool = False, forward: str = "real", evict_mb: int = 0) -> dict:
     """Every case on one engine over the tiny model (fp32); detail: `outputs` split into DETAIL_STAGES (each wrapped
-    call adds ~2 us of its own); forward "cached": `cached_forward`."""
+    call adds ~2 us of its own); forward "cached": `cached_forward(evict_mb)`."""
     if forward not in ("real", "cached"):
         raise ValueError(f"forward must be 'real' or 'cached', got {forward!r}")
+    if evict_mb and forward != "cached":
+        raise ValueError("evict_mb streams a buffer through a cached forward: it needs forward 'cached'")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp))
         engine = LLMEngine(str(model_dir), dtype="float32", device=device, kernel_backend=kernel_backend,
@@ -182,9 +191,9 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
                            cuda_graph_mode=device != "cpu")
         freeze_heap()                                     # as a server's engine loop does
         try:
-            with cached_forward() if forward == "cached" else nullcontext():
+            with cached_forward(evict_mb) if forward == "cached" else nullcontext():
                 return {"kernel_backend": engine.runner.ops.name, "device": str(engine.runner.device),
-                        "num_steps": num_steps, "num_rounds": num_rounds, "forward": forward,
+                        "num_steps": num_steps, "num_rounds": num_rounds, "forward": forward, "evict_mb": evict_mb,
                         "cases": [profile_case(engine, n, c, num_steps, num_rounds, detail) for n, c in cases]}
         finally:
             unfreeze_heap()
@@ -193,7 +202,8 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
 
 def print_profile(result: dict, machine: str) -> None:
     print(f"host ms per decode step by stage ({machine}; tiny model on {result['device']}, kernels "
-          f"{result['kernel_backend']}, forward {result.get('forward', 'real')}, "
+          f"{result['kernel_backend']}, forward {result.get('forward', 'real')}"
+          f"{', %d MB read in each' % result['evict_mb'] if result.get('evict_mb') else ''}, "
           f"medians of {result['num_rounds']} rounds of {result['num_steps']} steps; model and sampling math excluded)")
     detail = tuple(s for s in DETAIL_STAGES if any(s in case for case in result["cases"]))
     head = ("seqs", "context") + HOST_STAGES + detail + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")

@@ -109,6 +109,9 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--host-forward", choices=("real", "cached"), default="real",
                         help="the host profile's forward: cached copies its logits after the first call (the host's "
                              "own time, its caches as warm as a GPU's host keeps them)")
+    parser.add_argument("--host-evict-mb", type=int, default=0,
+                        help="with --host-forward cached: each forward reads this many MB of a buffer of its own (the "
+                             "eviction a CPU forward's KV reads cause, alone)")
     parser.add_argument("--host-detail", action="store_true",
                         help="the host profile's outputs stage split by function (launch, graph step, collect, ...)")
     args = parser.parse_args()
@@ -164,7 +167,8 @@ def machine() -> str:
 def run_host_profile(args) -> None:
     from bench.host_profile import host_profile, print_profile
     result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend, device=args.host_device,
-                                                  detail=args.host_detail, forward=args.host_forward)}
+                                                  detail=args.host_detail, forward=args.host_forward,
+                                                  evict_mb=args.host_evict_mb)}
     print_profile(result, result["machine"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -20,9 +20,11 @@ def test_a_cached_forward_runs_the_model_once_for_each_number_of_rows(monkeypatc
     calls = []
     real = LlamaModel.forward
     monkeypatch.setattr(LlamaModel, "forward", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
-    result = host_profile(num_steps=4, num_rounds=2, cases=((2, 16),), forward="cached")
+    result = host_profile(num_steps=4, num_rounds=2, cases=((2, 16),), forward="cached", evict_mb=1)
     case = result["cases"][0]
-    assert result["forward"] == "cached" and 0 < case["host_ms"] < case["step_ms"]
+    assert (result["forward"], result["evict_mb"]) == ("cached", 1) and 0 < case["host_ms"] < case["step_ms"]
     assert len(calls) <= 4                                # prefill rows, then decode rows: never again per step
     with pytest.raises(ValueError, match="forward"):
         host_profile(cases=((1, 16),), forward="stub")
+    with pytest.raises(ValueError, match="evict_mb"):
+        host_profile(cases=((1, 16),), evict_mb=32)
