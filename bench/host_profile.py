@@ -133,7 +133,8 @@ def cached_forward(evict_mb: int = 0):
         num_rows = ctx.logits_indices.shape[0]
         if num_rows not in logits:
             logits[num_rows] = original(model, ctx, kv_caches)
-        streamed.sum()
+        if evict_mb:
+            streamed.sum()
         return logits[num_rows].clone()
     LlamaModel.forward = forward
     try:
