@@ -6,7 +6,8 @@ import torch
 
 from backend import sampler
 from backend.config import EngineConfig
-from backend.device import Download, StepStaging, on, pin, resolve_device, resolve_dtype, resolve_lora_dtype
+from backend.device import (Download, StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype,
+                           resolve_lora_dtype)
 from backend.kv_cache import num_kv_blocks
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
@@ -97,11 +98,8 @@ class ModelRunner:
         """This rank's KV cache (its KV heads) of num_blocks blocks, and the workers' theirs."""
         cfg = self.shard_config
         shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
-        self.kv_caches = []
-        # uninitialized: attention never reads a position no step wrote (a cache full of NaN changes no token), and
-        # zeroing 1 GiB on CPU took 1.6 s of every start and restart
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.kv_caches = []                                       # (the old cache freed before the new one)
+        self.kv_caches = empty_kv_caches(cfg.num_layers, shape, self.dtype, self.device)
         if self.tp is not None:
             self.tp.send(INIT, {"num_blocks": torch.tensor([num_blocks], dtype=torch.int32)})
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from backend.device import StepStaging
+from backend.device import StepStaging, empty_kv_caches
 from backend.heap import freeze_heap
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.format import LoraAdapter, packed_views
@@ -94,9 +94,7 @@ class Worker:
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.cfg.num_layers)]
+        self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, self.dtype, self.device)
 
     @torch.inference_mode()
     def step(self, t: dict[str, torch.Tensor]) -> None:
