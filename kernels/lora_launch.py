@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-TARGET_PROGRAMS = 512                                       # a shrink launch's programs: <= ~1 wave at its occupancy
-SPLIT_COLUMNS_PER_ROW = 16                                  # a split's columns per row of its item: its fp32 partial
-                                                            # (written, read back) stays <= 1/8 of the A it reads
+TARGET_PROGRAMS = 128                                       # a shrink launch's programs: about one an SM
+SPLIT_COLUMNS_PER_ROW = 32                                  # a split's columns per row of its item: its fp32 partial
+                                                            # (written, read back) stays <= 1/16 of the A it reads
 MAX_PARTIAL_BYTES = 64 << 20                                # the split partials of one launch, fp32
-EXPAND_GROUP = 512                                          # output columns of one expand program (at most)
+DECODE_ROWS_PER_ITEM = 4                                    # items this short (decode steps): wide, narrow expands
 
 
 def block_m_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -51,6 +51,7 @@ class LoraLaunch:
     block_n: int
     tiles: int                                # BLOCK_N tiles an expand program covers
     act_bytes: int = 2                        # the activations' element size
+    expand_warps: int = 8
 
     @property
     def block_c(self) -> int:
@@ -80,27 +81,26 @@ class LoraLaunch:
 
     @property
     def shrink_options(self) -> dict:
-        """Four warps, eight for tiles past 4096 accumulators (64 rows of 128 columns, 16 of 512: registers); the K
-        loop's loads pipelined three deep."""
-        return {"num_warps": 8 if self.block_m * self.block_c > 4096 else 4, "num_stages": 3}
+        """Eight warps, the K loop's loads pipelined three deep (measured best on an H200: scripts/lora_sweep.py)."""
+        return {"num_warps": 8, "num_stages": 3}
 
     @property
     def expand_options(self) -> dict:
-        """The group's B tiles pipelined two deep behind the product of the one before."""
-        return {"num_warps": 4, "num_stages": 2}
+        return {"num_warps": self.expand_warps, "num_stages": 2}
 
 
 def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int], max_rank: int,
                 block_m: int | None = None, split_k: int | None = None, act_bytes: int = 2) -> LoraLaunch:
     """The configuration a projection runs with: full-rank tiles (BLOCK_R >= max_rank; every band in one shrink
     tile, x read once), the input split so that up to TARGET_PROGRAMS shrink programs each read >=
-    SPLIT_COLUMNS_PER_ROW x BLOCK_M columns (or into split_k parts, for tests), and expand programs over groups
-    of columns as wide as the bands' common divisor allows (a group never straddles two bands). Tiles hold half as
-    many fp32 activations (act_bytes 4: an fp32 model) as 16-bit ones, in the same registers."""
+    SPLIT_COLUMNS_PER_ROW x BLOCK_M columns (or into split_k parts, for tests), and expand programs of one tile of
+    columns each (expand_tiles). Tiles hold half as many fp32 activations (act_bytes 4: an fp32 model) as 16-bit
+    ones, in the same registers. The constants are an H200's best at the 8B shape (scripts/lora_sweep.py, README
+    "LoRA kernels")."""
     block_m = block_m or block_m_for(num_tokens)
     block_r = max(16, triton.next_power_of_2(max_rank))
     block_c = triton.next_power_of_2(len(widths) * block_r)
-    block_k = min(128 if act_bytes <= 2 else 64, max(16, (8192 if act_bytes <= 2 else 2048) // block_c),
+    block_k = min(128 if act_bytes <= 2 else 64, max(16, (16384 if act_bytes <= 2 else 2048) // block_c),
                   max(16, triton.next_power_of_2(in_dim)))
     num_bands, cap = len(widths), len(widths) * max_rank
     k_blocks = triton.cdiv(in_dim, block_k)
@@ -109,18 +109,18 @@ def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int],
                              max(1, MAX_PARTIAL_BYTES // (num_tokens * cap * 4)))
     blocks_per_split = triton.cdiv(k_blocks, max(1, split_k))
     split_k = triton.cdiv(k_blocks, blocks_per_split)                 # no split left without columns
-    block_n, tiles = expand_tiles(widths, block_m, block_r, act_bytes)
+    decode = block_m == 16 and num_tokens <= DECODE_ROWS_PER_ITEM * num_items
+    block_n, warps = expand_tile(widths, block_r, act_bytes, decode)
     return LoraLaunch(num_items, num_bands, in_dim, sum(widths), max_rank, block_m, block_r, block_k, split_k,
-                      blocks_per_split, block_n, tiles, act_bytes)
+                      blocks_per_split, block_n, 1, act_bytes, warps)
 
 
-def expand_tiles(widths: list[int], block_m: int, block_r: int, act_bytes: int = 2) -> tuple[int, int]:
-    """(BLOCK_N, TILES): an expand program's group of TILES x BLOCK_N columns is the widest power of two (up to
-    EXPAND_GROUP) dividing every band's width; its tiles as wide as an fp32 [BLOCK_M, BLOCK_N] accumulator and a
-    [BLOCK_N, BLOCK_R] B tile keep in few registers (128 columns at rank 64 and 16 rows)."""
+def expand_tile(widths: list[int], block_r: int, act_bytes: int = 2, decode: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, warps) of an expand program, which owns one tile of columns (never straddling two bands: BLOCK_N
+    divides every band's width): where items are a few rows (decode), 128 columns on two warps; else 64 on
+    eight. A [BLOCK_N, BLOCK_R] B tile stays <= 8192 values (16-bit; half of that fp32)."""
     divides = math.gcd(*widths) & -math.gcd(*widths)                 # the largest power of two dividing them
     if divides < 16:
         raise ValueError(f"LoRA band widths {widths} must be multiples of 16 for the Triton expand")
-    group = min(divides, EXPAND_GROUP)
-    block_n = min(group, max(16, 2048 // block_m), max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
-    return block_n, group // block_n
+    block_n = min(divides, 128 if decode else 64, max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
+    return block_n, 2 if decode else 8

@@ -1,6 +1,8 @@
 """The LoRA cost plan (python -m kernels.lora --plan): from the launchers' own configuration and the compiler's
 occupancy, every case at the 8B shape moves at most 1.2x the bytes it must (its adapters, x and the output), and a
-decode step's launches fit in 4 waves of a 132-SM GPU."""
+decode step's launches fit in 8 waves of a 132-SM GPU (what it guards against: the first kernels' launches of
+tens of waves of programs that exit at once; on an H200 a decode expand of one 128-column tile a program, 4.5 waves,
+ran 1.46x faster than groups of four tiles in 1.7 waves: scripts/lora_sweep.py)."""
 import json
 import os
 import subprocess
@@ -9,7 +11,7 @@ import sys
 from tests.helpers import ROOT
 
 
-def test_the_plan_stays_near_the_memory_bound_and_decode_launches_within_four_waves(tmp_path):
+def test_the_plan_stays_near_the_memory_bound_and_decode_launches_within_eight_waves(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "kernels.lora", "--plan", "--json", str(tmp_path / "plan.json")],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
@@ -23,6 +25,6 @@ def test_the_plan_stays_near_the_memory_bound_and_decode_launches_within_four_wa
             assert projection["shrink"]["blocks_per_sm"] >= 1 and projection["expand"]["blocks_per_sm"] >= 1
             if case.startswith("decode"):
                 for kernel in ("shrink", "expand"):
-                    assert projection[kernel]["waves"] <= 4, (case, name, kernel, projection[kernel]["waves"])
+                    assert projection[kernel]["waves"] <= 8, (case, name, kernel, projection[kernel]["waves"])
     assert "2 launches per projection" in run.stdout
 
