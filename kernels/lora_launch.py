@@ -11,7 +11,8 @@ TARGET_PROGRAMS = 128                                       # a shrink launch's 
 SPLIT_COLUMNS_PER_ROW = 32                                  # a split's columns per row of its item: its fp32 partial
                                                             # (written, read back) stays <= 1/16 of the A it reads
 MAX_PARTIAL_BYTES = 64 << 20                                # the split partials of one launch, fp32
-DECODE_ROWS_PER_ITEM = 4                                    # items this short (decode steps): wide, narrow expands
+DECODE_ROWS_PER_ITEM = 4                                    # items this short (decode steps): expand tiles of 128
+                                                            # columns on 2 warps (else 64 on 8)
 
 
 def block_m_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -49,9 +50,10 @@ class LoraLaunch:
     split_k: int
     blocks_per_split: int                     # BLOCK_K blocks of the input each split reads
     block_n: int
-    tiles: int                                # BLOCK_N tiles an expand program covers
+    tiles: int                                # BLOCK_N tiles an expand program covers (1 as planned; a sweep
+                                              # tries more)
     act_bytes: int = 2                        # the activations' element size
-    expand_warps: int = 8
+    expand_warps: int = 8                     # (expand_tile)
 
     @property
     def block_c(self) -> int:
@@ -94,9 +96,9 @@ def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int],
     """The configuration a projection runs with: full-rank tiles (BLOCK_R >= max_rank; every band in one shrink
     tile, x read once), the input split so that up to TARGET_PROGRAMS shrink programs each read >=
     SPLIT_COLUMNS_PER_ROW x BLOCK_M columns (or into split_k parts, for tests), and expand programs of one tile of
-    columns each (expand_tiles). Tiles hold half as many fp32 activations (act_bytes 4: an fp32 model) as 16-bit
-    ones, in the same registers. The constants are an H200's best at the 8B shape (scripts/lora_sweep.py, README
-    "LoRA kernels")."""
+    columns each (expand_tile). Tiles hold half as many fp32 activations (act_bytes 4: an fp32 model) as 16-bit
+    ones, in the same registers. The constants are an H200's best at the 8B shape (scripts/lora_sweep.py;
+    docs/performance.md, "LoRA launch rules measured on an H200")."""
     block_m = block_m or block_m_for(num_tokens)
     block_r = max(16, triton.next_power_of_2(max_rank))
     block_c = triton.next_power_of_2(len(widths) * block_r)
