@@ -70,7 +70,7 @@ class Case:
             num_copies = max(2, math.ceil(2 * L2_BYTES / per_copy)) if copies else 1
             views = [projection] + [replace(projection, a=projection.a.clone(), b=projection.b.clone())
                                     for _ in range(num_copies - 1)]
-            self.projs[proj] = dict(x=x, base=base, out=out, step=step, launch=prepared.launch,
+            self.projs[proj] = dict(x=x, base=base, out=out, step=step,     # out: the default's result launch=prepared.launch,
                                     widths=projection.widths, views=views, ranks=projection.ranks)
             self.projs[proj]["h"] = self.shrink(proj, default_configs(prepared.launch)[0])   # (zero where unset)
 
@@ -110,7 +110,8 @@ class Case:
 
 
 def expand_configs(p: dict) -> list[dict]:
-    """Those whose group divides every band's width (a group never straddles two bands), B tiles <= 16K values."""
+    """The expand grid's configurations whose group divides every band's width (a group never straddles two bands)
+    and whose B tile holds <= 16K values."""
     return [c for c in grid(EXPAND) if all(w % (c["block_n"] * c["tiles"]) == 0 for w in p["widths"])
             and c["block_n"] * p["launch"].block_r <= 16384]
 
@@ -132,6 +133,7 @@ def build(shape: str, cases: list[str], device: str, copies: bool) -> dict[str, 
 
 
 def shrink_configs(launch) -> list[dict]:
+    """The shrink grid's configurations whose A tile holds <= 16K values, each at every split count."""
     compiled = [c for c in grid(SHRINK) if launch.block_c * c["block_k"] <= 16384]
     return [c | {"split_k": s} for c in compiled for s in SPLITS]
 
