@@ -70,7 +70,7 @@ class Case:
             num_copies = max(2, math.ceil(2 * L2_BYTES / per_copy)) if copies else 1
             views = [projection] + [replace(projection, a=projection.a.clone(), b=projection.b.clone())
                                     for _ in range(num_copies - 1)]
-            self.projs[proj] = dict(x=x, base=base, out=out, step=step,     # out: the default's result launch=prepared.launch,
+            self.projs[proj] = dict(x=x, base=base, default_out=out, step=step, launch=prepared.launch,
                                     widths=projection.widths, views=views, ranks=projection.ranks)
             self.projs[proj]["h"] = self.shrink(proj, default_configs(prepared.launch)[0])   # (zero where unset)
 
@@ -192,7 +192,7 @@ def sweep_projection(case: Case, proj: str, deadline: float) -> dict:
     p = case.projs[proj]
     launch, num_views = p["launch"], len(p["views"])
     default_shrink, default_expand = default_configs(launch)
-    want_h, want_out = p["h"], p["out"]
+    want_h, want_out = p["h"], p["default_out"]
     h_scratch = torch.zeros_like(want_h)
     rows = {"launch": {k: getattr(launch, k) for k in ("num_items", "num_bands", "in_dim", "out_dim", "block_m",
                                                         "block_r", "block_k", "split_k", "block_n", "tiles")},

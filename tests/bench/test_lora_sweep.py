@@ -29,7 +29,7 @@ def test_a_dry_sweep_checks_every_configuration_against_the_default(monkeypatch)
     assert any("layer" in line for line in lora_sweep.report(results))
 
     o = case.projs["o"]
-    o["out"] = o["base"].clone()                                        # as if the default had added nothing
+    o["default_out"] = o["base"].clone()                                        # as if the default had added nothing
     rows = lora_sweep.sweep_projection(case, "o", deadline=math.inf)
     assert all(entry["error"] > 0.03 for entry in rows["expand"])
     assert lora_sweep.best(rows["expand"]) is None
