@@ -189,39 +189,36 @@ def close(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def sweep_projection(case: Case, proj: str, deadline: float) -> dict:
+    """The shrink's and the expand's configurations (the default first), each checked and timed until `deadline`."""
     p = case.projs[proj]
     launch, num_views = p["launch"], len(p["views"])
     default_shrink, default_expand = default_configs(launch)
-    want_h, want_out = p["h"], p["default_out"]
-    h_scratch = torch.zeros_like(want_h)
+    h_scratch, out = torch.zeros_like(p["h"]), p["base"].clone()
     rows = {"launch": {k: getattr(launch, k) for k in ("num_items", "num_bands", "in_dim", "out_dim", "block_m",
-                                                        "block_r", "block_k", "split_k", "block_n", "tiles")},
-            "shrink": [], "expand": []}
-    for config in [default_shrink] + shrink_configs(launch):
-        if time.monotonic() > deadline:
-            rows["cut"] = True
-            break
-        entry = dict(config)
-        try:
-            entry["error"] = close(case.shrink(proj, config), want_h)
-            entry["us"] = replay_us(lambda v: case.shrink(proj, config, v, h_scratch), num_views)
-        except Exception as err:
-            entry["failed"] = f"{type(err).__name__}: {str(err)[:200]}"
-        rows["shrink"].append(entry)
-    out = p["base"].clone()
-    for config in [default_expand] + expand_configs(p):
-        if time.monotonic() > deadline:
-            rows["cut"] = True
-            break
-        entry = dict(config)
-        try:
-            got = p["base"].clone()
-            case.expand(proj, config, got)
-            entry["error"] = close(got, want_out)
-            entry["us"] = replay_us(lambda v: case.expand(proj, config, out, v), num_views)
-        except Exception as err:
-            entry["failed"] = f"{type(err).__name__}: {str(err)[:200]}"
-        rows["expand"].append(entry)
+                                                        "block_r", "block_k", "split_k", "block_n", "tiles")}}
+
+    def expanded(config: dict) -> torch.Tensor:
+        got = p["base"].clone()
+        case.expand(proj, config, got)
+        return got
+
+    for kind, configs, result, want, timed in (
+            ("shrink", [default_shrink] + shrink_configs(launch), lambda c: case.shrink(proj, c), p["h"],
+             lambda c: lambda v: case.shrink(proj, c, v, h_scratch)),
+            ("expand", [default_expand] + expand_configs(p), expanded, p["default_out"],
+             lambda c: lambda v: case.expand(proj, c, out, v))):
+        rows[kind] = []
+        for config in configs:
+            if time.monotonic() > deadline:
+                rows["cut"] = True
+                break
+            entry = dict(config)
+            try:
+                entry["error"] = close(result(config), want)
+                entry["us"] = replay_us(timed(config), num_views)
+            except Exception as err:
+                entry["failed"] = f"{type(err).__name__}: {str(err)[:200]}"
+            rows[kind].append(entry)
     return rows
 
 
