@@ -178,8 +178,13 @@ class LoraStep:
         work = work_items(segments.starts_list, segments.slots_list, block_m).to(x.device)
         return cls(work, block_m, x.shape[0], x.dtype, x.device, projections, split_k)
 
+    @staticmethod
+    def kind(proj) -> tuple:
+        """Projections of a kind share their shapes and strides, and so their launches."""
+        return proj.a.shape[2], proj.b.shape[1], proj.num_bands
+
     def prepare(self, proj) -> Prepared:
-        key = (proj.a.shape[2], proj.b.shape[1], proj.num_bands)
+        key = self.kind(proj)
         prepared = self.prepared.get(key)
         if prepared is None:                                  # a kind first seen: plan it, size the scratch again
             launch = plan_launch(self.num_tokens, self.work.shape[0], key[0], proj.widths, proj.max_rank,
@@ -199,14 +204,19 @@ class LoraStep:
             cap = caps[key]
             h_view = h[:, :cap]
             part_view = partials[:launch.split_k * self.num_tokens * cap].view(launch.split_k, self.num_tokens, cap)
-            shrink_ints = (launch.in_dim, proj.max_rank, launch.split_k, launch.blocks_per_split, *proj.a.stride(),
-                           proj.ranks.stride(0), h_view.stride(0), part_view.stride(0), part_view.stride(1))
-            expand_ints = (proj.max_rank, h_view.stride(0), *proj.b.stride(), proj.ranks.stride(0),
-                           proj.slot_bounds.stride(0), proj.m.stride(0))
-            self.prepared[key] = Prepared(
-                launch, h_view, part_view, shrink_ints, expand_ints,
-                launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": DOT_FP32},
-                launch.expand_constexprs | launch.expand_options | {"DOT_FP32": DOT_FP32})
+            self.prepared[key] = prepare_launch(launch, proj, h_view, part_view)
+
+
+def prepare_launch(launch: LoraLaunch, proj, h: torch.Tensor, partials: torch.Tensor) -> Prepared:
+    """A projection's launches at `launch` over its intermediates: h [num_tokens, cap], partials [split_k,
+    num_tokens, cap] (fp32)."""
+    shrink_ints = (launch.in_dim, proj.max_rank, launch.split_k, launch.blocks_per_split, *proj.a.stride(),
+                   proj.ranks.stride(0), h.stride(0), partials.stride(0), partials.stride(1))
+    expand_ints = (proj.max_rank, h.stride(0), *proj.b.stride(), proj.ranks.stride(0), proj.slot_bounds.stride(0),
+                   proj.m.stride(0))
+    return Prepared(launch, h, partials, shrink_ints, expand_ints,
+                    launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": DOT_FP32},
+                    launch.expand_constexprs | launch.expand_options | {"DOT_FP32": DOT_FP32})
 
 
 def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:

@@ -30,7 +30,7 @@ from backend.model.self_check import random_adapter                             
 from bench.lora_kernels import CASES, RANKS                                         # noqa: E402
 from bench.step_profile import sync                                                 # noqa: E402
 from kernels.dispatch import load_ops                                               # noqa: E402
-from kernels.lora import DOT_FP32, _expand_kernel, _shrink_kernel                   # noqa: E402
+from kernels.lora import LoraStep, lora_expand, lora_shrink, prepare_launch         # noqa: E402
 from scripts.gpu_bench import SHAPES                                                # noqa: E402
 
 CASE_KEYS = {"decode": "decode, 16 tokens over 16 adapters", "64": "64 tokens over 16 adapters",
@@ -71,42 +71,34 @@ class Case:
             views = [projection] + [replace(projection, a=projection.a.clone(), b=projection.b.clone())
                                     for _ in range(num_copies - 1)]
             self.projs[proj] = dict(x=x, base=base, default_out=out, step=step, launch=prepared.launch,
-                                    widths=projection.widths, views=views, ranks=projection.ranks)
+                                    partials=prepared.partials, widths=projection.widths, views=views)
             self.projs[proj]["h"] = self.shrink(proj, default_configs(prepared.launch)[0])   # (zero where unset)
 
     def shrink(self, proj: str, config: dict, view: int = 0, h: torch.Tensor | None = None) -> torch.Tensor:
         """One shrink at `config` ({block_k, split_k, num_warps, num_stages}) into h (a new zeroed one)."""
-        p = self.projs[proj]
-        launch, a = p["launch"], p["views"][view].a
-        k_blocks = math.ceil(launch.in_dim / config["block_k"])
+        p, view_proj = self.projs[proj], self.projs[proj]["views"][view]
+        k_blocks = math.ceil(p["launch"].in_dim / config["block_k"])
         per_split = math.ceil(k_blocks / min(config["split_k"], k_blocks))
-        split_k = math.ceil(k_blocks / per_split)
-        cap = a.shape[1]
+        launch = replace(p["launch"], block_k=config["block_k"], split_k=math.ceil(k_blocks / per_split),
+                         blocks_per_split=per_split)
+        cap = view_proj.a.shape[1]
         if h is None:
-            h = torch.zeros(self.num_tokens, cap, dtype=a.dtype, device=a.device)
-        part = p.setdefault(("part", split_k), torch.empty(split_k, self.num_tokens, cap, dtype=torch.float32,
-                                                           device=a.device))
-        work = p["step"].work
-        _shrink_kernel[(work.shape[0], split_k)](
-            p["x"], a, h, part, p["step"].counters, work, p["ranks"], p["x"].stride(0), launch.in_dim,
-            launch.max_rank, split_k, per_split, *a.stride(), p["ranks"].stride(0), h.stride(0), part.stride(0),
-            part.stride(1), NUM_BANDS=launch.num_bands, BLOCK_M=launch.block_m, BLOCK_R=launch.block_r,
-            BLOCK_C=launch.block_c, BLOCK_K=config["block_k"], DOT_FP32=DOT_FP32, num_warps=config["num_warps"],
-            num_stages=config["num_stages"])
-        return h
+            h = torch.zeros(self.num_tokens, cap, dtype=view_proj.a.dtype, device=view_proj.a.device)
+        part = p.setdefault(("part", launch.split_k), torch.empty(launch.split_k, self.num_tokens, cap,
+                                                                  dtype=torch.float32, device=h.device))
+        prepared = prepare_launch(launch, view_proj, h, part)
+        prepared.shrink_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        p["step"].prepared[LoraStep.kind(view_proj)] = prepared                # what lora_shrink launches
+        return lora_shrink(p["x"], view_proj, p["step"])
 
     def expand(self, proj: str, config: dict, out: torch.Tensor, view: int = 0) -> None:
         """One expand at `config` ({block_n, tiles, num_warps, num_stages}) adding into out."""
-        p = self.projs[proj]
-        launch, view_proj = p["launch"], p["views"][view]
-        b, h = view_proj.b, p["h"]
-        group = config["block_n"] * config["tiles"]
-        _expand_kernel[(p["step"].work.shape[0], math.ceil(launch.out_dim / group))](
-            h, b, out, p["step"].work, p["ranks"], view_proj.slot_bounds, view_proj.m, out.stride(0),
-            launch.max_rank, h.stride(0), *b.stride(), p["ranks"].stride(0), view_proj.slot_bounds.stride(0),
-            view_proj.m.stride(0), NUM_BANDS=launch.num_bands, BLOCK_M=launch.block_m, BLOCK_N=config["block_n"],
-            TILES=config["tiles"], BLOCK_R=launch.block_r, DOT_FP32=DOT_FP32, num_warps=config["num_warps"],
-            num_stages=config["num_stages"])
+        p, view_proj = self.projs[proj], self.projs[proj]["views"][view]
+        launch = replace(p["launch"], block_n=config["block_n"], tiles=config["tiles"])
+        prepared = prepare_launch(launch, view_proj, p["h"], p["partials"])
+        prepared.expand_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        p["step"].prepared[LoraStep.kind(view_proj)] = prepared                # what lora_expand launches
+        lora_expand(p["h"], view_proj, p["step"], out)
 
 
 def expand_configs(p: dict) -> list[dict]:
