@@ -11,6 +11,7 @@ from backend.request import RequestError, RequestLimits, SamplingParams, Sequenc
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
+MAX_BATCH_ROWS = 256                          # rows of one client request (Triton's max_batch_size is lower)
 
 
 class RequestIntake:
@@ -18,7 +19,10 @@ class RequestIntake:
         self.model_config = model_config
         self.blocks = blocks
         self.lora_cache = lora_cache
-        self.limits = RequestLimits(model_config.max_position_embeddings - 1, config.max_words, config.max_word_len)
+        max_input_len = model_config.max_position_embeddings - 1
+        self.limits = RequestLimits(max_input_len, config.max_words, config.max_word_len,
+                                    max_input_values=max(MAX_BATCH_ROWS * max_input_len,
+                                                         config.lora.host_memory_bytes // 2))
         self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if config.guided_decoding_backend == "xgrammar":
             from backend.guided import GuidedDecoding

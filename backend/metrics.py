@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from backend.heartbeat import HEARTBEAT
 from backend.lora.cache import LoraCacheStats
 
 LORA_STATS = tuple(f.name for f in fields(LoraCacheStats))
@@ -34,6 +35,8 @@ FAMILIES = [Family(*spec) for spec in (
     ("lora_llm_step_seconds", "Engine step latency, by kind: decode, or prefill (the step holds prompt tokens)",
      "histogram"),
     ("lora_llm_engine_alive", "1 while the engine loop serves requests, 0 once it cannot", "gauge"),
+    (HEARTBEAT, "Unix time of the engine's last heartbeat: renewed every half second while it can serve, stale once "
+                "its stub process died or its loop is stuck", "gauge"),
     ("lora_llm_kernel_fallback", "1 for each kernel family the start-up self-check moved to the torch reference "
                                  "(attention, lora, fused) and for CUDA graphs turned off by it", "gauge"),
     ("lora_llm_kv_cache_reuse", "KV cache reuse: prompt blocks looked up, found, and the hit rate", "gauge"),
@@ -163,6 +166,11 @@ class ServerMetrics:
                     self.shown[key] = value
             if lora != self.lora_labels or now - self.lora_shown_at >= LORA_INFO_REFRESH_S:
                 self._show_lora_info(lora, now)
+
+    def beat(self, unix_time: float) -> None:
+        with self.lock:
+            if self.families:
+                self._metric(HEARTBEAT, ()).set(unix_time)
 
     def _show_lora_info(self, labels: dict[str, str], now: float) -> None:
         """One series, whose labels change with the adapters. Triton keeps a metric past its object; only its

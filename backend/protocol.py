@@ -4,6 +4,7 @@ Arrays arrive as Triton hands them to a model with max_batch_size >= 1: each req
 leading batch dim (input_ids [B, L], scalars [B] or [B, 1], lora_weights [B, N, R], words lists [B, 2, L]).
 Each of the B rows is an engine request of its own, answered with its batch_index.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,18 @@ def parse_words(name: str, value: np.ndarray, limits: RequestLimits) -> list[lis
             words.append([int(t) for t in ids[start:end]])
         start = end
     return words
+
+
+def check_declared(shapes: dict[str, list[int]], limits: RequestLimits) -> None:
+    """Every input's declared shape within bounds, before its data is read: a shape whose byte count wraps around
+    64 bits passes tritonserver's size check with no data at all."""
+    for name, shape in shapes.items():
+        dims = [int(d) for d in shape]
+        if any(d < 0 for d in dims):
+            raise RequestError(name, f"declared shape {dims} has a negative dimension")
+        if math.prod(dims) > limits.max_input_values:
+            raise RequestError(name, f"declared shape {dims} holds {math.prod(dims)} values, more than the "
+                                     f"{limits.max_input_values} any input may hold")
 
 
 def parse_request(arrays: dict[str, np.ndarray], limits: RequestLimits) -> list[ParsedRequest]:

@@ -29,6 +29,7 @@ class RequestLimits:
     max_input_len: int                        # prompt tokens
     max_words: int = 1024                     # stop words, and bad words, per request
     max_word_len: int = 64                    # tokens per word
+    max_input_values: int = 1 << 28           # values of any one input tensor, as declared (an adapter's weights)
 
 
 def check_finite(name: str, value: float) -> None:

@@ -66,6 +66,7 @@ class EngineLoop:
         self.broken: str | None = None                      # why the engine can serve no more, once it cannot
         self.num_step_failures = 0                          # in a row
         self.num_hook_errors = 0
+        self.step_started: float | None = None              # time.monotonic() of the step running now
         self.uploads = Uploads(engine)                      # parsing and compiling off the loop, bounded
         self.heap = HeapTrimmer().start()                   # freed uploads' pages back to the system
         self._running = True
@@ -132,7 +133,11 @@ class EngineLoop:
             return
         start = time.perf_counter()
         self._aborted_while_idle = False
-        outputs = self.engine.step()
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self.step_started = None
         self.num_step_failures = 0
         self._hook(time.perf_counter() - start)
         self.responder.wait_idle()                           # the last step's answers: at most one step queued

@@ -14,12 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from backend.heartbeat import engine_health
 from backend.model.config import ModelConfig
 from frontend.adapters import AdapterStore
 from frontend.core import CoreClient
 from frontend.errors import OpenAIError
 from frontend.generation import Generation
-from frontend.metrics import RequestCounter, exposition
+from frontend.metrics import RequestCounter, core_metrics, exposition
 from frontend.middleware import BodyLimit, BodyTooLarge, CatchAll, error_response
 from frontend.prompts import chat_prompt, completion_prompts
 from frontend.responses import DONE, Responses, event
@@ -134,8 +135,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ready = await state["core"].ready()
-        return PlainTextResponse("" if ready else "core model not ready", status_code=200 if ready else 503)
+        if not await state["core"].ready():
+            return PlainTextResponse("core model not ready", status_code=503)
+        text = await core_metrics(config.core_metrics_url)
+        why = engine_health(text) if text is not None else None
+        return PlainTextResponse(why or "", status_code=503 if why else 200)
 
     @app.get("/metrics")
     async def metrics():

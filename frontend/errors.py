@@ -1,5 +1,11 @@
 """OpenAI's error responses, and the core model's errors mapped onto them."""
+import re
+
 from client.grpc_client import NOT_FOUND
+
+# tritonserver's own words for a core model that cannot take requests (its stub dead, unloaded, not yet loaded)
+UNAVAILABLE = re.compile(r"^Stub process '.*' is not healthy|^Request for unknown model|is not ready$|"
+                         r"^Failed to process the request\(s\) for model instance")
 
 # the core's input names (TensorRT-LLM's) -> the OpenAI parameter a client set
 CORE_FIELDS = {"input_ids": "prompt", "input_lengths": "prompt", "request_output_len": "max_tokens",
@@ -37,7 +43,7 @@ def from_core(message: str) -> OpenAIError:
     """The core's error text (`field: message`, or the server's own) as the OpenAI error a client expects."""
     if "queue full" in message or "retry later" in message:
         return OpenAIError(429, message, "RateLimitError", code="rate_limit_exceeded")
-    if message.startswith("engine unavailable"):
+    if message.startswith("engine unavailable") or UNAVAILABLE.search(message):
         return OpenAIError(503, message, "ServiceUnavailableError", code="service_unavailable")
     if NOT_FOUND in message:
         return OpenAIError(503, message, "ServiceUnavailableError", code="adapter_unavailable")

@@ -28,13 +28,18 @@ class RequestCounter:
         return await self.app(scope, receive, counted)
 
 
+async def core_metrics(core_metrics_url: str | None) -> str | None:
+    """The core's metrics page, or None when there is none or it does not answer within a second."""
+    if not core_metrics_url:
+        return None
+    try:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            return (await client.get(core_metrics_url)).text
+    except httpx.HTTPError:
+        return None
+
+
 async def exposition(core_metrics_url: str | None) -> bytes:
     """Ours, then the core's when it answers within a second."""
-    text = generate_latest(REGISTRY)
-    if core_metrics_url:
-        try:
-            async with httpx.AsyncClient(timeout=1.0) as client:
-                text += (await client.get(core_metrics_url)).content
-        except httpx.HTTPError:
-            pass
-    return text
+    core = await core_metrics(core_metrics_url)
+    return generate_latest(REGISTRY) + (core.encode() if core is not None else b"")

@@ -12,7 +12,6 @@ them: in-flight requests get --exit-timeout-s to finish, then tritonserver is ki
 import argparse
 import importlib.util
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from render_repository import CORE, parse_bool, repository
 from supervisor import Service, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(1, str(ROOT))
+from backend.heartbeat import engine_health  # noqa: E402  (framework-free: imports nothing heavy)
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
 KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL
 # glibc raises its mmap threshold to the largest block freed so far, after which the multi-MB inputs of adapter
@@ -131,22 +132,25 @@ def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300
 
 
 def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
+    """Whether the endpoint answers 200; any failure to get that answer (refused, reset, a malformed status line
+    from a server still starting, a timeout) is a no."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=2) as r:
             return r.status == 200
-    except OSError:
+    except Exception:
         return False
 
 
 def engine_alive(metrics_port: int) -> bool:
-    """False once a model's engine reports it cannot serve (lora_llm_engine_alive 0: a tensor-parallel worker lost,
-    steps failing in a row); True while it serves, and when the metrics cannot be read (readiness covers that)."""
+    """False once a model's engine cannot serve: it says so (lora_llm_engine_alive 0: a tensor-parallel worker lost,
+    steps failing in a row), or its heartbeat went stale (its stub process died, its loop is stuck; see
+    backend/heartbeat.py). True while it serves, and when the metrics cannot be read (readiness covers that)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
             text = r.read().decode()
-    except OSError:
+    except Exception:
         return True
-    return re.search(r"^lora_llm_engine_alive\{[^}]*\} 0(\.0)?$", text, re.MULTILINE) is None
+    return engine_health(text) is None
 
 
 def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice: int = FRONTEND_NICE,

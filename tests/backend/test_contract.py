@@ -5,7 +5,7 @@ import pytest
 
 from backend import LLMEngine
 from backend.contract import IGNORED, UNSUPPORTED
-from backend.protocol import parse_request
+from backend.protocol import check_declared, parse_request
 from backend.request import RequestError, RequestLimits, SamplingParams
 from tests.helpers import random_prompts
 
@@ -42,6 +42,19 @@ def test_an_input_of_a_feature_we_lack_accepts_its_neutral_value_and_refuses_oth
 def test_beam_search_and_draft_knobs_are_ignored_at_beam_width_1_as_tensorrt_llm_does(name):
     [row] = parse_request(BASE | {name: np.array([[3]], dtype=np.int32)}, LIMITS)
     assert row.params == parse_request(BASE, LIMITS)[0].params
+
+
+@pytest.mark.parametrize("name,shape,words", [
+    ("input_ids", [1, 2**62], ["input_ids", "4611686018427387904 values", "1024"]),
+    ("lora_weights", [1, 2**62, 2], ["lora_weights", "more than the 1024"]),
+    ("lora_weights", [1, 33, 32], ["lora_weights", "1056 values"]),
+    ("input_ids", [1, -4], ["input_ids", "negative"])])
+def test_a_declared_shape_past_the_bound_is_refused_by_name_before_any_data(name, shape, words):
+    limits = RequestLimits(max_input_len=16, max_input_values=1024)
+    check_declared({"input_ids": [1, 16], "lora_weights": [1, 32, 32]}, limits)
+    with pytest.raises(RequestError) as err:
+        check_declared({"request_output_len": [1, 1], name: shape}, limits)
+    assert err.value.field == name and all(w in str(err.value) for w in words)
 
 
 def test_a_batch_of_rows_becomes_one_request_per_row_trimmed_to_its_length():

@@ -94,3 +94,27 @@ def run(url: str, arrays: dict, model: str = "lora_llm", request_id: str = "",
         return stream.collect(output=output)
     finally:
         stream.close()
+
+
+def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = "lora_llm") -> str:
+    """A request whose input `name` declares `shape` but carries no data (a shape whose byte count wraps around 64
+    bits passes tritonserver's size check); the error it got, or "" for a normal final response."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from client.grpc_client import infer_request
+    request = infer_request(model, trtllm_inputs([5, 6, 7], 2, True))
+    tensor = next((t for t in request.inputs if t.name == name), None)
+    if tensor is None:
+        tensor = request.inputs.add(name=name)
+        request.raw_input_contents.append(b"")
+    index = list(request.inputs).index(tensor)
+    tensor.datatype = datatype
+    del tensor.shape[:]
+    tensor.shape.extend(shape)
+    request.raw_input_contents[index] = b""
+    with grpc.insecure_channel(url) as channel:
+        for response in service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]),
+                                                                                              timeout=60):
+            return response.error_message
+    return ""

@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from backend import LLMEngine, RequestError                    # noqa: E402
+from backend.heartbeat import Heartbeat                         # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
-from backend.protocol import (extra_arrays, generation_logits, merge_rows, output_arrays,   # noqa: E402
-                              parse_request)
+from backend.protocol import (check_declared, extra_arrays, generation_logits, merge_rows,   # noqa: E402
+                              output_arrays, parse_request)
 from backend.serving import EngineLoop                         # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -178,6 +179,7 @@ class TritonPythonModel:
         self.engine = LLMEngine(**kwargs)
         self.loop = EngineLoop(self.engine, on_step=self._on_step, cancellation_check_period_s=check_period_ms / 1e3)
         self._on_step(self.engine, None)
+        self.heartbeat = Heartbeat(self.metrics.beat, lambda: self.loop.alive, lambda: self.loop.step_started).start()
 
     def _on_step(self, engine: LLMEngine, seconds: float | None) -> None:
         self.metrics.on_step(engine, seconds, alive=getattr(self, "loop", None) is None or self.loop.alive)
@@ -193,7 +195,9 @@ class TritonPythonModel:
         return None
 
     def _accept(self, request) -> None:
-        rows = parse_request({t.name(): as_array(t) for t in request.inputs()}, self.engine.limits)
+        inputs = request.inputs()
+        check_declared({t.name(): t.shape() for t in inputs}, self.engine.limits)    # before any data is read
+        rows = parse_request({t.name(): as_array(t) for t in inputs}, self.engine.limits)
         for row in rows:
             row.lora_name = lora_name(request)
         if not self.decoupled:
@@ -212,6 +216,7 @@ class TritonPythonModel:
         stream.acknowledge()
 
     def finalize(self):
+        self.heartbeat.stop()
         self.loop.stop()
         self.engine.close()                        # tensor-parallel workers end with the model, also on unload
         self.metrics.close()

@@ -1,0 +1,63 @@
+"""A sign of life from the engine that stops when the engine can no longer serve, for whoever watches it from outside.
+
+Tritonserver keeps a Python model ready, and keeps serving its last metric values, after the model's stub process
+has died (an input whose declared shape overflows kills the stub inside tritonserver 2.51's own code, before the
+model sees the request): only a value that must keep changing tells the truth. `Heartbeat` publishes the time every
+`period_s` while the engine loop is alive and no step has run past `max_step_s`; `engine_health` reads it back from
+a metrics page (the supervisor's health check, the OpenAI API's /health)."""
+import re
+import threading
+import time
+from typing import Callable
+
+PERIOD_S = 0.5                                # how often a live engine says so
+STALE_S = 4.0                                 # a heartbeat older than this: the engine is gone or stuck
+MAX_STEP_S = 120.0                            # a step running longer than this is stuck (no heartbeat while it runs)
+HEARTBEAT = "lora_llm_engine_heartbeat_seconds"
+ALIVE = "lora_llm_engine_alive"
+
+
+class Heartbeat:
+    """Calls `beat(unix_time)` every period_s on a thread of its own while `alive()`, and `step_started()` (the
+    monotonic start of the step running now, or None) is not older than max_step_s."""
+
+    def __init__(self, beat: Callable[[float], None], alive: Callable[[], bool],
+                 step_started: Callable[[], float | None], period_s: float = PERIOD_S, max_step_s: float = MAX_STEP_S):
+        self.beat, self.alive, self.step_started = beat, alive, step_started
+        self.period_s, self.max_step_s = period_s, max_step_s
+        self.num_errors = 0
+        self._stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.thread.join(timeout=5)
+
+    def healthy(self) -> bool:
+        started = self.step_started()
+        return self.alive() and (started is None or time.monotonic() - started <= self.max_step_s)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            if self.healthy():
+                try:
+                    self.beat(time.time())
+                except Exception:                    # a metrics error is no reason to stop beating
+                    self.num_errors += 1
+            self._stopped.wait(self.period_s)
+
+
+def engine_health(metrics_text: str, now: float | None = None, stale_s: float = STALE_S) -> str | None:
+    """Why the engine behind this metrics page cannot serve, or None while it can (or the page has no engine)."""
+    if re.search(rf"^{ALIVE}\{{[^}}]*\}} 0(\.0)?$", metrics_text, re.MULTILINE):
+        return "the engine reports it cannot serve (lora_llm_engine_alive 0)"
+    beats = [float(v) for v in re.findall(rf"^{HEARTBEAT}\{{[^}}]*\}} (\S+)$", metrics_text, re.MULTILINE)]
+    if beats:
+        age = (time.time() if now is None else now) - min(beats)
+        if age > stale_s:
+            return f"the engine's last heartbeat is {age:.1f} s old (its stub process died or its loop is stuck)"
+    return None
