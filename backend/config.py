@@ -44,6 +44,8 @@ class EngineConfig:
     max_word_len: int = 64                    # tokens per stop or bad word
     guided_decoding_backend: str = ""         # "xgrammar": guided decoding on (needs the model's tokenizer)
     tokenizer_dir: str | None = None          # for guided decoding; default: model_dir
+    guided_decoding_compile_timeout_s: float = 5.0        # a grammar's compile, past which it is refused
+    guided_decoding_compile_memory_bytes: int = 512 << 20  # what a compile's worker grows by, past which it is refused
     kernel_backend: str = "auto"
     cuda_graph_mode: bool = True              # decode steps replay CUDA graphs (CUDA, Triton kernels); False: eager
     device: str = "auto"                      # auto (CUDA when available), cpu, cuda, cuda:N
@@ -80,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"kernel_self_check must be true, strict, false or auto, got {self.kernel_self_check!r}")
         if self.overlap_steps not in ("auto", "true", "false"):
             raise ValueError(f"overlap_steps must be true, false or auto, got {self.overlap_steps!r}")
+        if self.guided_decoding_compile_timeout_s <= 0 or self.guided_decoding_compile_memory_bytes < 1:
+            raise ValueError("guided_decoding_compile_timeout_s and guided_decoding_compile_memory_bytes must be > 0, "
+                             f"got {self.guided_decoding_compile_timeout_s} and "
+                             f"{self.guided_decoding_compile_memory_bytes}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         if not 0.0 <= self.kv_watermark < 1.0:

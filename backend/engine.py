@@ -2,7 +2,7 @@
 import itertools
 import time
 from dataclasses import fields
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -66,8 +66,10 @@ class LLMEngine:
                 self.add_lora_dir(task_id, path)
 
     def close(self) -> None:
-        """Stop what the engine started beside itself (tensor-parallel workers)."""
+        """Stop what the engine started beside itself (tensor-parallel workers, grammar compile workers)."""
         self.runner.close()
+        if self.intake.guided is not None:
+            self.intake.guided.workers.close()
 
     @property
     def has_unfinished(self) -> bool:
@@ -123,9 +125,10 @@ class LLMEngine:
     def limits(self) -> RequestLimits:
         return self.intake.limits
 
-    def compile_guide(self, params: SamplingParams):
-        """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
-        return self.intake.compile_guide(params)
+    def compile_guide(self, params: SamplingParams, cancelled: Callable[[], bool] = lambda: False):
+        """The request's grammar, compiled in a bounded worker process (thread-safe: servers call it off the engine
+        loop; `cancelled` stops it)."""
+        return self.intake.compile_guide(params, cancelled)
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request (every sequence of it) and free what it holds. False if it is not in flight."""

@@ -1,6 +1,7 @@
 """Request intake: a request checked against the engine's limits before any work that grows with its size (each error
 names its field), its adapter cached, its grammar compiled, and its sequences made, for the engine to queue."""
 from dataclasses import fields
+from typing import Callable
 
 from backend.config import EngineConfig
 from backend.kv_cache import BlockManager
@@ -28,7 +29,9 @@ class RequestIntake:
             from backend.guided import GuidedDecoding
             tokenizer_dir = config.tokenizer_dir or config.model_dir
             try:
-                self.guided = GuidedDecoding(tokenizer_dir, model_config.vocab_size)
+                self.guided = GuidedDecoding(tokenizer_dir, model_config.vocab_size,
+                                             config.guided_decoding_compile_timeout_s,
+                                             config.guided_decoding_compile_memory_bytes)
             except (OSError, ValueError) as err:      # a token-ids-only deployment: no tokenizer, no grammars
                 self.guided_off = f"no tokenizer in {tokenizer_dir} ({type(err).__name__})"
 
@@ -80,8 +83,8 @@ class RequestIntake:
                 seq.matcher = self.guided.matcher(params.grammar)
         return members
 
-    def compile_guide(self, params: SamplingParams):
+    def compile_guide(self, params: SamplingParams, cancelled: Callable[[], bool] = lambda: False):
         """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
         if self.guided is None:
             raise RequestError("guided_decoding_guide_type", f"guided decoding is off: {self.guided_off}")
-        return self.guided.compile(params.guide_type, params.guide)
+        return self.guided.compile(params.guide_type, params.guide, cancelled)

@@ -7,6 +7,7 @@ on. Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
 import torch
@@ -17,8 +18,11 @@ from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.outputs import StepOutput, TokenRow
 from backend.protocol import ParsedRequest
 from backend.request import FatalEngineError, RequestError
-from backend.responder import Responder, client_cancelled
+from backend.responder import Responder, client_cancelled, quietly
 from backend.uploads import Uploads
+
+
+MAX_COMPILES = 4                              # grammars compiling at once (each waits for one of the workers)
 
 
 class Stream(Protocol):
@@ -67,7 +71,9 @@ class EngineLoop:
         self.num_step_failures = 0                          # in a row
         self.num_hook_errors = 0
         self.step_started: float | None = None              # time.monotonic() of the step running now
-        self.uploads = Uploads(engine)                      # parsing and compiling off the loop, bounded
+        self.uploads = Uploads(engine)                      # parsing off the loop, bounded
+        self.compiles = ThreadPoolExecutor(MAX_COMPILES, thread_name_prefix="grammar")   # guided requests' own
+        self.compiling: dict[str, threading.Event] = {}     # client request id -> set when a stop asks for it
         self.heap = HeapTrimmer().start()                   # freed uploads' pages back to the system
         self._running = True
         self._aborted_while_idle = False
@@ -84,7 +90,8 @@ class EngineLoop:
 
     def submit(self, stream: Stream, name: str = "") -> None:
         """Queue a request for the loop. Runs on the caller's thread, which also parses the adapter weights the
-        request brings and compiles its grammar, so that neither ever stalls the streams in flight."""
+        request brings, so that parsing never stalls the streams in flight. A request with a grammar to compile goes
+        to a compile thread first (the compile in a bounded worker process): no other request waits on it."""
         if not self.alive:
             stream.fail(f"engine unavailable: {self.broken or 'the engine loop has stopped'}")
             return
@@ -98,17 +105,46 @@ class EngineLoop:
             return
         finally:
             release_openmp_pool()                           # what parsing started (see release_openmp_pool)
+        if any(r.params.guide_type is not None and r.params.grammar is None for r in stream.requests):
+            stopped = self.compiling.setdefault(name, threading.Event()) if name else threading.Event()
+            self.compiles.submit(self._compile, stream, name, stopped)
+            return
+        self.inbox.put(("add", stream, name))
+
+    def _compile(self, stream: Stream, name: str, stopped: threading.Event) -> None:
+        """On a compile thread: the stream's grammars, then the stream into the loop; or its error, or its cancelled
+        answer when its client or a stop request cancelled it meanwhile."""
+        try:
+            for r in stream.requests:
+                if r.params.guide_type is not None and r.params.grammar is None:
+                    r.params.grammar = self.engine.compile_guide(
+                        r.params, cancelled=lambda: stopped.is_set() or client_cancelled(stream))
+        except Exception as err:
+            self.uploads.release(stream.requests)
+            if stopped.is_set() or client_cancelled(stream):
+                quietly(stream.cancelled)
+            else:
+                quietly(stream.fail, str(err) if isinstance(err, RequestError) else f"request failed: {err}")
+            return
+        finally:
+            if name and self.compiling.get(name) is stopped:
+                del self.compiling[name]
         self.inbox.put(("add", stream, name))
 
     def cancel(self, name: str) -> bool:
         """Abort the in-flight request with this client request id. False if there is none."""
-        found = name in self.names
+        found = name in self.names or name in self.compiling
+        if name in self.compiling:
+            self.compiling[name].set()
         self.inbox.put(("cancel", None, name))
         return found
 
     def stop(self, message: str = "server is shutting down") -> None:
         self._running = False
         self.inbox.put(("wake", None, ""))
+        for stopped in list(self.compiling.values()):
+            stopped.set()
+        self.compiles.shutdown(wait=True)
         self.thread.join(timeout=30)
         self._fail_everything(message)
         self.responder.stop()

@@ -1,5 +1,5 @@
-"""Work a request brings that must not run on the engine loop: its adapter's weights parsed and its grammar compiled,
-on the thread that hands the request in. Parsed adapters wait in the loop's inbox, and their bytes are bounded by
+"""Work a request brings that must not run on the engine loop: its adapter's weights parsed on the thread that hands
+the request in (its grammar compiles on the loop's compile threads, backend/serving.py). Parsed adapters wait in the loop's inbox, and their bytes are bounded by
 the host tier's budget, so that uploads arriving faster than the engine takes them cannot grow memory without
 bound."""
 import threading
@@ -16,9 +16,7 @@ class Uploads:
         self.lock = threading.Lock()
 
     def prepare(self, r: ParsedRequest) -> None:
-        """Compile the request's grammar and parse its adapter (or drop weights the host tier holds already)."""
-        if r.params.guide_type is not None and r.params.grammar is None:
-            r.params.grammar = self.engine.compile_guide(r.params)
+        """Parse the request's adapter (or drop weights the host tier holds already)."""
         if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:
             return
         cache = self.engine.lora_cache

@@ -26,9 +26,10 @@ from backend.serving import EngineLoop                         # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
-              "max_words", "max_word_len", "cancellation_check_period_ms", "tensor_parallel_size")
+              "max_words", "max_word_len", "cancellation_check_period_ms", "tensor_parallel_size",
+              "guided_decoding_compile_memory_bytes")
 AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
-FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction",)
+FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
 INT_LIST_PARAMS = ("inject_fault_steps",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir")

@@ -1,0 +1,176 @@
+"""Grammars compiled in worker processes, each compile bounded in time and memory and stopped when its request is.
+
+A JSON schema nested a few hundred deep takes xgrammar tens of seconds and gigabytes to compile; in the server's
+process that stalls whoever waits on it and can take the machine's memory. Here a compile runs in a process of its
+own (`python -m backend.grammar_worker TOKENIZER_DIR VOCAB_SIZE`, which dies with its parent), sends back the compiled
+grammar serialized, and is killed (its worker replaced) when it passes `time_limit_s`, `memory_limit_bytes` (what the
+worker grew by: it starts at ~360 MB with its tokenizer) or its request's cancellation. Messages are a length, 8 bytes, then UTF-8 JSON.
+"""
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from backend.request import RequestError
+
+POLL_S = 0.02                                 # how often a waiting compile looks at its clock, memory and request
+CACHE_BYTES = 256 << 20                       # compiled grammars kept for reuse; the least recently used go first
+PR_SET_PDEATHSIG = 1
+
+
+class GrammarWorkers:
+    """compile(guide_type, guide, cancelled) -> xgrammar.CompiledGrammar, from up to `max_workers` processes at once;
+    a compile that finds none idle waits for one (only guided requests ever wait here)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, tokenizer_info, time_limit_s: float = 5.0,
+                 memory_limit_bytes: int = 512 << 20, max_workers: int = 2):
+        import xgrammar
+        self.xgr, self.info = xgrammar, tokenizer_info
+        self.args = [str(tokenizer_dir), str(vocab_size)]
+        self.time_limit_s, self.memory_limit_bytes = time_limit_s, memory_limit_bytes
+        self.idle: list[subprocess.Popen] = []
+        self.slots = threading.Semaphore(max_workers)
+        self.lock = threading.Lock()
+        self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.cache_bytes = 0
+        self.num_killed = 0
+        self.idle.append(self._spawn())                       # warm: its start-up overlaps the engine's
+
+    def compile(self, guide_type: str, guide: str, cancelled: Callable[[], bool] = lambda: False):
+        key = (guide_type, guide)
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+        with self.slots:
+            with self.lock:
+                worker = self.idle.pop() if self.idle else None
+            worker = worker if worker is not None and worker.poll() is None else self._spawn()
+            try:
+                reply = self._ask(worker, guide_type, guide, cancelled)
+            except BaseException:
+                self._kill(worker)
+                raise
+            with self.lock:
+                self.idle.append(worker)
+        if "error" in reply:
+            raise RequestError("guided_decoding_guide", f"does not compile as {guide_type}: {reply['error']}")
+        grammar = self.xgr.CompiledGrammar.deserialize_json(reply["grammar"], self.info)
+        self._remember(key, grammar)
+        return grammar
+
+    def close(self) -> None:
+        with self.lock:
+            workers, self.idle = self.idle, []
+        for worker in workers:
+            self._kill(worker)
+
+    def _spawn(self) -> subprocess.Popen:
+        env = os.environ | {"GRAMMAR_WORKER_PARENT": str(os.getpid())}
+        return subprocess.Popen([python_executable(), "-m", "backend.grammar_worker", *self.args],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def _ask(self, worker: subprocess.Popen, guide_type: str, guide: str, cancelled: Callable[[], bool]) -> dict:
+        write_message(worker.stdin, {"guide_type": guide_type, "guide": guide})
+        started, fd, idle_bytes = time.monotonic(), worker.stdout.fileno(), resident_bytes(worker.pid)
+        while not select.select([fd], [], [], POLL_S)[0]:
+            if worker.poll() is not None:
+                raise RequestError("guided_decoding_guide", f"its compile ended the worker ({worker.returncode}): "
+                                                            "the grammar is refused")
+            if time.monotonic() - started > self.time_limit_s:
+                raise RequestError("guided_decoding_guide", f"its compile passed guided_decoding_compile_timeout_s "
+                                                            f"{self.time_limit_s:g}: the grammar is refused")
+            if resident_bytes(worker.pid) - idle_bytes > self.memory_limit_bytes:
+                raise RequestError("guided_decoding_guide", f"its compile passed guided_decoding_compile_memory_bytes "
+                                                            f"{self.memory_limit_bytes}: the grammar is refused")
+            if cancelled():
+                raise RequestError("guided_decoding_guide", "the request was cancelled while its grammar compiled")
+        reply = read_message(worker.stdout)
+        if reply is None:
+            raise RequestError("guided_decoding_guide", "its compile ended the worker: the grammar is refused")
+        return reply
+
+    def _kill(self, worker: subprocess.Popen) -> None:
+        if worker.poll() is None:
+            worker.kill()
+            self.num_killed += 1
+        worker.wait()
+        for pipe in (worker.stdin, worker.stdout):
+            pipe.close()
+
+    def _remember(self, key: tuple[str, str], grammar) -> None:
+        size = grammar.memory_size_bytes
+        with self.lock:
+            if key in self.cache or size > CACHE_BYTES:
+                return
+            self.cache[key] = grammar
+            self.cache_bytes += size
+            while self.cache_bytes > CACHE_BYTES:
+                self.cache_bytes -= self.cache.popitem(last=False)[1].memory_size_bytes
+
+
+def python_executable() -> str:
+    """This interpreter; inside tritonserver's stub (an embedded Python), the python3 on PATH (the venv's)."""
+    name = os.path.basename(sys.executable or "")
+    return sys.executable if name.startswith("python") else (shutil.which("python3") or "python3")
+
+
+def resident_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def write_message(pipe, message: dict) -> None:
+    data = json.dumps(message).encode()
+    pipe.write(struct.pack("<Q", len(data)) + data)
+    pipe.flush()
+
+
+def read_message(pipe) -> dict | None:
+    head = pipe.read(8)
+    if len(head) < 8:
+        return None
+    return json.loads(pipe.read(struct.unpack("<Q", head)[0]))
+
+
+def die_with_parent() -> None:
+    """End this process when the one that started it ends (Linux), also where it was already gone."""
+    import ctypes
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(os.environ.get("GRAMMAR_WORKER_PARENT", os.getppid())):
+        os._exit(0)
+
+
+def serve(tokenizer_dir: str, vocab_size: int) -> None:
+    import xgrammar
+
+    from backend.text import tokenizer_from_dir
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer_from_dir(tokenizer_dir), vocab_size=vocab_size)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compile_as = {"json": lambda _: compiler.compile_builtin_json_grammar(),
+                  "json_schema": compiler.compile_json_schema, "regex": compiler.compile_regex,
+                  "ebnf_grammar": compiler.compile_grammar}
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while (request := read_message(stdin)) is not None:
+        try:
+            grammar = compile_as[request["guide_type"]](request["guide"])
+            write_message(stdout, {"grammar": grammar.serialize_json()})
+        except Exception as err:
+            write_message(stdout, {"error": str(err).splitlines()[-1][:300] if str(err) else type(err).__name__})
+
+
+if __name__ == "__main__":
+    die_with_parent()
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,65 @@
+"""Grammars compile off the request path, bounded: a schema that takes xgrammar long (nested hundreds deep) delays no
+other request, is refused by name once it passes guided_decoding_compile_timeout_s (or its memory bound), and stops
+when its request is stopped."""
+import threading
+import time
+
+import numpy as np
+
+from tests.helpers import random_prompts
+from tests.server.streams import Stream, run, trtllm_inputs
+
+TIMEOUT_S = 5.0                                # the model parameter's default
+
+
+def nested_schema(depth: int) -> str:
+    """Objects nested `depth` deep around a string (written out: json.dumps recurses past Python's limit)."""
+    head = '{"type": "object", "required": ["a"], "properties": {"a": '
+    return head * depth + '{"type": "string"}' + "}}" * depth
+
+
+def guided(schema: str, max_tokens: int = 4) -> dict:
+    return trtllm_inputs([1, 2, 3], max_tokens, True, guided_decoding_guide_type=np.array([["json_schema"]], object),
+                         guided_decoding_guide=np.array([[schema]], object))
+
+
+def test_a_deep_schema_delays_no_other_request_and_is_refused_at_the_time_limit(smollm2_server):
+    url = smollm2_server.grpc_url
+    prompt = random_prompts([16], 49152, seed=71)[0]
+    results: dict[int, object] = {}
+
+    def deep(depth: int) -> None:
+        started = time.monotonic()
+        results[depth] = (run(url, guided(nested_schema(depth))), time.monotonic() - started)
+
+    threads = [threading.Thread(target=deep, args=(depth,)) for depth in (400, 2000)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)                                            # both compiling now
+    started = time.monotonic()
+    stream = Stream(url).send(trtllm_inputs(prompt, 4, True))
+    stream.wait_first()
+    first_token_s = time.monotonic() - started
+    normal = stream.collect()
+    stream.close()
+    assert normal.error is None and len(normal.tokens) == 4
+    assert first_token_s < 1.0, f"a normal request waited {first_token_s:.2f} s behind a grammar compile"
+    for thread in threads:
+        thread.join(timeout=60)
+    for depth in (400, 2000):
+        result, seconds = results[depth]
+        assert result.error.startswith("guided_decoding_guide: its compile passed guided_decoding_compile_")
+        assert seconds < TIMEOUT_S + 3
+    assert run(url, guided(nested_schema(3), 8)).error is None  # the workers serve on
+
+
+def test_a_stopped_request_stops_its_compile(smollm2_server):
+    url = smollm2_server.grpc_url
+    stream = Stream(url).send(guided(nested_schema(2000)), request_id="deep-stop")
+    time.sleep(0.5)
+    started = time.monotonic()
+    stop = run(url, trtllm_inputs([0], 1, True, stop=np.array([[True]])), request_id="deep-stop")
+    result = stream.collect(timeout_s=30)
+    stream.close()
+    assert stop.error is None and result.error is None and result.num_final == 1
+    assert time.monotonic() - started < 2.0
