@@ -47,7 +47,7 @@ class FrontendConfig:
     lora_separator: str = "_lora_"
     api_key: str | None = None                # the inference group: completions, chat, models
     admin_key: str | None = None              # the admin group: adapter loading (never the inference key)
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = 8 << 20            # a full context of text or ids, 64 prompts of ids, fits in 4 MB
     adapter_cache_bytes: int = 1 << 30        # adapters held ready to send (fp16 TensorRT-LLM tensors)
     core_metrics_url: str | None = None       # tritonserver's metrics, served with ours at /metrics
     allow_runtime_lora_updating: bool = False # /v1/load_lora_adapter and /v1/unload_lora_adapter answer

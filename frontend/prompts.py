@@ -1,5 +1,7 @@
 """Prompts as token ids: the completions API's strings and id lists, and chat messages through the model's template.
-Text that could not fit the context is refused before it is tokenized; the callers run these off the event loop."""
+A request's text is bounded as a whole (every prompt of a batch, every message and the template around them): past
+what the context could hold it is refused before it is tokenized, and a prompt that tokenizes past the context ends
+the tokenizing. The callers run these off the event loop."""
 from frontend.errors import bad_request
 from frontend.sampling import ModelInfo
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
@@ -18,14 +20,13 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> tuple[list[li
         items = list(prompt)
     if not items or len(items) > MAX_PROMPTS:
         raise bad_request("prompt", f"must hold 1 to {MAX_PROMPTS} prompts, got {len(items)}")
-    for item in items:
-        if isinstance(item, str):
-            check_chars("prompt", len(item), info)
+    check_chars("prompt", sum(len(item) for item in items if isinstance(item, str)), info)
     ids, texts = [], []
     for item in items:
         if isinstance(item, str):
             ids.append(info.tokenizer(item)["input_ids"])
             texts.append(item)
+            check_tokens("prompt", len(ids[-1]), info)
         else:
             bad = [t for t in item if not 0 <= t < info.vocab_size]
             if bad:
@@ -38,10 +39,16 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> tuple[list[li
 
 
 def check_chars(param: str, num_chars: int, info: ModelInfo) -> None:
-    """Refuse text that cannot fit the context before tokenizing it (a token holds at most max_token_chars)."""
+    """Refuse a request's text that cannot fit one context before tokenizing it (a token holds at most
+    max_token_chars)."""
     if num_chars > info.max_prompt_chars:
-        raise bad_request(param, f"{num_chars} characters cannot fit the model's context of {info.max_context} "
-                                 f"tokens (a token holds at most {info.max_token_chars} characters)")
+        raise bad_request(param, f"{num_chars} characters in this request cannot fit the model's context of "
+                                 f"{info.max_context} tokens (a token holds at most {info.max_token_chars} characters)")
+
+
+def check_tokens(param: str, num_tokens: int, info: ModelInfo) -> None:
+    if num_tokens >= info.max_context:
+        raise bad_request(param, f"{num_tokens} tokens leave no room in the model's context of {info.max_context}")
 
 
 def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
@@ -53,4 +60,7 @@ def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
                                                   continue_final_message=req.continue_final_message, tokenize=False)
     except Exception as err:                    # a template may refuse an order of roles
         raise bad_request("messages", f"the model's chat template refused them: {err}") from None
-    return info.tokenizer(text, add_special_tokens=False)["input_ids"]
+    check_chars("messages", len(text), info)    # with the template's own text around each message
+    ids = info.tokenizer(text, add_special_tokens=False)["input_ids"]
+    check_tokens("messages", len(ids), info)
+    return ids

@@ -4,6 +4,7 @@ Parameters the engine lacks are refused by name rather than ignored: a client th
 or a chat template of its own gets an error, not a silently different answer. So is any field we do not know. The
 fields OpenAI's own clients send that change nothing here (`user`, `metadata`, ...) are accepted as what they are.
 """
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -13,6 +14,9 @@ MAX_STOP = 16                                 # stop strings per request
 MAX_STOP_CHARS = 256
 INT32_MAX = (1 << 31) - 1                     # the core's INT32 inputs: max_tokens, top_k, min_tokens
 MAX_CHOICES = 256                             # guided_choice alternatives
+MAX_MESSAGES = 1024                           # chat messages in one request
+MAX_LOGIT_BIAS = 1024                         # logit_bias entries (OpenAI takes 300)
+TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
 
 class Strict(BaseModel):
@@ -59,7 +63,7 @@ class SamplingRequest(Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)   # vLLM's extension
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                                # vLLM's extension: outputs of exactly max_tokens
@@ -91,8 +95,8 @@ class SamplingRequest(Strict):
     @classmethod
     def _logit_bias(cls, value):
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids (ASCII digits, at most 10), got {key[:32]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return value
@@ -132,7 +136,7 @@ class Message(Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

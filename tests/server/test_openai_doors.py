@@ -119,6 +119,43 @@ def test_two_loads_of_one_name_at_once_one_wins_and_both_are_answered(doors, roo
     assert chat(doors, "twin").status_code == 200
 
 
+def resident_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def post_raw(frontend, route: str, body: bytes) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    r = httpx.post(frontend.url + route, content=body, timeout=120, headers=USER | {"Content-Type": "application/json"})
+    return r, time.monotonic() - started
+
+
+def test_a_million_empty_messages_are_refused_at_once_and_cost_the_api_no_memory(doors):
+    before = resident_mb(doors.process.pid)
+    body = b'{"model": "%s", "messages": [%s]}' % (BASE.encode(), b",".join([b'{"role": "user", "content": ""}']
+                                                                            * 1_000_000))
+    r, took = post_raw(doors, "/v1/chat/completions", body)
+    assert r.status_code == 413 and took < 1.0, (took, r.text[:200])
+    assert resident_mb(doors.process.pid) - before < 100
+    many = {"model": BASE, "messages": [{"role": "user", "content": ""}] * 1025}
+    r = httpx.post(doors.url + "/v1/chat/completions", json=many, headers=USER, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages") and "1024" in r.text
+
+
+def test_a_batch_of_prompts_is_bounded_as_a_whole_before_any_is_tokenized(doors):
+    body = json.dumps({"model": BASE, "prompt": ["lorem ipsum " * 50_000] * 12}).encode()     # 7.2 MB of text
+    r, took = post_raw(doors, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "in this request" in r.text
+    assert took < 1.0, took
+
+
+@pytest.mark.parametrize("bias, words", [({"1" * 5000: 1.0}, "ASCII digits"), ({"١٢": 1.0}, "ASCII digits"),
+                                         ({str(i): 1.0 for i in range(1025)}, "1024")])
+def test_a_logit_bias_past_its_bounds_is_a_400_naming_it(doors, bias, words):
+    r = chat(doors, BASE, logit_bias=bias)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias") and words in r.text, r.text
+
+
 def test_a_30_mib_prompt_is_refused_at_once_while_a_stream_keeps_its_cadence(doors):
     arrivals = []
 
@@ -139,7 +176,7 @@ def test_a_30_mib_prompt_is_refused_at_once_while_a_stream_keeps_its_cadence(doo
                    headers=USER | {"Content-Type": "application/json"})
     took = time.monotonic() - started
     streaming.join()
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and took < 1.0, (took, r.text[:200])
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body" and took < 1.0, (took, r.text[:200])
     gaps = np.diff(arrivals)
     assert len(arrivals) >= 48 and gaps.max() < 1.0, gaps.max()
 
