@@ -30,20 +30,19 @@ def is_adapter_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in ADAPTER_FILES)
 
 
-def content_digest(path: Path) -> bytes:
-    """A hash of every file in the adapter folder (names and bytes), in name order."""
-    h = hashlib.blake2b(digest_size=16)
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(file.relative_to(path).as_posix().encode() + b"\0")
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.digest()
-
-
-def derived_task_id(name: str, path: Path) -> int:
-    digest = hashlib.blake2b(name.encode() + b"\0" + content_digest(path), digest_size=8).digest()
+def derived_task_id(name: str, content: bytes) -> int:
+    """63 bits of a hash of the adapter's name and its content digest (backend/lora/files.py)."""
+    digest = hashlib.blake2b(name.encode() + b"\0" + content, digest_size=8).digest()
     return int.from_bytes(digest, "big") & MAX_TASK_ID
+
+
+def content_digest(path: Path) -> bytes:
+    """The digest of the adapter files in `path`, read as the server reads them (regular files, no links)."""
+    from backend.lora.files import AdapterFileError, read_adapter_files
+    try:
+        return read_adapter_files(path).digest
+    except AdapterFileError as err:
+        raise ValueError(f"adapter folder {path.name!r}: {err}") from None
 
 
 @dataclass(eq=False)
@@ -56,6 +55,7 @@ class Adapter:
     upload: asyncio.Future | None = field(default=None, repr=False)     # set while a request carries the weights
     cache: AdapterTensors = field(default_factory=AdapterTensors, repr=False)
     in_store: bool = False                            # one of the store's: never unloaded
+    digest: bytes | None = None                       # its files' content when first read: served only as that
 
     async def begin(self) -> asyncio.Future | None:
         """Before a request: an upload ticket when it must carry the weights, else None. While another request's
@@ -82,8 +82,13 @@ class Adapter:
         self.accepted = False
 
     async def inputs(self) -> AdapterInputs:
-        """lora_weights and lora_config as a request carries them."""
-        return await self.cache.get(self.path)
+        """lora_weights and lora_config as a request carries them; refused once the folder's files no longer hold
+        what was first read under this name (its task id names that content)."""
+        inputs = await self.cache.get(self.path)
+        self.digest = self.digest or inputs.digest
+        if inputs.digest != self.digest:
+            raise AdapterInvalid("its files changed since it was loaded: load it again under a name of its own")
+        return inputs
 
 
 class AdapterStore:
@@ -98,8 +103,9 @@ class AdapterStore:
         self.adapters: dict[str, Adapter] = {}
         self.loading: set[str] = set()                      # names whose load is under way: one at a time
         self.roots = [Path(os.path.realpath(r)) for r in ([root] if root is not None else []) + list(roots)]
+        self.skipped: list[str] = []                        # store folders that could not even be read at start
         if root is not None:
-            for name, (path, task_id) in scan(Path(root)).items():
+            for name, (path, task_id) in scan(Path(root), self.skipped).items():
                 self.adapters[name] = Adapter(name, path, task_id, cache=self.cache, in_store=True)
 
     def prepare(self) -> list[str]:
@@ -109,7 +115,7 @@ class AdapterStore:
         dropped = {name: broken[a.path] for name, a in self.adapters.items() if a.path in broken}
         for name in dropped:
             del self.adapters[name]
-        return [f"adapter {name!r} is not served: {why}" for name, why in dropped.items()]
+        return self.skipped + [f"adapter {name!r} is not served: {why}" for name, why in dropped.items()]
 
     def resolve(self, model: str) -> Adapter | None:
         """The adapter a request's `model` names: `<adapter>` or `<base><separator><adapter>`; None for the base."""
@@ -136,12 +142,12 @@ class AdapterStore:
         try:
             folder = self.allowed(path)
             try:
-                await self.cache.get(folder)
+                inputs = await self.cache.get(folder)
             except AdapterInvalid as err:
                 raise OpenAIError(400, f"lora_path {path!r} is not a valid adapter for this model: {err}",
                                   param="lora_path") from None
-            task_id = await asyncio.to_thread(derived_task_id, name, folder)
-            adapter = Adapter(name, folder, task_id, cache=self.cache)
+            adapter = Adapter(name, folder, derived_task_id(name, inputs.digest), cache=self.cache,
+                              digest=inputs.digest)
             self.adapters[name] = adapter
             return adapter
         finally:
@@ -177,8 +183,9 @@ class AdapterStore:
         self.cache.drop(adapter.path)
 
 
-def scan(root: Path) -> dict[str, tuple[Path, int]]:
-    """The store's adapters: name -> (folder, task id)."""
+def scan(root: Path, skipped: list[str] | None = None) -> dict[str, tuple[Path, int]]:
+    """The store's adapters: name -> (folder, task id); a folder whose files cannot be read is left out, and why is
+    added to `skipped`."""
     if not root.is_dir():
         raise FileNotFoundError(f"adapter store {root} is not a directory")
     found: dict[str, tuple[Path, int]] = {}
@@ -196,7 +203,12 @@ def scan(root: Path) -> dict[str, tuple[Path, int]]:
             named.add(folder)
     for folder in sorted(p for p in root.iterdir() if is_adapter_dir(p) and p.resolve() not in named):
         if NAME_RE.fullmatch(folder.name) and folder.name not in found:
-            task_id = int(folder.name) if folder.name.isdigit() else derived_task_id(folder.name, folder)
+            try:
+                task_id = int(folder.name) if folder.name.isdigit() else derived_task_id(folder.name,
+                                                                                        content_digest(folder))
+            except ValueError as err:
+                (skipped if skipped is not None else []).append(f"adapter {folder.name!r} is not served: {err}")
+                continue
             found[folder.name] = (folder.resolve(), task_id)
     ids = [task_id for _, task_id in found.values()]
     if len(set(ids)) != len(ids):

@@ -4,6 +4,7 @@ adapters ready to send: read and converted at start (up to the budget) or on fir
 their own, least recently used dropped first."""
 import asyncio
 import json
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -11,9 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "model.lora_weights.npy", "model.lora_config.npy")
-
 
 class AdapterInvalid(Exception):
     """An adapter folder that cannot be served, and why (no paths in the message: it goes to clients)."""
@@ -47,31 +45,35 @@ class AdapterInputs:
     weights_shape: list[int]                  # lora_weights [1, N, R] as sent
     weights: bytes                            # its FP16 contents
     config: np.ndarray                        # lora_config [1, N, 3 or 4] int32
+    digest: bytes = b""                       # of the files they were read from
 
     @property
     def num_bytes(self) -> int:
         return len(self.weights) + self.config.nbytes
 
 
-def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(lora_weights [N, R] fp16, lora_config [N, 3|4] int32) of a PEFT or TensorRT-LLM adapter folder (a PEFT DoRA
-    one normalized against the served model's checkpoint, `limits.model_dir`); with `limits`,
-    checked as the core checks an upload (rows, modules, layers, ranks, finite values), files sized before read."""
+def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """(lora_weights [N, R] fp16, lora_config [N, 3|4] int32, content digest) of a PEFT or TensorRT-LLM adapter folder
+    (a PEFT DoRA one normalized against the served model's checkpoint, `limits.model_dir`), its files read safely
+    (regular files, no links, sized before read: backend/lora/files.py); with `limits`, checked as the core checks an
+    upload (PEFT shapes against the model's, rows, modules, layers, ranks, finite values)."""
     from backend.lora.dora import checkpoint_weights
-    from backend.lora.peft import peft_to_trtllm
-    if limits is not None:
-        size = sum((path / name).stat().st_size for name in ADAPTER_FILES if (path / name).is_file())
-        if size > limits.max_file_bytes:
-            raise AdapterInvalid(f"its files hold {size} bytes, more than an adapter of max_lora_rank "
-                                 f"{limits.max_lora_rank} on this model can ({limits.max_file_bytes})")
-    if (path / "adapter_config.json").is_file():
-        config_text = guarded("adapter_config.json", (path / "adapter_config.json").read_text)
-        guarded("adapter_config.json", lambda: json.loads(config_text))
-        base = checkpoint_weights(limits.model_dir) if limits is not None and limits.model_dir else None
-        weights, config = guarded("adapter_model.safetensors", lambda: peft_to_trtllm(path, "float16", base), path)
+    from backend.lora.files import AdapterFileError, read_adapter_files
+    from backend.lora.peft import load_npy, peft_files_to_trtllm
+    try:
+        read = read_adapter_files(path, limits.max_file_bytes if limits is not None else None)
+    except AdapterFileError as err:
+        raise AdapterInvalid(str(err)) from None
+    if "adapter_config.json" in read.files:
+        guarded("adapter_config.json", lambda: json.loads(read.files["adapter_config.json"]))
+    base = checkpoint_weights(limits.model_dir) if limits is not None and limits.model_dir else None
+    model = limits.model if limits is not None else None
+    if "adapter_config.json" in read.files:
+        weights, config = guarded("adapter_model.safetensors",
+                                  lambda: peft_files_to_trtllm(read.files, path, "float16", base, model), path)
     else:
-        weights = guarded("model.lora_weights.npy", lambda: np.load(path / "model.lora_weights.npy"))
-        config = guarded("model.lora_config.npy", lambda: np.load(path / "model.lora_config.npy"))
+        weights, config = (guarded(name, lambda: load_npy(read.files, name))
+                           for name in ("model.lora_weights.npy", "model.lora_config.npy"))
     if weights.ndim < 2 or config.ndim < 2 or not np.issubdtype(config.dtype, np.integer):
         raise AdapterInvalid(f"lora_weights {list(weights.shape)} and lora_config {list(config.shape)} of "
                              f"{config.dtype} are not TensorRT-LLM's [N, R] and integer [N, 3]")
@@ -79,7 +81,7 @@ def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.nd
     config = config.reshape(-1, config.shape[-1])
     if limits is not None:
         check(weights, config, limits)
-    return weights, config.astype(np.int32, copy=False)
+    return weights, config.astype(np.int32, copy=False), read.digest
 
 
 def check(weights: np.ndarray, config: np.ndarray, limits: AdapterLimits) -> None:
@@ -105,11 +107,28 @@ def guarded(file: str, read, path: Path | None = None):
         raise AdapterInvalid(f"{file}: {message[:300]}") from None
 
 
+def stat_key(path: Path) -> tuple:
+    """What changes when an adapter folder's files do: each one's inode, size and modification time."""
+    from backend.lora.files import ADAPTER_FILES
+    key = []
+    for name in ADAPTER_FILES:
+        try:
+            info = os.lstat(path / name)
+        except OSError:
+            continue
+        key.append((name, info.st_ino, info.st_size, info.st_mtime_ns))
+    return tuple(key)
+
+
 class AdapterTensors:
+    """Adapters read, checked and held by folder while its files stay as they were read (inode, size, mtime); a
+    folder whose files changed is read again, and its content digest tells the caller what it now holds."""
+
     def __init__(self, budget_bytes: int = 1 << 30, limits: AdapterLimits | None = None):
         self.budget_bytes = budget_bytes
         self.limits = limits
-        self.held: OrderedDict[Path, AdapterInputs] = OrderedDict()   # least recently used first
+        self.held: OrderedDict[Path, tuple[tuple, AdapterInputs]] = OrderedDict()   # (stat key, inputs), least
+                                                                                     # recently used first
         self.num_bytes = 0
         self.lock = threading.Lock()
         self.converter = ThreadPoolExecutor(1, thread_name_prefix="adapter-tensors")  # beside the event loop, not
@@ -117,20 +136,22 @@ class AdapterTensors:
 
     async def get(self, path: Path) -> AdapterInputs:
         with self.lock:
-            if path in self.held:
+            if path in self.held and self.held[path][0] == stat_key(path):
                 self.held.move_to_end(path)
-                return self.held[path]
+                return self.held[path][1]
         return await asyncio.get_running_loop().run_in_executor(self.converter, self.load, path)
 
     def load(self, path: Path) -> AdapterInputs:
         """Read, check and keep (budget allowing, dropping the least recently used)."""
-        weights, config = read_tensors(path, self.limits)
-        inputs = AdapterInputs([1, *weights.shape], weights.tobytes(), config[None])
+        key = stat_key(path)
+        weights, config, digest = read_tensors(path, self.limits)
+        inputs = AdapterInputs([1, *weights.shape], weights.tobytes(), config[None], digest)
         with self.lock:
-            if inputs.num_bytes <= self.budget_bytes and path not in self.held:
+            self._drop(path)
+            if inputs.num_bytes <= self.budget_bytes:
                 while self.num_bytes + inputs.num_bytes > self.budget_bytes:
-                    self.num_bytes -= self.held.popitem(last=False)[1].num_bytes
-                self.held[path] = inputs
+                    self.num_bytes -= self.held.popitem(last=False)[1][1].num_bytes
+                self.held[path] = (key, inputs)
                 self.num_bytes += inputs.num_bytes
         return inputs
 
@@ -149,5 +170,8 @@ class AdapterTensors:
 
     def drop(self, path: Path) -> None:
         with self.lock:
-            if path in self.held:
-                self.num_bytes -= self.held.pop(path).num_bytes
+            self._drop(path)
+
+    def _drop(self, path: Path) -> None:
+        if path in self.held:
+            self.num_bytes -= self.held.pop(path)[1].num_bytes

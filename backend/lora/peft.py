@@ -1,5 +1,6 @@
 """Adapter directories -> TensorRT-LLM tensors: HF PEFT (adapter_config.json + adapter_model.safetensors) and
 TensorRT-LLM (model.lora_weights.npy + model.lora_config.npy)."""
+import io
 import json
 import math
 import re
@@ -7,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from backend.lora.dora import BaseWeight, normalized_magnitude
+from backend.lora.files import read_adapter_files
 
 MODULE_IDS = {"qkv_proj": 0, "q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4,
               "gate_proj": 5, "down_proj": 6, "up_proj": 7}
@@ -26,14 +28,22 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def peft_to_trtllm(peft_dir: str | Path, storage_type: str = "float16",
-                   base_weight: BaseWeight | None = None) -> tuple[np.ndarray, np.ndarray]:
+def peft_to_trtllm(peft_dir: str | Path, storage_type: str = "float16", base_weight: BaseWeight | None = None,
+                   model=None) -> tuple[np.ndarray, np.ndarray]:
     """Convert a PEFT LoRA dir to (lora_weights [N, maxrow], lora_config [N, 3] int32), scale folded into B; a DoRA
     one (use_dora) to rows of [N, 4] with is_dora and each magnitude normalized against `base_weight`
     (backend/lora/dora.py), as TensorRT-LLM's converter writes them. bfloat16 weights come back as uint16 (their
-    bits), since numpy has no bfloat16."""
-    peft_dir = Path(peft_dir)
-    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    bits), since numpy has no bfloat16. With `model` (a ModelConfig), each A and B is checked against its module's
+    shape."""
+    return peft_files_to_trtllm(read_adapter_files(peft_dir).files, Path(peft_dir), storage_type, base_weight, model)
+
+
+def peft_files_to_trtllm(files: dict[str, bytes], peft_dir: Path, storage_type: str = "float16",
+                         base_weight: BaseWeight | None = None, model=None) -> tuple[np.ndarray, np.ndarray]:
+    """peft_to_trtllm of a folder's files as read (backend/lora/files.py); peft_dir names it in errors."""
+    if "adapter_config.json" not in files or "adapter_model.safetensors" not in files:
+        raise ValueError(f"{peft_dir}: a PEFT adapter needs adapter_config.json and adapter_model.safetensors")
+    cfg = json.loads(files["adapter_config.json"])
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{peft_dir}: peft_type {cfg.get('peft_type')} is not LORA")
     if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
@@ -42,7 +52,7 @@ def peft_to_trtllm(peft_dir: str | Path, storage_type: str = "float16",
     if dora and base_weight is None:
         raise ValueError(f"{peft_dir}: a DoRA adapter (use_dora) needs the base model's weights to normalize its "
                          "magnitudes (scripts/hf_lora_convert.py --base-model DIR)")
-    tensors = load_file(peft_dir / "adapter_model.safetensors")
+    tensors = load_safetensors(files["adapter_model.safetensors"])
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = KEY_RE.match(key)
@@ -51,7 +61,10 @@ def peft_to_trtllm(peft_dir: str | Path, storage_type: str = "float16",
         pairs.setdefault(m["module"], {})["M" if m["m"] else m["ab"]] = tensor.float()
     rows, config = [], []
     for module, ab in sorted(pairs.items(), key=lambda kv: (int(kv[0].split(".")[2]), kv[0])):
+        if "A" not in ab or "B" not in ab:
+            raise ValueError(f"{peft_dir}: {module} needs both lora_A and lora_B")
         a, b = ab["A"], ab["B"]                               # [r, in], [out, r]
+        check_shapes(module, a, b, model)
         rank = a.shape[0]
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank))
         scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
@@ -71,20 +84,44 @@ def peft_to_trtllm(peft_dir: str | Path, storage_type: str = "float16",
     return to_numpy(weights.to(STORAGE_TYPES[storage_type])), np.array(config, dtype=np.int32)
 
 
+def check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, model=None) -> None:
+    """A [r, in] and B [out, r] of one rank r >= 1, and (with the model) its module's in and out."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] < 1:
+        raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not [r, in] and [out, r] "
+                         "of one rank")
+    if model is not None:
+        from backend.lora.format import module_shape
+        in_dim, out_dim = module_shape(model, MODULE_IDS[module.rsplit(".", 1)[1]])
+        if a.shape[1] != in_dim or b.shape[0] != out_dim:
+            raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the model's "
+                             f"[r, {in_dim}] and [{out_dim}, r]")
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def load_lora_dir(path: str | Path, base_weight: BaseWeight | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_lora_dir(path: str | Path, base_weight: BaseWeight | None = None, model=None,
+                  storage_type: str = "float32", max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(lora_weights, lora_config) from a PEFT or TensorRT-LLM adapter directory (a PEFT DoRA one normalized against
-    base_weight)."""
-    path = Path(path)
-    if (path / "adapter_config.json").is_file():
-        return peft_to_trtllm(path, "float32", base_weight)
-    if (path / "model.lora_weights.npy").is_file() and (path / "model.lora_config.npy").is_file():
-        return np.load(path / "model.lora_weights.npy"), np.load(path / "model.lora_config.npy")
+    base_weight, a PEFT one checked against `model`'s shapes), its files read safely (backend/lora/files.py)."""
+    return lora_from_files(read_adapter_files(path, max_bytes).files, Path(path), base_weight, model, storage_type)
+
+
+def lora_from_files(files: dict[str, bytes], path: Path, base_weight: BaseWeight | None = None, model=None,
+                    storage_type: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    if "adapter_config.json" in files:
+        return peft_files_to_trtllm(files, path, storage_type, base_weight, model)
+    if "model.lora_weights.npy" in files and "model.lora_config.npy" in files:
+        return load_npy(files, "model.lora_weights.npy"), load_npy(files, "model.lora_config.npy")
     raise FileNotFoundError(f"{path} holds neither a PEFT adapter (adapter_config.json) nor TensorRT-LLM "
                             "files (model.lora_weights.npy, model.lora_config.npy)")
+
+
+def load_npy(files: dict[str, bytes], name: str) -> np.ndarray:
+    if name not in files:
+        raise FileNotFoundError(f"{name} is missing")
+    return np.load(io.BytesIO(files[name]), allow_pickle=False)
 
 
 def save_trtllm(out_dir: str | Path, weights: np.ndarray, config: np.ndarray) -> None:

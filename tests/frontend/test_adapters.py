@@ -9,9 +9,9 @@ import pytest
 
 from backend.lora.peft import save_trtllm
 from backend.model.config import ModelConfig
-from frontend.adapters import MAX_TASK_ID, AdapterStore, derived_task_id, scan
+from frontend.adapters import MAX_TASK_ID, AdapterStore, content_digest, derived_task_id, scan
 from frontend.errors import OpenAIError
-from frontend.tensors import AdapterLimits
+from frontend.tensors import AdapterInvalid, AdapterLimits
 
 
 def write_adapter(path, seed: int = 0) -> None:
@@ -44,9 +44,9 @@ def test_derived_ids_follow_name_and_content_and_survive_a_copy(store_dir, tmp_p
         {name: task_id for name, (_, task_id) in found.items()}          # another replica, the same ids
     renamed = elsewhere / "gamma"
     (elsewhere / "alpha").rename(renamed)
-    assert derived_task_id("gamma", renamed) != found["alpha"][1]
+    assert derived_task_id("gamma", content_digest(renamed)) != found["alpha"][1]
     write_adapter(elsewhere / "beta", seed=9)                          # new weights under an old name
-    assert derived_task_id("beta", elsewhere / "beta") != found["beta"][1]
+    assert derived_task_id("beta", content_digest(elsewhere / "beta")) != found["beta"][1]
 
 
 def test_model_names_reach_the_base_an_adapter_or_nothing(store_dir):
@@ -90,7 +90,7 @@ def refusal(store: AdapterStore, name: str, path: str) -> OpenAIError:
 def test_load_and_unload_at_run_time(roots):
     store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
     adapter = loaded(store, "fresh", str(roots / "allowed/extra"))
-    assert store.resolve("fresh") is adapter and adapter.task_id == derived_task_id("fresh", roots / "allowed/extra")
+    assert store.resolve("fresh") is adapter and adapter.task_id == derived_task_id("fresh", content_digest(roots / "allowed/extra"))
     assert loaded(store, "relative", "kept").path == roots / "store/kept"      # relative to the store
     for name, path, param in (("fresh", "kept", "lora_name"), ("base", "kept", "lora_name"),
                               ("bad/name", "kept", "lora_name"), ("other", str(roots / "store"), "lora_path")):
@@ -181,3 +181,61 @@ def test_weights_travel_once_however_many_requests_arrive_together(store_dir):
     carried, later, again = asyncio.run(scenario())
     assert sum(carried) == 2 and carried[:2] == [True, True]
     assert later is None and again is not None
+
+
+def test_a_fifo_in_an_adapter_folder_is_refused_at_once(roots):
+    import os
+    import threading
+    folder = roots / "allowed/fifo"
+    write_adapter(folder)
+    (folder / "model.lora_config.npy").unlink()
+    os.mkfifo(folder / "model.lora_config.npy")                 # opened for reading, it would wait for a writer
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.append(refusal(store, "fifo", str(folder))), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert answer and "model.lora_config.npy: is not a regular file" in answer[0].message
+
+
+def test_a_file_swapped_for_a_link_is_not_followed(roots):
+    from backend.lora.files import AdapterFileError, read_adapter_files
+    folder = roots / "allowed/extra"
+    (folder / "model.lora_weights.npy").rename(folder / "real.npy")
+    (folder / "model.lora_weights.npy").symlink_to(folder / "real.npy")      # even one that stays inside
+    with pytest.raises(AdapterFileError, match="model.lora_weights.npy: cannot be opened"):
+        read_adapter_files(folder)
+
+
+def test_weights_replaced_after_a_load_are_refused_not_served_under_the_old_id(roots):
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    adapter = loaded(store, "swapped", str(roots / "allowed/extra"))
+    assert asyncio.run(adapter.inputs()).digest == adapter.digest
+    write_adapter(roots / "allowed/extra", seed=99)                           # valid weights, other content
+    with pytest.raises(AdapterInvalid, match="changed since it was loaded"):
+        asyncio.run(adapter.inputs())
+
+
+@pytest.mark.parametrize("a_shape, b_shape, words", [((4, 64), (500, 4), "do not fit"),
+                                                      ((4, 64), (64, 6), "of one rank")])
+def test_peft_tensors_of_the_wrong_shape_are_refused(roots, a_shape, b_shape, words):
+    import torch
+    from safetensors.torch import save_file
+    folder = roots / "allowed/peft"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.ones(a_shape), f"{prefix}.lora_B.weight": torch.ones(b_shape)},
+              folder / "adapter_model.safetensors")
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    err = refusal(store, "peft", str(folder))
+    assert "adapter_model.safetensors" in err.message and words in err.message, err.message
+
+
+def test_a_store_folder_with_a_fifo_is_left_out_and_said_so(store_dir):
+    import os
+    (store_dir / "beta" / "model.lora_weights.npy").unlink()
+    os.mkfifo(store_dir / "beta" / "model.lora_weights.npy")
+    store = AdapterStore(store_dir, "base")
+    assert "beta" not in store.adapters and "alpha" in store.adapters
+    assert any("'beta'" in line and "not a regular file" in line for line in store.prepare())
