@@ -234,8 +234,8 @@ def test_peft_tensors_of_the_wrong_shape_are_refused(roots, a_shape, b_shape, wo
 
 def test_a_store_folder_with_a_fifo_is_left_out_and_said_so(store_dir):
     import os
-    (store_dir / "beta" / "model.lora_weights.npy").unlink()
-    os.mkfifo(store_dir / "beta" / "model.lora_weights.npy")
+    (store_dir / "beta" / "model.lora_config.npy").unlink()
+    os.mkfifo(store_dir / "beta" / "model.lora_config.npy")
     store = AdapterStore(store_dir, "base")
     assert "beta" not in store.adapters and "alpha" in store.adapters
     assert any("'beta'" in line and "not a regular file" in line for line in store.prepare())
