@@ -24,6 +24,7 @@ from frontend.tensors import AdapterInputs, AdapterInvalid, AdapterLimits, Adapt
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 ADAPTER_FILES = ("adapter_config.json", "model.lora_weights.npy")
 MAX_TASK_ID = (1 << 63) - 1
+MAX_PATH_CHARS = 4096                                  # Linux's PATH_MAX
 
 
 def is_adapter_dir(path: Path) -> bool:
@@ -134,6 +135,11 @@ class AdapterStore:
         if not NAME_RE.fullmatch(name or "") or name == self.base_name:
             raise OpenAIError(400, f"lora_name {name!r} must be 1-128 letters, digits, '.', '_' or '-' and not the "
                                    "base model's name", param="lora_name")
+        prefix = self.base_name + self.separator
+        if self.separator and name.startswith(prefix):
+            raise OpenAIError(400, f"lora_name {name!r} begins with {prefix!r}, the form that names an adapter "
+                                   f"through the base model (`{prefix}<adapter>`): it could shadow one",
+                              param="lora_name")
         if name in self.adapters or name in self.loading:
             raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded"
                                    f"{'' if name in self.adapters else ' (its load is under way)'}.",
@@ -159,15 +165,21 @@ class AdapterStore:
         if not self.roots:
             raise OpenAIError(400, "lora_path: no adapter roots are configured (--adapter-store, --lora-roots)",
                               param="lora_path")
-        folder = Path(os.path.realpath(self.roots[0] / (path or "")))
-        root = next((r for r in self.roots if folder.is_relative_to(r)), None)
+        if "\0" in (path or "") or len(path or "") > MAX_PATH_CHARS:
+            raise OpenAIError(400, f"lora_path must hold at most {MAX_PATH_CHARS} characters and no NUL",
+                              param="lora_path")
         outside = OpenAIError(400, f"lora_path {path!r} is not an adapter folder under the adapter store or the "
                                    "allowed roots", param="lora_path")
-        if root is None or not is_adapter_dir(folder):
-            raise outside
-        for entry in folder.rglob("*"):                    # a link inside that leads out
-            if not Path(os.path.realpath(entry)).is_relative_to(root):
+        try:
+            folder = Path(os.path.realpath(self.roots[0] / (path or "")))
+            root = next((r for r in self.roots if folder.is_relative_to(r)), None)
+            if root is None or not is_adapter_dir(folder):
                 raise outside
+            for entry in folder.rglob("*"):                # a link inside that leads out
+                if not Path(os.path.realpath(entry)).is_relative_to(root):
+                    raise outside
+        except (OSError, ValueError):                      # a name too long for the file system, and the like
+            raise outside from None
         return folder
 
     def unload(self, name: str) -> None:

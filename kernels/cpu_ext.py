@@ -7,7 +7,6 @@ parallel (without it the loops run on one thread); the extension then shares tor
 under the same soname."""
 import os
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,7 +17,6 @@ SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
-STALE_LOCK_S = 600                # a build takes 1-2 min; an older lock was left by a build that was killed
 
 _module = None
 
@@ -30,9 +28,8 @@ def load(verbose: bool = False):
     if _module is None:
         from torch.utils import cpp_extension
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        remove_stale_lock()
         try:
-            with pinned_ninja_first():
+            with build_lock(), pinned_ninja_first():
                 _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
                                              extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR),
                                              verbose=verbose)
@@ -43,14 +40,30 @@ def load(verbose: bool = False):
     return _module
 
 
-def remove_stale_lock() -> None:
-    """torch's build lock outlives a process killed while building, and every later load would wait for it forever."""
-    lock = BUILD_DIR / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+@contextmanager
+def build_lock():
+    """One builder at a time, by a lock the kernel releases when its holder dies (flock), with the holder's pid
+    written in it. torch's own lock file outlives a build that was killed, and every later load waited for it (up to
+    a stale-lock limit of 10 minutes, with no word): whoever holds ours is the only builder, so a torch lock found
+    then was left by a dead one and goes at once."""
+    import fcntl
+    with open(BUILD_DIR / "owner.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            print(f"[cpu_ext] waiting for the CPU kernels' build by pid {f.read().strip() or '?'}", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        (BUILD_DIR / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextmanager

@@ -239,3 +239,18 @@ def test_a_store_folder_with_a_fifo_is_left_out_and_said_so(store_dir):
     store = AdapterStore(store_dir, "base")
     assert "beta" not in store.adapters and "alpha" in store.adapters
     assert any("'beta'" in line and "not a regular file" in line for line in store.prepare())
+
+
+@pytest.mark.parametrize("path, words", [("extra\0x", "no NUL"), ("x" * 5000, "at most 4096"),
+                                         ("/".join(["y" * 300] * 3), "not an adapter folder")])
+def test_a_path_with_a_nul_or_past_the_limits_is_a_400_naming_lora_path(roots, path, words):
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    err = refusal(store, "x", path)
+    assert err.param == "lora_path" and words in err.message
+
+
+def test_a_name_that_would_shadow_a_prefixed_adapter_name_is_refused(roots):
+    store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
+    err = refusal(store, "base_lora_kept", str(roots / "allowed/extra"))
+    assert err.param == "lora_name" and "shadow" in err.message
+    assert store.resolve("base_lora_kept") is store.adapters["kept"]

@@ -312,3 +312,17 @@ def test_a_process_that_finds_another_ninja_first_on_path_neither_uses_it_nor_re
                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert not marker.exists() and built.stat().st_mtime_ns == before
+
+
+def test_a_build_lock_left_by_a_killed_build_is_taken_over_at_once():
+    """torch's lock file outlives a build killed midway; the next load used to wait for it up to 10 minutes."""
+    import subprocess
+    import sys
+    import time
+    lock = cpu_ext.BUILD_DIR / "lock"
+    lock.write_text("")                                          # as a killed build leaves it, fresh
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; cpu_ext.load()"], check=True, timeout=120,
+                   cwd=cpu_ext.BUILD_DIR.parent.parent)
+    assert time.monotonic() - started < 60 and not lock.exists()
+    assert (cpu_ext.BUILD_DIR / "owner.lock").read_text().strip().isdigit()
