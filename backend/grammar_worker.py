@@ -2,7 +2,7 @@
 
 A JSON schema nested a few hundred deep takes xgrammar tens of seconds and gigabytes to compile; in the server's
 process that stalls whoever waits on it and can take the machine's memory. Here a compile runs in a process of its
-own (`python -m backend.grammar_worker TOKENIZER_DIR VOCAB_SIZE`, which dies with its parent), sends back the compiled
+own (`python -m backend.grammar_worker TOKENIZER_DIR VOCAB_SIZE`, which ends when its parent does), sends back the compiled
 grammar serialized, and is killed (its worker replaced) when it passes `time_limit_s`, `memory_limit_bytes` (what the
 worker grew by: it starts at ~360 MB with its tokenizer) or its request's cancellation. Messages are a length, 8 bytes, then UTF-8 JSON.
 """
@@ -10,7 +10,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -19,11 +18,11 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+from backend.heartbeat import exit_with_parent
 from backend.request import RequestError
 
 POLL_S = 0.02                                 # how often a waiting compile looks at its clock, memory and request
 CACHE_BYTES = 256 << 20                       # compiled grammars kept for reuse; the least recently used go first
-PR_SET_PDEATHSIG = 1
 
 
 class GrammarWorkers:
@@ -145,14 +144,6 @@ def read_message(pipe) -> dict | None:
     return json.loads(pipe.read(struct.unpack("<Q", head)[0]))
 
 
-def die_with_parent() -> None:
-    """End this process when the one that started it ends (Linux), also where it was already gone."""
-    import ctypes
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(os.environ.get("GRAMMAR_WORKER_PARENT", os.getppid())):
-        os._exit(0)
-
-
 def serve(tokenizer_dir: str, vocab_size: int) -> None:
     import xgrammar
 
@@ -172,5 +163,7 @@ def serve(tokenizer_dir: str, vocab_size: int) -> None:
 
 
 if __name__ == "__main__":
-    die_with_parent()
+    if os.getppid() != int(os.environ.get("GRAMMAR_WORKER_PARENT", os.getppid())):
+        sys.exit(0)                                            # its parent is gone already
+    exit_with_parent(0.5)
     serve(sys.argv[1], int(sys.argv[2]))

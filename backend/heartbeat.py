@@ -1,11 +1,15 @@
-"""A sign of life from the engine that stops when the engine can no longer serve, for whoever watches it from outside.
+"""A sign of life from the engine that stops when the engine can no longer serve, for whoever watches it from outside;
+and an end for a process whose parent is gone.
 
 Tritonserver keeps a Python model ready, and keeps serving its last metric values, after the model's stub process
 has died (an input whose declared shape overflows kills the stub inside tritonserver 2.51's own code, before the
 model sees the request): only a value that must keep changing tells the truth. `Heartbeat` publishes the time every
 `period_s` while the engine loop is alive and no step has run past `max_step_s`; `engine_health` reads it back from
 a metrics page (the supervisor's health check, the OpenAI API's /health)."""
+import os
 import re
+import signal
+import subprocess
 import threading
 import time
 from typing import Callable
@@ -14,6 +18,7 @@ PERIOD_S = 0.5                                # how often a live engine says so
 STALE_S = 4.0                                 # a heartbeat older than this: the engine is gone or stuck
 MAX_STEP_S = 120.0                            # a step running longer than this is stuck (no heartbeat while it runs)
 HEARTBEAT = "lora_llm_engine_heartbeat_seconds"
+PR_SET_PDEATHSIG = 1
 ALIVE = "lora_llm_engine_alive"
 
 
@@ -61,3 +66,35 @@ def engine_health(metrics_text: str, now: float | None = None, stale_s: float = 
         if age > stale_s:
             return f"the engine's last heartbeat is {age:.1f} s old (its stub process died or its loop is stuck)"
     return None
+
+
+def die_with_parent() -> None:
+    """SIGKILL for this process when the thread that started it ends (Linux PR_SET_PDEATHSIG): for a child of a
+    process's main thread (launch_server's children, between fork and exec). Not for tritonserver's stubs: the thread
+    that starts one ends once the model is loaded."""
+    import ctypes
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def watchdog() -> subprocess.Popen:
+    """A process of its own that SIGKILLs this one once its parent is gone: tritonserver's Python backend stub is
+    reparented and runs on, holding its engine's memory, when tritonserver is killed, and a thread of the stub
+    cannot see to that (its calls into the dead tritonserver may wait forever holding the GIL). It ends with us."""
+    script = 'while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; kill -9 "$2" 2>/dev/null'
+    return subprocess.Popen(["sh", "-c", script, "lora-llm-watchdog", str(os.getppid()), str(os.getpid())],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def exit_with_parent(period_s: float = 1.0) -> threading.Thread:
+    """End this process once the process that started it is gone, from a thread that polls the parent pid: for a
+    process that makes no calls that could hold the GIL forever, whose starter may be a short-lived thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread

@@ -25,7 +25,7 @@ from supervisor import Service, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
-from backend.heartbeat import engine_health  # noqa: E402  (framework-free: imports nothing heavy)
+from backend.heartbeat import die_with_parent, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
 KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL
 # glibc raises its mmap threshold to the largest block freed so far, after which the multi-MB inputs of adapter
@@ -99,8 +99,9 @@ def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
 def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  model_repository: Path = ROOT / "model_repository", env: dict[str, str] | None = None,
                  log_file=None, models: list[str] | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S,
-                 host: str = "127.0.0.1") -> subprocess.Popen:
-    """Start tritonserver in the background; `models` loads only those (all of the repository by default).
+                 host: str = "127.0.0.1", die_with_us: bool = False) -> subprocess.Popen:
+    """Start tritonserver in the background; `models` loads only those (all of the repository by default);
+    die_with_us: killed when this process dies (a supervisor's children).
     exit_timeout_s: how long a SIGTERM waits for in-flight requests (tritonserver's --exit-timeout-secs).
     The server is the one nvidia-pytriton bundles, or an installed one (an NGC tritonserver image's):
     LORA_LLM_TRITONSERVER names its binary and LORA_LLM_BACKEND_DIRECTORY its backends."""
@@ -117,7 +118,7 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
         cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
     return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent if die_with_us else None)
 
 
 def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300) -> None:
@@ -154,7 +155,7 @@ def engine_alive(metrics_port: int) -> bool:
 
 
 def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice: int = FRONTEND_NICE,
-                   log_file=None, host: str = "127.0.0.1") -> subprocess.Popen:
+                   log_file=None, host: str = "127.0.0.1", die_with_us: bool = False) -> subprocess.Popen:
     """The OpenAI-compatible API (python -m frontend) on a core model's gRPC port, `nice` below the engine: where
     they share cores, a step waits for every thread of its team, and a frontend that preempts one delays them all
     (W10 at 32 requests, this 2-core machine: decode steps 51.8-53.1 ms at nice 0, 48.1-51.8 at 10, against
@@ -162,7 +163,8 @@ def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice:
     cmd = ["nice", "-n", str(nice), sys.executable, "-m", "frontend", "--model-dir", str(model_dir), "--grpc-url",
            f"127.0.0.1:{grpc_port}", "--host", host, "--port", str(port), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=log_file,
-                            stderr=subprocess.STDOUT if log_file else None, start_new_session=True)
+                            stderr=subprocess.STDOUT if log_file else None, start_new_session=True,
+                            preexec_fn=die_with_parent if die_with_us else None)
 
 
 def frontend_args(args, adapter_store: Path | None) -> list[str]:
@@ -187,9 +189,11 @@ def has_tokenizer(model_dir: Path) -> bool:
 
 def services(args, env: dict[str, str]) -> list[Service]:
     """tritonserver, and beside it the OpenAI-compatible API unless --no-openai (or the model has no tokenizer)."""
+    core_host = args.host if args.expose_core else "127.0.0.1"
     triton = Service("tritonserver", lambda: start_server(
         args.http_port, args.grpc_port, args.metrics_port, args.model_repository, env,
-        models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s, host=args.host),
+        models=args.models and args.models.split(","), exit_timeout_s=args.exit_timeout_s, host=core_host,
+        die_with_us=True),
         ready=lambda process: is_ready(args.http_port),
         on_ready=lambda restarts: print_ready(args) if restarts == 0 else
         print(f"[launch_server] ready again after restart {restarts}", flush=True),
@@ -203,7 +207,8 @@ def services(args, env: dict[str, str]) -> list[Service]:
         return [triton]
     store = args.adapter_store or settings.get("LORA_LLM_LORA_PREFETCH_DIR")
     frontend = Service("openai", lambda: start_frontend(model_dir, args.grpc_port, args.openai_port, *frontend_args(
-                           args, Path(store).resolve() if store else None), nice=args.openai_nice, host=args.host),
+                           args, Path(store).resolve() if store else None), nice=args.openai_nice, host=args.host,
+                           die_with_us=True),
                        ready=lambda process: is_ready(args.openai_port, "/health"),
                        on_ready=lambda restarts: print(f"[launch_server] openai ready on http://127.0.0.1:"
                                                        f"{args.openai_port}/v1" + (f" again after restart {restarts}"
@@ -229,7 +234,12 @@ def print_ready(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--host", default="127.0.0.1", help="the address every port listens on (0.0.0.0 in a pod)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address the OpenAI API listens on (0.0.0.0 in a pod); tritonserver's ports stay on "
+                             "127.0.0.1 unless --expose-core")
+    parser.add_argument("--expose-core", action="store_true",
+                        help="tritonserver's gRPC, HTTP and metrics ports on --host too: TensorRT-LLM clients and "
+                             "perf_analyzer from other machines (those ports have no keys)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -261,6 +271,9 @@ def main() -> None:
     parser.add_argument("--lora-roots", help="comma list of folders, besides the adapter store, that the OpenAI API "
                                              "may load adapters from")
     args = parser.parse_args()
+    if args.expose_core and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"[launch_server] WARNING: --expose-core: tritonserver's ports listen on {args.host} with no keys: "
+              "anyone who reaches them can run and upload adapters to the core model", flush=True)
     if args.model_repository == ROOT / "model_repository":
         args.model_repository = repository(ROOT / ".run" / "model_repository", args.decoupled_mode,
                                            args.tensorrt_llm_model_name)

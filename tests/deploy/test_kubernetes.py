@@ -34,7 +34,7 @@ def container(deployment: str) -> dict:
 
 
 def flags(c: dict) -> dict[str, str]:
-    return dict(arg.removeprefix("--").split("=", 1) for arg in c["args"])
+    return dict(arg.removeprefix("--").partition("=")[::2] for arg in c["args"])
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,7 @@ def test_the_server_uses_only_the_launchers_flags_and_declares_its_ports(launche
                      "metrics": int(args["metrics-port"]), "openai": int(args["openai-port"])}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["port"] in ports
+    assert "expose-core" in args, "the kubelet probes tritonserver's own port, off the pod's loopback"
     service_ports = {p["targetPort"] for p in find("Service", "lora-llm")["spec"]["ports"]}
     assert service_ports == set(ports)
 

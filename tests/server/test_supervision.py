@@ -162,3 +162,48 @@ def test_a_tritonserver_killed_mid_stream_leaves_no_process_behind_and_every_cli
             stream.close()
         launcher.terminate()
         assert launcher.wait(timeout=60) == 0
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local IPv4 addresses (hex, as /proc/net/tcp writes them; IPv6's any and mapped ones as their IPv4) that
+    listen on this TCP port."""
+    mapped = {"0" * 32: "00000000"}
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:
+                    ipv4 = address[24:] if address.startswith("0000000000000000FFFF0000") else address
+                    found.add(mapped.get(ipv4, ipv4))
+    return found
+
+
+def test_a_killed_supervisor_leaves_no_process_holding_its_ports(tiny_chat_model_dir):
+    """SIGKILLed, the supervisor cannot stop its children: they die with it (PR_SET_PDEATHSIG), ports and all."""
+    http, grpc, metrics, openai = free_ports(4)
+    env = os.environ | TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_chat_model_dir)}
+    launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
+                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
+                                 "--openai-port", str(openai), "--host", "0.0.0.0"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        read_until(launcher, "openai ready", lines)
+        assert listening_addresses(grpc) == {"0100007F"}, "tritonserver stays on loopback without --expose-core"
+        assert listening_addresses(openai) == {"00000000"}
+        children = descendants(launcher.pid)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(listening_addresses(p) for p in (http, grpc, metrics, openai)):
+            time.sleep(0.2)
+        assert not any(listening_addresses(p) for p in (http, grpc, metrics, openai))
+        while time.monotonic() < deadline and [p for p in children if is_running(p)]:
+            time.sleep(0.2)
+        assert [p for p in children if is_running(p)] == []
+    finally:
+        launcher.kill()
+        for pid in descendants(launcher.pid):
+            os.kill(pid, signal.SIGKILL)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from backend import LLMEngine, RequestError                    # noqa: E402
-from backend.heartbeat import Heartbeat                         # noqa: E402
+from backend.heartbeat import Heartbeat, watchdog               # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
 from backend.protocol import (check_declared, extra_arrays, generation_logits, merge_rows,   # noqa: E402
                               output_arrays, parse_request)
@@ -172,6 +172,7 @@ def check_unary(rows) -> None:
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.watchdog = watchdog()                 # a killed tritonserver leaves no engine behind
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.metrics = ServerMetrics(metric_family, {"model": args["model_name"], "version": args["model_version"]})
