@@ -7,22 +7,19 @@ on. Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
 import torch
 
+from backend.compiles import GrammarCompiles
 from backend.engine import LLMEngine
 from backend.heap import HeapTrimmer, freeze_heap, unfreeze_heap
 from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.outputs import StepOutput, TokenRow
 from backend.protocol import ParsedRequest
 from backend.request import FatalEngineError, RequestError
-from backend.responder import Responder, client_cancelled, quietly
+from backend.responder import Responder, client_cancelled
 from backend.uploads import Uploads
-
-
-MAX_COMPILES = 4                              # grammars compiling at once (each waits for one of the workers)
 
 
 class Stream(Protocol):
@@ -72,8 +69,8 @@ class EngineLoop:
         self.num_hook_errors = 0
         self.step_started: float | None = None              # time.monotonic() of the step running now
         self.uploads = Uploads(engine)                      # parsing off the loop, bounded
-        self.compiles = ThreadPoolExecutor(MAX_COMPILES, thread_name_prefix="grammar")   # guided requests' own
-        self.compiling: dict[str, threading.Event] = {}     # client request id -> set when a stop asks for it
+        self.compiles = GrammarCompiles(engine, on_compiled=lambda stream, name: self.inbox.put(("add", stream, name)),
+                                        on_refused=lambda stream: self.uploads.release(stream.requests))
         self.heap = HeapTrimmer().start()                   # freed uploads' pages back to the system
         self._running = True
         self._aborted_while_idle = False
@@ -105,46 +102,21 @@ class EngineLoop:
             return
         finally:
             release_openmp_pool()                           # what parsing started (see release_openmp_pool)
-        if any(r.params.guide_type is not None and r.params.grammar is None for r in stream.requests):
-            stopped = self.compiling.setdefault(name, threading.Event()) if name else threading.Event()
-            self.compiles.submit(self._compile, stream, name, stopped)
-            return
-        self.inbox.put(("add", stream, name))
-
-    def _compile(self, stream: Stream, name: str, stopped: threading.Event) -> None:
-        """On a compile thread: the stream's grammars, then the stream into the loop; or its error, or its cancelled
-        answer when its client or a stop request cancelled it meanwhile."""
-        try:
-            for r in stream.requests:
-                if r.params.guide_type is not None and r.params.grammar is None:
-                    r.params.grammar = self.engine.compile_guide(
-                        r.params, cancelled=lambda: stopped.is_set() or client_cancelled(stream))
-        except Exception as err:
-            self.uploads.release(stream.requests)
-            if stopped.is_set() or client_cancelled(stream):
-                quietly(stream.cancelled)
-            else:
-                quietly(stream.fail, str(err) if isinstance(err, RequestError) else f"request failed: {err}")
-            return
-        finally:
-            if name and self.compiling.get(name) is stopped:
-                del self.compiling[name]
-        self.inbox.put(("add", stream, name))
+        if self.compiles.needs(stream):
+            self.compiles.start(stream, name)                # then into the inbox, or answered
+        else:
+            self.inbox.put(("add", stream, name))
 
     def cancel(self, name: str) -> bool:
         """Abort the in-flight request with this client request id. False if there is none."""
-        found = name in self.names or name in self.compiling
-        if name in self.compiling:
-            self.compiling[name].set()
+        found = self.compiles.stop(name) or name in self.names
         self.inbox.put(("cancel", None, name))
         return found
 
     def stop(self, message: str = "server is shutting down") -> None:
         self._running = False
         self.inbox.put(("wake", None, ""))
-        for stopped in list(self.compiling.values()):
-            stopped.set()
-        self.compiles.shutdown(wait=True)
+        self.compiles.close()
         self.thread.join(timeout=30)
         self._fail_everything(message)
         self.responder.stop()
