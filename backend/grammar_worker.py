@@ -2,9 +2,10 @@
 
 A JSON schema nested a few hundred deep takes xgrammar tens of seconds and gigabytes to compile; in the server's
 process that stalls whoever waits on it and can take the machine's memory. Here a compile runs in a process of its
-own (`python -m backend.grammar_worker TOKENIZER_DIR VOCAB_SIZE`, which ends when its parent does), sends back the compiled
-grammar serialized, and is killed (its worker replaced) when it passes `time_limit_s`, `memory_limit_bytes` (what the
-worker grew by: it starts at ~360 MB with its tokenizer) or its request's cancellation. Messages are a length, 8 bytes, then UTF-8 JSON.
+own (`python -m backend.grammar_worker TOKENIZER_DIR VOCAB_SIZE`, which ends when its parent does), sends back the
+compiled grammar serialized, and is killed (its worker replaced) when it passes `time_limit_s`, `memory_limit_bytes`
+(what the worker grew by: it starts at ~360 MB with its tokenizer) or its request's cancellation. Messages are a
+length, 8 bytes, then UTF-8 JSON.
 """
 import json
 import os
@@ -40,7 +41,6 @@ class GrammarWorkers:
         self.lock = threading.Lock()
         self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.cache_bytes = 0
-        self.num_killed = 0
         self.idle.append(self._spawn())                       # warm: its start-up overlaps the engine's
 
     def compile(self, guide_type: str, guide: str, cancelled: Callable[[], bool] = lambda: False):
@@ -101,7 +101,6 @@ class GrammarWorkers:
     def _kill(self, worker: subprocess.Popen) -> None:
         if worker.poll() is None:
             worker.kill()
-            self.num_killed += 1
         worker.wait()
         for pipe in (worker.stdin, worker.stdout):
             pipe.close()

@@ -1,7 +1,8 @@
 """Guided decoding (TensorRT-LLM's guided_decoding_backend "xgrammar"): a request's output follows a JSON schema,
 any JSON, a regex or an EBNF grammar. Grammars compile in worker processes, each compile bounded in time and memory
-(backend/grammar_worker.py), once per grammar (the compiled ones are cached); each step the sampler's host half fills one token bitmask row per guided sequence from its matcher, and
-the device half masks those rows (backend/sampler.py)."""
+(backend/grammar_worker.py), once per grammar (the compiled ones are cached); each step the sampler's host half fills
+one token bitmask row per guided sequence from its matcher, and the device half masks those rows
+(backend/sampler.py)."""
 from typing import Callable
 
 from backend.request import RequestError

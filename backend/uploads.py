@@ -1,7 +1,7 @@
 """Work a request brings that must not run on the engine loop: its adapter's weights parsed on the thread that hands
-the request in (its grammar compiles on the loop's compile threads, backend/serving.py). Parsed adapters wait in the loop's inbox, and their bytes are bounded by
-the host tier's budget, so that uploads arriving faster than the engine takes them cannot grow memory without
-bound."""
+the request in (its grammar compiles on threads of their own, backend/compiles.py). Parsed adapters wait in the
+loop's inbox, and their bytes are bounded by the host tier's budget, so that uploads arriving faster than the engine
+takes them cannot grow memory without bound."""
 import threading
 
 from backend.engine import LLMEngine

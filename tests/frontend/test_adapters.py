@@ -90,7 +90,8 @@ def refusal(store: AdapterStore, name: str, path: str) -> OpenAIError:
 def test_load_and_unload_at_run_time(roots):
     store = AdapterStore(roots / "store", "base", roots=(str(roots / "allowed"),), limits=LIMITS)
     adapter = loaded(store, "fresh", str(roots / "allowed/extra"))
-    assert store.resolve("fresh") is adapter and adapter.task_id == derived_task_id("fresh", content_digest(roots / "allowed/extra"))
+    assert store.resolve("fresh") is adapter
+    assert adapter.task_id == derived_task_id("fresh", content_digest(roots / "allowed/extra"))
     assert loaded(store, "relative", "kept").path == roots / "store/kept"      # relative to the store
     for name, path, param in (("fresh", "kept", "lora_name"), ("base", "kept", "lora_name"),
                               ("bad/name", "kept", "lora_name"), ("other", str(roots / "store"), "lora_path")):
