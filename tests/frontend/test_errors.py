@@ -39,3 +39,12 @@ def test_an_unavailable_engine_is_503_and_a_failed_step_500(engine):
     assert from_core("engine failure: RuntimeError: injected fault at step 2").status == 500
     lost = from_core(core_error(engine, lora_task_id=424242))      # still "not found" after the weights were sent
     assert lost.status == 503 and lost.code == "adapter_unavailable"
+
+
+@pytest.mark.parametrize("message", ["Stub process 'lora_llm_0_0' is not healthy.",
+                                     "Request for unknown model: 'lora_llm' is not found",
+                                     "Request for unknown model: 'lora_llm' version 1 is not ready",
+                                     "engine unavailable: engine failure: RuntimeError: device lost"])
+def test_tritonservers_words_for_an_unavailable_core_are_503_never_400(message):
+    err = from_core(message)
+    assert err.status == 503 and err.code == "service_unavailable"
