@@ -23,6 +23,8 @@ from backend.heartbeat import exit_with_parent
 from backend.request import RequestError
 
 POLL_S = 0.02                                 # how often a waiting compile looks at its clock, memory and request
+START_LIMIT_S = 120.0                         # a worker's start (its tokenizer loaded), not counted in a compile's
+NICE = 10                                     # below the engine: a compile, and a worker's start, take no step's core
 CACHE_BYTES = 256 << 20                       # compiled grammars kept for reuse; the least recently used go first
 
 
@@ -37,6 +39,7 @@ class GrammarWorkers:
         self.args = [str(tokenizer_dir), str(vocab_size)]
         self.time_limit_s, self.memory_limit_bytes = time_limit_s, memory_limit_bytes
         self.idle: list[subprocess.Popen] = []
+        self.started: set[int] = set()                        # pids of the workers that said they are ready
         self.slots = threading.Semaphore(max_workers)
         self.lock = threading.Lock()
         self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -79,29 +82,41 @@ class GrammarWorkers:
                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def _ask(self, worker: subprocess.Popen, guide_type: str, guide: str, cancelled: Callable[[], bool]) -> dict:
+        if worker.pid not in self.started:                      # its start is not the compile's time, nor memory
+            self._wait(worker, START_LIMIT_S, cancelled, "the grammar compiler did not start", bounded=False)
+            if read_message(worker.stdout) != {"ready": True}:
+                raise RequestError("guided_decoding_guide", "the grammar compiler did not start")
+            self.started.add(worker.pid)
         write_message(worker.stdin, {"guide_type": guide_type, "guide": guide})
-        started, fd, idle_bytes = time.monotonic(), worker.stdout.fileno(), resident_bytes(worker.pid)
-        while not select.select([fd], [], [], POLL_S)[0]:
-            if worker.poll() is not None:
-                raise RequestError("guided_decoding_guide", f"its compile ended the worker ({worker.returncode}): "
-                                                            "the grammar is refused")
-            if time.monotonic() - started > self.time_limit_s:
-                raise RequestError("guided_decoding_guide", f"its compile passed guided_decoding_compile_timeout_s "
-                                                            f"{self.time_limit_s:g}: the grammar is refused")
-            if resident_bytes(worker.pid) - idle_bytes > self.memory_limit_bytes:
-                raise RequestError("guided_decoding_guide", f"its compile passed guided_decoding_compile_memory_bytes "
-                                                            f"{self.memory_limit_bytes}: the grammar is refused")
-            if cancelled():
-                raise RequestError("guided_decoding_guide", "the request was cancelled while its grammar compiled")
+        self._wait(worker, self.time_limit_s, cancelled, f"its compile passed guided_decoding_compile_timeout_s "
+                                                         f"{self.time_limit_s:g}: the grammar is refused")
         reply = read_message(worker.stdout)
         if reply is None:
             raise RequestError("guided_decoding_guide", "its compile ended the worker: the grammar is refused")
         return reply
 
+    def _wait(self, worker: subprocess.Popen, limit_s: float, cancelled: Callable[[], bool], late: str,
+              bounded: bool = True) -> None:
+        """Until the worker has something to say: refused past limit_s, its request's cancel, or (bounded) the
+        memory bound."""
+        started, fd, idle_bytes = time.monotonic(), worker.stdout.fileno(), resident_bytes(worker.pid)
+        while not select.select([fd], [], [], POLL_S)[0]:
+            if worker.poll() is not None:
+                raise RequestError("guided_decoding_guide", f"its compile ended the worker ({worker.returncode}): "
+                                                            "the grammar is refused")
+            if time.monotonic() - started > limit_s:
+                raise RequestError("guided_decoding_guide", late)
+            if bounded and resident_bytes(worker.pid) - idle_bytes > self.memory_limit_bytes:
+                raise RequestError("guided_decoding_guide", f"its compile passed guided_decoding_compile_memory_bytes "
+                                                            f"{self.memory_limit_bytes}: the grammar is refused")
+            if cancelled():
+                raise RequestError("guided_decoding_guide", "the request was cancelled while its grammar compiled")
+
     def _kill(self, worker: subprocess.Popen) -> None:
         if worker.poll() is None:
             worker.kill()
         worker.wait()
+        self.started.discard(worker.pid)
         for pipe in (worker.stdin, worker.stdout):
             pipe.close()
 
@@ -153,6 +168,7 @@ def serve(tokenizer_dir: str, vocab_size: int) -> None:
                   "json_schema": compiler.compile_json_schema, "regex": compiler.compile_regex,
                   "ebnf_grammar": compiler.compile_grammar}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    write_message(stdout, {"ready": True})
     while (request := read_message(stdin)) is not None:
         try:
             grammar = compile_as[request["guide_type"]](request["guide"])
@@ -165,4 +181,5 @@ if __name__ == "__main__":
     if os.getppid() != int(os.environ.get("GRAMMAR_WORKER_PARENT", os.getppid())):
         sys.exit(0)                                            # its parent is gone already
     exit_with_parent(0.5)
+    os.nice(NICE)
     serve(sys.argv[1], int(sys.argv[2]))
