@@ -20,7 +20,7 @@ from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
-from backend.model.self_check import check_kernels_or_fall_back
+from backend.model.self_check import check_kernels_or_fall_back, shapes_or_fall_back
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
@@ -59,8 +59,10 @@ class ModelRunner:
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
-        if self.ops.name == "triton" and config.checks_at_start(self.device.type):
-            self.kernel_fallbacks = check_kernels_or_fall_back(self, config)
+        if self.ops.name == "triton":                             # shapes a kernel cannot take, then (auto: CUDA)
+            self.kernel_fallbacks = shapes_or_fall_back(self)      # the kernels run at the model's shapes
+            if config.checks_at_start(self.device.type):
+                self.kernel_fallbacks |= check_kernels_or_fall_back(self, config)
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
             weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))

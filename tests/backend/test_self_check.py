@@ -236,3 +236,20 @@ def test_tensor_parallel_workers_take_rank_0s_verdict(tiny_model_dir, hf_tiny, m
         assert engine.generate(PROMPTS, max_new_tokens=4) == [hf_greedy(hf_tiny, p, 4) for p in PROMPTS]
     finally:
         engine.close()
+
+
+def test_lora_widths_the_triton_kernels_cannot_take_are_served_by_the_reference_not_refused(tmp_path):
+    """An intermediate size of 344 (8 x 43) used to fail the first adapter request on the Triton path."""
+    from tests.helpers import ALL_MODULES, make_peft_adapters
+    build_tiny(tmp_path / "model", seed=5, architecture="llama", intermediate_size=344)
+    [adapter] = make_peft_adapters(tmp_path / "model", tmp_path, specs=[dict(r=8, lora_alpha=16,
+                                                                            target_modules=ALL_MODULES)])
+
+    def engine(backend):
+        e = LLMEngine(tmp_path / "model", dtype="float32", kernel_backend=backend, kv_cache_memory_bytes=1 << 20)
+        e.add_lora_dir(1, adapter)
+        return e
+    want = engine("torch").generate(PROMPTS, max_new_tokens=4, lora_task_ids=[1, None, 1])
+    served = engine("triton")
+    assert set(served.runner.kernel_fallbacks) == {"lora"} and "344" in served.runner.kernel_fallbacks["lora"]
+    assert served.generate(PROMPTS, max_new_tokens=4, lora_task_ids=[1, None, 1]) == want
