@@ -83,8 +83,8 @@ def check_declared(shapes: dict[str, list[int]], limits: RequestLimits) -> None:
         dims = [int(d) for d in shape]
         if any(d < 0 for d in dims):
             raise RequestError(name, f"declared shape {dims} has a negative dimension")
-        if math.prod(dims) > limits.max_input_values:
-            raise RequestError(name, f"declared shape {dims} holds {math.prod(dims)} values, more than the "
+        if (num_values := math.prod(dims)) > limits.max_input_values:
+            raise RequestError(name, f"declared shape {dims} holds {num_values} values, more than the "
                                      f"{limits.max_input_values} any input may hold")
 
 

@@ -19,10 +19,6 @@ class AdapterFiles:
     files: dict[str, bytes]                   # file name -> its bytes, for the adapter files present
     digest: bytes                             # of the names and bytes, in name order
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(map(len, self.files.values()))
-
 
 def read_adapter_files(folder: str | Path, max_bytes: int | None = None) -> AdapterFiles:
     """The adapter files present in `folder` (itself not a link), each a regular file, together at most

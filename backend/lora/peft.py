@@ -101,17 +101,12 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def load_lora_dir(path: str | Path, base_weight: BaseWeight | None = None, model=None,
-                  storage_type: str = "float32", max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_lora_dir(path: str | Path, base_weight: BaseWeight | None = None, model=None) -> tuple[np.ndarray, np.ndarray]:
     """(lora_weights, lora_config) from a PEFT or TensorRT-LLM adapter directory (a PEFT DoRA one normalized against
     base_weight, a PEFT one checked against `model`'s shapes), its files read safely (backend/lora/files.py)."""
-    return lora_from_files(read_adapter_files(path, max_bytes).files, Path(path), base_weight, model, storage_type)
-
-
-def lora_from_files(files: dict[str, bytes], path: Path, base_weight: BaseWeight | None = None, model=None,
-                    storage_type: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    files = read_adapter_files(path).files
     if "adapter_config.json" in files:
-        return peft_files_to_trtllm(files, path, storage_type, base_weight, model)
+        return peft_files_to_trtllm(files, Path(path), "float32", base_weight, model)
     if "model.lora_weights.npy" in files and "model.lora_config.npy" in files:
         return load_npy(files, "model.lora_weights.npy"), load_npy(files, "model.lora_config.npy")
     raise FileNotFoundError(f"{path} holds neither a PEFT adapter (adapter_config.json) nor TensorRT-LLM "
