@@ -68,8 +68,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel workers, grammar compile workers)."""
         self.runner.close()
-        if self.intake.guided is not None:
-            self.intake.guided.workers.close()
+        self.intake.close()
 
     @property
     def has_unfinished(self) -> bool:

@@ -83,6 +83,11 @@ class RequestIntake:
                 seq.matcher = self.guided.matcher(params.grammar)
         return members
 
+    def close(self) -> None:
+        """Stop the grammar compile workers, if guided decoding started them."""
+        if self.guided is not None:
+            self.guided.workers.close()
+
     def compile_guide(self, params: SamplingParams, cancelled: Callable[[], bool] = lambda: False):
         """The request's grammar, compiled (thread-safe: servers call it off the engine loop)."""
         if self.guided is None:

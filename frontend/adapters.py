@@ -219,7 +219,8 @@ def scan(root: Path, skipped: list[str] | None = None) -> dict[str, tuple[Path, 
                 task_id = int(folder.name) if folder.name.isdigit() else derived_task_id(folder.name,
                                                                                         content_digest(folder))
             except ValueError as err:
-                (skipped if skipped is not None else []).append(f"adapter {folder.name!r} is not served: {err}")
+                if skipped is not None:
+                    skipped.append(f"adapter {folder.name!r} is not served: {err}")
                 continue
             found[folder.name] = (folder.resolve(), task_id)
     ids = [task_id for _, task_id in found.values()]

@@ -66,9 +66,8 @@ def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.nd
         raise AdapterInvalid(str(err)) from None
     if "adapter_config.json" in read.files:
         guarded("adapter_config.json", lambda: json.loads(read.files["adapter_config.json"]))
-    base = checkpoint_weights(limits.model_dir) if limits is not None and limits.model_dir else None
-    model = limits.model if limits is not None else None
-    if "adapter_config.json" in read.files:
+        base = checkpoint_weights(limits.model_dir) if limits is not None and limits.model_dir else None
+        model = limits.model if limits is not None else None
         weights, config = guarded("adapter_model.safetensors",
                                   lambda: peft_files_to_trtllm(read.files, path, "float16", base, model), path)
     else:
