@@ -10,12 +10,14 @@ from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
 from backend.device import is_device_fault, resolve_lora_dtype
 from backend.intake import SAMPLING_FIELDS, RequestIntake
 from backend.kv_cache import BlockManager
+from backend.logprobs import prompt_log_probs, top_rows
 from backend.lora.cache import LoraCache
 from backend.lora.dora import checkpoint_weights
 from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.config import ModelConfig
-from backend.model.runner import LaunchedStep, ModelRunner
+from backend.model.results import LaunchedStep
+from backend.model.runner import ModelRunner
 from backend.outputs import StepOutput, StepOutputs, TokenRow
 from backend.overlap_check import check_overlap
 from backend.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status
@@ -202,16 +204,20 @@ class LLMEngine:
         """A launched step's tokens, once on the host: appended, checked for stops, their outputs added to `entries`.
         A sequence that finished since it was launched (stopped a step before, or aborted) drops its token."""
         try:
-            tokens, log_probs, logits = self.runner.collect(launched)
+            r = self.runner.collect(launched)
         except Exception as exc:
             entries += self._fail_batch(launched.batch, exc)
             return
+        for seq, start, values, ids in r.scored:            # prompt chunks scored (from the start again after a
+            if start == 0:                                  # preemption)
+                seq.prompt_scores.clear()
+            seq.prompt_scores[start] = (values, ids)
         for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)
         now, finished, num_dropped, ahead = time.time_ns(), Status.FINISHED, 0, launched.ahead
-        every_row = bool(self.seqs.waiting_forks or logits)            # each token through _append
-        for seq, token, log_prob, end in zip(launched.rows_of, tokens, log_probs, launched.rows.ends):
+        every_row = bool(self.seqs.waiting_forks or r.logits)          # each token through _append
+        for seq, token, log_prob, end in zip(launched.rows_of, r.tokens, r.log_probs, launched.rows.ends):
             if ahead:
                 seq.num_pending_tokens -= 1
             if seq.status is finished:
@@ -219,8 +225,9 @@ class LLMEngine:
                 continue
             out = seq.output_ids
             if every_row or end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens:
-                entries.append(self._append(seq, token, log_prob, now, logits.get(launched.rows_of[seq])
-                                            if logits else None))
+                row, k = launched.rows_of[seq], seq.params.top_log_probs
+                entries.append(self._append(seq, token, log_prob, now, r.logits.get(row) if r.logits else None,
+                                            top_rows(r.top, row, k) if k else None))
                 continue
             out.append(token)                                  # (_append's steps for a plain token that ends nothing)
             m = seq.metrics
@@ -228,7 +235,7 @@ class LLMEngine:
             if not m.first_token_time_ns:
                 m.first_token_time_ns = now
             entries.append((seq, token, log_prob, m, now))
-        self.num_generated_tokens += len(tokens) - num_dropped
+        self.num_generated_tokens += len(r.tokens) - num_dropped
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> list[StepOutput]:
         """A failed step fails its requests, never the engine; unless the engine itself cannot go on."""
@@ -240,9 +247,10 @@ class LLMEngine:
         return [self._finish_request(request_id, "error", error=f"engine failure: {exc}")
                 for request_id in failed if request_id in self.seqs]
 
-    def _append(self, seq: Sequence, token: int, log_prob: float, now: int,
-                logits: torch.Tensor | None) -> TokenRow | StepOutput:
-        """A sequence's new token: its output, a token row unless it ends the sequence or brings logits."""
+    def _append(self, seq: Sequence, token: int, log_prob: float, now: int, logits: torch.Tensor | None,
+                top: tuple[list[int], list[float]] | None = None) -> TokenRow | StepOutput:
+        """A sequence's new token: its output, a token row unless it ends the sequence or brings logits or log probs
+        beyond its own (top: its top alternatives' ids and log probs)."""
         seq.output_ids.append(token)
         p, m = seq.params, seq.metrics
         m.last_token_time_ns = now
@@ -259,10 +267,15 @@ class LLMEngine:
             if forks:
                 self._fork(seq, forks)
         reason = seq.stop_reason()
-        if reason is None and logits is None and not seq.context_logits:
+        scored = p.return_prompt_log_probs and seq.sequence_index == 0 and len(seq.output_ids) == 1
+        if reason is None and logits is None and top is None and not seq.context_logits and not scored:
             return seq, token, log_prob, m, now
         out = StepOutput(seq.request_id, [token], log_probs=[log_prob] if p.return_log_probs else [],
                          sequence_index=seq.sequence_index, metrics=m.copy(), generation_logits=logits)
+        if top is not None:
+            out.top_ids, out.top_log_probs = [top[0]], [top[1]]
+        if scored:                                          # the prompt's log probs come with the first token
+            out.prompt_log_probs, seq.prompt_scores = prompt_log_probs(seq.prompt_scores, p.top_log_probs), {}
         if seq.context_logits and len(seq.output_ids) == 1:
             out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
             seq.context_logits = {}

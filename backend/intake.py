@@ -23,7 +23,9 @@ class RequestIntake:
         max_input_len = model_config.max_position_embeddings - 1
         self.limits = RequestLimits(max_input_len, config.max_words, config.max_word_len,
                                     max_input_values=max(MAX_BATCH_ROWS * max_input_len,
-                                                         config.lora.host_memory_bytes // 2))
+                                                         config.lora.host_memory_bytes // 2),
+                                    max_top_log_probs=config.max_top_log_probs,
+                                    max_log_probs=config.max_log_probs_per_request)
         self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if config.guided_decoding_backend == "xgrammar":
             from backend.guided import GuidedDecoding
@@ -48,6 +50,12 @@ class RequestIntake:
             raise RequestError("return_context_logits",
                                f"{len(prompt_ids)} prompt tokens x vocabulary {cfg.vocab_size} logits exceed "
                                f"{MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
+        if params.num_log_probs(len(prompt_ids)) > self.limits.max_log_probs:
+            field_name = "num_top_log_probs" if params.top_log_probs else (
+                "return_prompt_log_probs" if params.return_prompt_log_probs else "return_log_probs")
+            raise RequestError(field_name, f"{params.num_log_probs(len(prompt_ids))} log probs ((k + 1) x tokens x "
+                                           f"sequences) exceed the model's max_log_probs_per_request "
+                                           f"{self.limits.max_log_probs}")
         needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
         if needed > self.blocks.num_blocks:
             raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "

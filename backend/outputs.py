@@ -10,6 +10,7 @@ from typing import Hashable, Iterator
 
 import torch
 
+from backend.logprobs import PromptLogProbs
 from backend.request import SeqMetrics, Sequence
 
 TokenRow = tuple[Sequence, int, float, SeqMetrics, int]    # (sequence, token, log prob, its metrics, step time ns)
@@ -28,6 +29,9 @@ class StepOutput:
     metrics: SeqMetrics | None = None         # a copy: the sequence's figures as of this output
     generation_logits: torch.Tensor | None = None   # [vocab] fp32 of the new token, when asked for
     context_logits: torch.Tensor | None = None      # [prompt_len, vocab] fp32, with the first token, when asked for
+    top_ids: list[list[int]] = field(default_factory=list)            # by new token: its top_log_probs alternatives
+    top_log_probs: list[list[float]] = field(default_factory=list)
+    prompt_log_probs: PromptLogProbs | None = None  # with the first token, when asked for (return_prompt_log_probs)
 
 
 class StepOutputs:

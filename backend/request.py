@@ -30,6 +30,8 @@ class RequestLimits:
     max_words: int = 1024                     # stop words, and bad words, per request
     max_word_len: int = 64                    # tokens per word
     max_input_values: int = 1 << 28           # values of any one input tensor, as declared (an adapter's weights)
+    max_top_log_probs: int = 20               # top alternatives at each token
+    max_log_probs: int = 1 << 22              # log probs (chosen and top) one request may ask for
 
 
 def check_finite(name: str, value: float) -> None:
@@ -43,6 +45,7 @@ class SamplingParams:
     temperature: float = 0.0                  # 0 means greedy
     top_k: int = 0                            # 0 means no limit
     top_p: float = 1.0
+    min_p: float = 0.0                        # sampled rows keep tokens of at least min_p x the top token's probability
     seed: int | None = None
     end_id: int | None = None
     ignore_end_id: bool = False               # benchmarks force full-length outputs
@@ -52,7 +55,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    return_log_probs: bool = False
+    return_log_probs: bool = False            # each generated token's log prob
+    top_log_probs: int = 0                    # and the k most likely tokens' ids and log probs at each position
+    return_prompt_log_probs: bool = False     # each prompt token's log prob given those before it (with its top ones)
     return_generation_logits: bool = False    # each sampled token's [vocab] logits, as the model gave them
     return_context_logits: bool = False       # the prompt's [prompt_len, vocab] logits, with the first token
     beam_width: int = 1
@@ -70,6 +75,18 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
     @property
+    def any_log_probs(self) -> bool:
+        """Its generated tokens need log probs: their own, or the top alternatives."""
+        return self.return_log_probs or self.top_log_probs > 0
+
+    def num_log_probs(self, num_prompt_tokens: int) -> int:
+        """The log probs (chosen and top) the request asks for at most, over every sequence."""
+        per_token = self.top_log_probs + 1
+        prompt = (num_prompt_tokens - 1) * per_token if self.return_prompt_log_probs else 0
+        generated = self.max_new_tokens * per_token * self.num_return_sequences if self.any_log_probs else 0
+        return prompt + generated
+
+    @property
     def reads_last_token(self) -> bool:
         """The next step's sampling inputs depend on the last token: penalties, bad words, top-p decay."""
         return (self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
@@ -77,7 +94,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
         for name, value in (("temperature", self.temperature), ("runtime_top_p", self.top_p),
-                            ("runtime_top_p_min", self.top_p_min), ("runtime_top_p_decay", self.top_p_decay),
+                            ("runtime_top_p_min", self.top_p_min), ("runtime_min_p", self.min_p), ("runtime_top_p_decay", self.top_p_decay),
                             ("repetition_penalty", self.repetition_penalty),
                             ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             check_finite(name, value)
@@ -106,6 +123,12 @@ class SamplingParams:
             raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise RequestError("runtime_top_k", f"must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("runtime_min_p", f"must be in [0, 1], got {self.min_p}")
+        max_top = limits.max_top_log_probs if limits is not None else vocab_size
+        if not 0 <= self.top_log_probs <= min(max_top, vocab_size):
+            raise RequestError("num_top_log_probs", f"must be in [0, {min(max_top, vocab_size)}] (the model's "
+                                                    f"max_top_log_probs), got {self.top_log_probs}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError("runtime_top_p", f"must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
@@ -190,6 +213,7 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)    # names of its full blocks, when reuse is on
     matcher: object | None = None             # its grammar's state, under guided decoding
     context_logits: dict[int, object] = field(default_factory=dict)   # prompt chunk start -> [n, vocab] (host)
+    prompt_scores: dict[int, object] = field(default_factory=dict)    # prompt chunk start -> its PromptScores rows
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
 
     def __post_init__(self):

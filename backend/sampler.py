@@ -1,5 +1,5 @@
 """Next-token choice for a whole batch: embedding bias, penalties, bans and grammar masks, then greedy or seeded
-temperature / top-k / top-p, and log probs. The host gathers each step's sampling inputs into small tensors
+temperature / min-p / top-k / top-p, and log probs (the chosen token's and the top alternatives). The host gathers each step's sampling inputs into small tensors
 (`prepare`, uploaded with the rest of the step's metadata); the device does everything else with no
 data-dependent shapes and no sync (`sample`).
 
@@ -22,12 +22,14 @@ class SamplingPlan:
     any_sampled: bool
     max_top_k: int
     any_top_p: bool
+    any_min_p: bool
     num_repetition: int
     num_presence: int
     num_bans: int
     num_biased: int
     num_guided: int
     any_log_probs: bool
+    max_top_log_probs: int                    # top alternatives the step returns for every row (the rows' largest k)
     t: dict[str, torch.Tensor] = field(default_factory=dict)
     reusable: bool = False                    # greedy rows with nothing that reads their tokens: the same plan serves
                                               # every step of the same rows
@@ -54,9 +56,10 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
     extra = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
              or p.frequency_penalty or p.bad_words or p.min_tokens or p.embedding_bias is not None]
     guided = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
-    plan = SamplingPlan(num_rows=len(seqs), any_sampled=bool(sampled), max_top_k=0, any_top_p=False,
+    plan = SamplingPlan(num_rows=len(seqs), any_sampled=bool(sampled), max_top_k=0, any_top_p=False, any_min_p=False,
                         num_repetition=0, num_presence=0, num_bans=0, num_biased=0, num_guided=len(guided),
-                        any_log_probs=any(p.return_log_probs for p in params),
+                        any_log_probs=any(p.any_log_probs for p in params),
+                        max_top_log_probs=max(p.top_log_probs for p in params) if params else 0,
                         reusable=not sampled and not extra and not guided)
     t = plan.t
     if sampled:
@@ -69,6 +72,9 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
         t["s_top_k"] = torch.tensor(top_k, dtype=torch.int32)
         t["s_top_p"] = torch.tensor([seq.top_p for seq in seqs], dtype=torch.float32)
         t["s_seed"] = torch.tensor([seq.seed_key for seq in seqs], dtype=torch.int32)
+        plan.any_min_p = any(p.min_p > 0.0 for p in sampled)
+        if plan.any_min_p:
+            t["s_min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         t["s_step"] = torch.tensor([seq.num_output_tokens for seq in seqs], dtype=torch.int32)
     if extra:
         _prepare_extras(plan, seqs, extra, vocab_size)
@@ -191,10 +197,13 @@ def uniform(seed_key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
-    """Temperature, top-k and top-p for all rows at once, then inverse-CDF sampling with each row's own uniform
-    number. logits: [num_rows, vocab] fp32 -> tokens [num_rows] int64."""
+    """Temperature, min-p, top-k and top-p for all rows at once, then inverse-CDF sampling with each row's own
+    uniform number. logits: [num_rows, vocab] fp32 -> tokens [num_rows] int64."""
     t = plan.t
     logits = logits / t["s_temperature"][:, None]
+    if plan.any_min_p:                            # p < min_p * p_max, as logits: l < l_max + log(min_p)
+        floor = logits.amax(-1, keepdim=True) + t["s_min_p"][:, None].log()
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if plan.max_top_k:
         top_k = t["s_top_k"].long()
         kth = torch.topk(logits, plan.max_top_k).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
@@ -231,11 +240,16 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1) if logits.is_cuda else first_max(logits)
 
 
+Top = tuple[torch.Tensor, torch.Tensor]     # the top alternatives' log probs [rows, k] fp32 and ids [rows, k] int64
+
+
 def sample(logits: torch.Tensor, plan: SamplingPlan,
-           greedy_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           greedy_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Top | None]:
     """logits: [num_rows, vocab] fp32 on the device (modified in place), plan.t on the same device; greedy_tokens:
     greedy(logits) where the caller has them (a decode graph's), used where the plan keeps the logits as they are.
-    Returns tokens [num_rows] int64 and their log probs [num_rows] fp32 (None unless some row asked)."""
+    Returns tokens [num_rows] int64, their log probs [num_rows] fp32 (None unless some row asked), and the
+    plan.max_top_log_probs most likely tokens of each row (None unless some row asked). Log probs are those of the
+    distribution after bias, penalties and bans, before temperature, min-p, top-k and top-p."""
     apply_bias(logits, plan)
     apply_penalties(logits, plan)
     apply_bans(logits, plan)
@@ -243,8 +257,13 @@ def sample(logits: torch.Tensor, plan: SamplingPlan,
     if plan.any_sampled:
         tokens = torch.where(plan.t["s_greedy"] != 0, tokens, sample_rows(logits, plan))
     if not plan.any_log_probs:
-        return tokens, None
-    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        return tokens, None, None
+    log_probs = torch.log_softmax(logits, dim=-1)
+    top = None
+    if plan.max_top_log_probs:
+        values, ids = log_probs.topk(plan.max_top_log_probs)
+        top = values, ids
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0], top
 
 
 class Sampler:
@@ -253,7 +272,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float | None]]:
         plan = prepare(seqs, logits.shape[1])
         plan.t = {name: t.to(logits.device) for name, t in plan.t.items()}
-        tokens, log_probs = sample(logits, plan)
+        tokens, log_probs, _ = sample(logits, plan)
         wanted = [seq.params.return_log_probs for seq in seqs]
         log_probs = [0.0] * len(seqs) if log_probs is None else log_probs.tolist()
         return tokens.tolist(), [lp if w else None for lp, w in zip(log_probs, wanted)]

@@ -27,6 +27,7 @@ class StepContext:
     logits_indices: torch.Tensor              # [num_sampled] int32: last token of each sequence that samples
     context_indices: torch.Tensor             # [num_context] int32: prompt tokens whose logits were asked for
     lora: object | None = None                # per-step adapter segments (backend/lora/batch.py)
+    prompt_scores: object | None = None       # prompt rows to score (backend/logprobs.PromptScores)
     between_layers: Callable[[], None] | None = None      # called after each layer (CPU: backend/openmp.TeamSizer)
 
 
@@ -43,6 +44,10 @@ class StepInputs:
         self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device
         self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
         self.context_chunks: list[tuple[int, int, int]] = []     # (item index, first position, number of rows)
+        self.prompt_chunks: list[tuple[int, int, int]] = []      # the same, of prompt rows to score (log probs)
+        self.scored: dict[str, torch.Tensor] = {}               # their token rows and next prompt tokens (rank 0's)
+        self.score_k = 0                                         # top alternatives the step returns for them
+        self.scores = None                                       # and on the device (PromptScores, the runner's)
         self.rows: np.ndarray | None = None                     # a steady step's ROW_INPUTS [4, n] (kept.py)
         self.row_inputs: torch.Tensor | None = None             # and as the kept buffer's [4, C] (KeptBatch)
         self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
@@ -70,6 +75,8 @@ class StepInputs:
         input_ids: list[int] = []
         counts: list[int] = []                                   # per item: new tokens, computed tokens, all tokens
         context_indices: list[int] = []
+        score_rows: list[int] = []
+        score_targets: list[int] = []
         for index, item in enumerate(items):
             seq, num_new = item.seq, item.num_new_tokens
             start, num_prompt, outputs = seq.num_computed_tokens, len(seq.prompt_ids), seq.output_ids
@@ -89,6 +96,16 @@ class StepInputs:
                 first, num_rows = len(input_ids) - num_new, min(end, num_prompt) - start
                 self.context_chunks.append((index, start, num_rows))
                 context_indices += range(first, first + num_rows)
+            if seq.params.return_prompt_log_probs and not outputs and seq.sequence_index == 0 \
+                    and min(end, num_prompt - 1) > start:          # positions 0..P-2: each scores the next token
+                first, num_rows = len(input_ids) - num_new, min(end, num_prompt - 1) - start
+                self.prompt_chunks.append((index, start, num_rows))
+                score_rows += range(first, first + num_rows)
+                score_targets += seq.prompt_ids[start + 1:start + 1 + num_rows]
+                self.score_k = max(self.score_k, seq.params.top_log_probs)
+        if score_rows:
+            self.scored = {"score_rows": torch.tensor(score_rows, dtype=torch.int32),
+                           "score_targets": torch.tensor(score_targets, dtype=torch.int32)}
         num_new, starts, num_tokens = np.array(counts, dtype=np.int64).reshape(n, 3).T
         ends = starts + num_new
         query_starts = np.zeros(n + 1, dtype=np.int64)
@@ -114,6 +131,11 @@ class StepInputs:
                   "logits_indices": logits_indices, "context_indices": np.array(context_indices, dtype=np.int32)}
         self.tensors = {name: torch.from_numpy(a.astype(np.int32, copy=False)) for name, a in arrays.items()}
         self.sent = self.tensors
+
+    @property
+    def runs_eager(self) -> bool:
+        """Rows past the sampled ones want logits (context logits, prompt log probs): no graph computes them."""
+        return bool(self.context_chunks or self.prompt_chunks)
 
     def received(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The step's tensors by name, from what the upload of `sent` gave back (the same tensors on CPU)."""
@@ -161,6 +183,7 @@ class StepInputs:
         inputs.seq_lens = tensors["seq_lens"].tolist()
         inputs.max_query_len = max(b - a for a, b in zip(inputs.query_starts, inputs.query_starts[1:]))
         inputs.context_chunks, inputs.pending, inputs.pending_maps, inputs.rows = [], [], {}, None
+        inputs.prompt_chunks, inputs.scored, inputs.score_k, inputs.scores = [], {}, 0, None
         inputs.sent = tensors
         return inputs
 

@@ -144,7 +144,7 @@ class DecodeGraphs:
         """The graph of a step that can replay one (every sequence decodes one token and samples it): its bucket of
         rows and its context class (the longest context it can hold, which fixes its split count)."""
         num_seqs = len(inputs.seq_lens)
-        if inputs.max_query_len != 1 or inputs.context_chunks or num_seqs > self.buckets[-1] \
+        if inputs.max_query_len != 1 or inputs.runs_eager or num_seqs > self.buckets[-1] \
                 or inputs.tensors["logits_indices"].shape[0] != num_seqs:
             return None
         longest = max(inputs.seq_lens)

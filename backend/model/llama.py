@@ -23,8 +23,8 @@ class LlamaModel:
     def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 with_context: bool = False, logits: bool = True) -> torch.Tensor | None:
         """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step, then
-        (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]. logits=False (a tensor
-        parallel worker) runs the layers only. The pieces below are what piecewise graphs record between the
+        (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]; ctx.prompt_scores gets its
+        rows' log probs. logits=False (a tensor parallel worker) runs the layers only. The pieces below are what piecewise graphs record between the
         attention calls (backend/model/piecewise.py)."""
         h, residual = self.embed(ctx), None                         # [num_tokens, hidden]; the stream layers add to
         for i in range(self.cfg.num_layers):
@@ -32,6 +32,8 @@ class LlamaModel:
             h, residual = self.after_attention(i, self.attention(i, q, ctx, kv_caches[i]), residual, ctx)
         if not logits:
             return None
+        if ctx.prompt_scores is not None:
+            ctx.prompt_scores.compute(lambda rows: self.logits(h, residual, rows), self.cfg.vocab_size)
         rows = torch.cat([ctx.logits_indices, ctx.context_indices]) if with_context else ctx.logits_indices
         return self.logits(h, residual, rows)
 

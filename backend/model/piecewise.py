@@ -54,7 +54,7 @@ class PiecewiseGraphs:
     def bucket_for(self, inputs: StepInputs) -> int | None:
         """The token bucket of a step the pieces can run, or None."""
         num_tokens = inputs.query_starts[-1]
-        if inputs.context_chunks or num_tokens > self.buckets[-1]:
+        if inputs.runs_eager or num_tokens > self.buckets[-1]:
             return None
         return next(bucket for bucket in self.buckets if bucket >= num_tokens)
 

@@ -1,7 +1,5 @@
 """Owns the model's weights and KV cache on the engine's device, and runs one step: the batch's inputs go up in
 one copy, the forward and the sampling run on the device, the sampled tokens come back in one copy."""
-from dataclasses import dataclass
-
 import torch
 
 from backend import sampler
@@ -9,6 +7,7 @@ from backend.config import EngineConfig
 from backend.device import (Download, StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype,
                            resolve_lora_dtype)
 from backend.kv_cache import num_kv_blocks
+from backend.logprobs import PromptScores
 from backend.lora.batch import LoraBatch, LoraSegments
 from backend.lora.cache import LoraCache
 from backend.model.config import ModelConfig
@@ -19,6 +18,7 @@ from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
+from backend.model.results import LaunchedStep, StepResults, collect
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.self_check import check_kernels_or_fall_back, shapes_or_fall_back
 from backend.openmp import TeamSizer
@@ -27,23 +27,6 @@ from backend.scheduler import Batch, ScheduledSeq
 from kernels.dispatch import load_ops
 
 CPU_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclass(slots=True, eq=False)
-class LaunchedStep:
-    """A step whose device work is queued: its results come back through `download`."""
-    batch: Batch
-    rows: LaunchRows                          # its rows: rows_of (each sampling sequence -> its row of `tokens`),
-                                              # wanted, needs_last_tokens, ends
-    tokens: torch.Tensor                      # [num_sampled] sampled ids, on the device: the next step's inputs
-    download: Download                        # tokens [num_sampled] (with log probs [2, num_sampled] where some
-                                              # row asked), asked-for logits
-    ahead: bool = False                       # left in flight while the next step launches: its samples count as
-                                              # pending tokens of their sequences until it is collected
-
-    @property
-    def rows_of(self) -> dict:
-        return self.rows.rows_of
 
 
 class ModelRunner:
@@ -210,12 +193,12 @@ class ModelRunner:
                 v.index_copy_(1, dst, v.index_select(1, src))
 
     def run(self, batch: Batch, lora_cache: LoraCache | None = None,
-            prefetch: list[int | None] = ()) -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
+            prefetch: list[int | None] = ()) -> StepResults:
         """The next token and its log prob for each sequence whose chunk reaches its last token, in the order of
-        batch.items (which this sorts by adapter slot, so that each adapter is one segment), and the raw logits
-        [vocab] (host, fp32) of the rows whose request asked for them, by row. Prompt logits asked for
-        (return_context_logits) go to each sequence's context_logits, by chunk. The adapters in `prefetch` start
-        uploading while the step computes."""
+        batch.items (which this sorts by adapter slot, so that each adapter is one segment), the raw logits
+        [vocab] (host, fp32) of the rows whose request asked for them, by row, the top alternatives and the scored
+        prompt chunks asked for. Prompt logits asked for (return_context_logits) go to each sequence's
+        context_logits, by chunk. The adapters in `prefetch` start uploading while the step computes."""
         return self.collect(self.launch(batch, lora_cache, prefetch))
 
     def launch(self, batch: Batch, lora_cache: LoraCache | None = None, prefetch: list[int | None] = (),
@@ -229,13 +212,9 @@ class ModelRunner:
             finally:
                 self.team.checkpoint()
 
-    def collect(self, step: "LaunchedStep") -> tuple[list[int], list[float], dict[int, torch.Tensor]]:
-        """A launched step's tokens, log probs and asked-for logits, once they reach the host (see `run`)."""
-        host, *host_raw = step.download.wait()
-        raw = dict(zip(step.rows.wanted, host_raw[0].clone())) if host_raw else {}    # off the pinned buffer
-        if host.dim() == 1:                                       # no row asked for log probs
-            return host.tolist(), [0.0] * host.shape[0], raw
-        return host[0].long().tolist(), host[1].tolist(), raw
+    def collect(self, step: LaunchedStep) -> StepResults:
+        """A launched step's results, once they reach the host (see `run`)."""
+        return collect(step)
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
@@ -265,29 +244,36 @@ class ModelRunner:
         if rows.wanted:                                           # before sampling changes them in place
             wanted = pin(torch.tensor(rows.wanted), self.device).to(self.device, non_blocking=True)
             raw = logits.index_select(0, wanted).float()
-        tokens, log_probs = sampler.sample(logits, plan, greedy)
+        tokens, log_probs, top = sampler.sample(logits, plan, greedy)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
-        download = self.staging.download(results, *([raw] if raw is not None else []))
+        extra = ([raw] if raw is not None else []) + list(top or ())
+        if inputs.prompt_chunks:
+            extra += [inputs.scores.values, inputs.scores.ids]
+        download = self.staging.download(results, *extra)
         self.kept.keep(scheduled, batch.items, rows, inputs, batch.num_preemptions)
-        return LaunchedStep(batch, rows, tokens, download)
+        scored = [(batch.items[index].seq, start, num_rows) for index, start, num_rows in inputs.prompt_chunks]
+        return LaunchedStep(batch, rows, tokens, download, plan.max_top_log_probs if top else 0, scored)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int] | None,
                  lora_cache: LoraCache | None) -> torch.Tensor:
-        """The eager step: logits [num_sampled, vocab]; prompt logits asked for go to their sequences. token_slots:
-        each token's adapter slot (None: no adapter in the step)."""
+        """The eager step: logits [num_sampled, vocab]; prompt logits asked for go to their sequences, prompt rows to
+        score to inputs.scores. token_slots: each token's adapter slot (None: no adapter in the step)."""
         segments = None
         if token_slots is not None:
             segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
         if self.tp is not None:                                   # the workers run the same step beside us
             self.tp.step(inputs.tensors, token_slots or [])
-        t = self.staging.upload(inputs.sent | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps)
+        t = self.staging.upload(inputs.sent | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps
+                                | inputs.scored)
         t = inputs.received(t)
         inputs.fill_pending(t)
         ctx = inputs.context(t)
         ctx.between_layers = self.team.checkpoint if self.team.active else None
         plan.t = {name: t[name] for name in plan.t}
+        if inputs.scored:
+            ctx.prompt_scores = inputs.scores = PromptScores(t["score_rows"], t["score_targets"], inputs.score_k)
         if segments is not None:
             segments.use(t)
             lora_cache.wait_for_slots(segments.slots_list)

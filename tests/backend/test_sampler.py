@@ -46,7 +46,7 @@ def test_first_max_is_argmax_with_its_ties_nans_and_bans(device, num_rows, vocab
     assert first_max(edges.to(device)).tolist() == [vocab - 1, vocab // 3, vocab // 2, 0]
     for values in (edges, few_values):                   # sample's own greedy pick (on CUDA one argmax kernel)
         greedy = prepare([Sequence(i, [0], SamplingParams()) for i in range(values.shape[0])], vocab)
-        tokens, log_probs = sample(values.to(device), greedy)
+        tokens, log_probs, _ = sample(values.to(device), greedy)
         assert torch.equal(tokens, first_max(values.to(device))) and log_probs is None
 
 
