@@ -19,43 +19,52 @@ class PromptScores:
 
     def __init__(self, rows: torch.Tensor, targets: torch.Tensor, k: int):
         self.rows, self.targets, self.k = rows.long(), targets.long(), k
-        self.values: torch.Tensor | None = None   # [n, 1 + k] fp32: each row's target, then its top k
+        self.values: torch.Tensor | None = None   # [n, 2 + k] fp32: each row's target's log prob and rank, then the
+                                                  # top k's log probs
         self.ids: torch.Tensor | None = None      # [n, k] int32: the top k's ids
 
     def compute(self, logits_of: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> None:
         """Semantics (in slices of rows, so that no more than SCORE_VALUES logits live at once):
             log_probs = logits_of(rows).log_softmax(-1)                      # [n, vocab] fp32
-            values = cat([log_probs.gather(1, targets[:, None]), log_probs.topk(k).values], dim=1)
+            chosen = log_probs.gather(1, targets[:, None])                    # [n, 1]
+            rank = (log_probs > chosen).sum(-1, keepdim=True) + 1             # [n, 1]: 1 for the most likely
+            values = cat([chosen, rank, log_probs.topk(k).values], dim=1)
             ids = log_probs.topk(k).indices"""
         n, k, step = self.rows.shape[0], self.k, max(1, SCORE_VALUES // vocab_size)
         device = self.rows.device
-        self.values = torch.empty(n, 1 + k, dtype=torch.float32, device=device)
+        self.values = torch.empty(n, 2 + k, dtype=torch.float32, device=device)
         self.ids = torch.empty(n, k, dtype=torch.int32, device=device)
         for start in range(0, n, step):
             end = min(n, start + step)
             log_probs = logits_of(self.rows[start:end]).log_softmax(-1)
-            self.values[start:end, 0] = log_probs.gather(1, self.targets[start:end, None])[:, 0]
+            chosen = log_probs.gather(1, self.targets[start:end, None])
+            self.values[start:end, 0] = chosen[:, 0]
+            self.values[start:end, 1] = (log_probs > chosen).sum(-1) + 1
             if k:
                 top = log_probs.topk(k)
-                self.values[start:end, 1:] = top.values
+                self.values[start:end, 2:] = top.values
                 self.ids[start:end] = top.indices
 
 
 @dataclass(slots=True)
 class PromptLogProbs:
-    """A request's prompt scored: row i is prompt token i given those before it (row 0: NaN, ids -1)."""
+    """A request's prompt scored: row i is prompt token i given those before it (row 0: NaN, rank 0, ids -1)."""
     log_probs: torch.Tensor                   # [P] fp32
+    ranks: torch.Tensor                       # [P] int32: 1 + the tokens more likely than it
     top_log_probs: torch.Tensor               # [P, k] fp32: the k most likely tokens at each position
     top_ids: torch.Tensor                     # [P, k] int32
 
 
 def prompt_log_probs(chunks: dict[int, tuple[torch.Tensor, torch.Tensor]], k: int) -> PromptLogProbs:
-    """A sequence's scored chunks (chunk start -> host values [n, 1 + k'] and ids [n, k'], k' >= k: its steps'
+    """A sequence's scored chunks (chunk start -> host values [n, 2 + k'] and ids [n, k'], k' >= k: its steps'
     largest k) as its prompt's log probs."""
     starts = sorted(chunks)
-    values = torch.cat([torch.full((1, k + 1), float("nan"))] + [chunks[s][0][:, :k + 1] for s in starts])
+    first = torch.full((1, k + 2), float("nan"))
+    first[0, 1] = 0
+    values = torch.cat([first] + [chunks[s][0][:, :k + 2] for s in starts])
     ids = torch.cat([torch.full((1, k), -1, dtype=torch.int32)] + [chunks[s][1][:, :k] for s in starts])
-    return PromptLogProbs(values[:, 0].contiguous(), values[:, 1:].contiguous(), ids.contiguous())
+    return PromptLogProbs(values[:, 0].contiguous(), values[:, 1].int(), values[:, 2:].contiguous(),
+                          ids.contiguous())
 
 
 def top_rows(top: tuple[torch.Tensor, torch.Tensor], row: int, k: int) -> tuple[list[int], list[float]]:

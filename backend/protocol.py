@@ -147,6 +147,7 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
         temperature=temperature if sampling else 0.0,
         top_k=top_k,
         top_p=top_p if top_p > 0.0 else 1.0,
+        min_p=_scalar(arrays, "runtime_min_p", float, 0.0),
         seed=seed,
         end_id=None if end_id == -1 else end_id,
         min_tokens=_scalar(arrays, "min_tokens", int, _scalar(arrays, "min_length", int, 0)),
@@ -156,6 +157,8 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
         presence_penalty=_scalar(arrays, "presence_penalty", float, 0.0),
         frequency_penalty=_scalar(arrays, "frequency_penalty", float, 0.0),
         return_log_probs=_scalar(arrays, "return_log_probs", bool, False),
+        top_log_probs=_scalar(arrays, "num_top_log_probs", int, 0),
+        return_prompt_log_probs=_scalar(arrays, "return_prompt_log_probs", bool, False),
         return_generation_logits=_scalar(arrays, "return_generation_logits", bool, False),
         return_context_logits=_scalar(arrays, "return_context_logits", bool, False),
         beam_width=_scalar(arrays, "beam_width", int, 1),
@@ -226,6 +229,34 @@ def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[s
     }
 
 
+def top_arrays(ids: list[list[int]], log_probs: list[list[float]], request: ParsedRequest) -> dict[str, np.ndarray]:
+    """Our extension (num_top_log_probs): each new token's k most likely tokens, output_top_log_probs (FP32) and
+    output_top_log_prob_ids (INT32) [1, beam=1, tokens, k]."""
+    k = request.params.top_log_probs
+    if not k or not ids:
+        return {}
+    return {"output_top_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, len(ids), k),
+            "output_top_log_prob_ids": np.array(ids, dtype=np.int32).reshape(1, 1, len(ids), k)}
+
+
+def first_arrays(out) -> dict[str, np.ndarray]:
+    """What a request's first output brings once: context_logits [1, prompt, vocab], and our extension
+    (return_prompt_log_probs) prompt_log_probs [1, prompt] (the first NaN) and prompt_log_prob_ranks [1, prompt]
+    (INT32, 1 for the most likely token; the first 0), with num_top_log_probs > 0
+    prompt_top_log_probs (FP32) and prompt_top_log_prob_ids (INT32) [1, prompt, k]."""
+    arrays = {}
+    if out.context_logits is not None:
+        arrays["context_logits"] = out.context_logits.numpy()[None]
+    scored = out.prompt_log_probs
+    if scored is not None:
+        arrays["prompt_log_probs"] = scored.log_probs.numpy()[None]
+        arrays["prompt_log_prob_ranks"] = scored.ranks.numpy()[None]
+        if scored.top_ids.shape[1]:
+            arrays["prompt_top_log_probs"] = scored.top_log_probs.numpy()[None]
+            arrays["prompt_top_log_prob_ids"] = scored.top_ids.numpy()[None]
+    return arrays
+
+
 def extra_arrays(row: ParsedRequest, batch_size: int, batch_index: int, sequence_index: int,
                  metrics: SeqMetrics | None, num_output_tokens: int) -> dict[str, np.ndarray]:
     """The outputs TensorRT-LLM adds when they say something: batch_index for a batch of several rows,
@@ -266,9 +297,9 @@ def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         arrays = [r[name] for r in rows if name in r]
         if len(arrays) < len(rows):
             continue
-        width = max(a.shape[-1] for a in arrays)
-        pad = -1 if name == "output_ids" else 0
-        merged[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
+        shape = np.max([a.shape for a in arrays], axis=0)
+        pad = -1 if name.endswith("_ids") else 0
+        merged[name] = np.concatenate([np.pad(a, [(0, 0)] + [(0, int(m) - d) for m, d in zip(shape[1:], a.shape[1:])],
                                               constant_values=pad) for a in arrays])
     merged.pop("batch_index", None)                # the position in the response says it
     return merged

@@ -24,7 +24,7 @@ from frontend.metrics import RequestCounter, core_metrics, exposition
 from frontend.middleware import BodyLimit, BodyTooLarge, CatchAll, error_response
 from frontend.prompts import chat_prompt, completion_prompts
 from frontend.responses import DONE, Responses, event
-from frontend.sampling import ModelInfo, check_supported, core_arrays, max_tokens
+from frontend.sampling import ModelInfo, check_supported, core_arrays, log_probs_asked, max_tokens
 from frontend.schemas import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, SamplingRequest,
                               UnloadAdapterRequest)
 from frontend.tensors import AdapterLimits
@@ -183,12 +183,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
                     echo: list[str] | None = None):
         adapter = store.resolve(req.model)
         check_supported(req)
-        log_probs = bool(req.logprobs is not None if not chat else req.logprobs)
+        asked = log_probs_asked(req, chat)
         budgets = [max_tokens(req, len(p), info, None if chat else COMPLETION_MAX_TOKENS) for p in prompts]
-        arrays = [core_arrays(req, p, budget, info, log_probs) for p, budget in zip(prompts, budgets)]
+        arrays = [core_arrays(req, p, budget, info, asked) for p, budget in zip(prompts, budgets)]
         generation = Generation(state["core"], info.tokenizer, prompts, arrays, adapter, req.n, budgets, req.stop,
                                 () if req.ignore_eos else info.end_ids)
-        responses = Responses(generation.id, req.model, info.tokenizer, chat, log_probs)
+        responses = Responses(generation, req.model, info.tokenizer, chat, asked)
         prefixes = [text for text in (echo or []) for _ in range(req.n)] or None
         deltas = generation.deltas()
         if not req.stream:
@@ -210,13 +210,14 @@ async def sse(first, deltas, responses: Responses, generation: Generation, inclu
     try:
         delta = first
         while delta is not None:
+            echo = False
             if delta.index not in started:
                 started.add(delta.index)
                 if responses.chat:
                     yield responses.role_chunk(delta.index)
                 if prefixes:
-                    delta.text = prefixes[delta.index] + delta.text
-            yield responses.chunk(delta)
+                    delta.text, echo = prefixes[delta.index] + delta.text, True
+            yield responses.chunk(delta, echo=echo)
             delta = await anext(deltas, None)
         if include_usage:
             yield responses.usage_chunk(generation.usage)

@@ -12,6 +12,8 @@ class Delta:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str | None = None
+    top_ids: list[list[int]] = field(default_factory=list)          # by token, when top alternatives were asked for
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -33,11 +35,13 @@ class Choice:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.hold = max(map(len, self.stop), default=1) - 1
 
-    def add(self, token_ids: list[int], log_probs: list[float]) -> Delta:
-        """The delta these tokens make (its text may be empty); tokens after a stop string are dropped."""
+    def add(self, token_ids: list[int], log_probs: list[float], top_ids: list[list[int]] = (),
+            top_log_probs: list[list[float]] = ()) -> Delta:
+        """The delta these tokens make (its text may be empty); tokens after a stop string or past max_tokens (0:
+        the prompt is only scored) are dropped."""
         taken = 0
         for token in token_ids:
-            if self.stopped:
+            if self.stopped or len(self.token_ids) >= self.max_tokens:
                 break
             self.token_ids.append(token)
             taken += 1
@@ -52,7 +56,10 @@ class Choice:
             else:
                 self.text += piece
         end = len(self.text) if self.stopped else max(self.num_sent, len(self.text) - self.hold)
-        return self._delta(end, token_ids[:taken], log_probs[:taken])
+        delta = self._delta(end, token_ids[:taken], log_probs[:taken])
+        if len(top_ids) == len(token_ids):
+            delta.top_ids, delta.top_log_probs = list(top_ids[:taken]), list(top_log_probs[:taken])
+        return delta
 
     def finish(self) -> Delta:
         """The last delta: the text held back, and why the choice ended."""

@@ -7,7 +7,7 @@ its KV blocks at its next cancellation check.
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -30,11 +30,24 @@ log = logging.getLogger("frontend.core")
 
 
 @dataclass(slots=True)
+class ScoredPrompt:
+    """The prompt's log probs as the core returns them (return_prompt_log_probs): position i is token i given those
+    before it; position 0 has none (NaN, rank 0, no alternatives)."""
+    log_probs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]                  # [P][k]
+    top_log_probs: list[list[float]]
+
+
+@dataclass(slots=True)
 class CoreChunk:
     """New tokens of one sequence of a request (sequence_index: which of its num_return_sequences)."""
     sequence_index: int
     token_ids: list[int]
     log_probs: list[float]
+    top_ids: list[list[int]] = field(default_factory=list)           # by token: its top alternatives
+    top_log_probs: list[list[float]] = field(default_factory=list)
+    prompt: ScoredPrompt | None = None        # with a request's first tokens, when asked for
 
 
 class CoreClient:
@@ -132,8 +145,22 @@ class AdapterNotFound(Exception):
 
 
 def parse(result: service_pb2.ModelInferResponse) -> CoreChunk:
-    outputs = {out.name: raw for out, raw in zip(result.outputs, result.raw_output_contents)}
-    ids = np.frombuffer(outputs.get("output_ids", b""), dtype=np.int32)
-    log_probs = np.frombuffer(outputs.get("output_log_probs", b""), dtype=np.float32)
-    index = np.frombuffer(outputs.get("sequence_index", b""), dtype=np.int32)
-    return CoreChunk(int(index[0]) if index.size else 0, ids.tolist(), log_probs.tolist())
+    outputs = {out.name: (out.shape, raw) for out, raw in zip(result.outputs, result.raw_output_contents)}
+
+    def array(name: str, dtype) -> np.ndarray:
+        shape, raw = outputs.get(name, ((0,), b""))
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+    index = array("sequence_index", np.int32).reshape(-1)
+    chunk = CoreChunk(int(index[0]) if index.size else 0, array("output_ids", np.int32).reshape(-1).tolist(),
+                      array("output_log_probs", np.float32).reshape(-1).tolist())
+    if "output_top_log_probs" in outputs:                          # [1, 1, tokens, k]
+        chunk.top_ids = array("output_top_log_prob_ids", np.int32)[0, 0].tolist()
+        chunk.top_log_probs = array("output_top_log_probs", np.float32)[0, 0].tolist()
+    if "prompt_log_probs" in outputs:                              # [1, prompt] and [1, prompt, k]
+        log_probs = array("prompt_log_probs", np.float32)[0]
+        top = ([], []) if "prompt_top_log_probs" not in outputs else (
+            array("prompt_top_log_prob_ids", np.int32)[0].tolist(), array("prompt_top_log_probs", np.float32)[0].tolist())
+        chunk.prompt = ScoredPrompt(log_probs.tolist(), array("prompt_log_prob_ranks", np.int32)[0].tolist(),
+                                    top[0] or [[] for _ in log_probs], top[1] or [[] for _ in log_probs])
+    return chunk

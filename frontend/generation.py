@@ -11,7 +11,7 @@ import numpy as np
 
 from frontend.adapters import Adapter
 from frontend.choice import Choice, Delta
-from frontend.core import CoreClient
+from frontend.core import CoreClient, ScoredPrompt
 
 
 class Generation:
@@ -25,6 +25,7 @@ class Generation:
         self.id = uuid.uuid4().hex
         self.choices = [Choice(i, tokenizer, max_tokens[i // n], stop, frozenset(end_ids))
                         for i in range(len(prompts) * n)]
+        self.scored: dict[int, ScoredPrompt] = {}            # prompt index -> its log probs, when asked for
 
     @property
     def usage(self) -> dict:
@@ -43,10 +44,12 @@ class Generation:
         stream = self.core.generate(self.arrays[p], self.adapter, request_id=f"oai-{self.id}-{p}")
         try:
             async for chunk in stream:
+                if chunk.prompt is not None:
+                    self.scored[p] = chunk.prompt
                 choice = choices[chunk.sequence_index]
                 if choice.finished:
                     continue
-                delta = choice.add(chunk.token_ids, chunk.log_probs)
+                delta = choice.add(chunk.token_ids, chunk.log_probs, chunk.top_ids, chunk.top_log_probs)
                 if delta.text or delta.token_ids:
                     yield delta
                 if choice.stopped:

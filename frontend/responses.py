@@ -1,37 +1,55 @@
-"""OpenAI response objects: whole completions and their streamed chunks, for the legacy and the chat API."""
+"""OpenAI response objects: whole completions and their streamed chunks, for the legacy and the chat API, with log
+probs in OpenAI's shapes (and vLLM's prompt_logprobs)."""
 import json
+import math
 import time
+from dataclasses import dataclass
 
 from frontend.choice import Delta
+
+
+@dataclass(frozen=True)
+class LogProbsAsked:
+    """What a request asked for: the chosen tokens' log probs, k alternatives at each (completions' logprobs,
+    chat's top_logprobs), the prompt's own in the output (completions' echo), vLLM's prompt_logprobs (its k)."""
+    chosen: bool = False
+    num_top: int = 0
+    echo: bool = False
+    prompt_top: int | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return (self.echo and self.chosen) or self.prompt_top is not None
 
 
 class Responses:
     """Builds one request's response objects; `chat` picks the chat API's shapes."""
 
-    def __init__(self, generation_id: str, model: str, tokenizer, chat: bool, log_probs: bool):
-        self.id = ("chatcmpl-" if chat else "cmpl-") + generation_id
+    def __init__(self, generation, model: str, tokenizer, chat: bool, asked: LogProbsAsked):
+        self.id = ("chatcmpl-" if chat else "cmpl-") + generation.id
+        self.generation = generation                      # its prompts, n, and scored prompts (as they arrive)
         self.model = model
         self.tokenizer = tokenizer
         self.chat = chat
-        self.log_probs = log_probs
+        self.asked = asked
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}            # completions' logprobs: each choice's characters so far
 
-    def _object(self, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
+    def _object(self, kind: str, choices: list[dict], usage: dict | None = None, **extra) -> dict:
         out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
-        return out
+        return out | extra
 
-    def chunk(self, delta: Delta, first: bool = False) -> str:
-        """One streamed chunk as a server-sent event."""
+    def chunk(self, delta: Delta, first: bool = False, echo: bool = False) -> str:
+        """One streamed chunk as a server-sent event (echo: the choice's first, after its prompt's text)."""
         if self.chat:
             message = ({"role": "assistant", "content": ""} if first else {}) | (
                 {"content": delta.text} if delta.text else {})
             choice = {"index": delta.index, "delta": message, "logprobs": self.logprobs(delta),
                       "finish_reason": delta.finish_reason}
             return event(self._object("chat.completion.chunk", [choice]))
-        choice = {"index": delta.index, "text": delta.text, "logprobs": self.logprobs(delta),
+        choice = {"index": delta.index, "text": delta.text, "logprobs": self.logprobs(delta, echo),
                   "finish_reason": delta.finish_reason}
         return event(self._object("text_completion", [choice]))
 
@@ -47,31 +65,92 @@ class Responses:
         choices = []
         for index, parts in enumerate(deltas):
             text = (prefixes[index] if prefixes else "") + "".join(d.text for d in parts)
-            joined = Delta(index, text, [t for d in parts for t in d.token_ids], [lp for d in parts for lp in d.log_probs])
+            joined = Delta(index, text, [t for d in parts for t in d.token_ids],
+                           [lp for d in parts for lp in d.log_probs], None,
+                           [top for d in parts for top in d.top_ids], [top for d in parts for top in d.top_log_probs])
             reason = parts[-1].finish_reason if parts else None
             self.text_offsets[index] = len(prefixes[index]) if prefixes else 0
-            logprobs = self.logprobs(joined)
+            logprobs = self.logprobs(joined, echo=bool(prefixes))
             if self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
                                 "logprobs": logprobs, "finish_reason": reason})
             else:
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
-        return self._object("chat.completion" if self.chat else "text_completion", choices, usage)
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                               | self._prompt_logprobs(index))
+        extra = self._prompt_logprobs(0) if self.chat else {}      # vLLM's chat: one list for the request
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage, **extra)
 
-    def logprobs(self, delta: Delta) -> dict | None:
-        """The chosen tokens' log probs (no top alternatives): chat's `content` list, or the legacy arrays."""
-        if not self.log_probs or not delta.token_ids:
+    def logprobs(self, delta: Delta, echo: bool = False) -> dict | None:
+        """The chosen tokens' log probs and their top alternatives: chat's `content` list, or the legacy arrays
+        (echo: the prompt's first, the first of them None)."""
+        if not self.asked.chosen:
             return None
-        tokens = [self.tokenizer.decode([t]) for t in delta.token_ids]
         if self.chat:
-            return {"content": [{"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
-                                for token, lp in zip(tokens, delta.log_probs)]}
+            if not delta.token_ids:
+                return None
+            return {"content": [self._chat_entry(t, lp, delta.top_ids[i] if delta.top_ids else [],
+                                                 delta.top_log_probs[i] if delta.top_log_probs else [])
+                                for i, (t, lp) in enumerate(zip(delta.token_ids, delta.log_probs))]}
+        ids, log_probs, tops = list(delta.token_ids), list(delta.log_probs), self._tops(delta)
+        if echo:
+            p = delta.index // self.generation.n
+            scored, prompt = self.generation.scored.get(p), self.generation.prompts[p]
+            if scored is not None:
+                ids, log_probs = prompt + ids, [_none_if_nan(x) for x in scored.log_probs] + log_probs
+                tops = None if tops is None else [None] + [self._top_dict(*row) for row in zip(
+                    prompt[1:], scored.log_probs[1:], scored.top_ids[1:], scored.top_log_probs[1:])] + tops
+                self.text_offsets[delta.index] = 0
+        if not ids:
+            return None
+        tokens = [self.tokenizer.decode([t]) for t in ids]
         offsets, offset = [], self.text_offsets.get(delta.index, 0)
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         self.text_offsets[delta.index] = offset
-        return {"tokens": tokens, "token_logprobs": delta.log_probs, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": log_probs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _tops(self, delta: Delta) -> list[dict] | None:
+        """Completions' top_logprobs: by token, its alternatives' text -> log prob, the chosen one among them."""
+        if not self.asked.num_top or len(delta.top_ids) != len(delta.token_ids):
+            return None
+        return [self._top_dict(*row) for row in zip(delta.token_ids, delta.log_probs, delta.top_ids,
+                                                     delta.top_log_probs)]
+
+    def _top_dict(self, token: int, log_prob: float, top_ids: list[int], top_log_probs: list[float]) -> dict:
+        k = self.asked.num_top
+        out = {self.tokenizer.decode([t]): lp for t, lp in zip(top_ids[:k], top_log_probs[:k])}
+        out.setdefault(self.tokenizer.decode([token]), log_prob)
+        return out
+
+    def _chat_entry(self, token: int, log_prob: float, top_ids: list[int], top_log_probs: list[float]) -> dict:
+        text = self.tokenizer.decode([token])
+        top = [{"token": (alt := self.tokenizer.decode([t])), "logprob": lp, "bytes": list(alt.encode())}
+               for t, lp in zip(top_ids[:self.asked.num_top], top_log_probs[:self.asked.num_top])]
+        return {"token": text, "logprob": log_prob, "bytes": list(text.encode()), "top_logprobs": top}
+
+    def _prompt_logprobs(self, index: int) -> dict:
+        """vLLM's prompt_logprobs of a choice's prompt: None, then by position {token id: {logprob, rank,
+        decoded_token}} for the prompt token and the k most likely."""
+        k = self.asked.prompt_top
+        if k is None:
+            return {}
+        p = index // self.generation.n
+        scored, prompt = self.generation.scored.get(p), self.generation.prompts[p]
+        if scored is None:
+            return {"prompt_logprobs": None}
+        out = [None]
+        for i in range(1, len(prompt)):
+            entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self.tokenizer.decode([t])}
+                     for rank, (t, lp) in enumerate(zip(scored.top_ids[i][:k], scored.top_log_probs[i][:k]), 1)}
+            entry.setdefault(str(prompt[i]), {"logprob": scored.log_probs[i], "rank": scored.ranks[i],
+                                              "decoded_token": self.tokenizer.decode([prompt[i]])})
+            out.append(entry)
+        return {"prompt_logprobs": out}
+
+
+def _none_if_nan(value: float) -> float | None:
+    return None if math.isnan(value) else value
 
 
 def event(payload: dict | str) -> str:

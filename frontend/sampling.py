@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from frontend.errors import bad_request
+from frontend.responses import LogProbsAsked
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 MAX_STOP_TOKENS = 64                          # the core's max_word_len
@@ -44,8 +45,6 @@ class ModelInfo:
 
 def check_supported(req: SamplingRequest) -> None:
     """Refuse, by name, what the engine cannot do rather than answer something else."""
-    if req.min_p:
-        raise bad_request("min_p", "is not supported (the engine has no min-p sampling); send 0 or leave it out")
     if req.best_of not in (None, 1, req.n):
         raise bad_request("best_of", f"must be 1 or n ({req.n}): choices are not ranked, got {req.best_of}")
     if req.response_format and req.response_format.type == "json_schema" and not req.response_format.json_schema:
@@ -66,25 +65,34 @@ def check_supported(req: SamplingRequest) -> None:
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix", "is not supported (no fill-in-the-middle)")
-        if req.logprobs:
-            raise bad_request("logprobs", "top alternatives are not supported: send 0 for the chosen tokens' log "
-                                          "probs")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo", "with logprobs would need the prompt's log probs, which are not supported")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens", "0 (the prompt scored, nothing generated) needs echo true")
     if isinstance(req, ChatCompletionRequest):
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request("continue_final_message", "needs add_generation_prompt false")
         if req.tools or req.tool_choice not in (None, "none"):
             raise bad_request("tools", "tool calling is not supported")
-        if req.top_logprobs:
-            raise bad_request("top_logprobs", "top alternatives are not supported: send 0, with logprobs true for "
-                                              "the chosen tokens' log probs")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs", "needs logprobs true")
+        if req.max_tokens == 0:
+            raise bad_request("max_tokens", "must be >= 1 (0 only scores a prompt: completions with echo)")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs", "is not available when stream is true")
+
+
+def log_probs_asked(req: SamplingRequest, chat: bool) -> LogProbsAsked:
+    """The log probs a request asks for, in the core's terms."""
+    if chat:
+        return LogProbsAsked(req.logprobs, req.top_logprobs or 0, prompt_top=req.prompt_logprobs)
+    return LogProbsAsked(req.logprobs is not None, req.logprobs or 0, req.echo, req.prompt_logprobs)
 
 
 def max_tokens(req: SamplingRequest, num_prompt_tokens: int, info: ModelInfo, default: int | None) -> int:
     """The output budget: as asked (max_completion_tokens, max_tokens), else `default`, else what the context
     leaves; a request that cannot fit is refused naming max_tokens."""
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if req.max_tokens == 0:
+        return 0                                  # echo only (check_supported): the prompt scored
     room = info.max_context - num_prompt_tokens
     if room < 1:
         raise bad_request("prompt" if isinstance(req, CompletionRequest) else "messages",
@@ -96,13 +104,14 @@ def max_tokens(req: SamplingRequest, num_prompt_tokens: int, info: ModelInfo, de
 
 
 def core_arrays(req: SamplingRequest, prompt_ids: list[int], num_tokens: int, info: ModelInfo,
-                log_probs: bool) -> dict[str, np.ndarray]:
-    """The core model's inputs, shaped as TensorRT-LLM clients shape them ([1, L], [1, 1], [1, 2, L])."""
+                asked: LogProbsAsked) -> dict[str, np.ndarray]:
+    """The core model's inputs, shaped as TensorRT-LLM clients shape them ([1, L], [1, 1], [1, 2, L]). A prompt
+    only scored (num_tokens 0) still samples one token, which the choice drops."""
     def scalar(value, dtype) -> np.ndarray:
         return np.array([[value]], dtype=dtype)
 
     arrays = {"input_ids": np.array([prompt_ids], np.int32), "input_lengths": scalar(len(prompt_ids), np.int32),
-              "request_output_len": scalar(num_tokens, np.int32), "streaming": scalar(True, np.bool_),
+              "request_output_len": scalar(max(num_tokens, 1), np.int32), "streaming": scalar(True, np.bool_),
               "num_return_sequences": scalar(req.n, np.int32)}
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature > 0:                              # the core samples when runtime_top_p > 0
@@ -110,6 +119,8 @@ def core_arrays(req: SamplingRequest, prompt_ids: list[int], num_tokens: int, in
                    "runtime_top_p": scalar(req.top_p or 1.0, np.float32)}
         if req.top_k and req.top_k > 0:
             arrays["runtime_top_k"] = scalar(req.top_k, np.int32)
+        if req.min_p:
+            arrays["runtime_min_p"] = scalar(req.min_p, np.float32)
     if req.seed is not None:
         arrays["seed"] = scalar(req.seed % (1 << 64), np.uint64)
     for name in ("presence_penalty", "frequency_penalty"):
@@ -126,8 +137,12 @@ def core_arrays(req: SamplingRequest, prompt_ids: list[int], num_tokens: int, in
         arrays["stop_words_list"] = words_list(words)[None]
     if req.logit_bias:
         arrays["embedding_bias"] = logit_bias(req.logit_bias, info.vocab_size)[None]
-    if log_probs:
+    if asked.chosen:
         arrays["return_log_probs"] = scalar(True, np.bool_)
+    if asked.num_top or asked.prompt_top:
+        arrays["num_top_log_probs"] = scalar(max(asked.num_top, asked.prompt_top or 0), np.int32)
+    if asked.scores_prompt:
+        arrays["return_prompt_log_probs"] = scalar(True, np.bool_)
     guided = guide(req)
     if guided is not None:
         arrays["guided_decoding_guide_type"] = np.array([[guided[0].encode()]], dtype=np.object_)

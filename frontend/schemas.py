@@ -1,6 +1,6 @@
 """The OpenAI request bodies we accept (pydantic, so a bad field is named in a 400), and their core inputs.
 
-Parameters the engine lacks are refused by name rather than ignored: a client that asks for tools, top alternatives
+Parameters the engine lacks are refused by name rather than ignored: a client that asks for tools, suffixes
 or a chat template of its own gets an error, not a silently different answer. So is any field we do not know. The
 fields OpenAI's own clients send that change nothing here (`user`, `metadata`, ...) are accepted as what they are.
 """
@@ -16,6 +16,7 @@ INT32_MAX = (1 << 31) - 1                     # the core's INT32 inputs: max_tok
 MAX_CHOICES = 256                             # guided_choice alternatives
 MAX_MESSAGES = 1024                           # chat messages in one request
 MAX_LOGIT_BIAS = 1024                         # logit_bias entries (OpenAI takes 300)
+MAX_LOGPROBS = 20                             # top alternatives (OpenAI's and vLLM's max_logprobs; the core's default)
 TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
 
@@ -52,14 +53,15 @@ class StructuredOutputs(Strict):
 class SamplingRequest(Strict):
     """What completions and chat completions share."""
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)      # 0: completions with echo score the prompt
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)    # vLLM's extension: -1 or 0 for no limit
-    min_p: float | None = Field(None, ge=0.0, le=1.0)       # only 0: the engine has no min-p
+    min_p: float | None = Field(None, ge=0.0, le=1.0)       # vLLM's extension: sampled tokens only
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)   # a list once validated
     n: int = Field(1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # vLLM's extension
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)   # vLLM's extension
@@ -112,7 +114,7 @@ class SamplingRequest(Strict):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -139,7 +141,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None                 # only with tools, which are refused

@@ -111,7 +111,7 @@ def plain_end(seq) -> int | None:
     that end id (-1: none). None where a token needs more: log probs or logits to return (the prompt's come with the
     first token), stop words, a grammar, top-p decay, min_tokens still to come."""
     p = seq.params
-    if (p.return_log_probs or p.return_generation_logits or p.stop_words or seq.matcher is not None
+    if (p.any_log_probs or p.return_generation_logits or p.stop_words or seq.matcher is not None
             or p.top_p_decay != 1.0 or p.top_p_reset_id is not None or (p.return_context_logits and not seq.output_ids)
             or p.min_tokens > len(seq.output_ids)):
         return None

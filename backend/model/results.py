@@ -37,7 +37,7 @@ class StepResults:
     logits: dict[int, torch.Tensor]           # row -> [vocab] fp32, for the rows that asked
     top: tuple[torch.Tensor, torch.Tensor] | None = None   # [num_sampled, top_k] log probs, ids
     scored: list[tuple[object, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-                                              # (sequence, chunk start, values [n, 1 + k], ids [n, k])
+                                              # (sequence, chunk start, values [n, 2 + k], ids [n, k])
 
 
 def collect(step: LaunchedStep) -> StepResults:

@@ -61,7 +61,7 @@ def test_a_step_replays_the_graph_of_its_rows_and_its_longest_context(tiny_model
     assert set(graphs.splits) == {(rows, context) for rows in bucket_sizes(6) for context in (256, 512)}
 
     def step_of(seq_lens):
-        inputs = SimpleNamespace(seq_lens=seq_lens, max_query_len=1, context_chunks=[],
+        inputs = SimpleNamespace(seq_lens=seq_lens, max_query_len=1, runs_eager=False,
                                  tensors={"logits_indices": torch.zeros(len(seq_lens))})
         return graphs.bucket_for(inputs)
     assert step_of([30, 256, 7]) == (4, 256) and step_of([257]) == (1, 512) and step_of([5] * 6) == (6, 256)

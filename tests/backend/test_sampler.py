@@ -146,3 +146,16 @@ def test_counter_based_draws_are_uniform_and_depend_on_seed_and_step():
     assert torch.histc(u.float(), bins=10, min=0, max=1).min() > 1800                # no empty or thin bin
     other = uniform(torch.full_like(steps, 12346), steps)
     assert (u == other).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_keeps_only_tokens_near_the_most_likely(device):
+    """min_p 0.3: tokens under 0.3 x the top token's probability (after temperature) are never drawn; greedy rows
+    ignore it."""
+    probs = torch.tensor([0.5, 0.2, 0.14, 0.1, 0.06])              # 0.3 x 0.5 = 0.15: the first two stay
+    logits = probs.log()[None].repeat(64, 1).to(device)
+    seqs = [Sequence(i, [0], SamplingParams(temperature=1.0, min_p=0.3, seed=i)) for i in range(64)]
+    picks = set(Sampler().sample(logits.clone(), seqs)[0])
+    assert picks == {0, 1}
+    seqs = [Sequence(i, [0], SamplingParams(temperature=1.0, seed=i)) for i in range(64)]
+    assert set(Sampler().sample(logits.clone(), seqs)[0]) - {0, 1}          # without it the others come too

@@ -7,7 +7,7 @@ import pytest
 from backend.protocol import parse_request
 from backend.request import RequestLimits
 from frontend.errors import OpenAIError
-from frontend.sampling import ModelInfo, check_supported, core_arrays, max_tokens
+from frontend.sampling import ModelInfo, check_supported, core_arrays, log_probs_asked, max_tokens
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
 
 LIMITS = RequestLimits(max_input_len=8191)
@@ -20,7 +20,7 @@ def info(smollm2_dir):
 
 def parsed(info, **body):
     req = CompletionRequest(model="m", prompt="x", **body)
-    [row] = parse_request(core_arrays(req, [5, 6, 7], 12, info, log_probs=body.get("logprobs") is not None), LIMITS)
+    [row] = parse_request(core_arrays(req, [5, 6, 7], 12, info, log_probs_asked(req, chat=False)), LIMITS)
     return row
 
 
@@ -73,16 +73,30 @@ def test_output_budgets(info):
         max_tokens(CompletionRequest(model="m", prompt="x"), info.max_context, info, 16)
 
 
+def test_log_probs_and_min_p_reach_the_core(info):
+    p = parsed(info, logprobs=3, echo=True, min_p=0.25, prompt_logprobs=5).params
+    assert p.return_log_probs and p.top_log_probs == 5 and p.return_prompt_log_probs and p.min_p == 0.25
+    p = parsed(info, logprobs=2).params
+    assert p.return_log_probs and p.top_log_probs == 2 and not p.return_prompt_log_probs
+    req = CompletionRequest(model="m", prompt="x", echo=True, max_tokens=0, logprobs=0)
+    budget = max_tokens(req, 3, info, 16)
+    [row] = parse_request(core_arrays(req, [5, 6, 7], budget, info, log_probs_asked(req, chat=False)), LIMITS)
+    assert budget == 0 and row.params.max_new_tokens == 1                    # the prompt scored: one token drawn
+    assert row.params.return_prompt_log_probs and row.params.top_log_probs == 0
+    assert parsed(info, temperature=0.0, min_p=0.5).params.min_p == 0.0      # greedy: min_p changes nothing
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"min_p": 0.1}, "min_p"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"), ({"logprobs": 2}, "logprobs"),
-    ({"echo": True, "logprobs": 0}, "echo")])
+    ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"), ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")])
 def test_what_the_engine_lacks_is_refused_by_name(body, param):
     with pytest.raises(OpenAIError) as err:
         check_supported(CompletionRequest(model="m", prompt="x", **body))
     assert err.value.status == 400 and err.value.param == param
 
 
-@pytest.mark.parametrize("body, param", [({"tools": [{"type": "function"}]}, "tools"), ({"top_logprobs": 3}, "top_logprobs")])
+@pytest.mark.parametrize("body, param", [({"tools": [{"type": "function"}]}, "tools"), ({"top_logprobs": 3}, "top_logprobs"),
+                                         ({"max_tokens": 0}, "max_tokens")])
 def test_chat_features_the_engine_lacks_are_refused_by_name(body, param):
     with pytest.raises(OpenAIError) as err:
         check_supported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body))

@@ -19,15 +19,15 @@ sys.path.insert(0, str(ROOT))
 from backend import LLMEngine, RequestError                    # noqa: E402
 from backend.heartbeat import Heartbeat, watchdog               # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
-from backend.protocol import (check_declared, extra_arrays, generation_logits, merge_rows,   # noqa: E402
-                              output_arrays, parse_request)
+from backend.protocol import (check_declared, extra_arrays, first_arrays, generation_logits,   # noqa: E402
+                              merge_rows, output_arrays, parse_request, top_arrays)
 from backend.serving import EngineLoop                         # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len", "cancellation_check_period_ms", "tensor_parallel_size",
-              "guided_decoding_compile_memory_bytes")
+              "guided_decoding_compile_memory_bytes", "max_top_log_probs", "max_log_probs_per_request")
 AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
@@ -76,9 +76,10 @@ class TritonStream:
         self.sender = request.get_response_sender()
         self.metrics = metrics
         self.start = time.perf_counter()
-        self.outputs: dict[tuple[int, int], tuple[list[int], list[float]]] = {}   # (batch, sequence) -> so far
+        self.outputs: dict[tuple[int, int], tuple[list, list, list, list]] = {}  # (batch, sequence) -> tokens, log
+                                                                                  # probs, top ids, top log probs
         self.logits: dict[tuple[int, int], list[np.ndarray]] = {}                # generation logits, if asked
-        self.context_logits: dict[int, np.ndarray] = {}                           # batch index -> [prompt, vocab]
+        self.first: dict[int, dict[str, np.ndarray]] = {}                        # batch index -> prompt outputs
         self.done = False
         self.lock = threading.Lock()
 
@@ -92,24 +93,29 @@ class TritonStream:
         if not self.outputs:
             self.metrics.observe_ttft(time.perf_counter() - self.start)
         row = self.requests[batch_index]
-        tokens, log_probs = self.outputs.setdefault((batch_index, out.sequence_index), ([], []))
+        tokens, log_probs, top_ids, top_log_probs = self.outputs.setdefault((batch_index, out.sequence_index),
+                                                                            ([], [], [], []))
         tokens += out.new_token_ids
         log_probs += out.log_probs
-        if out.context_logits is not None:
-            self.context_logits[batch_index] = out.context_logits.numpy()[None]     # [1, prompt_len, vocab]
+        top_ids += out.top_ids
+        top_log_probs += out.top_log_probs
+        if out.sequence_index == 0 and (first := first_arrays(out)):
+            self.first[batch_index] = first
         logits = self.logits.setdefault((batch_index, out.sequence_index), [])
         if out.generation_logits is not None:
             logits.append(out.generation_logits.numpy())
-        context = {"context_logits": self.context_logits.pop(batch_index)} if out.sequence_index == 0 and \
-            batch_index in self.context_logits and (row.streaming or out.finished) else {}
+        first = self.first.pop(batch_index) if out.sequence_index == 0 and batch_index in self.first and \
+            (row.streaming or out.finished) else {}
         if row.streaming and (out.new_token_ids or last):
-            arrays = output_arrays(out.new_token_ids, out.log_probs) | context
+            arrays = output_arrays(out.new_token_ids, out.log_probs) | first | top_arrays(out.top_ids,
+                                                                                         out.top_log_probs, row)
             self._send(arrays | generation_logits(logits[-len(out.new_token_ids):] if out.new_token_ids else [],
                                                   row), last, row, batch_index, out, len(tokens))
         elif not row.streaming and out.finished:
             prompt = [] if row.exclude_input_in_output else row.prompt_ids
-            arrays = output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs) | context
-            self._send(arrays | generation_logits(logits, row), last, row, batch_index, out, len(tokens))
+            arrays = output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs) | first
+            self._send(arrays | top_arrays(top_ids, top_log_probs, row) | generation_logits(logits, row), last, row,
+                       batch_index, out, len(tokens))
         if last:
             self.metrics.count("success")
 
@@ -128,7 +134,7 @@ class TritonStream:
     def cancelled(self) -> None:
         if not self.done:
             row = self.requests[0]
-            tokens, log_probs = ([], []) if row.streaming else self.outputs.get((0, 0), ([], []))
+            tokens, log_probs, *_ = ([], []) if row.streaming else self.outputs.get((0, 0), ([], []))
             self._send(output_arrays(tokens, log_probs if tokens else []), True)
             self.metrics.count("cancelled")
 
