@@ -5,7 +5,7 @@ import pytest
 
 from backend import LLMEngine
 from backend.contract import IGNORED, UNSUPPORTED
-from backend.protocol import check_declared, parse_request
+from backend.protocol import check_declared, merge_rows, parse_request
 from backend.request import RequestError, RequestLimits, SamplingParams
 from tests.helpers import random_prompts
 
@@ -215,3 +215,13 @@ def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_mod
 def iter_outputs(engine):
     while engine.has_unfinished:
         yield from engine.step()
+
+
+def test_merged_rows_pad_every_dim_past_the_batch():
+    """One response for rows of other lengths: ids padded with -1, values with 0, in every dim (tokens and k)."""
+    rows = [{"output_top_log_prob_ids": np.ones((1, 1, 2, 3), np.int32), "prompt_log_probs": np.ones((1, 4), np.float32)},
+            {"output_top_log_prob_ids": np.ones((1, 1, 5, 3), np.int32), "prompt_log_probs": np.ones((1, 2), np.float32)}]
+    merged = merge_rows(rows)
+    ids, scored = merged["output_top_log_prob_ids"], merged["prompt_log_probs"]
+    assert ids.shape == (2, 1, 5, 3) and (ids[0, 0, 2:] == -1).all() and (ids[0, 0, :2] == 1).all()
+    assert scored.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]

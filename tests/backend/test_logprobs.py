@@ -15,11 +15,11 @@ from tests.helpers import CPU_BACKENDS, INTERPRETER_MARK, peft_model_with, rando
 ATOL = 1e-4
 K = 4
 TASKS = [1, None, 2, 4, 3]                    # the tiny adapters' ranks 4, 8, 16, 64 (None: the base model)
-LENGTHS = [40, 9, 23, 2, 17]                  # 40 and 23 run in several chunks of 16; 2 has one prompt log prob
+LENGTHS = [40, 9, 23, 17, 2]                  # 40 and 23 run in several chunks of 16; 2 has one prompt log prob
 OPTIONS = [dict(return_prompt_log_probs=True, return_log_probs=True, top_log_probs=K),
            dict(return_log_probs=True),
            dict(return_prompt_log_probs=True, top_log_probs=2),
-           dict(return_prompt_log_probs=True, return_log_probs=True, top_log_probs=K),
+           dict(return_prompt_log_probs=True),
            dict(return_log_probs=True, top_log_probs=K, num_return_sequences=2, temperature=0.9, seed=5)]
 MAX_NEW = 5
 PATHS = ["torch", pytest.param("cpu", marks=CPU_BACKENDS[1].marks), pytest.param("triton", marks=INTERPRETER_MARK),
@@ -123,6 +123,16 @@ def test_log_probs_equal_pefts_on_every_path(tiny_model_dir, tiny_adapters, peft
     got = run(engine, prompts, TASKS, OPTIONS)
     assert replays is None or replays, "decode steps went through the graphs' padded steps"
     for prompt, task, option, result in zip(prompts, TASKS, OPTIONS, got):
+        check(peft, prompt, task, option, result)
+
+
+@pytest.mark.parametrize("path", ["torch", "ahead"])
+def test_a_prompt_scored_alone_comes_with_the_first_token(tiny_model_dir, tiny_adapters, peft, path):
+    """No other log probs and no forks in the batch: the first token still brings the prompt's."""
+    engine = make_engine(tiny_model_dir, tiny_adapters, path)
+    prompts = random_prompts([19, 6], engine.model_config.vocab_size, seed=63)
+    options = [dict(return_prompt_log_probs=True), {}]
+    for prompt, task, option, result in zip(prompts, [3, None], options, run(engine, prompts, [3, None], options)):
         check(peft, prompt, task, option, result)
 
 

@@ -182,3 +182,60 @@ def test_perf_metrics_and_token_counts_come_with_the_response(tiny_server):
     times = [value(n) for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
                                 "last_token_time_ns")]
     assert 0 < times[0] <= times[1] <= times[2] <= times[3]
+
+
+def engine_outputs(engine, prompt: list[int], **params) -> dict:
+    """The in-process engine's outputs of one request: tokens, top ids and log probs, the prompt's log probs."""
+    request_id = engine.add_request(prompt, max_new_tokens=MAX_NEW, **params)
+    got = {"tokens": [], "top_ids": [], "top_log_probs": [], "prompt": None}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == request_id and out.error is None
+            got["tokens"] += out.new_token_ids
+            got["top_ids"] += out.top_ids
+            got["top_log_probs"] += out.top_log_probs
+            got["prompt"] = out.prompt_log_probs or got["prompt"]
+    return got
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_top_and_prompt_log_probs_equal_the_engines(tiny_server, engine, streaming):
+    """Our extensions: num_top_log_probs gives each new token's top k (output_top_log_probs / _ids
+    [1, 1, n, k]), return_prompt_log_probs the prompt's (prompt_log_probs [1, P], its first NaN, with ranks and
+    the top k [1, P, k]) once, with the first response."""
+    prompt, k = random_prompts([11], 512, seed=63)[0], 3
+    want = engine_outputs(engine, prompt, return_log_probs=True, top_log_probs=k, return_prompt_log_probs=True)
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs(
+        prompt, MAX_NEW, streaming, return_log_probs=np.array([[True]]), num_top_log_probs=np.array([[k]], np.int32),
+        return_prompt_log_probs=np.array([[True]]), exclude_input_in_output=np.array([[True]])))
+    results = stream.results()
+    stream.close()
+    tokens = [t for r in results if r.as_numpy("output_ids") is not None for t in r.as_numpy("output_ids")[0, 0]]
+    tops = [r for r in results if r.as_numpy("output_top_log_prob_ids") is not None]
+    ids = np.concatenate([r.as_numpy("output_top_log_prob_ids")[0, 0] for r in tops])
+    values = np.concatenate([r.as_numpy("output_top_log_probs")[0, 0] for r in tops])
+    assert tokens == want["tokens"] and ids.shape == (MAX_NEW, k) and ids.tolist() == want["top_ids"]
+    np.testing.assert_allclose(values, want["top_log_probs"], rtol=1e-5)
+    [first] = [r for r in results if r.as_numpy("prompt_log_probs") is not None]
+    scored = want["prompt"]
+    assert first.as_numpy("prompt_log_probs").shape == (1, len(prompt))
+    np.testing.assert_allclose(first.as_numpy("prompt_log_probs")[0], scored.log_probs.numpy(), rtol=1e-5)
+    assert first.as_numpy("prompt_log_prob_ranks")[0].tolist() == scored.ranks.tolist()
+    assert first.as_numpy("prompt_top_log_prob_ids")[0].tolist() == scored.top_ids.tolist()
+    np.testing.assert_allclose(first.as_numpy("prompt_top_log_probs")[0], scored.top_log_probs.numpy(), rtol=1e-5)
+
+
+def test_a_batch_of_rows_answers_each_rows_prompt_log_probs(tiny_server, engine):
+    """Two rows of other prompt lengths (the shorter padded in input_ids): each row's own prompt scored."""
+    prompts = random_prompts([4, 9], 512, seed=64)
+    arrays = {"input_ids": np.array([prompts[0] + [0] * 5, prompts[1]], np.int32),
+              "input_lengths": np.array([[4], [9]], np.int32), "request_output_len": np.array([[2], [3]], np.int32),
+              "num_top_log_probs": np.array([[2], [2]], np.int32),
+              "return_prompt_log_probs": np.array([[True], [True]])}
+    stream = Stream(tiny_server.grpc_url).send(arrays)
+    results = stream.results()
+    stream.close()
+    got = {r.as_numpy("batch_index")[0, 0]: r for r in results if r.as_numpy("batch_index") is not None}
+    for index, prompt in enumerate(prompts):
+        want = engine_outputs(engine, prompt, top_log_probs=2, return_prompt_log_probs=True)
+        assert got[index].as_numpy("prompt_top_log_prob_ids")[0].tolist() == want["prompt"].top_ids.tolist()

@@ -146,6 +146,71 @@ def test_chat_log_probs_equal_the_core_models(client, tokenizer, core_request, s
     np.testing.assert_allclose([e.logprob for e in entries], want_log_probs, rtol=1e-5)
 
 
+def core_prompt_log_probs(url: str, prompt_ids: list[int]) -> np.ndarray:
+    """The core model's own log probs of a prompt's tokens (the first NaN), base model."""
+    stream = Stream(url).send(trtllm_inputs(prompt_ids, 1, True, return_prompt_log_probs=np.array([[True]])))
+    try:
+        [scored] = [r.as_numpy("prompt_log_probs") for r in stream.results() if r.as_numpy("prompt_log_probs") is not None]
+    finally:
+        stream.close()
+    return scored[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_the_core_does(client, tokenizer, smollm2_server, stream):
+    """completions with echo, logprobs 5 and max_tokens 0 (what scoring harnesses send): the prompt's text, each of
+    its tokens' log probs (the first None) with at most 6 alternatives holding the token itself; nothing generated."""
+    prompt = "The three largest oceans are the Pacific"
+    ids = tokenizer(prompt)["input_ids"]
+    want = core_prompt_log_probs(smollm2_server.grpc_url, ids)
+    response = client.completions.create(model=BASE, prompt=prompt, echo=True, logprobs=5, max_tokens=0,
+                                         temperature=0, stream=stream)
+    choices = [c.choices[0] for c in response] if stream else response.choices
+    logprobs = [c.logprobs for c in choices if c.logprobs]
+    assert "".join(c.text for c in choices) == prompt and choices[-1].finish_reason == "length"
+    tokens = [t for lp in logprobs for t in lp.tokens]
+    token_logprobs = [x for lp in logprobs for x in lp.token_logprobs]
+    tops = [x for lp in logprobs for x in lp.top_logprobs]
+    assert tokens == [tokenizer.decode([t]) for t in ids] and token_logprobs[0] is None and tops[0] is None
+    np.testing.assert_allclose(token_logprobs[1:], want[1:], rtol=1e-5)
+    assert all(len(top) <= 6 and top[token] == lp for top, token, lp in zip(tops[1:], tokens[1:], token_logprobs[1:]))
+    if not stream:
+        assert response.usage.completion_tokens == 0 and response.usage.prompt_tokens == len(ids)
+
+
+def test_top_logprobs_come_in_the_shapes_the_client_parses(client, tokenizer):
+    """Chat's top_logprobs: k entries a token, the greedy token first; completions' logprobs k: a dict by text."""
+    chat = client.chat.completions.create(model="upper", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    text = client.completions.create(model="rand", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                     logprobs=5).choices[0].logprobs
+    for token, lp, top in zip(text.tokens, text.token_logprobs, text.top_logprobs):
+        assert len(top) <= 6 and max(top.values()) == pytest.approx(lp, abs=1e-6) and top[token] == lp
+
+
+def test_vllms_prompt_logprobs(client, tokenizer, smollm2_server):
+    """prompt_logprobs k: None, then by position {token id: {logprob, rank, decoded_token}} for the prompt token and
+    the k most likely; on completions each choice has it, on chat the response."""
+    prompt = "Water boils at"
+    ids = tokenizer(prompt)["input_ids"]
+    want = core_prompt_log_probs(smollm2_server.grpc_url, ids)
+    response = client.completions.create(model=BASE, prompt=prompt, max_tokens=2, temperature=0,
+                                         extra_body={"prompt_logprobs": 2})
+    scored = response.choices[0].model_extra["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for i, entry in enumerate(scored[1:], start=1):
+        mine = entry[str(ids[i])]
+        assert 2 <= len(entry) <= 3 and mine["logprob"] == pytest.approx(float(want[i]), rel=1e-5)
+        assert mine["decoded_token"] == tokenizer.decode([ids[i]]) and mine["rank"] >= 1
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+    chat = client.chat.completions.create(model=BASE, messages=CHAT, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == len(chat_ids(tokenizer, CHAT))
+
+
 def test_token_id_prompts_and_a_batch_of_prompts(client, tokenizer, core_task):
     prompts = [tokenizer("Once upon a time")["input_ids"], tokenizer("The moon is")["input_ids"]]
     response = client.completions.create(model="upper", prompt=prompts, max_tokens=8, temperature=0)
@@ -247,9 +312,11 @@ def test_an_unknown_model_is_404(client):
     ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"), ("completions", {"stop": [""]}, "stop"),
     ("completions", {"presence_penalty": 3}, "presence_penalty"), ("completions", {"seed": 2 ** 70}, "seed"),
     ("completions", {"prompt": []}, "prompt"), ("completions", {"prompt": [99999999]}, "prompt"),
-    ("completions", {"logprobs": 3}, "logprobs"), ("completions", {"extra_body": {"min_p": 0.5}}, "min_p"),
+    ("completions", {"logprobs": 21}, "logprobs"), ("completions", {"extra_body": {"min_p": 1.5}}, "min_p"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("completions", {"response_format": {"type": "xml"}}, "response_format"),
-    ("chat", {"messages": []}, "messages"), ("chat", {"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ("chat", {"messages": []}, "messages"), ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format")])
