@@ -31,6 +31,9 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
                  sweep: bool = False) -> dict:
     workload = WORKLOADS[name]
     requests = make_requests(workload, cfg.vocab_size, num_requests(name, args))
+    if args.log_probs is not None:                       # every request asks for log probs and k alternatives
+        for r in requests:
+            r["sampling"] = {"return_log_probs": True, "top_log_probs": args.log_probs}
     if workload.server:                                  # (tritonclient: not on a GPU machine's image)
         from bench.openai_api import run_openai_workload
         from bench.server import run_server_workload
@@ -100,6 +103,8 @@ def main(doc: str = __doc__) -> None:
                         help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
                              "even ones the baselines first, then ours in reverse order); report each one's median "
                              "run and each ratio's median over the rounds")
+    parser.add_argument("--log-probs", type=int, metavar="K",
+                        help="in-process workloads: every request asks for its tokens' log probs and K alternatives")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     parser.add_argument("--host-profile", action="store_true",
