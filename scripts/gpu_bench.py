@@ -130,6 +130,13 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         results[name] = figures(run)
         sync(args.device)
         print(f"  {shape} {name}: {results[name]['tok_s']:.1f} tok/s", flush=True)
+    requests = make_requests(WORKLOADS["W1"], cfg.vocab_size, args.requests and min(args.requests, 128))
+    for r in requests:                          # W1 where every request asks for its log probs and 5 alternatives
+        r["sampling"] = {"return_log_probs": True, "top_log_probs": 5}
+    results["W1_log_probs"] = figures(run_engine(engine, requests, f"{shape} W1 log probs"))
+    results["W1_log_probs"]["vs_W1"] = results["W1_log_probs"]["tok_s"] / results["W1"]["tok_s"]
+    print(f"  {shape} W1, logprobs 5: {results['W1_log_probs']['tok_s']:.1f} tok/s "
+          f"({results['W1_log_probs']['vs_W1']:.3f} of W1; issue 69: >= 0.9)", flush=True)
     if engine.overlap:                          # W3 again, each step waiting for its tokens: what running ahead gains
         engine.overlap = False
         run = run_engine(engine, make_requests(WORKLOADS["W3"], cfg.vocab_size), f"{shape} W3 steps in turn")

@@ -6,6 +6,7 @@ import torch
 
 from backend.device import Download
 from backend.model.kept import LaunchRows
+from backend.scheduler import Batch
 
 
 @dataclass(slots=True, eq=False)
@@ -14,7 +15,7 @@ class LaunchedStep:
     tokens [num_sampled] (with log probs: [2, num_sampled]), the asked-for logits [len(rows.wanted), vocab], the
     top alternatives (log probs and ids [num_sampled, top_k]), the scored prompt rows (PromptScores' values and
     ids) - each where the step has any."""
-    batch: object                             # the scheduler's Batch
+    batch: Batch
     rows: LaunchRows                          # its rows: rows_of (each sampling sequence -> its row of `tokens`),
                                               # wanted, needs_last_tokens, ends
     tokens: torch.Tensor                      # [num_sampled] sampled ids, on the device: the next step's inputs

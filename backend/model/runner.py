@@ -4,7 +4,7 @@ import torch
 
 from backend import sampler
 from backend.config import EngineConfig
-from backend.device import (Download, StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype,
+from backend.device import (StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype,
                            resolve_lora_dtype)
 from backend.kv_cache import num_kv_blocks
 from backend.logprobs import PromptScores

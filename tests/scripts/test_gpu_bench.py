@@ -18,7 +18,8 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     assert report["device"] == "cpu" and r["time_to_ready_s"] > 0
     for name in ("W1", "W2", "W3", "W1_hf", "W2_hf", "W3_hf"):
         assert r[name]["tok_s"] > 0
-    assert r["W1"]["output_tokens"] == 3 * 64 and r["W3"]["output_tokens"] == r["W3_in_turn"]["output_tokens"] == 128
+    assert r["W1"]["output_tokens"] == r["W1_log_probs"]["output_tokens"] == 3 * 64 and r["W1_log_probs"]["vs_W1"] > 0
+    assert r["W3"]["output_tokens"] == r["W3_in_turn"]["output_tokens"] == 128
     assert r["W3_own_engine"]["output_tokens"] == 128 and 0 < r["W3_own_engine"]["bandwidth_frac"]
     assert 0 < r["W3"]["bandwidth_frac"] and r["W3"]["itl_p50_s"] > 0
     assert "W1/HF" in run.stdout and "W3/in turn" in run.stdout and "W3 own" in run.stdout and "tiny-shape" in run.stdout
