@@ -59,7 +59,7 @@ def run_vllm(model_dir: str, runs: dict[str, tuple[list[dict], object]], dtype: 
             job_path.write_text(json.dumps(job))
             cores = os.cpu_count() or 1
             # every core to the model ("auto" keeps one core back on x86); no tcmalloc/iomp
-            # preload: with both, vLLM's W2 was slower here (README, Performance)
+            # preload: with both, vLLM's W2 was slower here (docs/performance.md)
             env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4",
                        VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", PYTHONPATH="")
             subprocess.run([str(python), __file__, str(job_path), str(out_path)], check=True, env=env, cwd=tmp)

@@ -9,7 +9,7 @@
 #      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
 #   4. the real tritonserver with the engine on the GPU (scripts/server_check.py: gRPC streams, with and without an
 #      adapter, against the same requests in process; skipped where nvidia-pytriton or tritonclient is not
-#      installed: README "On a GPU" lists the wheels to carry);
+#      installed: docs/gpu.md lists the wheels to carry);
 #   5. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT, the
 #      LoRA kernels per projection, time to ready).
 # Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part

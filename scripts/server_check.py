@@ -5,7 +5,7 @@ against the same requests run in this process. Within --timeout-s (180).
 
     python scripts/server_check.py [--device cuda] [--timeout-s 180]
 Exit status 0: passed; 1: failed; 2: skipped (nvidia-pytriton or tritonclient not installed: on a machine without
-network, install them from carried wheels, README "On a GPU").
+network, install them from carried wheels, docs/gpu.md).
 """
 import argparse
 import importlib.util
@@ -58,7 +58,7 @@ def main() -> int:
     args = parser.parse_args()
     started = time.monotonic()
     if missing():
-        print(f"server_check: skipped: {' and '.join(missing())} not installed (README: On a GPU)")
+        print(f"server_check: skipped: {' and '.join(missing())} not installed (docs/gpu.md)")
         return 2
     from client.grpc_client import LoraLLMClient
     from launch_server import free_ports, start_server, wait_ready
