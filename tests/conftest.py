@@ -11,6 +11,18 @@ import pytest  # noqa: E402
 
 from tests.helpers import SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  # noqa: E402
 
+# The modules that take a minute or more, in that order, run first: scripts/test.sh hands whole modules to two
+# workers (pytest-xdist), which then finish together instead of one running these alone at the end.
+LONG_MODULES = ("tests/server/test_soak.py", "tests/server/test_bench.py", "tests/server/test_replicas.py",
+                "tests/server/test_supervision.py", "tests/server/test_health.py", "tests/server/test_openai.py",
+                "tests/server/test_openai_doors.py", "tests/backend/test_tensor_parallel.py",
+                "tests/backend/test_self_check.py", "tests/backend/test_dora.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {module: i for i, module in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))       # (stable: the rest in order)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
