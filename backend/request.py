@@ -94,7 +94,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
         for name, value in (("temperature", self.temperature), ("runtime_top_p", self.top_p),
-                            ("runtime_top_p_min", self.top_p_min), ("runtime_min_p", self.min_p), ("runtime_top_p_decay", self.top_p_decay),
+                            ("runtime_top_p_min", self.top_p_min), ("runtime_min_p", self.min_p),
+                            ("runtime_top_p_decay", self.top_p_decay),
                             ("repetition_penalty", self.repetition_penalty),
                             ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             check_finite(name, value)

@@ -1,7 +1,7 @@
 """Next-token choice for a whole batch: embedding bias, penalties, bans and grammar masks, then greedy or seeded
-temperature / min-p / top-k / top-p, and log probs (the chosen token's and the top alternatives). The host gathers each step's sampling inputs into small tensors
-(`prepare`, uploaded with the rest of the step's metadata); the device does everything else with no
-data-dependent shapes and no sync (`sample`).
+temperature / min-p / top-k / top-p, and log probs (the chosen token's and the top alternatives). The host gathers
+each step's sampling inputs into small tensors (`prepare`, uploaded with the rest of the step's metadata); the
+device does everything else with no data-dependent shapes and no sync (`sample`).
 
 Random draws are counter-based: a row's uniform number is a hash of its request's seed and its output length,
 so a seeded request samples the same tokens whatever batch it runs in, on any device.

@@ -159,8 +159,11 @@ def parse(result: service_pb2.ModelInferResponse) -> CoreChunk:
         chunk.top_log_probs = array("output_top_log_probs", np.float32)[0, 0].tolist()
     if "prompt_log_probs" in outputs:                              # [1, prompt] and [1, prompt, k]
         log_probs = array("prompt_log_probs", np.float32)[0]
-        top = ([], []) if "prompt_top_log_probs" not in outputs else (
-            array("prompt_top_log_prob_ids", np.int32)[0].tolist(), array("prompt_top_log_probs", np.float32)[0].tolist())
-        chunk.prompt = ScoredPrompt(log_probs.tolist(), array("prompt_log_prob_ranks", np.int32)[0].tolist(),
-                                    top[0] or [[] for _ in log_probs], top[1] or [[] for _ in log_probs])
+        none = [[] for _ in log_probs]                             # no alternatives asked for
+        top_ids, top_log_probs = none, none
+        if "prompt_top_log_probs" in outputs:
+            top_ids = array("prompt_top_log_prob_ids", np.int32)[0].tolist()
+            top_log_probs = array("prompt_top_log_probs", np.float32)[0].tolist()
+        chunk.prompt = ScoredPrompt(log_probs.tolist(), array("prompt_log_prob_ranks", np.int32)[0].tolist(), top_ids,
+                                    top_log_probs)
     return chunk

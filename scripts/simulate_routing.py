@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COSTS = ROOT / "docs" / "bench" / "routing_costs.json"
 POLICIES = ("round-robin", "affinity", "affinity-spill")
 UPLOAD_S_PER_BYTE = 3.0 / 426e6               # W4: 16 adapters' 426 MB took ~3 core-s from client to the engine's
-                                              # host tier (docs/performance.md, "What is left"); the parse is measured apart
+                                              # host tier (docs/performance.md); the parse is measured apart
 
 
 def measure_costs(model_dir: str, rank: int = 16) -> dict:

@@ -24,8 +24,8 @@ class LlamaModel:
                 with_context: bool = False, logits: bool = True) -> torch.Tensor | None:
         """Logits [num_sampled, vocab] (fp32) for the last token of each sequence that samples this step, then
         (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]; ctx.prompt_scores gets its
-        rows' log probs. logits=False (a tensor parallel worker) runs the layers only. The pieces below are what piecewise graphs record between the
-        attention calls (backend/model/piecewise.py)."""
+        rows' log probs. logits=False (a tensor parallel worker) runs the layers only. The pieces below are what
+        piecewise graphs record between the attention calls (backend/model/piecewise.py)."""
         h, residual = self.embed(ctx), None                         # [num_tokens, hidden]; the stream layers add to
         for i in range(self.cfg.num_layers):
             q, residual = self.before_attention(i, h, residual, ctx, kv_caches[i])
