@@ -254,7 +254,7 @@ def test_a_peft_dora_adapter_loads_through_the_front_door(doors, roots, smollm2_
     assert r.status_code == 200, r.text
     weights, config = peft_to_trtllm(path, "float16", checkpoint_weights(smollm2_dir))
     core = run(smollm2_server.grpc_url, trtllm_inputs([5, 6, 7, 8], 6, True, end_id=np.array([[-1]], np.int32),
-                                                      lora_task_id=np.array([[4242]], np.uint64),
+                                                      lora_task_id=np.array([[74001]], np.uint64),
                                                       lora_weights=weights[None], lora_config=config[None]))
     assert core.error is None and r.json()["usage"]["completion_tokens"] == 6
     from transformers import AutoTokenizer
