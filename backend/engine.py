@@ -208,10 +208,6 @@ class LLMEngine:
         except Exception as exc:
             entries += self._fail_batch(launched.batch, exc)
             return
-        for seq, start, values, ids in r.scored:            # prompt chunks scored (from the start again after a
-            if start == 0:                                  # preemption)
-                seq.prompt_scores.clear()
-            seq.prompt_scores[start] = (values, ids)
         for item in launched.batch.items if self.blocks.enable_reuse else ():
             if item.seq.status is not Status.FINISHED:
                 self.blocks.commit(item.seq)

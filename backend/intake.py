@@ -50,10 +50,11 @@ class RequestIntake:
             raise RequestError("return_context_logits",
                                f"{len(prompt_ids)} prompt tokens x vocabulary {cfg.vocab_size} logits exceed "
                                f"{MAX_CONTEXT_LOGITS_BYTES >> 20} MiB")
-        if params.num_log_probs(len(prompt_ids)) > self.limits.max_log_probs:
+        num_log_probs = params.num_log_probs(len(prompt_ids))
+        if num_log_probs > self.limits.max_log_probs:
             field_name = "num_top_log_probs" if params.top_log_probs else (
                 "return_prompt_log_probs" if params.return_prompt_log_probs else "return_log_probs")
-            raise RequestError(field_name, f"{params.num_log_probs(len(prompt_ids))} log probs ((k + 1) x tokens x "
+            raise RequestError(field_name, f"{num_log_probs} log probs ((k + 1) x tokens x "
                                            f"sequences) exceed the model's max_log_probs_per_request "
                                            f"{self.limits.max_log_probs}")
         needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)

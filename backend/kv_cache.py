@@ -87,8 +87,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no cache yet the named blocks that hold the longest cached prefix of its tokens
         (never its last token, which must run to sample). Returns how many blocks it got."""
-        if not self.enable_reuse or seq.block_table or seq.params.return_context_logits \
-                or seq.params.return_prompt_log_probs:
+        if not self.enable_reuse or seq.block_table or seq.params.reads_prompt_logits:
             return 0                                # (a reused prompt has no logits to return)
         digests = self._digests(seq, (seq.num_tokens - 1) // self.block_size)
         for digest in digests:

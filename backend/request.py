@@ -75,6 +75,11 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
     @property
+    def reads_prompt_logits(self) -> bool:
+        """Its prompt's rows need their logits (context logits, prompt log probs): computed, never reused."""
+        return self.return_context_logits or self.return_prompt_log_probs
+
+    @property
     def any_log_probs(self) -> bool:
         """Its generated tokens need log probs: their own, or the top alternatives."""
         return self.return_log_probs or self.top_log_probs > 0
@@ -214,7 +219,8 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)    # names of its full blocks, when reuse is on
     matcher: object | None = None             # its grammar's state, under guided decoding
     context_logits: dict[int, object] = field(default_factory=dict)   # prompt chunk start -> [n, vocab] (host)
-    prompt_scores: dict[int, object] = field(default_factory=dict)    # prompt chunk start -> its PromptScores rows
+    prompt_scores: dict[int, object] = field(default_factory=dict)    # prompt chunk start -> its scored rows (host
+                                                                      # values [n, 2 + k], ids [n, k])
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
 
     def __post_init__(self):

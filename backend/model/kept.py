@@ -113,7 +113,7 @@ def plain_end(seq) -> int | None:
     p = seq.params
     if (p.any_log_probs or p.return_generation_logits or p.stop_words or seq.matcher is not None
             or p.top_p_decay != 1.0 or p.top_p_reset_id is not None
-            or ((p.return_context_logits or p.return_prompt_log_probs) and not seq.output_ids)
+            or (p.reads_prompt_logits and not seq.output_ids)
             or p.min_tokens > len(seq.output_ids)):
         return None
     return -1 if p.end_id is None or p.ignore_end_id else p.end_id

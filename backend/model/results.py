@@ -37,22 +37,28 @@ class StepResults:
     log_probs: list[float]                    # 0.0 where no row asked
     logits: dict[int, torch.Tensor]           # row -> [vocab] fp32, for the rows that asked
     top: tuple[torch.Tensor, torch.Tensor] | None = None   # [num_sampled, top_k] log probs, ids
-    scored: list[tuple[object, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-                                              # (sequence, chunk start, values [n, 2 + k], ids [n, k])
+
+
+def keep_chunk(chunks: dict, start: int, value) -> None:
+    """A prompt chunk's rows, kept by their first position; a chunk at 0 starts the prompt again (a preemption)."""
+    if start == 0:
+        chunks.clear()
+    chunks[start] = value
 
 
 def collect(step: LaunchedStep) -> StepResults:
-    """Wait for a step's download and split it (see LaunchedStep)."""
+    """Wait for a step's download and split it (see LaunchedStep); scored prompt chunks go to their sequences'
+    prompt_scores."""
     host, *extra = step.download.wait()
     extra = iter(extra)
     logits = dict(zip(step.rows.wanted, next(extra).clone())) if step.rows.wanted else {}   # off the pinned buffer
     top = (next(extra), next(extra)) if step.top_k else None
-    scored = []
     if step.scored:
         values, ids, offset = next(extra), next(extra), 0
         for seq, start, num_rows in step.scored:
-            scored.append((seq, start, values[offset:offset + num_rows].clone(), ids[offset:offset + num_rows].clone()))
+            rows = slice(offset, offset + num_rows)
+            keep_chunk(seq.prompt_scores, start, (values[rows].clone(), ids[rows].clone()))
             offset += num_rows
     if host.dim() == 1:                                       # no row asked for log probs
-        return StepResults(host.tolist(), [0.0] * host.shape[0], logits, top, scored)
-    return StepResults(host[0].long().tolist(), host[1].tolist(), logits, top, scored)
+        return StepResults(host.tolist(), [0.0] * host.shape[0], logits, top)
+    return StepResults(host[0].long().tolist(), host[1].tolist(), logits, top)

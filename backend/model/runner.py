@@ -18,7 +18,7 @@ from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
-from backend.model.results import LaunchedStep, StepResults, collect
+from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.self_check import check_kernels_or_fall_back, shapes_or_fall_back
 from backend.openmp import TeamSizer
@@ -284,9 +284,6 @@ class ModelRunner:
         context = logits[plan.num_rows:].cpu()                   # asked for: copied once
         offset = 0
         for index, first, num_rows in inputs.context_chunks:
-            chunks = batch.items[index].seq.context_logits
-            if first == 0:
-                chunks.clear()                                    # from the start again, after a preemption
-            chunks[first] = context[offset:offset + num_rows]
+            keep_chunk(batch.items[index].seq.context_logits, first, context[offset:offset + num_rows])
             offset += num_rows
         return logits[:plan.num_rows]
