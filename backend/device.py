@@ -58,17 +58,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_lora_dtype(name: str, model_dtype: torch.dtype, kernel_backend: str) -> torch.dtype:
-    """"auto" is the model's dtype, except that a float32 model keeps its adapters in float16 where the kernels read
-    them as they are ("cpu", "triton"): TensorRT-LLM clients send lora_weights as FP16, so nothing sent is lost,
-    and a decode step reads half the adapter bytes. (Adapters sent in FP32 are rounded to FP16 then; "float32"
-    keeps them whole.)"""
-    if name == "auto":
-        wide = model_dtype == torch.float32 and kernel_backend in ("cpu", "triton")
-        return torch.float16 if wide else model_dtype
-    return getattr(torch, name)
-
-
 def on(device: torch.device):
     """Make `device` the current CUDA device (kernel launches and streams follow it) in this thread."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

@@ -6,8 +6,9 @@ from typing import Callable, Hashable
 
 import torch
 
+from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
-from backend.device import is_device_fault, resolve_lora_dtype
+from backend.device import is_device_fault
 from backend.intake import SAMPLING_FIELDS, RequestIntake
 from backend.kv_cache import BlockManager
 from backend.logprobs import prompt_log_probs, top_rows
@@ -15,7 +16,6 @@ from backend.lora.cache import LoraCache
 from backend.lora.dora import checkpoint_weights
 from backend.lora.format import LoraAdapter
 from backend.lora.peft import load_lora_dir, prefetch_dirs
-from backend.model.config import ModelConfig
 from backend.model.results import LaunchedStep
 from backend.model.runner import ModelRunner
 from backend.outputs import StepOutput, StepOutputs, TokenRow
@@ -38,10 +38,8 @@ class LLMEngine:
             raise
 
     def _start(self) -> None:
-        lora_dtype = resolve_lora_dtype(self.config.lora.dtype, self.runner.dtype, self.runner.ops.name)
-        self.lora_cache = LoraCache(self.config.lora, self.model_config, lora_dtype, self.runner.device,
-                                    rank_major_a=self.runner.lora_rank_major_a, tp=self.runner.tp,
-                                    fused_a_once=self.runner.lora_fused_a_once)
+        self.lora_cache = LoraCache(self.config.lora, self.model_config, self.runner.lora_dtype, self.runner.device,
+                                    self.runner.ops.lora, tp=self.runner.tp)
         self.config.lora = self.lora_cache.cfg                # its auto sizes resolved
         num_blocks = self.runner.allocate_kv_cache()        # last: on CUDA it takes what the rest left free
         self.runner.capture_graphs(self.lora_cache)

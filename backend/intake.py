@@ -3,11 +3,11 @@ names its field), its adapter cached, its grammar compiled, and its sequences ma
 from dataclasses import fields
 from typing import Callable
 
+from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
 from backend.lora.format import LoraAdapter
-from backend.model.config import ModelConfig
 from backend.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}

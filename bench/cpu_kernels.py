@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from backend.lora.batch import LoraSegments
+from backend.checkpoint import ModelConfig
 from backend.lora.format import module_shape
 from backend.lora.slots import BANDS, MAX_BANDS, PROJS, DeviceSlots, proj_shape
-from backend.model.config import ModelConfig
 from bench import ROOT
 from kernels import cpu_ext
+from kernels.lora_family import LoraFamily
 
 LORA_RANKS = (8, 16, 32, 64) * 4          # W1's adapters, two decode tokens each
 BLOCK_SIZE = 16
@@ -78,14 +78,15 @@ def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds
 
 def bench_lora(cfg: ModelConfig, rounds: int) -> None:
     num_slots, max_rank = len(LORA_RANKS), max(LORA_RANKS)
-    slots = DeviceSlots(cfg, num_slots, max_rank, torch.float16, rank_major_a=False)       # as the CPU path has it
+    family = LoraFamily.of("cpu", "cpu")                                                   # the compiled kernels'
+    slots = DeviceSlots(cfg, num_slots, max_rank, torch.float16, family=family)
     for layer in range(cfg.num_layers):
         for proj in PROJS:
             slots.a[layer][proj].normal_(0, 0.05)
             slots.b[layer][proj].normal_(0, 0.05)
     for band in range(MAX_BANDS):
         slots.ranks[:, :, band] = torch.tensor(LORA_RANKS, dtype=torch.int32)
-    segments = LoraSegments.from_token_slots([slot for slot in range(num_slots) for _ in range(2)])
+    segments = family.segments([slot for slot in range(num_slots) for _ in range(2)], torch.float32)
     xs = {proj: torch.randn(2 * num_slots, proj_shape(cfg, proj)[0]) for proj in PROJS}
     outs = {proj: torch.zeros(2 * num_slots, proj_shape(cfg, proj)[1]) for proj in PROJS}
     bands = [module_shape(cfg, module) for modules in BANDS.values() for module in modules]   # (in_dim, out_dim)

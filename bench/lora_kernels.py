@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import torch
 
-from backend.lora.batch import LoraBatch, LoraSegments
+from backend.checkpoint import ModelConfig
+from backend.lora.batch import LoraBatch
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
-from backend.model.config import ModelConfig
 from backend.model.self_check import random_adapter
 from bench.step_profile import sync
 from kernels.dispatch import load_ops
@@ -31,7 +31,7 @@ def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
     ops = load_ops("triton" if on_cuda else "torch", device)
     dtype = torch.bfloat16
     one_layer = replace(cfg, num_layers=1)
-    slots = DeviceSlots(one_layer, len(RANKS), max(RANKS), dtype, device, fused_a_once=ops.name == "triton")
+    slots = DeviceSlots(one_layer, len(RANKS), max(RANKS), dtype, device, ops.lora)
     g = torch.Generator().manual_seed(0)
     for slot, rank in enumerate(RANKS):
         slots.load(slot, random_adapter(one_layer, rank, dtype, g))
@@ -43,7 +43,7 @@ def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
         row, totals = {}, {"gpu_us": 0.0, "host_us": 0.0, "bound_us": 0.0, "gemm_us": 0.0}
         for proj in PROJS:
             in_dim, out_dim = proj_shape(one_layer, proj)
-            segments = LoraSegments.for_kernels(token_slots, ops.name, dtype)
+            segments = ops.lora.segments(token_slots, dtype)
             segments.use({name: t.to(device) for name, t in segments.tensors.items()})
             LoraBatch(slots, segments, ops)                              # what the step runs: sizes its scratch
             x = torch.randn(len(token_slots), in_dim, device=device, dtype=dtype)

@@ -21,7 +21,7 @@ class AdapterInvalid(Exception):
 class AdapterLimits:
     """What the served model accepts: its shape and the engine's max_lora_rank; its directory, whose weights a PEFT
     DoRA adapter's magnitudes are normalized against."""
-    model: object                             # backend.model.config.ModelConfig
+    model: object                             # backend.checkpoint.ModelConfig
     max_lora_rank: int = 64
     model_dir: str | None = None
 

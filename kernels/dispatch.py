@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels.compose import compose_linear_lora
+from kernels.lora_family import LoraFamily
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
             "lora_apply", "linear_lora")
@@ -33,7 +34,10 @@ def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
 
 
 def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
-    """The kernel functions of one backend for tensors on `device`, by the names in OP_NAMES."""
+    """The kernel functions of one backend for tensors on `device`, by the names in OP_NAMES, and what the rest of
+    the server asks of the family: `lora` (its LoRA layout and per-step metadata, kernels/lora_family.py),
+    `checked` (its op families are checked on the device at start and may fall back to the torch reference) and
+    `graphs` (it takes CUDA graphs' padded steps)."""
     backend = resolve_backend(name, device)
     if backend == "torch":
         from kernels import reference as module
@@ -48,6 +52,8 @@ def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
     if not hasattr(ops, "linear_lora"):
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
     ops.name = backend
+    ops.lora = LoraFamily.of(backend, device)
+    ops.checked = ops.graphs = backend == "triton"
     return ops
 
 

@@ -2,7 +2,7 @@
 a projection (qkv: q, k, v; gate_up: gate, up) for every adapter slot in the step.
 
 A step's tokens come as a work list: one item per BLOCK_M rows of a segment that has an adapter, [slot, start, end]
-(backend/lora/batch.py builds it with the step's segments; graphs pad it with idle items). A projection's slots
+(kernels/lora_family.py builds it with the step's segments; graphs pad it with idle items). A projection's slots
 (backend/lora/slots.Projection) hold band i's A in rank rows [i * max_rank, i * max_rank + rank) and its B in the
 band's output columns and the same rank columns; each (band, slot) runs at its own rank from a device table, and a
 slot's band bounds are its own (a fused qkv adapter is one band over every qkv column, its A stored once).
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_launch import LoraLaunch, block_m_for, plan_launch, work_items
+from kernels.lora_launch import LoraLaunch, plan_launch
 from kernels.metadata import UNSPECIALIZED_ARGS
 
 DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
@@ -171,12 +171,9 @@ class LoraStep:
 
     @classmethod
     def for_segments(cls, segments, x: torch.Tensor, projections: list, split_k: int | None = None) -> "LoraStep":
-        """From the runner's device work list, or (a caller without one: tests, the self-check) made here."""
-        if segments.work is not None:
-            return cls(segments.work, segments.block_m, x.shape[0], x.dtype, x.device, projections, split_k)
-        block_m = block_m_for(x.shape[0], x.dtype)
-        work = work_items(segments.starts_list, segments.slots_list, block_m).to(x.device)
-        return cls(work, block_m, x.shape[0], x.dtype, x.device, projections, split_k)
+        """Over the step's device work list (LoraFamily.segments of the Triton family built it)."""
+        assert segments.work is not None, "segments without a work list: not the Triton family's"
+        return cls(segments.work, segments.block_m, x.shape[0], x.dtype, x.device, projections, split_k)
 
     @staticmethod
     def kind(proj) -> tuple:
@@ -254,13 +251,11 @@ def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor) -> Non
 
 def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
     """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand).
-    The step's state is made at its first call and kept on the segments (`projections`: the runner's list of
-    what the step runs, so that it is sized once)."""
-    state = segments.kernel_state
-    if "step" not in state:
-        state["step"] = LoraStep.for_segments(segments, x, state.get("projections", [proj]))
-    step = state["step"]
-    lora_expand(lora_shrink(x, proj, step), proj, step, out)
+    The step's state is made at its first call and kept on the segments (`projections`: what the step runs, so
+    that it is sized once)."""
+    if segments.step is None:
+        segments.step = LoraStep.for_segments(segments, x, segments.projections or [proj])
+    lora_expand(lora_shrink(x, proj, segments.step), proj, segments.step, out)
 
 
 if __name__ == "__main__":

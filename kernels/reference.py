@@ -176,26 +176,30 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
-def active_bands(proj, segments) -> list:
-    """The module bands of a projection (backend/lora/slots.Projection) that a slot of the step has a rank in."""
+def active_bands(proj, segments) -> list[tuple]:
+    """(band, its ranks by slot) of each module band of a projection (backend/lora/slots.Projection) that a slot of
+    the step has a rank in."""
     slot_ids = {slot for slot in segments.slots_list if slot >= 0}
-    return [band for band in proj.bands if any(band.ranks_list[slot] for slot in slot_ids)]
+    bands = [(band, band.host_ranks.tolist()) for band in proj.bands]
+    return [(band, ranks) for band, ranks in bands if any(ranks[slot] for slot in slot_ids)]
 
 
 def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
     """Every band of a projection: out[:, band.columns] += lora_expand(lora_shrink(x, band.a), band.b); then, for
     the tokens of a slot with DoRA modules in the projection, out[tokens] *= proj.m[slot] (a magnitude scales its
     module's whole output, base included; 1 where the slot has no DoRA module)."""
-    for band in active_bands(proj, segments):
-        lora_apply_band(x, band.a, band.b, segments, band.ranks, band.ranks_list, out[:, slice(*band.columns)])
+    for band, ranks_list in active_bands(proj, segments):
+        lora_apply_band(x, band.a, band.b, segments, band.ranks, ranks_list, out[:, slice(*band.columns)])
     dora_scale(proj, segments, out)
 
 
 def dora_scale(proj, segments, out: torch.Tensor) -> None:
     """out[tokens of a slot with DoRA modules in the projection] *= proj.m[slot]."""
     starts = segments.starts_list
+    dora = {slot for band in proj.bands if band.host_dora is not None
+            for slot in band.host_dora.nonzero().flatten().tolist()}
     for s, slot in enumerate(segments.slots_list):
-        if slot >= 0 and any(band.dora_list is not None and band.dora_list[slot] for band in proj.bands):
+        if slot >= 0 and slot in dora:
             rows = out[starts[s]:starts[s + 1]]
             rows.copy_((rows.float() * proj.m[slot].float()).to(rows.dtype))
 

@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backend.checkpoint import ModelConfig                                          # noqa: E402
 from backend.heap import freeze_heap, unfreeze_heap                                 # noqa: E402
-from backend.model.config import ModelConfig                                        # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.hf import run_hf                                                         # noqa: E402
 from bench.lora_kernels import lora_kernels, summary                                # noqa: E402

@@ -64,7 +64,7 @@ self_check() {                            # the start-up self-check on this GPU 
   "$PYTHON" - <<'PY'
 import torch
 from backend.device import resolve_dtype
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig
 from backend.model.self_check import check_kernels
 from kernels.dispatch import load_ops
 device = torch.device("cuda")
@@ -76,7 +76,7 @@ failed = 0
 for name, shape in shapes.items():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "num_hidden_layers": 1,
                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape})
-    for check in check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, False):
+    for check in check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64):
         print(f"{'ok  ' if check.error is None else 'FAIL'} {name} {check.family}: {check.what}"
               + (f": {check.error}" if check.error else ""))
         failed += check.error is not None

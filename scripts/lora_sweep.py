@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.lora.batch import LoraBatch, LoraSegments                              # noqa: E402
+from backend.checkpoint import ModelConfig                                          # noqa: E402
+from backend.lora.batch import LoraBatch                                            # noqa: E402
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape                       # noqa: E402
-from backend.model.config import ModelConfig                                        # noqa: E402
 from backend.model.self_check import random_adapter                                 # noqa: E402
 from bench.lora_kernels import CASES, RANKS                                         # noqa: E402
 from bench.step_profile import sync                                                 # noqa: E402
@@ -56,7 +56,7 @@ class Case:
         g = torch.Generator(device=device).manual_seed(1)
         for proj in PROJS:
             in_dim, out_dim = proj_shape(cfg, proj)
-            segments = LoraSegments.for_kernels(token_slots, ops.name, torch.bfloat16)
+            segments = ops.lora.segments(token_slots, torch.bfloat16)
             segments.use({name: t.to(device) for name, t in segments.tensors.items()})
             LoraBatch(slots, segments, ops)
             projection = slots.projections[0][proj]
@@ -64,7 +64,7 @@ class Case:
             base = torch.randn(self.num_tokens, out_dim, device=device, dtype=torch.bfloat16, generator=g)
             out = base.clone()
             ops.lora_apply(x, projection, segments, out)                  # the default: plans the step
-            step = segments.kernel_state["step"]
+            step = segments.step
             prepared = step.prepare(projection)
             per_copy = projection.a.nbytes + projection.b.nbytes
             num_copies = max(2, math.ceil(2 * L2_BYTES / per_copy)) if copies else 1
@@ -116,7 +116,7 @@ def default_configs(launch) -> tuple[dict, dict]:
 def build(shape: str, cases: list[str], device: str, copies: bool) -> dict[str, Case]:
     cfg = replace(ModelConfig.from_hf(SHAPES[shape]), num_layers=1)
     ops = load_ops("triton", device)
-    slots = DeviceSlots(cfg, len(RANKS), max(RANKS), torch.bfloat16, device, fused_a_once=True)
+    slots = DeviceSlots(cfg, len(RANKS), max(RANKS), torch.bfloat16, device, ops.lora)
     g = torch.Generator().manual_seed(0)
     for slot, rank in enumerate(RANKS):
         slots.load(slot, random_adapter(cfg, rank, torch.bfloat16, g))

@@ -35,7 +35,7 @@ def random_adapter(model_dir: Path, out: Path, rank: int = 8) -> tuple[np.ndarra
     """A TensorRT-LLM adapter on q, v and down of every layer, strong enough to change greedy tokens."""
     from backend.lora.format import module_shape
     from backend.lora.peft import save_trtllm
-    from backend.model.config import ModelConfig
+    from backend.checkpoint import ModelConfig
     cfg, rng = ModelConfig.from_dir(model_dir), np.random.default_rng(0)
     rows, config = [], []
     for layer in range(cfg.num_layers):

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
 from backend.lora.format import LoraAdapter, check_lora, parse_lora
-from backend.lora.shard import shard_adapter
 from backend.lora.limits import resolve_limits
+from backend.lora.shard import shard_adapter
 from backend.lora.slots import DeviceSlots
-from backend.model.config import ModelConfig
 from backend.request import RequestError
+from kernels.lora_family import LoraFamily
 
 
 def not_found_message(task_id: int) -> str:
@@ -37,8 +38,9 @@ class LoraCacheStats:
 
 class LoraCache:
     def __init__(self, cfg: LoraCacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device="cpu",
-                 rank_major_a: bool | None = None, tp=None, fused_a_once: bool | None = None):
-        """tp: the tensor-parallel group (backend/model/parallel.py), whose ranks each hold their share of every
+                 family: LoraFamily | None = None, tp=None):
+        """family: how the kernels read the device slots (default: the torch reference's). tp: the tensor-parallel
+        group (backend/model/parallel.py), whose ranks each hold their share of every
         adapter in a device slot (backend/lora/shard.py); the host tier keeps the whole adapters, on rank 0."""
         self.cfg = resolve_limits(cfg, model_cfg, dtype)     # auto sizes from the model and the adapters' dtype
         self.model_cfg = model_cfg
@@ -50,7 +52,7 @@ class LoraCache:
         self.tp = tp
         tp_size = tp.size if tp is not None else 1
         self.slots = DeviceSlots(model_cfg.shard(tp_size), cfg.max_loras, cfg.max_lora_rank, dtype, self.device,
-                                 rank_major_a, fused_a_once)
+                                 family)
         self.slot_of: dict[int, int] = {}
         self.pins = [0] * cfg.max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict(     # unpinned, LRU first

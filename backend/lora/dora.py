@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backend.model.loader import checkpoint_files
+from backend.checkpoint import checkpoint_files
 
 PEFT_PROJ = {1: "self_attn.q_proj", 2: "self_attn.k_proj", 3: "self_attn.v_proj", 4: "self_attn.o_proj",
              5: "mlp.gate_proj", 6: "mlp.down_proj", 7: "mlp.up_proj"}

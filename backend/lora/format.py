@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig
 from backend.request import RequestError
 
 MODULE_NAMES = {0: "attn_qkv", 1: "attn_q", 2: "attn_k", 3: "attn_v", 4: "attn_dense",

@@ -8,8 +8,8 @@ base output: sum_r (x_r A_r^T) B^T = (x A^T) B^T, no reduction of its own.
 """
 import torch
 
+from backend.checkpoint import ModelConfig
 from backend.lora.format import LoraAdapter, packed
-from backend.model.config import ModelConfig
 
 COLUMN_MODULES = (0, 1, 2, 3, 5, 7)           # attn_qkv, attn_q, attn_k, attn_v, mlp_h_to_4h (gate), mlp_gate (up)
 ROW_MODULES = (4, 6)                          # attn_dense (o), mlp_4h_to_h (down)

@@ -7,21 +7,24 @@ Per layer and projection (qkv, o, gate_up, down) a slot holds one band of max_ra
 so one shrink and one expand serve every slot at once, each at that slot's own rank (per band on CPU, per
 projection on GPU: `Projection`), and an expand reads only its module's columns: the zeros between modules are
 never touched. On CPU B is stored rank-major
-(B^T [cap, out_dim]) and exposed transposed, so expands run along contiguous output rows, and so is A for the
-torch path (A^T [in_dim, cap]: its batched matmuls read plain row-major operands) but not for the compiled one,
-whose shrink runs along contiguous input rows; on GPU both are stored as shown, for the Triton kernels' coalesced
-loads. A fused qkv module (TRT-LLM module 0) is split into q, k and v bands sharing its A on CPU; for the Triton
-kernels (`fused_a_once`) it is one band over every qkv column instead, its A stored (and read) once: each slot's
-band bounds are its own (`Projection.slot_bounds`), and the q band's B holds the k and v rows too.
+(B^T [cap, out_dim]) and exposed transposed, so expands run along contiguous output rows; on GPU it is stored as
+shown, for the Triton kernels' coalesced loads. The kernel family (kernels/lora_family.py) decides the rest: A
+rank-major or not, and a fused qkv module (TRT-LLM module 0) split into q, k and v bands sharing its A, or
+(`fused_a_once`) one band over every qkv column, its A stored (and read) once: each slot's band bounds are its own
+(`Projection.slot_bounds`), and the q band's B holds the k and v rows too.
+
+What each slot holds is recorded in host tensors (`host_ranks`, `host_dora`, `fused`): on CPU they are the very
+tensors the kernels read, on GPU the kernels read device copies written with each load.
 """
 from dataclasses import dataclass
 from itertools import groupby
 
 import torch
 
+from backend.checkpoint import ModelConfig
 from backend.device import SideCopies, on, pin
 from backend.lora.format import LoraAdapter, module_columns
-from backend.model.config import ModelConfig
+from kernels.lora_family import LoraFamily
 
 PROJS = ("qkv", "o", "gate_up", "down")
 BANDS = {"qkv": (1, 2, 3), "o": (4,), "gate_up": (5, 7), "down": (6,)}     # TRT-LLM module ids, in band order
@@ -71,11 +74,11 @@ class Band:
     """One module's slice of every slot, as the LoRA ops take it."""
     a: torch.Tensor                           # [num_slots, max_rank, in_dim]
     b: torch.Tensor                           # [num_slots, band_out_dim, max_rank]
-    ranks: torch.Tensor                       # [num_slots] int32
-    ranks_list: list[int]
+    ranks: torch.Tensor                       # [num_slots] int32, on the device
+    host_ranks: torch.Tensor                  # the same on the host
     columns: tuple[int, int]                  # the output columns [start, end) of the projection it writes
     m: torch.Tensor | None = None             # [num_slots, band_out_dim]: DoRA magnitudes (1 where not DoRA)
-    dora_list: list[bool] | None = None       # per slot: a DoRA module in this band
+    host_dora: torch.Tensor | None = None     # [num_slots] int32 on the host: a DoRA module in this band
 
 
 @dataclass(slots=True)
@@ -100,14 +103,12 @@ class Projection:
 
 class DeviceSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype, device="cpu",
-                 rank_major_a: bool | None = None, fused_a_once: bool | None = None):
-        """rank_major_a: store A as A^T (default: on CPU, for the torch path). fused_a_once: a fused qkv adapter as
-        one band with its A once (default: off CPU, for the Triton kernels)."""
+                 family: LoraFamily | None = None):
+        """family: how the kernels read the slots (default: the torch reference's on `device`)."""
         self.cfg = cfg
         self.device = torch.device(device)
-        on_cpu = self.device.type == "cpu"
-        rank_major_a = on_cpu if rank_major_a is None else rank_major_a
-        self.fused_a_once = not on_cpu if fused_a_once is None else fused_a_once
+        self.family = family or LoraFamily.of("torch", self.device)
+        self.fused_a_once = self.family.fused_a_once
         self.copies = SideCopies(self.device)
         self.band_columns = {proj: [module_columns(cfg, module) for module in BANDS[proj]] for proj in PROJS}
         self.num_slots = num_slots
@@ -117,20 +118,20 @@ class DeviceSlots:
         for proj in PROJS:
             in_dim, out_dim = proj_shape(cfg, proj)
             cap = len(BANDS[proj]) * max_rank
-            self.a_stacks[proj] = _zeros(cfg.num_layers, num_slots, cap, in_dim, dtype, device, rank_major_a)
-            self.b_stacks[proj] = _zeros(cfg.num_layers, num_slots, out_dim, cap, dtype, device, on_cpu)
+            self.a_stacks[proj] = _zeros(cfg.num_layers, num_slots, cap, in_dim, dtype, device,
+                                         self.family.rank_major_a)
+            self.b_stacks[proj] = _zeros(cfg.num_layers, num_slots, out_dim, cap, dtype, device,
+                                         self.device.type == "cpu")
         self.a = [{proj: self.a_stacks[proj][layer] for proj in PROJS} for layer in range(cfg.num_layers)]
         self.b = [{proj: self.b_stacks[proj][layer] for proj in PROJS} for layer in range(cfg.num_layers)]
-        self.ranks = torch.zeros(cfg.num_layers, len(PROJS), MAX_BANDS, num_slots, dtype=torch.int32, device=device)
-        # the same on the host: [layer][proj][band][slot]
-        self.ranks_list: list[list[list[list[int]]]] = torch.zeros(self.ranks.shape, dtype=torch.int32).tolist()
-        self.fused = [[False] * num_slots for _ in range(cfg.num_layers)]      # a fused qkv adapter, one band
+        shape = (cfg.num_layers, len(PROJS), MAX_BANDS, num_slots)
+        self.host_ranks = torch.zeros(shape, dtype=torch.int32)                # [layer, proj, band, slot]
+        self.host_dora = torch.zeros(shape, dtype=torch.int32)                 # the same: a DoRA module there
+        self.fused = torch.zeros(cfg.num_layers, num_slots, dtype=torch.bool)  # a fused qkv adapter, one band
+        self.ranks, self.dora = (self.host_ranks, self.host_dora) if self.device.type == "cpu" else (
+            torch.zeros(shape, dtype=torch.int32, device=device), torch.zeros(shape, dtype=torch.int32, device=device))
         self.m_stacks = {proj: torch.ones(cfg.num_layers, num_slots, proj_shape(cfg, proj)[1], dtype=dtype,
                                           device=device) for proj in PROJS}    # DoRA magnitudes; 1: none
-        # the same as flags on the host: [layer][proj][band][slot], a DoRA module there
-        self.dora_list = [[[[False] * num_slots for _ in range(MAX_BANDS)] for _ in PROJS]
-                          for _ in range(cfg.num_layers)]
-        self.dora = torch.zeros(self.ranks.shape, dtype=torch.int32, device=device)     # the same, as ints
         self.slot_bounds = {proj: torch.tensor([self._bounds(proj, False)], dtype=torch.int32).repeat(
             cfg.num_layers, num_slots, 1).to(device) for proj in PROJS}       # [num_layers, num_slots, bands + 1]
         self.projections: list[dict[str, Projection]] = [{proj: self._projection(layer, proj) for proj in PROJS}
@@ -153,7 +154,7 @@ class DeviceSlots:
             spans = [(0, columns[-1][1])] + columns[1:]
         m = self.m_stacks[proj][layer]
         bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*cols), i * r:(i + 1) * r], self.ranks[layer, p, i],
-                      self.ranks_list[layer][p][i], cols, m[:, slice(*cols)], self.dora_list[layer][p][i])
+                      self.host_ranks[layer, p, i], cols, m[:, slice(*cols)], self.host_dora[layer, p, i])
                  for i, cols in enumerate(spans)]
         bounds = torch.tensor(self._bounds(proj, False), dtype=torch.int32)
         return Projection(a, b, self.ranks[layer, p, :len(columns)], bounds.to(self.device),
@@ -171,9 +172,9 @@ class DeviceSlots:
         all-modules adapter, not 2 per layer and module). On CUDA the copies run on a side stream;
         `copies.wait([slot])` orders a step after them."""
         bands: dict[tuple[str, int, bool], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
-        ranks = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
+        ranks = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]     # [layer][proj][band]
+        dora = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
         fused = [False] * self.cfg.num_layers
-        dora = [[[False] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
         for (layer, module_id), (a, b) in sorted(adapter.weights.items()):
             whole = module_id == FUSED_QKV and self.fused_a_once          # one band over every qkv column
             fused[layer] = fused[layer] or whole
@@ -184,12 +185,13 @@ class DeviceSlots:
                 bands.setdefault((proj, band, whole), []).append((layer, a, b_part, m_part[1][:, 0]
                                                                   if m is not None else None))
                 ranks[layer][PROJS.index(proj)][band] = a.shape[0]
-                dora[layer][PROJS.index(proj)][band] = m is not None
-        had_dora = any(flags[slot] for layer in self.dora_list for proj in layer for flags in proj)
+                dora[layer][PROJS.index(proj)][band] = int(m is not None)
+        ranks, dora, fused = (torch.tensor(ranks, dtype=torch.int32), torch.tensor(dora, dtype=torch.int32),
+                              torch.tensor(fused))
         with on(self.device), self.copies.copying():
             self._replace_magnitudes(slot, dora)
-            if fused != [layer[slot] for layer in self.fused]:            # the qkv band bounds change
-                bounds = torch.tensor([self._bounds("qkv", whole) for whole in fused], dtype=torch.int32)
+            if not torch.equal(fused, self.fused[:, slot]):                # the qkv band bounds change
+                bounds = torch.tensor([self._bounds("qkv", bool(whole)) for whole in fused], dtype=torch.int32)
                 self.slot_bounds["qkv"][:, slot].copy_(pin(bounds, self.device), non_blocking=True)
             self._replace_ranks(slot, ranks, fused)
             for (proj, band, whole), pieces in bands.items():
@@ -201,46 +203,43 @@ class DeviceSlots:
                     self.b_stacks[proj][layers, slot, columns, start:start + b.shape[2]].copy_(b, non_blocking=True)
                 for layers, m in _blocks([(layer, m) for layer, _, _, m in pieces if m is not None]):
                     self.m_stacks[proj][layers, slot, columns].copy_(m, non_blocking=True)
-            self.ranks[:, :, :, slot].copy_(pin(torch.tensor(ranks, dtype=torch.int32), self.device), non_blocking=True)
-            if had_dora or any(flag for layer in dora for proj in layer for flag in proj):
-                self.dora[:, :, :, slot].copy_(pin(torch.tensor(dora, dtype=torch.int32), self.device),
-                                               non_blocking=True)
+            if self.ranks is not self.host_ranks:
+                self.ranks[..., slot].copy_(pin(ranks, self.device), non_blocking=True)
+                self.dora[..., slot].copy_(pin(dora, self.device), non_blocking=True)
         self.copies.done(slot)
 
-    def _replace_magnitudes(self, slot: int, new_dora: list[list[list[bool]]]) -> None:
-        """Magnitudes back to 1 where the old adapter had DoRA modules, then the new flags (the new adapter's
-        magnitudes are copied after)."""
-        for layer, per_proj in enumerate(new_dora):
-            for p, proj in enumerate(PROJS):
-                if any(flags[slot] for flags in self.dora_list[layer][p]):
-                    self.m_stacks[proj][layer, slot].fill_(1)
-                for band, flag in enumerate(per_proj[p]):
-                    self.dora_list[layer][p][band][slot] = flag
+    def _replace_magnitudes(self, slot: int, new_dora: torch.Tensor) -> None:
+        """Magnitudes back to 1 where the old adapter had DoRA modules (the new adapter's are copied after), then
+        the new flags."""
+        old = self.host_dora[..., slot].any(dim=2)                            # [layer, proj]
+        for layer, p in old.nonzero().tolist():
+            self.m_stacks[PROJS[p]][layer, slot].fill_(1)
+        self.host_dora[..., slot] = new_dora
 
-    def _replace_ranks(self, slot: int, new_ranks: list[list[list[int]]], new_fused: list[bool]) -> None:
+    def _replace_ranks(self, slot: int, new_ranks: torch.Tensor, new_fused: torch.Tensor) -> None:
         """Zero each band's rank rows [new rank, old rank) of a slot (what the old adapter left past the new one;
         one zero_ per run of layers alike), and all of band 0 where a fused qkv adapter leaves (its k and v rows lie
         outside band 0's columns), then record the new ranks."""
-        q_band = slice(0, self.max_rank)
-        for layer in range(self.cfg.num_layers):
-            if self.fused[layer][slot]:
-                self.a_stacks["qkv"][layer, slot, q_band].zero_()
-                self.b_stacks["qkv"][layer, slot, :, q_band].zero_()
-                self.ranks_list[layer][PROJS.index("qkv")][0][slot] = 0
-            self.fused[layer][slot] = new_fused[layer]
+        q_band, qkv = slice(0, self.max_rank), PROJS.index("qkv")
+        old_ranks = self.host_ranks[..., slot].clone()                        # [layer, proj, band]
+        for layer in self.fused[:, slot].nonzero().flatten().tolist():
+            self.a_stacks["qkv"][layer, slot, q_band].zero_()
+            self.b_stacks["qkv"][layer, slot, :, q_band].zero_()
+            old_ranks[layer, qkv, 0] = 0
+        self.fused[:, slot] = new_fused
         for p, proj in enumerate(PROJS):
             for band, columns in enumerate(self.band_columns[proj]):
-                def change(layer: int) -> tuple[int, int]:
-                    return new_ranks[layer][p][band], self.ranks_list[layer][p][band][slot]
-                for (new, old), run in groupby(range(self.cfg.num_layers), key=change):
+                changes = zip(new_ranks[:, p, band].tolist(), old_ranks[:, p, band].tolist())
+                first = 0
+                for (new, old), run in groupby(changes):
+                    num_layers = len(list(run))
                     if old > new:
-                        run = list(run)
-                        layers, rows = slice(run[0], run[-1] + 1), slice(band * self.max_rank + new,
-                                                                         band * self.max_rank + old)
+                        layers = slice(first, first + num_layers)
+                        rows = slice(band * self.max_rank + new, band * self.max_rank + old)
                         self.a_stacks[proj][layers, slot, rows].zero_()
                         self.b_stacks[proj][layers, slot, slice(*columns), rows].zero_()
-                for layer in range(self.cfg.num_layers):
-                    self.ranks_list[layer][p][band][slot] = new_ranks[layer][p][band]
+                    first += num_layers
+        self.host_ranks[..., slot] = new_ranks
 
     def _split_fused(self, module_id: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         if module_id != FUSED_QKV or self.fused_a_once:

@@ -13,11 +13,11 @@ runs the same padded steps eagerly: how the CPU tests check everything but the c
 import numpy as np
 import torch
 
-from backend.lora.batch import LoraBatch, LoraSegments
+from backend.lora.batch import LoraBatch
 from backend.model.context import StepContext, StepInputs
 from backend.model.kept import PADDING, ROW_INPUTS
 from backend.sampler import greedy
-from kernels.lora_launch import block_m_for, max_work_items
+from kernels.lora_family import LoraFamily
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
@@ -34,56 +34,19 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_tokens: int,
                   num_segments: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A step's per-token host tensors padded to num_tokens (token 0 at position 0, cache slot -1 so nothing is
-    written), and its LoRA segments (padded_segments)."""
+    written), and its LoRA segments (LoraFamily.graph_segments)."""
     zeros = torch.zeros(num_tokens - len(token_slots), dtype=torch.int32)
     return {
         "input_ids": torch.cat([tensors["input_ids"], zeros]),
         "positions": torch.cat([tensors["positions"], zeros]),
         "slot_mapping": torch.cat([tensors["slot_mapping"], zeros - 1]),
-    } | padded_segments(token_slots, num_tokens, num_segments, dtype)
-
-
-def padded_segments(token_slots: list[int], num_tokens: int, num_segments: int,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A step's LoRA segments (adapter slot per token, -1 for none, padding rows -1) padded to num_segments (empty
-    ones at the end), and its LoRA work list to the graph's length (idle items at the end; kernels/lora_launch.py)."""
-    block_m = block_m_for(num_tokens, dtype)
-    segments = LoraSegments.from_token_slots(token_slots + [-1] * (num_tokens - len(token_slots)), block_m,
-                                             max_work_items(num_tokens, num_segments, block_m))
-    num_empty = num_segments - len(segments.slots_list)
-    assert num_empty >= 0, "more LoRA segments than a graph can have"
-    return {
-        "lora_starts": torch.cat([segments.starts, torch.full((num_empty,), num_tokens, dtype=torch.int32)]),
-        "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
-        "lora_work": segments.work,
-    }
-
-
-def lora_buffers(num_segments: int, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A graph's fixed LoRA segment buffers and work list (as long as any bucket's, at 16 rows an item), as padding
-    (every segment empty, no adapter, every item idle)."""
-    num_items = max_work_items(max_tokens, num_segments, 16)
-    work = torch.tensor([-1, 0, 0], dtype=torch.int32).repeat(num_items, 1)
-    return {"lora_starts": torch.zeros(num_segments + 1, dtype=torch.int32, device=device),
-            "lora_slots": torch.full((num_segments,), -1, dtype=torch.int32, device=device),
-            "lora_work": work.to(device)}
+    } | LoraFamily.graph_segments(token_slots, num_tokens, num_segments, dtype)
 
 
 def copy_lora(buffers: dict[str, torch.Tensor], t: dict[str, torch.Tensor]) -> None:
     """A step's uploaded LoRA segments and work list into a graph's buffers."""
     for name in ("lora_starts", "lora_slots", "lora_work"):
         buffers[name][:t[name].shape[0]].copy_(t[name])
-
-
-def fixed_lora(buffers: dict[str, torch.Tensor], lora_slots, num_tokens: int, ops, dtype: torch.dtype) -> LoraBatch:
-    """A graph's adapters: segments and work list read from its buffers on the device (their host lists are unknown
-    at capture), kernel grids for num_tokens rows in any segment."""
-    num_segments = buffers["lora_slots"].shape[0]
-    block_m = block_m_for(num_tokens, dtype)
-    work = buffers["lora_work"][:max_work_items(num_tokens, num_segments, block_m)]
-    segments = LoraSegments(buffers["lora_starts"], buffers["lora_slots"], [0] * (num_segments + 1),
-                            [-1] * num_segments, num_tokens, work=work, block_m=block_m)
-    return LoraBatch(lora_slots, segments, ops)
 
 
 def padded_inputs(inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
@@ -123,7 +86,7 @@ class DecodeGraphs:
         self.buffers["query_starts"] = torch.arange(max_len + 1, dtype=torch.int32, device=device)
         self.buffers["slot_mapping"].fill_(-1)                         # as padding: captures write nothing
         self.buffers["block_tables"] = torch.zeros(max_len, max_blocks, dtype=torch.int32, device=device)
-        self.buffers |= lora_buffers(self.num_segments, max_len, device)
+        self.buffers |= LoraFamily.graph_buffers(self.num_segments, max_len, device)
         self.logits_indices = torch.arange(max_len, dtype=torch.int32, device=device)
         self.contexts = sorted({min(bound, self.max_seq_len) for bound in CONTEXT_CLASSES + (self.max_seq_len,)})
         self.splits = {(bucket, context): decode_graph_splits(bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -160,7 +123,7 @@ class DecodeGraphs:
         steady = inputs.rows is not None and inputs.row_inputs.shape[1] >= rows   # its kept buffer: padded rows
         host = inputs.sent if steady else padded_inputs(inputs, rows)
         if not segments_in_place:
-            host = host | padded_segments(token_slots, rows, self.num_segments, self.dtype)
+            host = host | LoraFamily.graph_segments(token_slots, rows, self.num_segments, self.dtype)
         t = staging.upload(host | plan.t | inputs.pending_maps)
         t = inputs.received(t) if steady else t | {"input_ids": t["row_inputs"][0]}
         inputs.fill_pending(t)
@@ -201,7 +164,7 @@ class DecodeGraphs:
         ctx = StepContext(b["input_ids"][:rows], b["positions"][:rows], attn, self.logits_indices[:rows],
                           self.logits_indices[:0])
         if with_lora:
-            ctx.lora = fixed_lora(b, self.lora_slots, rows, self.model.ops, self.dtype)
+            ctx.lora = LoraBatch(self.lora_slots, LoraFamily.graph_view(b, rows, self.dtype), self.model.ops)
         return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
     def _capture_all(self) -> None:

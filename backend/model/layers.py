@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig
 from backend.model.context import StepContext
 from backend.model.layers import linear, rope_cos_sin
 

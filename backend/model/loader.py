@@ -1,12 +1,11 @@
 """Hugging Face safetensors -> our weights: a translation table, fused projections, tensor-parallel slices."""
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig, checkpoint_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,22 +56,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"{p}.mlp.down_proj.weight": (h, inter),
         }
     return shapes
-
-
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file that holds it (single file or sharded with an index)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: model_dir / name for key, name in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    key_files = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            key_files |= {key: path for key in f.keys()}
-    return key_files
 
 
 def _read_slice(handle, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:

@@ -13,8 +13,10 @@ runs the same pieces eagerly: how the CPU tests check everything but the capture
 """
 import torch
 
+from backend.lora.batch import LoraBatch
 from backend.model.context import StepContext, StepInputs
-from backend.model.graphs import copy_lora, fixed_lora, lora_buffers, padded_tokens
+from backend.model.graphs import copy_lora, padded_tokens
+from kernels.lora_family import LoraFamily
 from kernels.metadata import AttentionMetadata
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
@@ -41,7 +43,7 @@ class PiecewiseGraphs:
         size = self.buckets[-1]
         self.buffers = {name: torch.zeros(size, dtype=torch.int32, device=device) for name in TOKEN_INPUTS}
         self.buffers["slot_mapping"].fill_(-1)                         # as padding: warm-ups write nothing
-        self.buffers |= lora_buffers(self.num_segments, size, device)
+        self.buffers |= LoraFamily.graph_buffers(self.num_segments, size, device)
         self.q = torch.zeros(size, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.o = torch.zeros(size, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
         self.h = torch.zeros(size, cfg.hidden_size, dtype=dtype, device=device)
@@ -90,7 +92,7 @@ class PiecewiseGraphs:
         attn = AttentionMetadata(empty, empty, empty[None], b["slot_mapping"][rows], [], [], 0, 0)
         ctx = StepContext(b["input_ids"][rows], b["positions"][rows], attn, empty, empty)
         if with_lora:
-            ctx.lora = fixed_lora(b, self.lora_slots, bucket, model.ops, self.dtype)
+            ctx.lora = LoraBatch(self.lora_slots, LoraFamily.graph_view(b, bucket, self.dtype), model.ops)
         if i == 0:
             h, residual = model.embed(ctx), None
         else:

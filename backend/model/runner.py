@@ -3,28 +3,27 @@ one copy, the forward and the sampling run on the device, the sampled tokens com
 import torch
 
 from backend import sampler
+from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig
-from backend.device import (StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype,
-                           resolve_lora_dtype)
+from backend.device import StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype
 from backend.kv_cache import num_kv_blocks
 from backend.logprobs import PromptScores
-from backend.lora.batch import LoraBatch, LoraSegments
+from backend.lora.batch import LoraBatch
 from backend.lora.cache import LoraCache
-from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
-from backend.model.kept import KeptBatch, LaunchRows
+from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.graphs import DecodeGraphs
+from backend.model.kept import KeptBatch, LaunchRows
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
-from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.self_check import check_kernels_or_fall_back, shapes_or_fall_back
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
-from kernels.dispatch import load_ops
+from kernels.dispatch import load_ops, resolve_backend
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -35,14 +34,14 @@ class ModelRunner:
         self.model_config = cfg = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.ops = load_ops(config.kernel_backend, self.device)
-        self.lora_rank_major_a = self.device.type == "cpu" and self.ops.name != "cpu"   # the LoRA A layout it reads
-        self.lora_fused_a_once = self.ops.name == "triton"                  # a fused qkv adapter's A stored once
+        self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
+        self.ops = load_ops(self.kernel_backend, self.device)
+        self.lora_dtype = self.ops.lora.adapter_dtype(config.lora.dtype, self.dtype)
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
-        if self.ops.name == "triton":                             # shapes a kernel cannot take, then (auto: CUDA)
+        if self.ops.checked:                                      # shapes a kernel cannot take, then (auto: CUDA)
             self.kernel_fallbacks = shapes_or_fall_back(self)      # the kernels run at the model's shapes
             if config.checks_at_start(self.device.type):
                 self.kernel_fallbacks |= check_kernels_or_fall_back(self, config)
@@ -114,7 +113,7 @@ class ModelRunner:
     def capture_graphs(self, lora_cache: LoraCache) -> None:
         """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache: on CUDA with the Triton
         kernels, unless cuda_graph_mode is off."""
-        if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.name == "triton"
+        if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.graphs
                 and not self.kernel_fallbacks):         # the torch fallbacks do not take a graph's padding rows
             self.start_graphs(lora_cache, capture=True)
             if self.config.kernel_self_check != "false":
@@ -153,11 +152,10 @@ class ModelRunner:
                              f"{torch.cuda.device_count()} visible")
         max_blocks = -(-cfg.max_position_embeddings // config.kv_block_size)
         capacity = message_capacity(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, cfg.num_layers)
-        lora_dtype = resolve_lora_dtype(config.lora.dtype, self.dtype, self.ops.name)
         args = {"model_dir": config.model_dir, "dtype": str(self.dtype).removeprefix("torch."),
-                "lora_dtype": str(lora_dtype).removeprefix("torch."), "kernel_backend": self.ops.name,
+                "lora_dtype": str(self.lora_dtype).removeprefix("torch."), "kernel_backend": self.kernel_backend,
                 "device": str(self.device), "block_size": config.kv_block_size, "max_loras": config.lora.max_loras,
-                "max_lora_rank": config.lora.max_lora_rank, "rank_major_a": str(self.lora_rank_major_a).lower(),
+                "max_lora_rank": config.lora.max_lora_rank,
                 "threads": max(1, torch.get_num_threads() // size),
                 "kernel_fallbacks": ",".join(self.kernel_fallbacks) or "none",     # rank 0's self-check holds
                 "max_num_seqs": config.max_num_seqs}
@@ -262,7 +260,7 @@ class ModelRunner:
         score to inputs.scores. token_slots: each token's adapter slot (None: no adapter in the step)."""
         segments = None
         if token_slots is not None:
-            segments = LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
+            segments = self.ops.lora.segments(token_slots, self.dtype)
         if self.tp is not None:                                   # the workers run the same step beside us
             self.tp.step(inputs.tensors, token_slots or [])
         t = self.staging.upload(inputs.sent | plan.t | (segments.tensors if segments else {}) | inputs.pending_maps

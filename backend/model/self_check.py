@@ -18,12 +18,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backend.device import on, resolve_lora_dtype
-
-from backend.lora.batch import LoraSegments
+from backend.checkpoint import ModelConfig
+from backend.device import on
 from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
-from backend.model.config import ModelConfig
 from kernels import reference
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
@@ -112,19 +110,18 @@ def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator, fused
     return LoraAdapter(weights, magnitudes=magnitudes)
 
 
-def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int, rank_major_a: bool) -> list[Check]:
+def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) -> list[Check]:
     """Every projection with three adapters (max_lora_rank; a quarter of it, DoRA; half of it with a fused qkv module)
     beside base rows, for a decode step and a prompt chunk."""
     g = torch.Generator().manual_seed(1)
-    slots = DeviceSlots(replace(cfg, num_layers=1), 3, max_rank, lora_dtype, device, rank_major_a,
-                        fused_a_once=ops.name == "triton")
+    slots = DeviceSlots(replace(cfg, num_layers=1), 3, max_rank, lora_dtype, device, ops.lora)
     ranks = [max_rank, max(1, max_rank // 4), max(1, max_rank // 2)]
     for slot, rank in enumerate(ranks):
         slots.load(slot, random_adapter(cfg, rank, lora_dtype, g, fused_qkv=slot == 2, dora=slot == 1))
     slots.copies.wait([0, 1, 2])
     checks = []
     for token_slots in ([-1, -1, 0, 0, 0, 1, 1, 2], [-1] * 10 + [0] * 40 + [1] * 30 + [2] * 20):
-        segments = LoraSegments.from_token_slots(token_slots)
+        segments = ops.lora.segments(token_slots, dtype)
         segments.use({name: t.to(device) for name, t in segments.tensors.items()})
         for proj in PROJS:
             in_dim, out_dim = proj_shape(cfg, proj)
@@ -183,12 +180,12 @@ def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[
             compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
 
 
-def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int, max_rank: int,
-                  rank_major_a: bool) -> list[Check]:
+def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int,
+                  max_rank: int) -> list[Check]:
     """Every op family of the Triton kernels once, at the served shapes (cfg: this rank's share)."""
     with torch.inference_mode():
         return (attention_checks(ops, cfg, dtype, device, block_size) +
-                lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank, rank_major_a) +
+                lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
                 fused_checks(ops, cfg, dtype, device, block_size))
 
 
@@ -231,10 +228,9 @@ def shapes_or_fall_back(runner) -> dict[str, str]:
 def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
     """The runner's Triton op families checked at its shapes; each that fails is served by the torch reference from
     now on (strict: refuses to start). Returns the families that fell back, with why."""
-    lora_dtype = resolve_lora_dtype(config.lora.dtype, runner.dtype, runner.ops.name)
     with on(runner.device):
-        checks = check_kernels(runner.ops, runner.shard_config, runner.dtype, lora_dtype, runner.device,
-                               runner.block_size, config.lora.max_lora_rank, runner.lora_rank_major_a)
+        checks = check_kernels(runner.ops, runner.shard_config, runner.dtype, runner.lora_dtype, runner.device,
+                               runner.block_size, config.lora.max_lora_rank)
     fallbacks: dict[str, str] = {}
     for check in checks:
         if check.error is None:

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from backend.checkpoint import ModelConfig
 from backend.device import StepStaging, empty_kv_caches
 from backend.heap import freeze_heap
-from backend.lora.batch import LoraBatch, LoraSegments
+from backend.lora.batch import LoraBatch
 from backend.lora.format import LoraAdapter, packed_views
 from backend.lora.slots import DeviceSlots
-from backend.model.config import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
@@ -61,8 +61,7 @@ class Worker:
                                                         args.rank, lm_head=False))          # rank 0's logits
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
-                                 self.device, rank_major_a=args.rank_major_a == "true",
-                                 fused_a_once=self.ops.name == "triton")
+                                 self.device, self.ops.lora)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self.staging = StepStaging(self.device)
@@ -104,7 +103,7 @@ class Worker:
         if bucket is not None:                                 # rank 0 replays its graph: this rank replays its own
             self.graphs.run(tuple(bucket.tolist()), inputs, token_slots, self.staging, NO_SAMPLING, self)
             return
-        segments = (LoraSegments.for_kernels(token_slots, self.ops.name, self.dtype)
+        segments = (self.ops.lora.segments(token_slots, self.dtype)
                     if any(s >= 0 for s in token_slots) else None)
         host_t = inputs.tensors | (segments.tensors if segments is not None else {})
         device_t = {name: x.to(self.device) for name, x in host_t.items()}
@@ -142,7 +141,7 @@ def main() -> None:
     for name, kind in (("rank", int), ("size", int), ("port", int), ("capacity", int), ("timeout-s", float),
                        ("model_dir", str), ("dtype", str), ("lora_dtype", str), ("kernel_backend", str),
                        ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
-                       ("rank_major_a", str), ("threads", int), ("kernel_fallbacks", str),
+                       ("threads", int), ("kernel_fallbacks", str),
                        ("max_num_seqs", int)):
         parser.add_argument(f"--{name}", type=kind, required=True)
     args = parser.parse_args()

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from backend import LLMEngine, RequestError
+from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
 from backend.lora.cache import LoraCache
-from backend.model.config import ModelConfig
 from tests.helpers import random_prompts
 
 
@@ -142,7 +142,7 @@ def test_prefetch_fills_idle_slots_ahead_and_never_evicts_what_is_pinned_or_want
     cache.acquire(1)                              # pinned by a running request
     cache.prefetch([None, 2, 3])                  # one idle slot: 2 gets it, 3 finds none
     assert set(cache.slot_of) == {1, 2} and cache.pins[cache.slot(2)] == 0
-    loaded = cache.slots.ranks_list[0][0][0][cache.slot(2)]
+    loaded = cache.slots.host_ranks[0, 0, 0, cache.slot(2)]
     assert loaded == 4                            # its weights are in the slot already
     misses = cache.stats.device_misses
     cache.acquire(2)                              # the request is admitted: a hit, nothing copied
@@ -156,12 +156,13 @@ def test_prefetch_fills_idle_slots_ahead_and_never_evicts_what_is_pinned_or_want
 
 def test_lora_dtype_auto_is_fp16_beside_fp32_only_where_the_kernels_read_it():
     import torch
-    from backend.device import resolve_lora_dtype
-    assert resolve_lora_dtype("auto", torch.float32, "cpu") == torch.float16
-    assert resolve_lora_dtype("auto", torch.float32, "triton") == torch.float16
-    assert resolve_lora_dtype("auto", torch.float32, "torch") == torch.float32      # it would widen every step
-    assert resolve_lora_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
-    assert resolve_lora_dtype("float32", torch.float32, "cpu") == torch.float32
+    from kernels.lora_family import LoraFamily
+    compiled, triton, reference = (LoraFamily.of(name, "cpu") for name in ("cpu", "triton", "torch"))
+    assert compiled.adapter_dtype("auto", torch.float32) == torch.float16
+    assert triton.adapter_dtype("auto", torch.float32) == torch.float16
+    assert reference.adapter_dtype("auto", torch.float32) == torch.float32      # it would widen every step
+    assert compiled.adapter_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert compiled.adapter_dtype("float32", torch.float32) == torch.float32
     with pytest.raises(ValueError, match="lora_dtype must be one of"):
         LoraCacheConfig(dtype="int8")
 

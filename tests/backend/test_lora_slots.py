@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from backend.checkpoint import ModelConfig
 from backend.lora.format import LoraAdapter, module_columns, parse_lora
 from backend.lora.shard import shard_adapter
 from backend.lora.slots import BAND_OF_MODULE, DeviceSlots
-from backend.model.config import ModelConfig
+from kernels.lora_family import LoraFamily
 from tests.backend.test_lora_cache import make_adapter
 
 MAX_RANK = 16
@@ -28,25 +29,25 @@ def state(slots: DeviceSlots, slot: int) -> list[torch.Tensor]:
                                                                               slots.slot_bounds["qkv"][:, slot]]
 
 
-LAYOUTS = [(True, False), (False, False), (False, True)]     # (rank_major_a, fused_a_once): torch, compiled, Triton
+FAMILIES = {"torch": LoraFamily.of("torch", "cpu"), "compiled": LoraFamily.of("cpu", "cpu"),
+            "triton": LoraFamily.of("triton", "cuda")}         # A rank-major; neither; a fused qkv A stored once
 
 
-@pytest.mark.parametrize("rank_major_a,fused_a_once", LAYOUTS)
-def test_a_slot_reloaded_with_a_smaller_adapter_equals_one_loaded_alone(model_cfg, rank_major_a, fused_a_once):
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES)
+def test_a_slot_reloaded_with_a_smaller_adapter_equals_one_loaded_alone(model_cfg, family):
     old = adapter(model_cfg, MAX_RANK, 0, (0, 4, 5, 6, 7))                 # fused qkv, every band at full rank
     new = adapter(model_cfg, 4, 1, (2, 6))                                  # fewer modules, a lower rank
     neighbour = adapter(model_cfg, 8, 2, (1, 4, 6))
-    layout = dict(rank_major_a=rank_major_a, fused_a_once=fused_a_once)
-    reused = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, **layout)
+    reused = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, family=family)
     reused.load(0, neighbour)
     reused.load(1, old)
     reused.load(1, new)
-    fresh = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, **layout)
+    fresh = DeviceSlots(model_cfg, 3, MAX_RANK, torch.float32, family=family)
     fresh.load(0, neighbour)
     fresh.load(1, new)
     for slot in range(3):
         assert all(torch.equal(x, y) for x, y in zip(state(reused, slot), state(fresh, slot)))
-    assert reused.ranks_list == fresh.ranks_list
+    assert torch.equal(reused.host_ranks, fresh.host_ranks) and torch.equal(reused.fused, fresh.fused)
     assert any(t.abs().sum() > 0 for t in state(reused, 1)[:-1])           # the new adapter is there
 
 
@@ -80,13 +81,13 @@ def uneven(cfg: ModelConfig) -> LoraAdapter:
     return LoraAdapter(weights)
 
 
-@pytest.mark.parametrize("rank_major_a,fused_a_once", LAYOUTS)
-def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, rank_major_a, fused_a_once):
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES)
+def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, family):
     adapters = [adapter(model_cfg, MAX_RANK, 0, (0, 4, 5, 6, 7)), adapter(model_cfg, 4, 1, (1, 2, 3, 4, 5, 6, 7)),
                 uneven(model_cfg), shard_adapter(adapter(model_cfg, 8, 2, (0, 4, 6)), model_cfg, 2, 1)]
     for a in adapters:
         cfg = model_cfg.shard(2) if a is adapters[-1] else model_cfg
-        slots = DeviceSlots(cfg, 2, MAX_RANK, torch.float32, rank_major_a=rank_major_a, fused_a_once=fused_a_once)
+        slots = DeviceSlots(cfg, 2, MAX_RANK, torch.float32, family=family)
         slots.load(1, adapters[0] if a is not adapters[0] and cfg is model_cfg else a)   # something to replace
         slots.load(1, a)
         for layer, per_proj in enumerate(expected_slot(slots, a)):
@@ -94,7 +95,7 @@ def test_each_adapter_lies_where_the_module_docstring_puts_it(model_cfg, rank_ma
                 assert torch.equal(slots.a[layer][proj][1], want_a), (layer, proj)
                 assert torch.equal(slots.b[layer][proj][1], want_b), (layer, proj)
                 assert not slots.a[layer][proj][0].any() and not slots.b[layer][proj][0].any()
-        fused = fused_a_once and any(module == 0 for _, module in a.weights)
+        fused = family.fused_a_once and any(module == 0 for _, module in a.weights)
         qkv = slots.band_columns["qkv"]
         bounds = [0, qkv[-1][1], qkv[-1][1], qkv[-1][1]] if fused else [0, qkv[1][0], qkv[2][0], qkv[-1][1]]
         assert slots.slot_bounds["qkv"][:, 1].tolist() == [bounds] * cfg.num_layers
@@ -117,4 +118,4 @@ def test_a_packed_adapter_goes_in_with_one_copy_per_module_whatever_the_number_o
     slots = DeviceSlots(model_cfg, 1, MAX_RANK, torch.float32)
     with CountCopies() as counted:
         slots.load(0, every_module)
-    assert counted.num_copies == 2 * 7 + 1                                  # A and B per module, then the ranks
+    assert counted.num_copies == 2 * 7 + 3               # A and B per module, then its ranks, DoRA and fused flags

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.outputs import request_of
 from backend.request import Status

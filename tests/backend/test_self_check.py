@@ -7,12 +7,12 @@ import torch
 
 import kernels.triton_ops as triton_ops
 from backend import LLMEngine
+from backend.checkpoint import ModelConfig
 from backend.metrics import gauges
-from backend.model.config import ModelConfig
-from backend.model.graphs import DecodeGraphs
-from backend.model.piecewise import PiecewiseGraphs
 from backend.model import graphs, piecewise
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
+from backend.model.graphs import DecodeGraphs
+from backend.model.piecewise import PiecewiseGraphs
 from backend.model.self_check import check_kernels
 from kernels.compose import compose_linear_lora
 from kernels.dispatch import BROKEN_OPS_VAR, load_ops
@@ -52,7 +52,7 @@ FAULTS = {"attention wrong": ("paged_attention", wrong_values(triton_ops.paged_a
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_the_kernels_pass_at_the_served_shapes(model, tiny_model_dir, smollm2_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir if model == "tiny" else smollm2_dir)
-    checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64, True)
+    checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64)
     assert {c.family for c in checks} == {"attention", "lora", "fused"} and len(checks) >= 10
     assert [(c.what, c.error) for c in checks if c.error] == []
 
@@ -157,7 +157,7 @@ def swapped_adapter_slots(tensors, token_slots, num_tokens, num_segments, dtype)
 
 
 PIECEWISE_DEFECTS = {                         # a defect of the graphs' code, run through the uncaptured pieces
-    "adapters dropped inside the pieces": (piecewise, "fixed_lora", lambda *args: None),
+    "adapters dropped inside the pieces": (piecewise, "LoraBatch", lambda *args: None),
     "the LoRA segments not copied in": (piecewise, "copy_lora", no_lora_copy),
     "a stale positions buffer": (piecewise, "TOKEN_INPUTS", ("input_ids", "slot_mapping")),
     "the adapters' slots swapped": (piecewise, "padded_tokens", swapped_adapter_slots)}

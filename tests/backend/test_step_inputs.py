@@ -152,7 +152,7 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     back), and its tokens equal a run that always builds from scratch; its step context, kept with the batch,
     carries the step's lengths and nothing of the step before."""
     from backend import LLMEngine
-    from backend.model.config import ModelConfig
+    from backend.checkpoint import ModelConfig
     cache_bytes = 1 << 20 if num_blocks is None else kv_bytes_for_blocks(num_blocks, 4,
                                                                           ModelConfig.from_dir(tiny_model_dir))
     steady_rows, landings, contexts = [], {}, []

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from backend import LLMEngine
+from backend.checkpoint import ModelConfig
 from backend.lora.format import LoraAdapter, parse_lora
 from backend.lora.peft import load_lora_dir
 from backend.lora.shard import ROW_MODULES, shard_adapter
-from backend.model.config import ModelConfig
 from backend.model.parallel import TensorParallelGroup
 from backend.model.runner import ModelRunner
 from backend.serving import EngineLoop

@@ -3,7 +3,7 @@ torch reference (interpreter on CPU)."""
 import pytest
 import torch
 
-from backend.model.config import ModelConfig
+from backend.checkpoint import ModelConfig
 from backend.model.layers import rope_cos_sin
 from kernels import fused, reference
 from tests.helpers import KERNEL_DEVICES

@@ -3,18 +3,21 @@ and base-only tokens in one call."""
 import pytest
 import torch
 
-from backend.lora.batch import LoraSegments
 from backend.lora.slots import Band, Projection
 from kernels import reference
 from kernels.lora import LoraStep, lora_expand, lora_shrink
 from kernels.lora_launch import block_m_for, max_work_items, work_items
+from kernels.lora_segments import LoraSegments
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
-def segments_for(lengths_and_slots, device="cpu") -> LoraSegments:
-    segments = LoraSegments.from_token_slots([slot for n, slot in lengths_and_slots for _ in range(n)])
+def segments_for(lengths_and_slots, device="cpu", work_dtype: torch.dtype | None = None) -> LoraSegments:
+    """work_dtype: with the Triton kernels' work list for activations of that dtype (else the padded grid)."""
+    token_slots = [slot for n, slot in lengths_and_slots for _ in range(n)]
+    block_m = block_m_for(len(token_slots), work_dtype) if work_dtype is not None else 0
+    segments = LoraSegments.from_token_slots(token_slots, block_m)
     segments.use({name: t.to(device) for name, t in segments.tensors.items()})
     return segments
 
@@ -60,8 +63,9 @@ def random_projection(ranks: list[list[int]], max_rank: int, in_dim: int, widths
         for slot in range(num_slots):
             if flags[i][slot]:
                 m[slot, slice(*spans[i])] = (0.5 + torch.rand(spans[i][1] - spans[i][0])).to(dtype)
-    bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*spans[i]), i * r:(i + 1) * r], rank_table[i], ranks[i],
-                  spans[i], m[:, slice(*spans[i])], flags[i]) for i in range(num_bands)]
+    bands = [Band(a[:, i * r:(i + 1) * r], b[:, slice(*spans[i]), i * r:(i + 1) * r], rank_table[i],
+                  torch.tensor(ranks[i], dtype=torch.int32), spans[i], m[:, slice(*spans[i])],
+                  torch.tensor(flags[i], dtype=torch.int32)) for i in range(num_bands)]
     return Projection(a, b, rank_table, torch.tensor(bounds, dtype=torch.int32, device=device),
                       torch.tensor(slot_bounds, dtype=torch.int32, device=device), r, widths, bands, m,
                       torch.tensor(flags, dtype=torch.int32, device=device))
@@ -78,8 +82,8 @@ def float_copy(proj: Projection) -> Projection:
     out = random_projection([list(r) for r in proj.ranks.tolist()], proj.max_rank, proj.a.shape[2], proj.widths,
                             torch.float32, False, proj.a.device)
     out.a, out.b, out.m = proj.a.float(), proj.b.float(), proj.m.float()
-    out.bands = [Band(band.a.float(), band.b.float(), band.ranks, band.ranks_list, band.columns, band.m.float(),
-                      band.dora_list) for band in proj.bands]
+    out.bands = [Band(band.a.float(), band.b.float(), band.ranks, band.host_ranks, band.columns, band.m.float(),
+                      band.host_dora) for band in proj.bands]
     return out
 
 
@@ -101,7 +105,7 @@ def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widt
     max_rank, in_dim = 64, 384                                         # 3 input blocks at the widest tile
     proj = random_projection([list(r) for r in ranks], max_rank, in_dim, widths, weight_dtype, rank_major, device,
                              fused=fused, dora=dora)
-    segments = segments_for(LAYOUTS[layout], device)
+    segments = segments_for(LAYOUTS[layout], device, dtype)
     num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
     base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
@@ -132,7 +136,7 @@ def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widt
 def test_results_are_bitwise_the_same_at_every_run(device):
     """The split partials are summed in split order, whatever order their programs finish in."""
     proj = random_projection([[16, 64, 8]], 64, 1024, [64], torch.float32, False, device)
-    segments = segments_for([(3, 0), (1, 1), (2, 2)], device)
+    segments = segments_for([(3, 0), (1, 1), (2, 2)], device, torch.float32)
     x = torch.randn(6, 1024).to(device)
     outs = []
     for _ in range(2):
@@ -216,7 +220,7 @@ def test_llama_8b_qkv_projection_in_a_decode_step_matches_reference(device):
     ranks = [[8, 16, 64, 32]] * 3
     proj = random_projection([list(r) for r in ranks], 64, 4096, [4096, 1024, 1024], torch.bfloat16,
                              rank_major=False, device=device)
-    segments = segments_for([(1, -1), (1, 0), (1, 1), (1, 2), (1, 3)], device)
+    segments = segments_for([(1, -1), (1, 0), (1, 1), (1, 2), (1, 3)], device, torch.bfloat16)
     x = torch.randn(5, 4096).to(torch.bfloat16).to(device)
     base = torch.randn(5, 6144).to(torch.bfloat16).to(device)
     want = base.float().clone()

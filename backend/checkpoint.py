@@ -1,7 +1,10 @@
-"""The model's shape, read from a Hugging Face config.json."""
+"""What a Hugging Face model directory holds: the model's shape (config.json, `ModelConfig`) and which safetensors
+file holds each weight. The model (backend/model/) and the adapters (backend/lora/) both read it."""
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from safetensors import safe_open
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -98,3 +101,19 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file that holds it (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    key_files = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            key_files |= {key: path for key in f.keys()}
+    return key_files
