@@ -11,14 +11,14 @@ from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
 from backend.device import is_device_fault
 from backend.intake import SAMPLING_FIELDS, RequestIntake
 from backend.kv_cache import BlockManager
-from backend.logprobs import prompt_log_probs, top_rows
+from backend.logprobs import top_rows
 from backend.lora.cache import LoraCache
 from backend.lora.dora import checkpoint_weights
-from backend.lora.format import LoraAdapter
+from backend.lora.request import LoraRequest
 from backend.lora.peft import load_lora_dir, prefetch_dirs
 from backend.model.results import LaunchedStep
 from backend.model.runner import ModelRunner
-from backend.outputs import StepOutput, StepOutputs, TokenRow
+from backend.outputs import StepOutput, StepOutputs, TokenRow, token_output
 from backend.overlap_check import check_overlap
 from backend.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status
 from backend.scheduler import Batch, Scheduler, StepSummary
@@ -97,12 +97,11 @@ class LLMEngine:
         self.add_lora(task_id, weights, config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    lora_task_id: int | None = None, request_id: Hashable | None = None,
-                    lora_weights=None, lora_config=None, lora_adapter: LoraAdapter | None = None,
-                    lora_name: str | None = None, **sampling) -> Hashable:
-        """Validate and queue one request; raises RequestError naming the field at fault. The first request
-        for an adapter brings lora_weights and lora_config (or them parsed already: lora_adapter, see
-        LoraCache.parse); later ones send only lora_task_id. lora_name: what the metrics call the adapter."""
+                    lora: LoraRequest | int | None = None, request_id: Hashable | None = None,
+                    **sampling) -> Hashable:
+        """Validate and queue one request; raises RequestError naming the field at fault. lora: its adapter, by
+        task id (an int, or a LoraRequest): the first request for an adapter brings its weights
+        (LoraRequest.of(task_id, lora_weights, lora_config)), later ones only the id."""
         unknown = set(sampling) - SAMPLING_FIELDS
         if unknown:
             raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
@@ -114,8 +113,8 @@ class LLMEngine:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self.seqs:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        members = self.intake.sequences(request_id, prompt_ids, params, lora_task_id, lora_weights, lora_config,
-                                        lora_adapter, lora_name)
+        members = self.intake.sequences(request_id, prompt_ids, params,
+                                        LoraRequest(int(lora)) if isinstance(lora, int) else lora)
         self.seqs.add(request_id, members)
         self.scheduler.add(members[0])
         return request_id
@@ -245,49 +244,20 @@ class LLMEngine:
                 top: tuple[list[int], list[float]] | None = None) -> TokenRow | StepOutput:
         """A sequence's new token: its output, a token row unless it ends the sequence or brings logits or log probs
         beyond its own (top: its top alternatives' ids and log probs)."""
-        seq.output_ids.append(token)
-        p, m = seq.params, seq.metrics
-        m.last_token_time_ns = now
-        if not m.first_token_time_ns:
-            m.first_token_time_ns = now
-        if p.return_log_probs:
-            seq.output_log_probs.append(log_prob)
-        if p.top_p_decay != 1.0 or p.top_p_reset_id is not None:
-            seq.top_p = p.top_p if token == p.top_p_reset_id else max(seq.top_p * p.top_p_decay, p.top_p_min)
-        if seq.matcher is not None:
-            seq.matcher.accept_token(token)
+        seq.accept(token, log_prob, now)
+        p = seq.params
         if self.seqs.waiting_forks:
-            forks = self.seqs.take_forks(seq)
-            if forks:
-                self._fork(seq, forks)
+            copies = self.scheduler.add_forks(seq, self.seqs.take_forks(seq))
+            if copies:
+                self.runner.copy_kv_blocks(copies)
         reason = seq.stop_reason()
         scored = p.return_prompt_log_probs and seq.sequence_index == 0 and len(seq.output_ids) == 1
         if reason is None and logits is None and top is None and not seq.context_logits and not scored:
-            return seq, token, log_prob, m, now
-        out = StepOutput(seq.request_id, [token], log_probs=[log_prob] if p.return_log_probs else [],
-                         sequence_index=seq.sequence_index, metrics=m.copy(), generation_logits=logits)
-        if top is not None:
-            out.top_ids, out.top_log_probs = [top[0]], [top[1]]
-        if scored:                                          # the prompt's log probs come with the first token
-            out.prompt_log_probs, seq.prompt_scores = prompt_log_probs(seq.prompt_scores, p.top_log_probs), {}
-        if seq.context_logits and len(seq.output_ids) == 1:
-            out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
-            seq.context_logits = {}
+            return seq, token, log_prob, seq.metrics, now
+        out = token_output(seq, token, log_prob, logits, top, scored)
         if reason is not None:
             out = self._finish(seq, reason, out)
         return out
-
-    def _fork(self, first: Sequence, others: list[Sequence]) -> None:
-        """The other samples of a prompt start from the first one's cache: they share its full prompt blocks and
-        copy the block holding the last prompt token, which each computes again to sample its own first token."""
-        copies = []
-        for seq in others:
-            copy = self.blocks.fork(first, seq, len(seq.prompt_ids) - 1)
-            if copy is not None:
-                copies.append(copy)
-            self.scheduler.add(seq)
-        if copies:
-            self.runner.copy_kv_blocks(copies)
 
     def _finish(self, seq: Sequence, reason: str, out: StepOutput | None = None) -> StepOutput:
         """Take one sequence out; the request ends with its last sequence."""
@@ -315,7 +285,7 @@ class LLMEngine:
                  lora_task_ids: list[int | None] | None = None, **sampling) -> list[list[int]]:
         """Run prompts to completion (greedy unless sampling says otherwise); output tokens per prompt."""
         lora_task_ids = lora_task_ids or [None] * len(prompts)
-        ids = [self.add_request(prompt, lora_task_id=task, max_new_tokens=max_new_tokens, **sampling)
+        ids = [self.add_request(prompt, lora=task, max_new_tokens=max_new_tokens, **sampling)
                for prompt, task in zip(prompts, lora_task_ids)]
         outputs = {request_id: [] for request_id in ids}
         while any(request_id in self.seqs for request_id in ids):

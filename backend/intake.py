@@ -7,7 +7,7 @@ from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig
 from backend.kv_cache import BlockManager
 from backend.lora.cache import LoraCache
-from backend.lora.format import LoraAdapter
+from backend.lora.request import LoraRequest
 from backend.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -63,27 +63,19 @@ class RequestIntake:
                                                      f"the cache holds {self.blocks.num_blocks}")
         return prompt_ids
 
-    def sequences(self, request_id, prompt_ids: list[int], params: SamplingParams, lora_task_id: int | None,
-                  lora_weights=None, lora_config=None, lora_adapter: LoraAdapter | None = None,
-                  lora_name: str | None = None) -> list[Sequence]:
+    def sequences(self, request_id, prompt_ids: list[int], params: SamplingParams,
+                  lora: LoraRequest | None) -> list[Sequence]:
         """A checked request's sequences (one per num_return_sequences), its adapter cached and referenced by each,
         its grammar compiled."""
-        if (lora_weights is None) != (lora_config is None):
-            raise RequestError("lora_config" if lora_config is None else "lora_weights",
-                               "lora_weights and lora_config must be sent together")
-        if (lora_weights is not None or lora_adapter is not None) and lora_task_id is None:
-            raise RequestError("lora_task_id", "must be set when lora_weights are sent")
-        if lora_weights is not None:
-            lora_adapter = self.lora_cache.parse(lora_weights, lora_config)
-        if lora_adapter is not None:
-            self.lora_cache.insert(int(lora_task_id), lora_adapter)
-        lora_task_id = None if lora_task_id is None else int(lora_task_id)
+        lora_task_id = None if lora is None else lora.task_id
+        if lora is not None and lora.sent:
+            self.lora_cache.insert(lora.task_id, lora.adapter or self.lora_cache.parse(lora.weights, lora.config))
         if params.guide_type is not None:
             params.grammar = params.grammar or self.compile_guide(params)
         for _ in range(params.num_return_sequences):
             self.lora_cache.ref(lora_task_id)                # raises for an adapter the cache lacks
-        if lora_name and lora_task_id is not None:
-            self.lora_cache.names[lora_task_id] = lora_name
+        if lora is not None and lora.name:
+            self.lora_cache.names[lora.task_id] = lora.name
         adapter_key = self.lora_cache.key(lora_task_id)
         members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i, adapter_key=adapter_key)
                    for i in range(params.num_return_sequences)]

@@ -10,7 +10,7 @@ from typing import Hashable, Iterator
 
 import torch
 
-from backend.logprobs import PromptLogProbs
+from backend.logprobs import PromptLogProbs, prompt_log_probs
 from backend.request import SeqMetrics, Sequence
 
 TokenRow = tuple[Sequence, int, float, SeqMetrics, int]    # (sequence, token, log prob, its metrics, step time ns)
@@ -69,3 +69,21 @@ def as_output(entry: TokenRow | StepOutput) -> StepOutput:
 
 def request_of(entry: TokenRow | StepOutput) -> Hashable:
     return entry.request_id if type(entry) is StepOutput else entry[0].request_id
+
+
+def token_output(seq: Sequence, token: int, log_prob: float, logits: torch.Tensor | None,
+                 top: tuple[list[int], list[float]] | None, scored: bool) -> StepOutput:
+    """The output of a sequence's new token that brings more than the token: its logits [vocab], its top
+    alternatives (ids, log probs), the prompt's log probs and prompt logits with the first token (`scored`: asked
+    for, taken from the sequence here)."""
+    p = seq.params
+    out = StepOutput(seq.request_id, [token], log_probs=[log_prob] if p.return_log_probs else [],
+                     sequence_index=seq.sequence_index, metrics=seq.metrics.copy(), generation_logits=logits)
+    if top is not None:
+        out.top_ids, out.top_log_probs = [top[0]], [top[1]]
+    if scored:
+        out.prompt_log_probs, seq.prompt_scores = prompt_log_probs(seq.prompt_scores, p.top_log_probs), {}
+    if seq.context_logits and len(seq.output_ids) == 1:
+        out.context_logits = torch.cat([seq.context_logits[first] for first in sorted(seq.context_logits)])
+        seq.context_logits = {}
+    return out

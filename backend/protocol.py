@@ -1,4 +1,5 @@
-"""TensorRT-LLM backend's I/O contract, framework-free: input arrays -> engine requests, outputs -> arrays.
+"""TensorRT-LLM backend's I/O contract, framework-free: input arrays -> engine requests (outputs -> arrays:
+backend/output_arrays.py).
 
 Arrays arrive as Triton hands them to a model with max_batch_size >= 1: each request's tensors carry a
 leading batch dim (input_ids [B, L], scalars [B] or [B, 1], lora_weights [B, N, R], words lists [B, 2, L]).
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.contract import check_unsupported
-from backend.request import RequestError, RequestLimits, SamplingParams, SeqMetrics, check_finite
+from backend.lora.request import LoraRequest
+from backend.request import RequestError, RequestLimits, SamplingParams, check_finite
 
 
 @dataclass(slots=True)
@@ -21,11 +23,7 @@ class ParsedRequest:
     streaming: bool = False
     exclude_input_in_output: bool = False
     stop: bool = False
-    lora_task_id: int | None = None
-    lora_weights: np.ndarray | None = None
-    lora_config: np.ndarray | None = None
-    lora_adapter: object | None = None        # the weights parsed off the engine thread (backend/lora/format.py)
-    lora_name: str | None = None              # what the client calls the adapter (request parameter lora_name)
+    lora: LoraRequest | None = None           # its adapter (weights parsed off the engine thread: backend/uploads.py)
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
@@ -172,16 +170,16 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
     )
     if params.temperature == 0.0 and sampling:
         params.top_k = 1                           # temperature 0 with sampling asked for: greedy
-    lora_weights = arrays.get("lora_weights")
-    lora_config = arrays.get("lora_config")
+    lora_weights, lora_config = arrays.get("lora_weights"), arrays.get("lora_config")
+    lora = LoraRequest.of(_scalar(arrays, "lora_task_id", int),
+                          None if lora_weights is None else np.asarray(lora_weights),
+                          None if lora_config is None else np.asarray(lora_config))
     return ParsedRequest(
         prompt_ids=prompt,
         params=params,
         streaming=_scalar(arrays, "streaming", bool, False),
         exclude_input_in_output=_scalar(arrays, "exclude_input_in_output", bool, False),
-        lora_task_id=_scalar(arrays, "lora_task_id", int),
-        lora_weights=None if lora_weights is None else np.asarray(lora_weights),
-        lora_config=None if lora_config is None else np.asarray(lora_config),
+        lora=lora,
         return_perf_metrics=_scalar(arrays, "return_perf_metrics", bool, False) or
         _scalar(arrays, "return_kv_cache_reuse_stats", bool, False),
         return_num_input_tokens=_scalar(arrays, "return_num_input_tokens", bool, False),
@@ -214,92 +212,3 @@ def _embedding_bias(arrays: dict) -> np.ndarray | None:
     if bias.dtype.kind != "f":
         raise RequestError("embedding_bias", f"must be FP32, got dtype {bias.dtype}")
     return bias.astype(np.float32)
-
-
-def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[str, np.ndarray]:
-    """One response's tensors for one sequence: output_ids [1, beam=1, n], sequence_length [1, 1], and the
-    log probs [1, 1] / [1, 1, n] (zeros where not asked for)."""
-    n = len(token_ids)
-    log_probs = log_probs if log_probs and len(log_probs) == n else [0.0] * n
-    return {
-        "output_ids": np.array(token_ids, dtype=np.int32).reshape(1, 1, n),
-        "sequence_length": np.array([[n]], dtype=np.int32),
-        "cum_log_probs": np.array([[sum(log_probs)]], dtype=np.float32),
-        "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, n),
-    }
-
-
-def top_arrays(ids: list[list[int]], log_probs: list[list[float]], request: ParsedRequest) -> dict[str, np.ndarray]:
-    """Our extension (num_top_log_probs): each new token's k most likely tokens, output_top_log_probs (FP32) and
-    output_top_log_prob_ids (INT32) [1, beam=1, tokens, k]."""
-    k = request.params.top_log_probs
-    if not k or not ids:
-        return {}
-    return {"output_top_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, len(ids), k),
-            "output_top_log_prob_ids": np.array(ids, dtype=np.int32).reshape(1, 1, len(ids), k)}
-
-
-def first_arrays(out) -> dict[str, np.ndarray]:
-    """What a request's first output brings once: context_logits [1, prompt, vocab], and our extension
-    (return_prompt_log_probs) prompt_log_probs [1, prompt] (the first NaN) and prompt_log_prob_ranks [1, prompt]
-    (INT32, 1 for the most likely token; the first 0), with num_top_log_probs > 0
-    prompt_top_log_probs (FP32) and prompt_top_log_prob_ids (INT32) [1, prompt, k]."""
-    arrays = {}
-    if out.context_logits is not None:
-        arrays["context_logits"] = out.context_logits.numpy()[None]
-    scored = out.prompt_log_probs
-    if scored is not None:
-        arrays["prompt_log_probs"] = scored.log_probs.numpy()[None]
-        arrays["prompt_log_prob_ranks"] = scored.ranks.numpy()[None]
-        if scored.top_ids.shape[1]:
-            arrays["prompt_top_log_probs"] = scored.top_log_probs.numpy()[None]
-            arrays["prompt_top_log_prob_ids"] = scored.top_ids.numpy()[None]
-    return arrays
-
-
-def extra_arrays(row: ParsedRequest, batch_size: int, batch_index: int, sequence_index: int,
-                 metrics: SeqMetrics | None, num_output_tokens: int) -> dict[str, np.ndarray]:
-    """The outputs TensorRT-LLM adds when they say something: batch_index for a batch of several rows,
-    sequence_index for several return sequences, the perf metrics and token counts when asked for."""
-    out = {}
-    if batch_size > 1:
-        out["batch_index"] = np.array([[batch_index]], dtype=np.int32)
-    if row.params.num_return_sequences > 1:
-        out["sequence_index"] = np.array([[sequence_index]], dtype=np.int32)
-    if row.return_perf_metrics and metrics is not None:
-        out |= {name: np.array([[value]], dtype=np.int32) for name, value in (
-            ("kv_cache_alloc_new_blocks", metrics.num_new_blocks),
-            ("kv_cache_reused_blocks", metrics.num_reused_blocks),
-            ("kv_cache_alloc_total_blocks", metrics.num_new_blocks))}
-        out |= {name: np.array([[getattr(metrics, name)]], dtype=np.int64) for name in (
-            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")}
-        out |= {"acceptance_rate": np.array([[0.0]], dtype=np.float32),
-                "total_accepted_draft_tokens": np.array([[0]], dtype=np.int32),
-                "total_draft_tokens": np.array([[0]], dtype=np.int32)}
-    if row.return_num_input_tokens:
-        out["num_input_tokens"] = np.array([[len(row.prompt_ids)]], dtype=np.int32)
-    if row.return_num_output_tokens:
-        out["num_output_tokens"] = np.array([[num_output_tokens]], dtype=np.int32)
-    return out
-
-
-def generation_logits(rows: list[np.ndarray], request: ParsedRequest) -> dict[str, np.ndarray]:
-    """generation_logits [1, beam=1, tokens, vocab], when the request asked for them."""
-    if not request.params.return_generation_logits or not rows:
-        return {}
-    return {"generation_logits": np.stack(rows)[None, None].astype(np.float32)}
-
-
-def merge_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One response for a batch of rows: each output stacked along the batch dim, padded with -1 (ids) or 0."""
-    merged = {}
-    for name in rows[0]:
-        arrays = [r[name] for r in rows if name in r]
-        if len(arrays) < len(rows):
-            continue
-        shape = np.max([a.shape for a in arrays], axis=0)
-        pad = -1 if name.endswith("_ids") else 0
-        merged[name] = np.concatenate([np.pad(a, [(0, 0)] + [(0, int(m) - d) for m, d in zip(shape[1:], a.shape[1:])],
-                                              constant_values=pad) for a in arrays])
-    merged.pop("batch_index", None)                # the position in the response says it
-    return merged

@@ -255,6 +255,20 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def accept(self, token: int, log_prob: float, now: int) -> None:
+        """A new token: appended (its log prob where asked), its time, the next top_p and the grammar's state."""
+        self.output_ids.append(token)
+        p, m = self.params, self.metrics
+        m.last_token_time_ns = now
+        if not m.first_token_time_ns:
+            m.first_token_time_ns = now
+        if p.return_log_probs:
+            self.output_log_probs.append(log_prob)
+        if p.top_p_decay != 1.0 or p.top_p_reset_id is not None:
+            self.top_p = p.top_p if token == p.top_p_reset_id else max(self.top_p * p.top_p_decay, p.top_p_min)
+        if self.matcher is not None:
+            self.matcher.accept_token(token)
+
     def stop_reason(self) -> str | None:
         """Why the sequence ends with its last token: "stop" (a complete guide, the end token or a stop word, once
         min_tokens are out), "length" (max_new_tokens), or None: it goes on."""

@@ -106,6 +106,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_forks(self, first: Sequence, others: list[Sequence]) -> list[tuple[int, int]]:
+        """The other samples of a prompt, queued to start from the first one's cache: they share its full prompt
+        blocks and copy the block holding the last prompt token, which each computes again to sample its own first
+        token. Returns the block copies (source, destination) to make."""
+        copies = []
+        for seq in others:
+            copy = self.blocks.fork(first, seq, len(seq.prompt_ids) - 1)
+            if copy is not None:
+                copies.append(copy)
+            self.add(seq)
+        return copies
+
     def schedule(self) -> Batch:
         if self.decoding is not None and (not self.waiting or len(self.running) >= self.max_num_seqs):
             batch = self._schedule_decoding()

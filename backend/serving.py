@@ -232,9 +232,7 @@ class EngineLoop:
             request_ids = []
             try:
                 for r in stream.requests:
-                    request_ids.append(self.engine.add_request(
-                        r.prompt_ids, r.params, lora_task_id=r.lora_task_id, lora_weights=r.lora_weights,
-                        lora_config=r.lora_config, lora_adapter=r.lora_adapter, lora_name=r.lora_name))
+                    request_ids.append(self.engine.add_request(r.prompt_ids, r.params, lora=r.lora))
             except Exception as err:                          # never let one request take the loop down
                 for request_id in request_ids:
                     self.engine.abort(request_id)

@@ -17,25 +17,25 @@ class Uploads:
 
     def prepare(self, r: ParsedRequest) -> None:
         """Parse the request's adapter (or drop weights the host tier holds already)."""
-        if r.lora_weights is None or r.lora_config is None or r.lora_task_id is None:
+        lora = r.lora
+        if lora is None or lora.weights is None:
             return
         cache = self.engine.lora_cache
-        if cache.holds(r.lora_task_id, r.lora_weights, r.lora_config):
-            r.lora_weights = r.lora_config = None                   # the same adapter is cached: the id is enough
+        if cache.holds(lora.task_id, lora.weights, lora.config):
+            r.lora = lora.parsed(None)                              # the same adapter is cached: the id is enough
             return
         budget = self.engine.config.lora.host_memory_bytes
-        if self.pending_bytes + r.lora_weights.nbytes > budget:
+        if self.pending_bytes + lora.weights.nbytes > budget:
             raise RequestError("lora_weights", f"adapter uploads waiting for the engine exceed "
                                                f"lora_cache_host_memory_bytes {budget}; retry later")
-        r.lora_adapter = cache.parse(r.lora_weights, r.lora_config)
-        r.lora_weights = r.lora_config = None
-        self._count(r.lora_adapter.num_bytes)
+        r.lora = lora.parsed(cache.parse(lora.weights, lora.config))
+        self._count(r.lora.adapter.num_bytes)
 
     def release(self, requests: list[ParsedRequest]) -> None:
         """These requests' parsed adapters left the inbox (into the engine, or refused)."""
         for r in requests:
-            if r.lora_adapter is not None:
-                self._count(-r.lora_adapter.num_bytes)
+            if r.lora is not None and r.lora.adapter is not None:
+                self._count(-r.lora.adapter.num_bytes)
 
     def _count(self, num_bytes: int) -> None:
         with self.lock:

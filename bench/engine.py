@@ -44,7 +44,7 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
     gaps: list[float] = []
     num_tokens = 0
     for r in requests:
-        engine.add_request(r["prompt"], lora_task_id=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
+        engine.add_request(r["prompt"], lora=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
                            ignore_end_id=True, **r.get("sampling", {}))
     num_steps = 0
     step_seconds = {"decode": [], "prefill": []}

@@ -27,7 +27,7 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
     counted."""
     device = engine.runner.device
     for r in requests:
-        engine.add_request(r["prompt"], lora_task_id=r.get("lora_task_id"), max_new_tokens=4 * num_timed + 8,
+        engine.add_request(r["prompt"], lora=r.get("lora_task_id"), max_new_tokens=4 * num_timed + 8,
                            ignore_end_id=True)
     while any(seq.num_computed_tokens < len(seq.prompt_ids) for members in engine.seqs.values() for seq in members):
         engine.step()

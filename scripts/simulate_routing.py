@@ -53,7 +53,7 @@ def measure_costs(model_dir: str, rank: int = 16) -> dict:
         load_s.append(time.perf_counter() - start)
 
     def decode_step(rows: int, adapters: int) -> float:
-        ids = [engine.add_request([5] * 32, lora_task_id=1 + i % adapters if adapters else None, max_new_tokens=40,
+        ids = [engine.add_request([5] * 32, lora=1 + i % adapters if adapters else None, max_new_tokens=40,
                                   ignore_end_id=True) for i in range(rows)]
         while engine.num_steps == 0 or engine.last_step_kind != "decode":
             engine.step()

@@ -5,7 +5,8 @@ import pytest
 
 from backend import LLMEngine
 from backend.contract import IGNORED, UNSUPPORTED
-from backend.protocol import check_declared, merge_rows, parse_request
+from backend.output_arrays import merge_rows
+from backend.protocol import check_declared, parse_request
 from backend.request import RequestError, RequestLimits, SamplingParams
 from tests.helpers import random_prompts
 

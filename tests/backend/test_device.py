@@ -92,7 +92,7 @@ def test_adapters_churn_through_fewer_slots_than_adapters(tiny_model_dir, tiny_a
     while pending or engine.has_unfinished:
         if pending:
             i = pending.pop(0)
-            engine.add_request(prompts[i], request_id=i, lora_task_id=tasks[i], max_new_tokens=16)
+            engine.add_request(prompts[i], request_id=i, lora=tasks[i], max_new_tokens=16)
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
             if out.request_id == aborted and len(outputs[aborted]) == 2:
@@ -108,7 +108,7 @@ def test_adapters_churn_through_fewer_slots_than_adapters(tiny_model_dir, tiny_a
 
 def first_token_logits(engine: LLMEngine, prompts: list[list[int]], tasks: list[int | None]) -> torch.Tensor:
     """[rows, vocab] fp32: the logits each request's first token was sampled from."""
-    ids = [engine.add_request(p, lora_task_id=t, max_new_tokens=1, return_generation_logits=True)
+    ids = [engine.add_request(p, lora=t, max_new_tokens=1, return_generation_logits=True)
            for p, t in zip(prompts, tasks)]
     logits = {}
     while any(request_id in engine.seqs for request_id in ids):
@@ -169,7 +169,7 @@ def test_a_step_syncs_only_for_its_one_result_copy(tiny_model_dir, tiny_adapters
                dict(bad_words=[[7], [3, 9]], end_id=2, min_tokens=3),
                dict(return_log_probs=True)]
     for prompt, task, option in zip(prompts, [1, 2, None, 1], options):
-        engine.add_request(prompt, lora_task_id=task, max_new_tokens=6, **option)
+        engine.add_request(prompt, lora=task, max_new_tokens=6, **option)
     engine.step()                                   # first launches compile the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -16,7 +16,7 @@ MAX_NEW_TOKENS = [9, 3, 6, 2, 7]                      # sequences leave one by o
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    ids = [engine.add_request(prompt, lora_task_id=task, max_new_tokens=n)
+    ids = [engine.add_request(prompt, lora=task, max_new_tokens=n)
            for prompt, task, n in zip(prompts, TASKS, MAX_NEW_TOKENS)]
     outputs = {request_id: [] for request_id in ids}
     while engine.has_unfinished:
@@ -100,7 +100,7 @@ def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_a
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
     task = 1 if with_adapters else None
     for prompt in random_prompts([5, 9, 4], 512, seed=52):
-        engine.add_request(prompt, lora_task_id=task, max_new_tokens=4)
+        engine.add_request(prompt, lora=task, max_new_tokens=4)
     engine.step()                                     # the prompts
     launches, call = [], GridExecutor.__call__
     def counted(self, *args, **kwargs):

@@ -20,7 +20,7 @@ def engine(tiny_model_dir, reuse: bool, num_blocks: int = 200, **kwargs) -> LLME
 
 def run_one(engine, prompt, task_id=None):
     """(tokens, blocks reused) of one request run alone."""
-    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=MAX_NEW), lora_task_id=task_id)
+    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=MAX_NEW), lora=task_id)
     first = engine.seqs[request_id][0]
     tokens = []
     while engine.has_unfinished:

@@ -59,7 +59,7 @@ def make_engine(model_dir, adapters, path: str, **kwargs) -> LLMEngine:
 
 def run(engine: LLMEngine, prompts, tasks, options) -> dict:
     """Each request's outputs by sequence: tokens, log probs, top ids and log probs; and its prompt's log probs."""
-    ids = [engine.add_request(p, lora_task_id=t, max_new_tokens=MAX_NEW, **o) for p, t, o in zip(prompts, tasks, options)]
+    ids = [engine.add_request(p, lora=t, max_new_tokens=MAX_NEW, **o) for p, t, o in zip(prompts, tasks, options)]
     got = {i: {"prompt": None} for i in ids}
     while engine.has_unfinished:
         for out in engine.step():
@@ -143,7 +143,7 @@ def test_a_prompt_scored_does_not_reuse_a_cached_prefix(tiny_model_dir, tiny_ada
     prompt = random_prompts([50], engine.model_config.vocab_size, seed=62)[0]
     engine.generate([prompt], max_new_tokens=2, lora_task_ids=[2])
     option = dict(return_prompt_log_probs=True, top_log_probs=3)
-    request_id = engine.add_request(prompt, lora_task_id=2, max_new_tokens=MAX_NEW, **option)
+    request_id = engine.add_request(prompt, lora=2, max_new_tokens=MAX_NEW, **option)
     got, reused = {"prompt": None, 0: {"tokens": [], "log_probs": [], "top_ids": [], "top_log_probs": []}}, []
     while engine.has_unfinished:
         for out in engine.step():

@@ -81,7 +81,7 @@ def test_device_tier_pins_adapters_in_use_and_evicts_lru(model_cfg):
 def test_unknown_task_id_gets_the_trtllm_error_text(tiny_model_dir):
     engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
     with pytest.raises(RequestError) as err:
-        engine.add_request([5, 6, 7], lora_task_id=1234)
+        engine.add_request([5, 6, 7], lora=1234)
     assert err.value.field == "lora_task_id"
     assert err.value.message == "LoRA task 1234 not found in cache. Please send LoRA weights with request"
     assert engine.lora_cache.stats.host_misses == 1
@@ -110,7 +110,7 @@ def test_a_request_waiting_for_a_slot_does_not_hold_up_requests_on_resident_adap
     for task in (1, 2):
         engine.add_lora(task, *make_adapter(model_cfg, 4, task))
     prompts = random_prompts([5, 6, 7, 8], model_cfg.vocab_size, seed=3)
-    ids = [engine.add_request(p, lora_task_id=t, max_new_tokens=4) for p, t in zip(prompts, [1, 2, 1, None])]
+    ids = [engine.add_request(p, lora=t, max_new_tokens=4) for p, t in zip(prompts, [1, 2, 1, None])]
     engine.step()
     assert [engine.seqs[i][0].num_computed_tokens > 0 for i in ids] == [True, False, True, True]
     assert engine.scheduler.waiting[0].request_id == ids[1]

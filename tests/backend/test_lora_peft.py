@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend import LLMEngine
+from backend import LLMEngine, LoraRequest
 from backend.lora.peft import load_lora_dir, peft_to_trtllm
 from tests.helpers import CPU_BACKENDS, make_peft_adapters, peft_greedy, peft_model_with, random_prompts
 
@@ -31,12 +31,12 @@ def run_mixed(engine: LLMEngine, prompts, end_id) -> list[list[int]]:
     outputs = {i: [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     for i in pending[:len(prompts) // 2]:
-        engine.add_request(prompts[i], request_id=i, lora_task_id=TASKS[i], max_new_tokens=MAX_NEW, end_id=end_id)
+        engine.add_request(prompts[i], request_id=i, lora=TASKS[i], max_new_tokens=MAX_NEW, end_id=end_id)
     pending = pending[len(prompts) // 2:]
     while pending or engine.has_unfinished:
         if pending:
             i = pending.pop(0)
-            engine.add_request(prompts[i], request_id=i, lora_task_id=TASKS[i], max_new_tokens=MAX_NEW, end_id=end_id)
+            engine.add_request(prompts[i], request_id=i, lora=TASKS[i], max_new_tokens=MAX_NEW, end_id=end_id)
         for out in engine.step():
             assert out.error is None
             outputs[out.request_id] += out.new_token_ids
@@ -73,8 +73,7 @@ def test_trtllm_tensors_with_shuffled_rows_match_peft(tiny_model_dir, tiny_adapt
     for i, (prompt, task) in enumerate(zip(prompts, TASKS)):
         first = task is not None and task not in {TASKS[j] for j in range(i)}
         w, c = tensors[task] if first else (None, None)          # weights with the first request only
-        engine.add_request(prompt, request_id=i, lora_task_id=task, lora_weights=w, lora_config=c,
-                           max_new_tokens=MAX_NEW, end_id=2)
+        engine.add_request(prompt, request_id=i, lora=LoraRequest.of(task, w, c), max_new_tokens=MAX_NEW, end_id=2)
         outputs[i] = []
     while engine.has_unfinished:
         for out in engine.step():

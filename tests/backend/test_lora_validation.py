@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from backend import LLMEngine, RequestError
+from backend import LLMEngine, LoraRequest, RequestError
 from tests.backend.test_lora_cache import make_adapter
 
 
@@ -115,10 +115,10 @@ def test_bad_adapter_is_refused_then_a_valid_request_succeeds(engine, case, fiel
     weights, config = case(weights_ok.copy(), config_ok.copy())
     task_id = 100 + CASES.index((case, field, text))
     with pytest.raises(RequestError) as err:
-        engine.add_request([5, 6, 7], lora_task_id=task_id, lora_weights=weights, lora_config=config)
+        engine.add_request([5, 6, 7], lora=LoraRequest.of(task_id, weights, config))
     assert err.value.field == field and text in err.value.message, err.value.message
     assert not engine.lora_cache.contains(task_id)
-    engine.add_request([5, 6, 7], lora_task_id=1, lora_weights=weights_ok, lora_config=config_ok, max_new_tokens=3)
+    engine.add_request([5, 6, 7], lora=LoraRequest.of(1, weights_ok, config_ok), max_new_tokens=3)
     produced = []
     while engine.has_unfinished:
         for out in engine.step():
@@ -127,7 +127,10 @@ def test_bad_adapter_is_refused_then_a_valid_request_succeeds(engine, case, fiel
     assert len(produced) == 3
 
 
-def test_weights_without_config_are_refused(engine):
-    weights, _ = good(engine)
-    with pytest.raises(RequestError, match="must be sent together"):
-        engine.add_request([5], lora_task_id=3, lora_weights=weights)
+def test_weights_without_config_or_task_id_are_refused_by_name():
+    weights, config = np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 3), np.int32)
+    for args, field in (((3, weights, None), "lora_config"), ((3, None, config), "lora_weights"),
+                        ((None, weights, config), "lora_task_id")):
+        with pytest.raises(RequestError, match="must be") as err:
+            LoraRequest.of(*args)
+        assert err.value.field == field

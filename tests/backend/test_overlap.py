@@ -124,7 +124,7 @@ def test_rows_that_read_their_last_token_wait_for_it(tiny_model_dir, prompts, sa
 def test_mixed_adapters_chunked_prompts_and_preemption(tiny_model_dir, tiny_adapters, prompts, ahead):
     """Adapters of four ranks and the base in one batch, prompts in chunks, and a cache of 12 blocks: sequences are
     preempted with a token in flight and computed again."""
-    requests = [dict(prompt_ids=prompt, max_new_tokens=n, lora_task_id=[None, 1, 2, 3, 4, 1][i])
+    requests = [dict(prompt_ids=prompt, max_new_tokens=n, lora=[None, 1, 2, 3, 4, 1][i])
                 for i, (prompt, n) in enumerate(zip(prompts, MAX_NEW))]
     results = []
     for overlap in (False, True):
@@ -255,7 +255,7 @@ def test_decode_graphs_take_the_pending_ids(tiny_model_dir, tiny_adapters, promp
         engine = make_engine(tiny_model_dir, overlap, kernel_backend="triton", max_num_seqs=4)
         engine.add_lora_dir(1, tiny_adapters[0])
         engine.runner.start_graphs(engine.lora_cache, capture=False)
-        results.append(drive(engine, [dict(prompt_ids=p, max_new_tokens=6, lora_task_id=[None, 1][i % 2])
+        results.append(drive(engine, [dict(prompt_ids=p, max_new_tokens=6, lora=[None, 1][i % 2])
                                       for i, p in enumerate(prompts[:4])]))
     assert results[1] == results[0] and ahead
 

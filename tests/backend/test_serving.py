@@ -177,13 +177,13 @@ def test_lora_weights_are_parsed_on_the_submitting_thread(engine, loop, tiny_ada
     stream = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
                         lora_weights=weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(stream)
-    assert stream.requests[0].lora_weights is None and stream.requests[0].lora_adapter is not None   # parsed already
+    assert stream.requests[0].lora.weights is None and stream.requests[0].lora.adapter is not None   # parsed already
     assert stream.wait().answers == ["finish"] and engine.lora_cache.contains(3)
     assert loop.uploads.pending_bytes == 0
     again = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
                        lora_weights=weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(again)                              # cached already: its weights are not parsed again
-    assert again.requests[0].lora_adapter is None and again.wait().answers == ["finish"]
+    assert again.requests[0].lora.adapter is None and again.wait().answers == ["finish"]
     other = FakeStream(prompts(engine, 1)[0], lora_task_id=np.array([[3]], dtype=np.uint64),
                        lora_weights=2 * weights[None].astype(np.float32), lora_config=config[None])
     loop.submit(other)                              # other weights under a cached id: refused, as the engine API does

@@ -191,7 +191,7 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
         for task_id, path in enumerate(tiny_adapters[:2], start=1):
             engine.add_lora_dir(task_id, path)
         prompts = random_prompts([5, 9, 13, 6, 17, 3], 512, seed=3)
-        ids = [engine.add_request(prompt, lora_task_id=[None, 1, 2][i % 3], max_new_tokens=[12, 20, 7, 16, 25, 9][i],
+        ids = [engine.add_request(prompt, lora=[None, 1, 2][i % 3], max_new_tokens=[12, 20, 7, 16, 25, 9][i],
                                   num_return_sequences=2 if i == 3 else 1,
                                   stop_words=[[prompt[0]]] if i == 4 else [])
                for i, prompt in enumerate(prompts)]

@@ -95,7 +95,7 @@ def run_scenario(engine: LLMEngine, adapters) -> tuple[dict, dict]:
     while pending or engine.has_unfinished:
         if pending:
             i = pending.pop(0)
-            engine.add_request(prompts[i], request_id=i, lora_task_id=TASKS[i], max_new_tokens=12, end_id=None,
+            engine.add_request(prompts[i], request_id=i, lora=TASKS[i], max_new_tokens=12, end_id=None,
                                **OPTIONS.get(i, {}))
         for out in engine.step():
             assert out.error is None, out.error

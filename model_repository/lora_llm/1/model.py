@@ -19,8 +19,9 @@ sys.path.insert(0, str(ROOT))
 from backend import LLMEngine, RequestError                    # noqa: E402
 from backend.heartbeat import Heartbeat, watchdog               # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
-from backend.protocol import (check_declared, extra_arrays, first_arrays, generation_logits,   # noqa: E402
-                              merge_rows, output_arrays, parse_request, top_arrays)
+from backend.output_arrays import (extra_arrays, first_arrays, generation_logits, merge_rows,   # noqa: E402
+                                   output_arrays, top_arrays)
+from backend.protocol import check_declared, parse_request     # noqa: E402
 from backend.serving import EngineLoop                         # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -206,8 +207,9 @@ class TritonPythonModel:
         inputs = request.inputs()
         check_declared({t.name(): t.shape() for t in inputs}, self.engine.limits)    # before any data is read
         rows = parse_request({t.name(): as_array(t) for t in inputs}, self.engine.limits)
+        name = lora_name(request)
         for row in rows:
-            row.lora_name = lora_name(request)
+            row.lora = row.lora.named(name) if row.lora is not None and name else row.lora
         if not self.decoupled:
             check_unary(rows)
         stream = TritonStream(request, rows, self.metrics, unary=not self.decoupled)
