@@ -6,7 +6,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,7 @@ class ModelConfig:
     rope_scaling: dict | None                 # llama3-style scaling, or None
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool                             # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_id: int | None
@@ -97,6 +98,7 @@ class ModelConfig:
             rope_scaling=rope if rope_type == "llama3" else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=hf.get("sliding_window") if use_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,

@@ -55,7 +55,8 @@ def build_smollm2(out: Path) -> None:
 
 def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,12 +64,16 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2) | shape_overrides
     if architecture == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=10000.0))
+    elif architecture == "qwen3":                 # head_dim apart from hidden / heads, as Qwen3's own configs have it
+        model = Qwen3ForCausalLM(Qwen3Config(**({"head_dim": 32} | shape), rope_theta=10000.0))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
     with torch.no_grad():                     # random init is near-uniform; sharpen it so greedy is decisive
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0, 0.08)
+            elif architecture == "qwen3" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)          # not ones: a norm read from the wrong place changes the tokens
     phase(f"saving tiny {architecture} model to {out}")
     model.save_pretrained(out)
 
@@ -77,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tiny", type=Path, metavar="OUT", help="write a small random Llama instead")
-    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="with --tiny")
+    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama", help="with --tiny")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.tiny:

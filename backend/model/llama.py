@@ -1,4 +1,5 @@
-"""Llama-family transformer over packed tokens: GQA attention on a paged KV cache, SwiGLU MLP, RMSNorm, RoPE."""
+"""Llama-family transformer over packed tokens: GQA attention on a paged KV cache, SwiGLU MLP, RMSNorm, RoPE (and
+Qwen3's RMSNorm over each head of q and k before it)."""
 import torch
 import torch.nn.functional as F
 
@@ -51,9 +52,18 @@ class LlamaModel:
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                 # [num_tokens, num_heads, head_dim]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)              # [num_tokens, num_kv_heads, head_dim]
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:                                             # (v as k: the rotary ops take them alike)
+            q, k = self.head_norm(q, w[f"layers.{i}.q_norm"]), self.head_norm(k, w[f"layers.{i}.k_norm"])
+            v = v.contiguous()
         k_cache, v_cache = kv_cache
         q = ops.rotary_and_cache(q, k, v, ctx.positions, self.cos_sin, k_cache, v_cache, ctx.attn.slot_mapping)
         return q, residual
+
+    def head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head: [num_tokens, heads, head_dim] -> the same, contiguous."""
+        num_heads, head_dim = x.shape[1:]
+        return self.ops.add_rms_norm(x.reshape(-1, head_dim), None, weight, self.cfg.rms_norm_eps)[0].view(
+            -1, num_heads, head_dim)
 
     def attention(self, i: int, q: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:
         """[num_tokens, num_heads * head_dim]: each token's attention over its sequence's cached context."""

@@ -36,6 +36,8 @@ def translation_table(cfg: ModelConfig) -> dict[str, Source]:
         }
         if cfg.qkv_bias:
             table[f"layers.{i}.qkv_bias"] = Source(tuple(a + ".bias" for a in attn), "qkv")
+        if cfg.qk_norm:                                        # [head_dim], the same for every head: every rank's
+            table |= {f"layers.{i}.{x}_norm": Source((f"{p}.self_attn.{x}_norm.weight",)) for x in ("q", "k")}
     return table
 
 
@@ -52,6 +54,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
             f"{p}.self_attn.q_proj.bias": (q,), f"{p}.self_attn.k_proj.bias": (kv,),
             f"{p}.self_attn.v_proj.bias": (kv,),
+            f"{p}.self_attn.q_norm.weight": (cfg.head_dim,), f"{p}.self_attn.k_norm.weight": (cfg.head_dim,),
             f"{p}.mlp.gate_proj.weight": (inter, h), f"{p}.mlp.up_proj.weight": (inter, h),
             f"{p}.mlp.down_proj.weight": (h, inter),
         }

@@ -1,0 +1,104 @@
+"""The base models beyond Llama, each a tiny random config built with transformers' own classes, served token for
+token as transformers (the base) and PEFT (adapters of ranks 4-64 on every module, a DoRA one, base rows beside
+them) give it in fp32: on every CPU path, at two tensor-parallel ranks and through the decode graphs' padded steps.
+"""
+import pytest
+import torch
+
+from backend import LLMEngine
+from backend.model.graphs import DecodeGraphs
+from scripts.prepare_model import build_tiny
+from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters,
+                           peft_greedy_alone, peft_model_with, random_prompts)
+
+FAMILIES = ["qwen3"]
+SPECS = [dict(r=4, lora_alpha=8, target_modules=ALL_MODULES),
+         dict(r=64, lora_alpha=32, use_rslora=True, target_modules=ALL_MODULES),
+         dict(r=16, lora_alpha=16, use_dora=True, target_modules=ALL_MODULES)]
+TASKS = [None, 1, 2, 3, 1, None, 3, 2]                 # request i's adapter (None: the base)
+LENGTHS = [5, 23, 9, 40, 3, 17, 30, 12]
+MAX_NEW = 8
+EOS = 2                                                # the tiny models' eos, where transformers stops too
+PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the Triton kernels: the interpreter
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    build_tiny(path, seed=5, architecture=request.param)
+    return path
+
+
+@pytest.fixture(scope="module")
+def family_adapters(family_dir, tmp_path_factory):
+    return make_peft_adapters(family_dir, tmp_path_factory.mktemp("adapters"), specs=SPECS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, 512, seed=61)
+
+
+@pytest.fixture(scope="module")
+def peft(family_dir, family_adapters):
+    return peft_model_with(family_dir, family_adapters)
+
+
+@pytest.fixture(scope="module")
+def expected(peft, prompts):
+    """PEFT's greedy tokens, one adapter at a time (PEFT mixes no DoRA adapter in a batch)."""
+    return [peft_greedy_alone(peft, p, None if t is None else f"a{t - 1}", MAX_NEW) for p, t in zip(prompts, TASKS)]
+
+
+def serve(engine: LLMEngine, adapters, prompts) -> list[list[int]]:
+    for task_id, path in enumerate(adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    ids = [engine.add_request(p, lora=t, max_new_tokens=MAX_NEW, end_id=EOS) for p, t in zip(prompts, TASKS)]
+    outputs = {request_id: [] for request_id in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert not out.error, out.error
+            outputs[out.request_id] += out.new_token_ids
+    return [outputs[request_id] for request_id in ids]
+
+
+def make_engine(model_dir, kernel_backend: str, **kwargs) -> LLMEngine:
+    return LLMEngine(model_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20,
+                     max_num_batched_tokens=32, max_num_seqs=6, **kwargs)
+
+
+def test_every_adapter_changes_the_tokens(peft, prompts, expected):
+    for prompt, task, tokens in zip(prompts, TASKS, expected):
+        if task is not None:
+            assert tokens != peft_greedy_alone(peft, prompt, None, MAX_NEW), task
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)      # (Triton: base rows in the adapters' test)
+def test_the_base_matches_transformers(family_dir, prompts, kernel_backend):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    engine = make_engine(family_dir, kernel_backend)
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=EOS) == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_mixed_adapters_match_peft(family_dir, family_adapters, prompts, expected, kernel_backend):
+    assert serve(make_engine(family_dir, kernel_backend), family_adapters, prompts) == expected
+
+
+def test_two_ranks_match_peft(family_dir, family_adapters, prompts, expected):
+    engine = make_engine(family_dir, "torch", tensor_parallel_size=2)
+    try:
+        assert serve(engine, family_adapters, prompts) == expected
+    finally:
+        engine.close()
+
+
+@INTERPRETER_MARK
+def test_the_decode_graphs_padded_steps_match_peft(family_dir, family_adapters, prompts, expected):
+    """Every decode step through the padded fixed buffers a CUDA graph records (run eagerly here)."""
+    engine = make_engine(family_dir, "triton")
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
+                                 runner.device, capture=False)
+    assert serve(engine, family_adapters, prompts) == expected
