@@ -6,6 +6,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -22,7 +23,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None                 # llama3-style scaling, or None
+    rope_scaling: dict | None                 # RoPE scaling with its rope_type (backend/model/rope.py), or None
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool                             # RMSNorm over each head of q and k before RoPE (Qwen3)
@@ -78,8 +79,12 @@ class ModelConfig:
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+        rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first name for it
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if rotary != 1.0:
+            raise ValueError(f"partial_rotary_factor {rotary} is not supported (RoPE over the whole head only)")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         use_window = hf.get("use_sliding_window", arch == "MistralForCausalLM")
@@ -95,7 +100,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling=rope | {"rope_type": rope_type} if rope_type != "default" else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",

@@ -36,10 +36,12 @@ class StepInputs:
     to the device in one copy with the sampler's and LoRA's), and the host-side figures kernels launch with.
     Built with array operations over the batch: a step's host work does not grow with its context."""
 
-    def __init__(self, batch: Batch, block_size: int, kept: KeptBatch | None = None, steady: bool = False):
+    def __init__(self, batch: Batch, block_size: int, kept: KeptBatch | None = None, steady: bool = False,
+                 rope_rows: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None):
         """kept: the runner's persistent batch (its block tables serve a step from scratch too); steady: the batch
         is the kept one's sequences in the same order, each decoding the token it sampled (KeptBatch.take_if_steady).
-        """
+        rope_rows(positions, prompt lengths): the rotary table's row of each token, where it is not its position
+        (backend/model/rope.rows: a steady step's tokens are generated ones, whose row is their position)."""
         self.pending: list[tuple[int, object]] = []             # (token row, sequence) whose id is still on the device
         self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device
         self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
@@ -55,7 +57,7 @@ class StepInputs:
         if steady:
             self._steady_decode(batch, block_size, kept)
         else:
-            self._any(batch, block_size, kept.tables if kept is not None else BlockTables())
+            self._any(batch, block_size, kept.tables if kept is not None else BlockTables(), rope_rows)
 
     def _steady_decode(self, batch: Batch, block_size: int, kept: KeptBatch) -> None:
         """The kept sequences, each of which sampled, decode the token it sampled: the kept rows one token on."""
@@ -70,7 +72,7 @@ class StepInputs:
         self.tensors, self.row_inputs, sent = kept.tensors(n)
         self.sent, self.kept = {"kept": sent}, kept
 
-    def _any(self, batch: Batch, block_size: int, tables: "BlockTables") -> None:
+    def _any(self, batch: Batch, block_size: int, tables: "BlockTables", rope_rows=None) -> None:
         items, n = batch.items, len(batch.items)
         input_ids: list[int] = []
         counts: list[int] = []                                   # per item: new tokens, computed tokens, all tokens
@@ -117,6 +119,8 @@ class StepInputs:
             token_rows = np.repeat(np.arange(n), num_new)
         block_tables = tables.rows([item.seq for item in items])
         slots = block_tables[token_rows, positions // block_size] * block_size + positions % block_size
+        if rope_rows is not None:
+            positions = rope_rows(positions, np.array([len(item.seq.prompt_ids) for item in items])[token_rows])
         self._set(input_ids, positions, slots, query_starts, ends, block_tables,
                   query_starts[1:][num_tokens == ends] - 1, context_indices)
 

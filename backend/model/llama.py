@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from backend.checkpoint import ModelConfig
 from backend.model.context import StepContext
-from backend.model.layers import linear, rope_cos_sin
+from backend.model import rope
+from backend.model.layers import linear
 
 
 class LlamaModel:
@@ -18,7 +19,7 @@ class LlamaModel:
         self.w = weights
         self.ops = ops
         self.all_reduce = all_reduce
-        self.cos_sin = rope_cos_sin(cfg).to(weights["embed_tokens"].device)   # [max_positions, head_dim] fp32
+        self.cos_sin = rope.cos_sin(cfg).to(weights["embed_tokens"].device)   # [rows, head_dim] fp32
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -1,5 +1,7 @@
 """Owns the model's weights and KV cache on the engine's device, and runs one step: the batch's inputs go up in
 one copy, the forward and the sampling run on the device, the sampled tokens come back in one copy."""
+from functools import partial
+
 import torch
 
 from backend import sampler
@@ -10,6 +12,7 @@ from backend.kv_cache import num_kv_blocks
 from backend.logprobs import PromptScores
 from backend.lora.batch import LoraBatch
 from backend.lora.cache import LoraCache
+from backend.model import rope
 from backend.model.context import StepInputs
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.graphs import DecodeGraphs
@@ -37,6 +40,7 @@ class ModelRunner:
         self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
         self.ops = load_ops(self.kernel_backend, self.device)
         self.lora_dtype = self.ops.lora.adapter_dtype(config.lora.dtype, self.dtype)
+        self.rope_rows = partial(rope.rows, cfg) if rope.long_rope_original(cfg) is not None else None
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
@@ -224,7 +228,7 @@ class ModelRunner:
             rows = LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
             batch.items = [batch.items[i] for i in rows.order]
             token_slots = [slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
-        inputs = StepInputs(batch, self.block_size, self.kept, kept is not None)
+        inputs = StepInputs(batch, self.block_size, self.kept, kept is not None, self.rope_rows)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
         plan = rows.plan or sampler.prepare(list(rows.rows_of), self.model_config.vocab_size)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend.checkpoint import ModelConfig
-from backend.model.layers import rope_cos_sin
+from backend.model.rope import cos_sin as rope_cos_sin
 from kernels import fused, reference
 from tests.helpers import KERNEL_DEVICES
 
