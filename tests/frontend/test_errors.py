@@ -37,7 +37,7 @@ def test_field_errors_are_400_under_the_openai_name(engine, request_fields, para
 def test_an_unavailable_engine_is_503_and_a_failed_step_500(engine):
     assert from_core("engine unavailable: engine failure: RuntimeError: boom (3 steps failed in a row)").status == 503
     assert from_core("engine failure: RuntimeError: injected fault at step 2").status == 500
-    lost = from_core(core_error(engine, lora_task_id=424242))      # still "not found" after the weights were sent
+    lost = from_core(core_error(engine, lora=424242))      # still "not found" after the weights were sent
     assert lost.status == 503 and lost.code == "adapter_unavailable"
 
 
