@@ -27,13 +27,20 @@ def test_token_buckets_are_powers_of_two_from_16_up_to_the_step_budget_or_512():
     assert token_buckets(8) == [8]
 
 
+@pytest.fixture(scope="module")
+def eager_tokens(tiny_model_dir, tiny_adapters) -> list[list[int]]:
+    """The eager steps' tokens on the Triton kernels (interpreter), once for the module."""
+    return run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), random_prompts(PROMPT_LENS, 512, seed=53))
+
+
 @INTERPRETER_MARK
 @pytest.mark.parametrize("with_decode_graphs", [False, True])
-def test_padded_piecewise_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, with_decode_graphs):
+def test_padded_piecewise_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, eager_tokens,
+                                                            with_decode_graphs):
     """Steps of prompt chunks and decodes (with and without adapters) through the pieces of their token bucket:
     padded tokens write no cache slot, attention sees only the real sequences; same tokens as eager steps."""
     prompts = random_prompts(PROMPT_LENS, 512, seed=53)
-    want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), prompts)
+    want = eager_tokens
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
     engine.runner.start_graphs(engine.lora_cache, capture=False)
     if not with_decode_graphs:

@@ -1,6 +1,7 @@
 """The soak on the tiny model: concurrent streams, adapter churn through 3 slots, cancellations, preemption and
-adversarial requests; every request answered, no KV block or adapter pin left, engine alive (30 s), and memory that
-stays flat over the second half of two minutes of it."""
+adversarial requests; every request answered, no KV block or adapter pin left, engine alive, and memory that stays
+flat over the second half of two minutes of it. One soak serves the module: two minutes where the memory test is
+selected, else 30 s."""
 import json
 import subprocess
 import sys
@@ -19,8 +20,14 @@ def soak(model_dir, out, duration_s: int) -> dict:
     return json.loads(out.read_text())
 
 
-def test_thirty_second_soak_answers_everything_and_leaks_nothing(tiny_model_dir, tmp_path):
-    report = soak(tiny_model_dir, tmp_path / "soak.json", 30)
+@pytest.fixture(scope="module")
+def report(request, tiny_model_dir, tmp_path_factory) -> dict:
+    long = any(item.name == test_two_minute_soak_keeps_memory_flat_over_its_second_half.__name__
+               for item in request.session.items)
+    return soak(tiny_model_dir, tmp_path_factory.mktemp("soak") / "soak.json", 120 if long else 30)
+
+
+def test_the_soak_answers_everything_and_leaks_nothing(report):
     assert report["requests_sent"] == report["requests_answered"] > 50
     assert report["outcomes"]["finished"] > 0 and report["outcomes"]["cancelled by client"] > 0
     assert report["outcomes"]["error: invalid input"] > 0                      # NaN temperatures were refused
@@ -32,12 +39,11 @@ def test_thirty_second_soak_answers_everything_and_leaks_nothing(tiny_model_dir,
 
 
 @pytest.mark.slow
-def test_two_minute_soak_keeps_memory_flat_over_its_second_half(tiny_model_dir, tmp_path):
+def test_two_minute_soak_keeps_memory_flat_over_its_second_half(report):
     """The mean RSS of the last quarter of the load over that of a quarter around its middle: the engine's stub and
     tritonserver less the adapter weights in flight (it holds each request's message until its final answer) grow
     by less than 5%."""
-    report = soak(tiny_model_dir, tmp_path / "soak.json", 120)
-    assert report["requests_sent"] == report["requests_answered"]
+    assert report["seconds"] >= 120
     growth = report["rss_growth_second_half"]
     assert {"stub lora_llm", "tritonserver_less_uploads_mb"} <= set(growth), growth
     assert growth["stub lora_llm"] < 0.05 and growth["tritonserver_less_uploads_mb"] < 0.05, growth
