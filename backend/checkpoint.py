@@ -7,7 +7,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool                             # RMSNorm over each head of q and k before RoPE (Qwen3)
+    fused_projections: bool                   # qkv_proj and gate_up_proj fused in the checkpoint, and so in its
+                                              # adapters (Phi-3): modules 0 (attn_qkv) and 5 (mlp_h_to_4h, gate and
+                                              # up) have no q, k, v or up module beside them
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_id: int | None
@@ -87,7 +91,9 @@ class ModelConfig:
             raise ValueError(f"partial_rotary_factor {rotary} is not supported (RoPE over the whole head only)")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
-        use_window = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+        use_window = hf.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))
+        if rope_type in ("yarn", "longrope") and "original_max_position_embeddings" in hf:     # (Phi-3: beside it)
+            rope.setdefault("original_max_position_embeddings", hf["original_max_position_embeddings"])
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -104,6 +110,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            fused_projections=arch == "Phi3ForCausalLM",
             sliding_window=hf.get("sliding_window") if use_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,

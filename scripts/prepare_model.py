@@ -55,8 +55,8 @@ def build_smollm2(out: Path) -> None:
 
 def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> None:
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -66,6 +66,12 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
         model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=10000.0))
     elif architecture == "qwen3":                 # head_dim apart from hidden / heads, as Qwen3's own configs have it
         model = Qwen3ForCausalLM(Qwen3Config(**({"head_dim": 32} | shape), rope_theta=10000.0))
+    elif architecture == "phi3":                  # fused qkv and gate_up; longrope (short factors within 256
+                                                  # positions, scaled); a window of 24
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 16 for i in range(8)],
+                "long_factor": [1.5 + i / 2 for i in range(8)]}
+        model = Phi3ForCausalLM(Phi3Config(**shape, pad_token_id=0, original_max_position_embeddings=256,
+                                           sliding_window=24, rope_parameters=rope))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
     with torch.no_grad():                     # random init is near-uniform; sharpen it so greedy is decisive
@@ -82,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tiny", type=Path, metavar="OUT", help="write a small random Llama instead")
-    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama", help="with --tiny")
+    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3"), default="llama", help="with --tiny")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.tiny:

@@ -12,8 +12,9 @@ from safetensors import safe_open
 
 from backend.checkpoint import checkpoint_files
 
-PEFT_PROJ = {1: "self_attn.q_proj", 2: "self_attn.k_proj", 3: "self_attn.v_proj", 4: "self_attn.o_proj",
-             5: "mlp.gate_proj", 6: "mlp.down_proj", 7: "mlp.up_proj"}
+PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_attn.k_proj",),
+             3: ("self_attn.v_proj",), 4: ("self_attn.o_proj",), 5: ("mlp.gate_proj", "mlp.gate_up_proj"),
+             6: ("mlp.down_proj",), 7: ("mlp.up_proj",)}                  # the first the checkpoint has (Phi-3 fuses)
 BaseWeight = Callable[[int, int], torch.Tensor]            # (layer, module_id) -> W [out_dim, in_dim]
 
 
@@ -22,7 +23,8 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, 
     files = checkpoint_files(Path(model_dir))
 
     def weight(layer: int, module_id: int) -> torch.Tensor:
-        key = f"model.layers.{layer}.{PEFT_PROJ[module_id]}.weight"
+        keys = [f"model.layers.{layer}.{name}.weight" for name in PEFT_PROJ[module_id]]
+        key = next((key for key in keys if key in files), keys[0])
         with safe_open(files[key], framework="pt", device=str(device)) as f:
             w = f.get_tensor(key)
         return w if dtype is None else w.to(dtype)

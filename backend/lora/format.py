@@ -21,6 +21,7 @@ UNSUPPORTED_MODULES = {8: "cross_attn_qkv", 9: "cross_attn_q", 10: "cross_attn_k
                        12: "cross_attn_dense", 13: "moe_h_to_4h", 14: "moe_4h_to_h", 15: "moe_gate",
                        16: "moe_router", 17: "mlp_router"}
 PROJ_OF_MODULE = {0: "qkv", 1: "qkv", 2: "qkv", 3: "qkv", 4: "o", 5: "gate_up", 6: "down", 7: "gate_up"}
+FUSED_GATE_UP = 5                             # mlp_h_to_4h: gate and up at once where the checkpoint fuses them
 
 
 def module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
@@ -28,6 +29,15 @@ def module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return {0: (h, q + 2 * kv), 1: (h, q), 2: (h, kv), 3: (h, kv), 4: (q, h),
             5: (h, inter), 6: (inter, h), 7: (h, inter)}[module_id]
+
+
+def row_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
+    """(in_dim, out_dim) of a lora_weights row's module: its base projection, but for a family whose checkpoint fuses
+    gate and up (ModelConfig.fused_projections), whose module 5 (mlp_h_to_4h) is both: its rows are split into
+    gate (5) and up (7) as they are parsed (`_row_views`)."""
+    if module_id == FUSED_GATE_UP and cfg.fused_projections:
+        return cfg.hidden_size, 2 * cfg.intermediate_size
+    return module_shape(cfg, module_id)
 
 
 def module_columns(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
@@ -84,10 +94,11 @@ class LoraAdapter:
     def matches(self, weights: torch.Tensor, rows: list["Row"], cfg: ModelConfig) -> bool:
         """These checked lora_weights rows parse to this very adapter: a re-sent adapter needs no second parse.
         Reads only on a re-send, which costs less than hashing every upload would."""
-        return len(rows) == len(self.weights) and all(
+        views = list(_row_views(weights, rows, cfg))
+        return len(views) == len(self.weights) and all(
             key in self.weights and _equal(a, self.weights[key][0]) and _equal(b, self.weights[key][1])
             and (m is None) == (key not in self.magnitudes) and (m is None or _equal(m, self.magnitudes[key]))
-            for key, a, b, m in _row_views(weights, rows, cfg))
+            for key, a, b, m in views)
 
 
 def packed_views(buffer: torch.Tensor, shapes: dict[Key, tuple], dora: set[Key] = frozenset()) -> tuple[
@@ -149,7 +160,7 @@ def _as_tensor(name: str, value) -> torch.Tensor:
 def max_row_width(cfg: ModelConfig, max_rank: int) -> int:
     """The widest lora_weights row any valid config row needs: max_lora_rank x (in + out) of the widest module, and
     its DoRA magnitude (out)."""
-    return max(max_rank * sum(module_shape(cfg, m)) + module_shape(cfg, m)[1] for m in MODULE_NAMES)
+    return max(max_rank * sum(row_shape(cfg, m)) + row_shape(cfg, m)[1] for m in MODULE_NAMES)
 
 
 Row = tuple[int, int, int, int, bool]          # (module_id, layer, rank, values its weights row needs, is_dora)
@@ -204,12 +215,18 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
 
 def _row_views(weights: torch.Tensor, rows: list[Row], cfg: ModelConfig):
     """((layer, module_id), A [rank, in_dim], B [out_dim, rank], magnitude [out_dim] or None) per checked row: views
-    of lora_weights."""
+    of lora_weights; a fused gate_up row (row_shape) as gate (5) and up (7), sharing its A."""
     for row, (module_id, layer, rank, need, dora) in zip(weights, rows):
-        in_dim, out_dim = module_shape(cfg, module_id)
-        a, b = row[:rank * in_dim], row[rank * in_dim:rank * (in_dim + out_dim)]
-        yield (layer, module_id), a.reshape(rank, in_dim), b.reshape(out_dim, rank), row[need - out_dim:need] \
-            if dora else None
+        in_dim, out_dim = row_shape(cfg, module_id)
+        a = row[:rank * in_dim].reshape(rank, in_dim)
+        b = row[rank * in_dim:rank * (in_dim + out_dim)].reshape(out_dim, rank)
+        m = row[need - out_dim:need] if dora else None
+        if out_dim == module_shape(cfg, module_id)[1]:
+            yield (layer, module_id), a, b, m
+            continue
+        for part, module in enumerate((FUSED_GATE_UP, 7)):
+            rows_of = slice(part * cfg.intermediate_size, (part + 1) * cfg.intermediate_size)
+            yield (layer, module), a, b[rows_of], None if m is None else m[rows_of]
 
 
 def _equal(sent: torch.Tensor, kept: torch.Tensor) -> bool:
@@ -244,8 +261,13 @@ def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int, row_
             raise RequestError("lora_config", f"row {i}: rank {rank} must be in [1, max_lora_rank {max_rank}]")
         if (layer, module_id) in seen:
             raise RequestError("lora_config", f"row {i}: duplicate module {module_id} for layer {layer}")
+        if cfg.fused_projections and module_id in (1, 2, 3, 7):
+            parts, whole = ("gate and up", "5 (mlp_h_to_4h)") if module_id == 7 else ("q, k and v", "0 (attn_qkv)")
+            raise RequestError("lora_config", f"row {i}: module {module_id} ({MODULE_NAMES[module_id]}): "
+                                              f"{cfg.architecture} has no such module; its {parts} are one, module "
+                                              f"{whole}")
         seen.add((layer, module_id))
-        in_dim, out_dim = module_shape(cfg, module_id)
+        in_dim, out_dim = row_shape(cfg, module_id)
         if dora and cfg.qkv_bias and module_id in (0, 1, 2, 3):
             raise RequestError("lora_config", f"row {i}: DoRA on module {module_id} ({MODULE_NAMES[module_id]}) of a "
                                               "projection with a bias (Qwen2's q, k, v) is not supported")

@@ -14,7 +14,7 @@ from backend.lora.dora import BaseWeight, normalized_magnitude
 from backend.lora.files import read_adapter_files
 
 MODULE_IDS = {"qkv_proj": 0, "q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4,
-              "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+              "gate_proj": 5, "gate_up_proj": 5, "down_proj": 6, "up_proj": 7}    # (fused ones: Phi-3)
 KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+\.(?P<proj>\w+))"
                     r"\.lora_(?:(?P<ab>[AB])\.weight|(?P<m>magnitude_vector)(?:\.weight)?)$")
 STORAGE_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -90,8 +90,8 @@ def check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, model=None) -> N
         raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not [r, in] and [out, r] "
                          "of one rank")
     if model is not None:
-        from backend.lora.format import module_shape
-        in_dim, out_dim = module_shape(model, MODULE_IDS[module.rsplit(".", 1)[1]])
+        from backend.lora.format import row_shape
+        in_dim, out_dim = row_shape(model, MODULE_IDS[module.rsplit(".", 1)[1]])
         if a.shape[1] != in_dim or b.shape[0] != out_dim:
             raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the model's "
                              f"[r, {in_dim}] and [{out_dim}, r]")

@@ -13,7 +13,8 @@ class Source:
     """Checkpoint tensors that make one of our parameters, concatenated along dim 0, and how TP splits them."""
     keys: tuple[str, ...]
     split: str = "none"                       # "column" (dim 0 of each part), "row" (dim 1), "none", or "qkv":
-                                              # q by heads, k and v by KV heads (ModelConfig.kv_head_part)
+                                              # q by heads, k and v by KV heads (ModelConfig.kv_head_part); and
+                                              # "fused_qkv" / "fused_column": the same over one fused tensor
 
 
 def translation_table(cfg: ModelConfig) -> dict[str, Source]:
@@ -34,6 +35,9 @@ def translation_table(cfg: ModelConfig) -> dict[str, Source]:
             f"layers.{i}.gate_up_proj": Source((f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"), "column"),
             f"layers.{i}.down_proj": Source((f"{p}.mlp.down_proj.weight",), "row"),
         }
+        if cfg.fused_projections:                              # one checkpoint tensor each, cut into its parts
+            table[f"layers.{i}.qkv_proj"] = Source((f"{p}.self_attn.qkv_proj.weight",), "fused_qkv")
+            table[f"layers.{i}.gate_up_proj"] = Source((f"{p}.mlp.gate_up_proj.weight",), "fused_column")
         if cfg.qkv_bias:
             table[f"layers.{i}.qkv_bias"] = Source(tuple(a + ".bias" for a in attn), "qkv")
         if cfg.qk_norm:                                        # [head_dim], the same for every head: every rank's
@@ -57,6 +61,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.q_norm.weight": (cfg.head_dim,), f"{p}.self_attn.k_norm.weight": (cfg.head_dim,),
             f"{p}.mlp.gate_proj.weight": (inter, h), f"{p}.mlp.up_proj.weight": (inter, h),
             f"{p}.mlp.down_proj.weight": (h, inter),
+            f"{p}.self_attn.qkv_proj.weight": (q + 2 * kv, h), f"{p}.mlp.gate_up_proj.weight": (2 * inter, h),
         }
     return shapes
 
@@ -84,6 +89,25 @@ def _part(cfg: ModelConfig, split: str, key: str, tp_size: int, tp_rank: int) ->
     return {"column": 0, "qkv": 0, "row": 1}.get(split), tp_size, tp_rank
 
 
+def _read_fused(handle, key: str, shape: tuple[int, ...], cfg: ModelConfig, split: str, tp_size: int,
+                tp_rank: int) -> torch.Tensor:
+    """This rank's rows of a fused checkpoint tensor: of q, k and v each (fused_qkv: q by heads, k and v by KV
+    heads), or of gate and up each (fused_column), in that order."""
+    whole = _read_slice(handle, key, shape, None, 1, 0)
+    if split == "fused_qkv":
+        q, kv = cfg.q_size, cfg.kv_size
+        kv_parts, kv_index, _ = cfg.kv_head_part(tp_size, tp_rank)
+        bounds = [0, q, q + kv, q + 2 * kv]
+        layout = [(tp_size, tp_rank), (kv_parts, kv_index), (kv_parts, kv_index)]
+    else:
+        bounds, layout = [0, shape[0] // 2, shape[0]], [(tp_size, tp_rank)] * 2
+    pieces = []
+    for (lo, hi), (parts, index) in zip(zip(bounds, bounds[1:]), layout):
+        size = (hi - lo) // parts
+        pieces.append(whole[lo + index * size:lo + (index + 1) * size])
+    return torch.cat(pieces)
+
+
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
                  tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True) -> dict[str, torch.Tensor]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
@@ -107,7 +131,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 path = key_files[key]
                 if path not in handles:
                     handles[path] = safe_open(path, framework="pt")
-                part = _read_slice(handles[path], key, shapes[key], *_part(cfg, source.split, key, tp_size, tp_rank))
+                if source.split.startswith("fused"):
+                    part = _read_fused(handles[path], key, shapes[key], cfg, source.split, tp_size, tp_rank)
+                else:
+                    part = _read_slice(handles[path], key, shapes[key], *_part(cfg, source.split, key, tp_size,
+                                                                                tp_rank))
                 parts.append(part.to(device).to(dtype))
             weights[name] = (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).contiguous()
     finally:

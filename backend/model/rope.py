@@ -17,7 +17,8 @@ forward that computes it, the whole prompt for a prompt token, the token itself 
 position p of a sequence whose prompt holds L tokens uses the long factors where max(L, p + 1) > original. Rows
 [0, max_positions) of the table hold what generated tokens need at their position (short below the original
 context, long from it on); rows max_positions + p hold long factors for the prompt tokens below the original context
-of a prompt longer than it (`rows`). Every other type has one row per position.
+of a prompt longer than it (`rows`). Every other type has one row per position. (transformers' Phi3ForCausalLM
+also computes a sequence again, long, when it first grows past the original context; here its cache stays.)
 """
 import math
 

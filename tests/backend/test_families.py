@@ -2,19 +2,22 @@
 token as transformers (the base) and PEFT (adapters of ranks 4-64 on every module, a DoRA one, base rows beside
 them) give it in fp32: on every CPU path, at two tensor-parallel ranks and through the decode graphs' padded steps.
 """
+import re
+
+import numpy as np
 import pytest
 import torch
 
-from backend import LLMEngine
+from backend import LLMEngine, RequestError
+from backend.checkpoint import ModelConfig
+from backend.lora.format import parse_lora
 from backend.model.graphs import DecodeGraphs
 from scripts.prepare_model import build_tiny
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
-FAMILIES = ["qwen3"]
-SPECS = [dict(r=4, lora_alpha=8, target_modules=ALL_MODULES),
-         dict(r=64, lora_alpha=32, use_rslora=True, target_modules=ALL_MODULES),
-         dict(r=16, lora_alpha=16, use_dora=True, target_modules=ALL_MODULES)]
+FAMILIES = ["qwen3", "phi3"]
+MODULES = {"qwen3": ALL_MODULES, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}   # every one it has
 TASKS = [None, 1, 2, 3, 1, None, 3, 2]                 # request i's adapter (None: the base)
 LENGTHS = [5, 23, 9, 40, 3, 17, 30, 12]
 MAX_NEW = 8
@@ -22,16 +25,27 @@ EOS = 2                                                # the tiny models' eos, w
 PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the Triton kernels: the interpreter
 
 
+def specs(family: str) -> list[dict]:
+    return [dict(r=4, lora_alpha=8, target_modules=MODULES[family]),
+            dict(r=64, lora_alpha=32, use_rslora=True, target_modules=MODULES[family]),
+            dict(r=16, lora_alpha=16, use_dora=True, target_modules=MODULES[family])]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    build_tiny(path, seed=5, architecture=request.param)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family_dir(family, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{family}")
+    build_tiny(path, seed=5, architecture=family)
     return path
 
 
 @pytest.fixture(scope="module")
-def family_adapters(family_dir, tmp_path_factory):
-    return make_peft_adapters(family_dir, tmp_path_factory.mktemp("adapters"), specs=SPECS, seed=11)
+def family_adapters(family, family_dir, tmp_path_factory):
+    return make_peft_adapters(family_dir, tmp_path_factory.mktemp("adapters"), specs=specs(family), seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +116,15 @@ def test_the_decode_graphs_padded_steps_match_peft(family_dir, family_adapters, 
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
                                  runner.device, capture=False)
     assert serve(engine, family_adapters, prompts) == expected
+
+
+@pytest.mark.parametrize("module,says", [(1, "its q, k and v are one, module 0 (attn_qkv)"),
+                                         (7, "its gate and up are one, module 5 (mlp_h_to_4h)")])
+def test_a_module_phi3_has_not_is_refused_by_name(tmp_path, module, says):
+    build_tiny(tmp_path, seed=5, architecture="phi3")
+    cfg = ModelConfig.from_dir(tmp_path)
+    weights = np.full((1, 4 * (cfg.hidden_size + 2 * cfg.intermediate_size)), 0.01, np.float16)
+    with pytest.raises(RequestError, match=f"row 0: module {module} .*Phi3ForCausalLM has no such module; "
+                                           + re.escape(says)) as err:
+        parse_lora(weights, np.array([[module, 0, 4]], np.int32), cfg, torch.float32, 64, 1 << 30)
+    assert err.value.field == "lora_config"

@@ -1,0 +1,80 @@
+"""Each base model family beyond Llama served for real: a tiny random model of the family (fp32, SmolLM2's tokenizer
+beside it) in tritonserver (CPU), an adapter through the TensorRT-LLM contract and by name through the OpenAI API,
+each answering the in-process engine's tokens (which tests/backend/test_families.py holds against PEFT)."""
+import shutil
+
+import numpy as np
+import openai
+import pytest
+
+from backend import LLMEngine
+from backend.lora.peft import peft_to_trtllm
+from scripts.prepare_model import build_tiny
+from tests.backend.test_families import FAMILIES, MODULES
+from tests.helpers import make_peft_adapters, random_prompts
+from tests.server.conftest import TINY_ENV, run_frontend, run_server
+from tests.server.streams import run, trtllm_inputs
+
+MAX_NEW = 10
+EOS = 2                                               # the tiny models' and SmolLM2's tokenizer's
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, smollm2_dir):
+    """(model dir, a PEFT adapter on it, its TensorRT-LLM tensors in fp16 as clients send them)."""
+    path = tmp_path_factory.mktemp(f"served-{request.param}")
+    build_tiny(path, seed=5, architecture=request.param)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    [adapter] = make_peft_adapters(path, tmp_path_factory.mktemp("adapter"), seed=13,
+                                   specs=[dict(r=16, lora_alpha=32, target_modules=MODULES[request.param])])
+    return path, adapter, peft_to_trtllm(adapter, "float16")
+
+
+@pytest.fixture(scope="module")
+def server(family, tmp_path_factory):
+    env = TINY_ENV | {"LORA_LLM_MODEL_DIR": str(family[0])}
+    yield from run_server(tmp_path_factory, "family-server", env, models=["lora_llm"])
+
+
+@pytest.fixture(scope="module")
+def frontend(family, server, tmp_path_factory):
+    path, adapter, _ = family
+    store = tmp_path_factory.mktemp("store")
+    shutil.copytree(adapter, store / "tuned")
+    yield from run_frontend(tmp_path_factory, server, path, "--adapter-store", str(store))
+
+
+@pytest.fixture(scope="module")
+def expected(family) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The prompts, and the in-process engine's greedy tokens for them with the adapter and without."""
+    path, _, (weights, config) = family
+    engine = LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=4 << 20)
+    engine.add_lora(7, weights, config)
+    prompts = random_prompts([9, 31], 512, seed=81)
+    return prompts, engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=[7, 7], end_id=EOS), \
+        engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=EOS)
+
+
+def test_the_trtllm_contract_serves_the_family_with_an_adapter(family, server, expected):
+    _, _, (weights, config) = family
+    prompts, with_adapter, base = expected
+    assert with_adapter != base
+    sent = {"lora_weights": weights[None], "lora_config": config[None]}
+    for prompt, tokens, carry in zip(prompts, with_adapter, (sent, {})):          # the weights once, then the id
+        result = run(server.grpc_url, trtllm_inputs(prompt, MAX_NEW, True, end_id=np.array([[EOS]], np.int32),
+                                                    lora_task_id=np.array([[7]], np.uint64), **carry))
+        assert result.error is None, result.error
+        assert result.tokens == tokens
+
+
+def test_the_openai_api_serves_the_family_with_an_adapter_by_name(family, frontend, expected):
+    from transformers import AutoTokenizer
+    path = family[0]
+    client = openai.OpenAI(base_url=frontend.url + "/v1", api_key="none", max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts, with_adapter, base = expected
+    for model, want in (("tuned", with_adapter), (path.name, base)):
+        response = client.completions.create(model=model, prompt=prompts, max_tokens=MAX_NEW, temperature=0)
+        assert [choice.text for choice in response.choices] == [
+            tokenizer.decode(tokens, skip_special_tokens=True) for tokens in want], model
