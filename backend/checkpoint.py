@@ -27,13 +27,13 @@ class ModelConfig:
     rope_scaling: dict | None                 # RoPE scaling with its rope_type (backend/model/rope.py), or None
     tie_word_embeddings: bool
     qkv_bias: bool
-    qk_norm: bool                             # RMSNorm over each head of q and k before RoPE (Qwen3)
-    fused_projections: bool                   # qkv_proj and gate_up_proj fused in the checkpoint, and so in its
-                                              # adapters (Phi-3): modules 0 (attn_qkv) and 5 (mlp_h_to_4h, gate and
-                                              # up) have no q, k, v or up module beside them
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_id: int | None
+    qk_norm: bool = False                     # RMSNorm over each head of q and k before RoPE (Qwen3)
+    fused_projections: bool = False           # qkv_proj and gate_up_proj fused in the checkpoint, and so in its
+                                              # adapters (Phi-3): modules 0 (attn_qkv) and 5 (mlp_h_to_4h, gate and
+                                              # up) have no q, k, v or up module beside them
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

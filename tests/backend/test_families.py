@@ -21,6 +21,8 @@ MODULES = {"qwen3": ALL_MODULES, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", 
 TASKS = [None, 1, 2, 3, 1, None, 3, 2]                 # request i's adapter (None: the base)
 LENGTHS = [5, 23, 9, 40, 3, 17, 30, 12]
 MAX_NEW = 8
+INTERPRETED = 5                                        # requests the interpreter runs: base rows, every adapter, a
+                                                       # prompt in chunks
 EOS = 2                                                # the tiny models' eos, where transformers stops too
 PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the Triton kernels: the interpreter
 
@@ -97,7 +99,8 @@ def test_the_base_matches_transformers(family_dir, prompts, kernel_backend):
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_mixed_adapters_match_peft(family_dir, family_adapters, prompts, expected, kernel_backend):
-    assert serve(make_engine(family_dir, kernel_backend), family_adapters, prompts) == expected
+    num = INTERPRETED if kernel_backend == "triton" else len(prompts)
+    assert serve(make_engine(family_dir, kernel_backend), family_adapters, prompts[:num]) == expected[:num]
 
 
 def test_two_ranks_match_peft(family_dir, family_adapters, prompts, expected):
@@ -115,7 +118,7 @@ def test_the_decode_graphs_padded_steps_match_peft(family_dir, family_adapters, 
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
                                  runner.device, capture=False)
-    assert serve(engine, family_adapters, prompts) == expected
+    assert serve(engine, family_adapters, prompts[:INTERPRETED]) == expected[:INTERPRETED]
 
 
 @pytest.mark.parametrize("module,says", [(1, "its q, k and v are one, module 0 (attn_qkv)"),
