@@ -84,14 +84,17 @@ def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.nd
 
 
 def check(weights: np.ndarray, config: np.ndarray, limits: AdapterLimits) -> None:
-    """The core's own parse of an upload (backend/lora/format.py), in the fp16 the frontend sends."""
+    """The core's own checks of an upload (backend/lora/format.check_lora: shapes, rows, modules, layers, ranks,
+    size), then finite values, in the fp16 the frontend sends; nothing converted: the core parses it, once."""
     import torch
-    from backend.lora.format import parse_lora
+    from backend.lora.format import check_lora
     from backend.request import RequestError
     try:
-        parse_lora(weights, config, limits.model, torch.float16, limits.max_lora_rank, limits.max_adapter_bytes)
+        check_lora(weights, config, limits.model, torch.float16, limits.max_lora_rank, limits.max_adapter_bytes)
     except RequestError as err:
         raise AdapterInvalid(f"{err.field}: {err.message}") from None
+    if not np.isfinite(weights).all():
+        raise AdapterInvalid("lora_weights: contains NaN or Inf values, or values beyond float16's range")
 
 
 def guarded(file: str, read, path: Path | None = None):

@@ -75,6 +75,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> gelu_tanh(gate) * up [num_tokens, inter] (Gemma's MLP; every backend's, unfused)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[:, block_ids] as [num_kv_heads, *block_ids.shape, block_size, head_dim]; index_select over whole
     blocks copies ~3x faster than advanced indexing on CPU."""

@@ -1,12 +1,16 @@
-"""Llama-family transformer over packed tokens: GQA attention on a paged KV cache, SwiGLU MLP, RMSNorm, RoPE (and
-Qwen3's RMSNorm over each head of q and k before it)."""
+"""Llama-family transformer over packed tokens: GQA attention on a paged KV cache, a gated MLP, RMSNorm, RoPE; and
+what other families add to it: RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3), norms on the
+attention's and the MLP's outputs, per-layer windows and RoPE bases, GELU-tanh, scaled embeddings (Gemma 3)."""
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from backend.checkpoint import ModelConfig
-from backend.model.context import StepContext
 from backend.model import rope
+from backend.model.context import StepContext
 from backend.model.layers import linear
+from kernels import reference
 
 
 class LlamaModel:
@@ -19,8 +23,11 @@ class LlamaModel:
         self.w = weights
         self.ops = ops
         self.all_reduce = all_reduce
-        self.cos_sin = rope.cos_sin(cfg).to(weights["embed_tokens"].device)   # [rows, head_dim] fp32
-        self.scale = cfg.head_dim ** -0.5
+        device = weights["embed_tokens"].device
+        self.cos_sin = rope.cos_sin(cfg).to(device)                             # [rows, head_dim] fp32
+        self.local_cos_sin = None if cfg.local_rope_theta is None else rope.cos_sin(   # sliding-window layers'
+            replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)).to(device)
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
 
     def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 with_context: bool = False, logits: bool = True) -> torch.Tensor | None:
@@ -40,7 +47,8 @@ class LlamaModel:
         return self.logits(h, residual, rows)
 
     def embed(self, ctx: StepContext) -> torch.Tensor:
-        return F.embedding(ctx.input_ids, self.w["embed_tokens"])
+        h = F.embedding(ctx.input_ids, self.w["embed_tokens"])
+        return h if self.cfg.embedding_scale == 1.0 else h * torch.tensor(self.cfg.embedding_scale, dtype=h.dtype)
 
     def before_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext,
                          kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +65,13 @@ class LlamaModel:
             q, k = self.head_norm(q, w[f"layers.{i}.q_norm"]), self.head_norm(k, w[f"layers.{i}.k_norm"])
             v = v.contiguous()
         k_cache, v_cache = kv_cache
-        q = ops.rotary_and_cache(q, k, v, ctx.positions, self.cos_sin, k_cache, v_cache, ctx.attn.slot_mapping)
+        cos_sin = self.cos_sin if self.local_cos_sin is None or cfg.window(i) is None else self.local_cos_sin
+        q = ops.rotary_and_cache(q, k, v, ctx.positions, cos_sin, k_cache, v_cache, ctx.attn.slot_mapping)
         return q, residual
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x alone, no residual: [num_tokens, dim]."""
+        return self.ops.add_rms_norm(x, None, weight, self.cfg.rms_norm_eps)[0]
 
     def head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head: [num_tokens, heads, head_dim] -> the same, contiguous."""
@@ -69,7 +82,7 @@ class LlamaModel:
     def attention(self, i: int, q: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:
         """[num_tokens, num_heads * head_dim]: each token's attention over its sequence's cached context."""
         k_cache, v_cache = kv_cache
-        return self.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, self.cfg.sliding_window).flatten(1)
+        return self.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, self.cfg.window(i)).flatten(1)
 
     def after_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, ctx: StepContext,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +91,16 @@ class LlamaModel:
         h = linear(ops, o, w[f"layers.{i}.o_proj"], None, ctx.lora, i, "o")
         if self.all_reduce is not None:
             self.all_reduce(h)
+        if cfg.sandwich_norms:
+            h = self.norm(h, w[f"layers.{i}.attn_out_norm"])
         x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
         gate_up = linear(ops, x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
-        h = linear(ops, ops.silu_and_mul(gate_up), w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
+        act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else reference.gelu_tanh_and_mul(gate_up)
+        h = linear(ops, act, w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
         if self.all_reduce is not None:
             self.all_reduce(h)
+        if cfg.sandwich_norms:
+            h = self.norm(h, w[f"layers.{i}.mlp_out_norm"])
         if ctx.between_layers is not None:
             ctx.between_layers()
         return h, residual

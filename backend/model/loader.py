@@ -35,6 +35,10 @@ def translation_table(cfg: ModelConfig) -> dict[str, Source]:
             f"layers.{i}.gate_up_proj": Source((f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"), "column"),
             f"layers.{i}.down_proj": Source((f"{p}.mlp.down_proj.weight",), "row"),
         }
+        if cfg.sandwich_norms:                                 # (Gemma: its pre-MLP norm is our post_attn_norm)
+            table |= {f"layers.{i}.attn_out_norm": Source((f"{p}.post_attention_layernorm.weight",)),
+                      f"layers.{i}.post_attn_norm": Source((f"{p}.pre_feedforward_layernorm.weight",)),
+                      f"layers.{i}.mlp_out_norm": Source((f"{p}.post_feedforward_layernorm.weight",))}
         if cfg.fused_projections:                              # one checkpoint tensor each, cut into its parts
             table[f"layers.{i}.qkv_proj"] = Source((f"{p}.self_attn.qkv_proj.weight",), "fused_qkv")
             table[f"layers.{i}.gate_up_proj"] = Source((f"{p}.mlp.gate_up_proj.weight",), "fused_column")
@@ -54,6 +58,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}"
         shapes |= {
             f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.pre_feedforward_layernorm.weight": (h,), f"{p}.post_feedforward_layernorm.weight": (h,),
             f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
             f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
             f"{p}.self_attn.q_proj.bias": (q,), f"{p}.self_attn.k_proj.bias": (kv,),
@@ -136,6 +141,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 else:
                     part = _read_slice(handles[path], key, shapes[key], *_part(cfg, source.split, key, tp_size,
                                                                                 tp_rank))
+                if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
+                    part = part.float() + cfg.norm_offset
                 parts.append(part.to(device).to(dtype))
             weights[name] = (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).contiguous()
     finally:
