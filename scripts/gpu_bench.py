@@ -6,6 +6,7 @@ without adapters, and the LoRA kernels alone per projection (bench/lora_kernels.
 host dispatch time, the adapter-bytes bound, the base GEMM). Prints one table, writes JSON.
 
     python scripts/gpu_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--requests N] [--baseline hf|none]
+    (also qwen3-8b-shape, gemma-3-4b-shape)
         [--hf-requests 16] [--out docs/bench/gpu.json] [--device cuda]
 With its defaults it runs both shapes within 10 minutes on one H100 or H200: the engine runs each workload whole,
 HF + PEFT 16 requests of each (two batches; W1's HF run took ~23 s a batch at the 8B shape, 128 requests ~6 min).
@@ -46,6 +47,20 @@ SHAPES = {
                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 8192}),
+    "qwen3-8b-shape": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                       "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 4096,
+                       "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+                       "rope_theta": 1_000_000.0, "max_position_embeddings": 40960},
+    "gemma-3-4b-shape": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "bos_token_id": 2,
+                         "eos_token_id": 1, "pad_token_id": 0, "hidden_size": 2560, "intermediate_size": 10240,
+                         "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                         "vocab_size": 262208, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                         "sliding_window": 1024, "max_position_embeddings": 131072,
+                         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                "rope_theta": 1_000_000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     "tiny-shape": LLAMA | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
                                rope_theta=10000.0, max_position_embeddings=1024),
@@ -54,14 +69,15 @@ SHAPES = {
 
 def build_model(shape: str, out: Path, device: str) -> Path:
     """A random-weight bf16 checkpoint of the shape, made on the device (seconds even for 8B), saved as safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**SHAPES[shape])
+    from transformers import AutoConfig, AutoModelForCausalLM
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
     model.save_pretrained(out)
