@@ -76,5 +76,5 @@ def test_the_openai_api_serves_the_family_with_an_adapter_by_name(family, fronte
     prompts, with_adapter, base = expected
     for model, want in (("tuned", with_adapter), (path.name, base)):
         response = client.completions.create(model=model, prompt=prompts, max_tokens=MAX_NEW, temperature=0)
-        assert [choice.text for choice in response.choices] == [
-            tokenizer.decode(tokens, skip_special_tokens=True) for tokens in want], model
+        assert [choice.text for choice in response.choices] == [    # (a character cut at the end is held back)
+            tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd") for tokens in want], model
