@@ -29,19 +29,6 @@ from client.grpc_client import NOT_FOUND, build_inputs            # noqa: E402
 from launch_server import free_ports                              # noqa: E402
 from soak_server import SoakServer                                # noqa: E402
 
-CANCEL_MARGIN = 4           # tokens a cancelled stream still had to go when the client cancelled it (see cancel_point)
-
-
-def cancel_point(rng: random.Random, max_tokens: int, kind: str, share: float) -> int | None:
-    """After how many tokens the client cancels the stream (None: it reads to the end): mid-stream, once a token
-    came (a request refused at once is answered at once), at least CANCEL_MARGIN tokens before its last.
-    tritonserver 2.51 (the bundled one) aborts on a cancel that meets a stream's final response in its gRPC frontend
-    (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, then SIGABRT: triton-inference-server/server#7368, fixed in 24.12); a
-    soak that cancels there measures that bug, not us."""
-    if kind not in ("base", "lora") or max_tokens <= CANCEL_MARGIN + 1 or rng.random() >= share:
-        return None
-    return rng.randint(1, min(8, max_tokens - CANCEL_MARGIN))
-
 
 def make_adapter(cfg: ModelConfig, rank: int, seed: int, scale: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
     """Random TensorRT-LLM tensors on q, v, down of every layer (fp16, clipped to its finite range)."""
@@ -92,7 +79,7 @@ class Soak:
         try:
             while time.monotonic() < deadline:
                 kwargs, kind = self.request(rng)
-                cancel_after = cancel_point(rng, kwargs["max_tokens"], kind, self.args.cancel_share)
+                cancel_after = rng.randint(0, 8) if rng.random() < self.args.cancel_share else None
                 self.run_one(client, kwargs, cancel_after)
                 if self.args.connection_per_request:
                     client.close()
