@@ -47,7 +47,8 @@ def uploads_per_replica(balance: str, model_dir, store) -> list[dict[str, float]
     a time, each round shifted by one: in a fixed order, round-robin would give each adapter the same replica every
     round), read each replica's uploads."""
     # each call its own ports: a replica of the call before may still be letting go of its own
-    port, base = free_ports(1)[0], 20000 + (os.getpid() % 1000) * 40 + (balance == "hash") * 20
+    # (below 32768: Linux hands ports from there up to outgoing connections, which may take one first)
+    port, base = free_ports(1)[0], 20000 + (os.getpid() % 300) * 40 + (balance == "hash") * 20
     env = os.environ | TINY_ENV
     process = subprocess.Popen([sys.executable, "-u", str(ROOT / "scripts" / "replicas.py"), "--replicas", "2",
                                 "--port", str(port), "--base-port", str(base), "--balance", balance, "--model-dir",
