@@ -113,8 +113,9 @@ class LLMEngine:
         request_id = next(self._ids) if request_id is None else request_id
         if request_id in self.seqs:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        members = self.intake.sequences(request_id, prompt_ids, params,
-                                        LoraRequest(int(lora)) if isinstance(lora, int) else lora)
+        if lora is not None and not isinstance(lora, LoraRequest):
+            lora = LoraRequest(int(lora))                       # a task id (a numpy integer too)
+        members = self.intake.sequences(request_id, prompt_ids, params, lora)
         self.seqs.add(request_id, members)
         self.scheduler.add(members[0])
         return request_id

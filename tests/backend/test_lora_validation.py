@@ -134,3 +134,12 @@ def test_weights_without_config_or_task_id_are_refused_by_name():
         with pytest.raises(RequestError, match="must be") as err:
             LoraRequest.of(*args)
         assert err.value.field == field
+
+
+def test_a_task_id_given_as_a_numpy_integer_names_the_same_adapter(engine):
+    weights, config = good(engine)
+    engine.add_lora(41, weights, config)
+    request_id = engine.add_request([5, 6, 7], lora=np.int64(41), max_new_tokens=2)
+    assert [seq.lora_task_id for seq in engine.seqs.get(request_id)] == [41]
+    while engine.has_unfinished:
+        assert all(out.error is None for out in engine.step())
