@@ -71,12 +71,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_slice(handle, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
-    """Part `index` of `parts` equal parts along `dim` (None: the whole tensor)."""
+def _checked_slice(handle, key: str, shape: tuple[int, ...]):
+    """The checkpoint tensor `key`, unread (safetensors' slice), once its shape is the expected one."""
     tensor = handle.get_slice(key)
     actual = tuple(tensor.get_shape())
     if actual != shape:
         raise ValueError(f"checkpoint tensor {key} has shape {list(actual)}, expected {list(shape)}")
+    return tensor
+
+
+def _read_slice(handle, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
+    """Part `index` of `parts` equal parts along `dim` (None: the whole tensor)."""
+    tensor = _checked_slice(handle, key, shape)
     if dim is None or parts == 1:
         return tensor[:]
     if shape[dim] % parts:
@@ -98,7 +104,7 @@ def _read_fused(handle, key: str, shape: tuple[int, ...], cfg: ModelConfig, spli
                 tp_rank: int) -> torch.Tensor:
     """This rank's rows of a fused checkpoint tensor: of q, k and v each (fused_qkv: q by heads, k and v by KV
     heads), or of gate and up each (fused_column), in that order."""
-    whole = _read_slice(handle, key, shape, None, 1, 0)
+    tensor = _checked_slice(handle, key, shape)               # read piece by piece: each rank its own rows only
     if split == "fused_qkv":
         q, kv = cfg.q_size, cfg.kv_size
         kv_parts, kv_index, _ = cfg.kv_head_part(tp_size, tp_rank)
@@ -109,7 +115,7 @@ def _read_fused(handle, key: str, shape: tuple[int, ...], cfg: ModelConfig, spli
     pieces = []
     for (lo, hi), (parts, index) in zip(zip(bounds, bounds[1:]), layout):
         size = (hi - lo) // parts
-        pieces.append(whole[lo + index * size:lo + (index + 1) * size])
+        pieces.append(tensor[lo + index * size:lo + (index + 1) * size])
     return torch.cat(pieces)
 
 

@@ -70,13 +70,7 @@ def expected(peft, prompts):
 def serve(engine: LLMEngine, adapters, prompts) -> list[list[int]]:
     for task_id, path in enumerate(adapters, start=1):
         engine.add_lora_dir(task_id, path)
-    ids = [engine.add_request(p, lora=t, max_new_tokens=MAX_NEW, end_id=EOS) for p, t in zip(prompts, TASKS)]
-    outputs = {request_id: [] for request_id in ids}
-    while engine.has_unfinished:
-        for out in engine.step():
-            assert not out.error, out.error
-            outputs[out.request_id] += out.new_token_ids
-    return [outputs[request_id] for request_id in ids]
+    return engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=TASKS[:len(prompts)], end_id=EOS)
 
 
 def make_engine(model_dir, kernel_backend: str, **kwargs) -> LLMEngine:
