@@ -33,19 +33,28 @@ def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_re
     return engine
 
 
-def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict:
-    """All requests at t=0; tokens/s over the whole run, TTFT and inter-token latencies per request."""
+def run_engine(engine: LLMEngine, requests: list[dict], label: str = "", concurrency: int | None = None) -> dict:
+    """All requests at t=0, or `concurrency` at a time (the next added as one finishes, as a client with that many
+    streams does); tokens/s over the whole run, TTFT (from each request's arrival) and inter-token latencies."""
     bar = tqdm(total=sum(r["max_new_tokens"] for r in requests), desc=label, unit="tok", leave=False,
                mininterval=2.0)
     cpu0 = own_cpu_seconds()
     start = time.perf_counter()
+    arrived: dict = {}
     first: dict = {}
     last: dict = {}
     gaps: list[float] = []
     num_tokens = 0
-    for r in requests:
-        engine.add_request(r["prompt"], lora=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
-                           ignore_end_id=True, **r.get("sampling", {}))
+    todo = list(reversed(requests))
+
+    def arrive() -> None:
+        r = todo.pop()
+        request_id = engine.add_request(r["prompt"], lora=r.get("lora_task_id"), max_new_tokens=r["max_new_tokens"],
+                                        ignore_end_id=True, **r.get("sampling", {}))
+        arrived[request_id] = time.perf_counter()
+
+    while todo and (concurrency is None or len(arrived) < concurrency):
+        arrive()
     num_steps = 0
     step_seconds = {"decode": [], "prefill": []}
     while engine.has_unfinished:
@@ -62,14 +71,16 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "") -> dict
                 bar.update(len(out.new_token_ids))
                 if out.request_id in last:
                     gaps.append(now - last[out.request_id])
-                first.setdefault(out.request_id, now - start)
+                first.setdefault(out.request_id, now - arrived[out.request_id])
                 last[out.request_id] = now
+            if out.finished and todo:
+                arrive()
     elapsed = time.perf_counter() - start
     cpu = own_cpu_seconds() - cpu0
     bar.close()
     ttfts = list(first.values())
     return {"tok_s": num_tokens / elapsed, "seconds": elapsed, "output_tokens": num_tokens, "steps": num_steps,
-            "cpu_seconds": cpu,
+            "cpu_seconds": cpu, "concurrency": concurrency or len(requests),
             "kv_reuse_hit_rate": engine.blocks.num_hits / max(1, engine.blocks.num_lookups),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),

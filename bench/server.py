@@ -16,14 +16,16 @@ from bench.engine import own_cpu_seconds, percentile
 
 
 @contextmanager
-def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "auto"):
-    """tritonserver with the core model only, set up as the in-process engine is for the workload: (process, grpc
-    port, metrics port) until the block ends."""
+def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "auto", prefetch_dir: Path | None = None):
+    """tritonserver with the core model only, set up as the in-process engine is for the workload (with the adapters
+    of `prefetch_dir` loaded at start, where given): (process, grpc port, metrics port) until the block ends."""
     from launch_server import free_ports, start_server, wait_ready
     http, grpc, metrics = free_ports(3)
     env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": kernel_backend,
            "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),
            "LORA_LLM_MAX_NUM_SEQS": str(workload.max_num_seqs), "LORA_LLM_MAX_NUM_BATCHED_TOKENS": "2048"}
+    if prefetch_dir is not None:
+        env["LORA_LLM_LORA_PREFETCH_DIR"] = str(prefetch_dir)
     server = start_server(http, grpc, metrics, env=env, log_file=open(f"/tmp/bench_{workload.name}_server.log", "w"),
                           models=["lora_llm"])
     try:
@@ -38,7 +40,7 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
                         kernel_backend: str = "auto") -> dict:
     from backend.lora.peft import peft_to_trtllm
     from bench.adapters import adapter_dirs
-    from bench.stream import Prepared, serialize_request, stream_requests
+    from bench.stream import Prepared, serialize_request
     from client.grpc_client import input_arrays
 
     adapters = {task_id: peft_to_trtllm(path, "float16")
@@ -57,10 +59,26 @@ def run_server_workload(model_dir: str, requests: list[dict], workload, dtype: s
             sent.add(task)
             prepared.append(Prepared(request_bytes(r, first), task, uploads=first,
                                      with_weights=None if first or task is None else partial(request_bytes, r, True)))
-        with measured(server, metrics, requests, workload) as run:
-            stats = asyncio.run(stream_requests(f"127.0.0.1:{grpc}", prepared, concurrency,
-                                                lambda index, ids: run.bar.update(ids.size)))
+        return stream_measured(server, grpc, metrics, prepared, requests, workload, concurrency)
+
+
+def stream_measured(server, grpc_port: int, metrics_port: int, prepared: list, requests: list[dict], workload,
+                    concurrency: int) -> dict:
+    """The prepared requests streamed at `concurrency`, timed (measured): the run's figures."""
+    from bench.stream import stream_requests
+    with measured(server, metrics_port, requests, workload) as run:
+        stats = asyncio.run(stream_requests(f"127.0.0.1:{grpc_port}", prepared, concurrency,
+                                            lambda index, ids: run.bar.update(ids.size)))
     return run.figures(stats, concurrency) | {"adapter_resends": stats.resends}
+
+
+def prepared_by_id(requests: list[dict]) -> list:
+    """Requests naming their adapters by task id alone (a server that loaded them at start)."""
+    from bench.stream import Prepared, serialize_request
+    from client.grpc_client import input_arrays
+    return [Prepared(serialize_request("lora_llm", input_arrays(r["prompt"], r["max_new_tokens"], True,
+                                                                 r["lora_task_id"], end_id=-1)), r["lora_task_id"])
+            for r in requests]
 
 
 @dataclass

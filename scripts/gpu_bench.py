@@ -67,10 +67,11 @@ SHAPES = {
 }
 
 
-def build_model(shape: str, out: Path, device: str) -> Path:
-    """A random-weight bf16 checkpoint of the shape, made on the device (seconds even for 8B), saved as safetensors."""
+def build_model(shape: str, out: Path, device: str, **overrides) -> Path:
+    """A random-weight bf16 checkpoint of the shape (config fields overridden by `overrides`), made on the device
+    (seconds even for 8B), saved as safetensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    fields = dict(SHAPES[shape])
+    fields = dict(SHAPES[shape]) | overrides
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     default = torch.get_default_dtype()

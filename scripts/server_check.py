@@ -1,15 +1,25 @@
-"""The real tritonserver with the engine on a GPU (scripts/gpu_check.sh --server): the tritonserver nvidia-pytriton
-bundles, serving the core model on the tiny model with the engine on `--device`, streams three requests through
-gRPC (the base model, an adapter sent with its weights, the same adapter by its task id), and checks their tokens
-against the same requests run in this process. Within --timeout-s (180).
+"""The real tritonserver with the engine on a device (scripts/gpu_check.sh --server), on a random-weight model of a
+real shape, every answer checked against the same request run in this process:
+  - gRPC streams: the base model; an adapter sent with its weights, then by task id; a DoRA adapter whose
+    lora_config has four columns, then by id; a stream cancelled after its second token (its KV blocks freed), then
+    the base request again;
+  - where the shape takes the bundled tokenizer (tiny-shape, smollm2-135m-shape): the ensemble, text in and out, and
+    the OpenAI API with an adapter by name;
+  - the server's device memory (free memory before it started and once ready) and the KV cache it chose;
+  - --crash: tritonserver under the supervisor (scripts/launch_server.py) killed with SIGKILL mid-stream: the client
+    gets an error within its timeout, no stub of the old server lives on, the device memory is back before the new
+    server loads, and the restarted server serves.
 
-    python scripts/server_check.py [--device cuda] [--timeout-s 180]
-Exit status 0: passed; 1: failed; 2: skipped (nvidia-pytriton or tritonclient not installed: on a machine without
-network, install them from carried wheels, docs/gpu.md).
+    python scripts/server_check.py [--shape tiny-shape|smollm2-135m-shape|llama-3.1-8b-shape] [--device cuda]
+        [--crash] [--timeout-s 300] [--out FILE.json]
+Exit status 0: passed; 1: failed; 2: skipped (no tritonserver or tritonclient: scripts/pack_server.py builds a
+bundle, scripts/unpack_server.sh puts it on the paths).
 """
 import argparse
 import importlib.util
+import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -20,92 +30,377 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(1, str(ROOT / "scripts"))
 
 MAX_TOKENS = 8
-TASK_ID = 7
+LORA, DORA = 7, 8                       # task ids
+TEXT_PROMPT = "The three largest oceans are"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def missing() -> list[str]:
-    return [name for name, module in (("nvidia-pytriton", "pytriton"), ("tritonclient[grpc]", "tritonclient.grpc"))
-            if importlib.util.find_spec(module.split(".")[0]) is None]
+    return [name for name, module in (("tritonserver (nvidia-pytriton)", "pytriton"), ("tritonclient", "tritonclient"))
+            if importlib.util.find_spec(module) is None]
 
 
-def random_adapter(model_dir: Path, out: Path, rank: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """A TensorRT-LLM adapter on q, v and down of every layer, strong enough to change greedy tokens."""
-    from backend.lora.format import module_shape
-    from backend.lora.peft import save_trtllm
+def tokenizer_dir() -> Path | None:
+    """The default model's tokenizer: built here, or carried in the server bundle."""
+    for path in (ROOT / "models" / "smollm2-135m-instruct", Path(os.environ.get("LORA_LLM_SERVER_BUNDLE", "/-")) /
+                 "tokenizer"):
+        if (path / "tokenizer.json").is_file():
+            return path
+    return None
+
+
+def build(shape: str, out: Path, device: str) -> tuple[Path, bool]:
+    """A random-weight checkpoint of `shape` (the tokenizer's vocabulary and files where the shape takes them):
+    (its dir, whether it has a tokenizer)."""
+    from gpu_bench import build_model
+    tokenizer = tokenizer_dir() if shape in ("tiny-shape", "smollm2-135m-shape") else None
+    build_model(shape, out, device, **({"vocab_size": 49152} if tokenizer else {}))
+    for name in TOKENIZER_FILES if tokenizer else ():
+        if (tokenizer / name).is_file():
+            shutil.copy2(tokenizer / name, out / name)
+    return out, tokenizer is not None
+
+
+def random_adapter(model_dir: Path, rank: int, modules: tuple[int, ...], dora: tuple[int, ...] = (),
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """TensorRT-LLM tensors for `modules` of every layer, strong enough to change greedy tokens; with `dora`, a
+    four-column lora_config and magnitudes for those modules."""
     from backend.checkpoint import ModelConfig
-    cfg, rng = ModelConfig.from_dir(model_dir), np.random.default_rng(0)
+    from backend.lora.format import module_shape
+    cfg, rng = ModelConfig.from_dir(model_dir), np.random.default_rng(seed)
     rows, config = [], []
     for layer in range(cfg.num_layers):
-        for module in (1, 3, 6):
+        for module in modules:
             in_dim, out_dim = module_shape(cfg, module)
-            rows.append(np.concatenate([rng.standard_normal(rank * in_dim) * in_dim ** -0.5,
-                                        rng.standard_normal(out_dim * rank) * rank ** -0.5]))
-            config.append([module, layer, rank])
+            parts = [rng.standard_normal(rank * in_dim) * in_dim ** -0.5,
+                     rng.standard_normal(out_dim * rank) * rank ** -0.5]
+            if module in dora:
+                parts.append(rng.uniform(0.5, 1.5, out_dim))
+            rows.append(np.concatenate(parts))
+            config.append([module, layer, rank] + ([int(module in dora)] if dora else []))
     weights = np.zeros((len(rows), max(map(len, rows))), np.float16)
     for i, row in enumerate(rows):
         weights[i, :len(row)] = row
-    save_trtllm(out, weights, np.array(config, np.int32))
     return weights, np.array(config, np.int32)
+
+
+def stream(url: str, arrays: dict, model: str = "lora_llm", output: str = "output_ids", cancel_after: int = 0,
+           timeout_s: float = 120) -> tuple[list[np.ndarray], str | None]:
+    """One request on a gRPC stream: (each response's `output`, the error or None). cancel_after: cancel the stream
+    after that many responses. A response that does not come within timeout_s is an error, never a hang."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from client.grpc_client import DATATYPES
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
+                                       else DATATYPES[array.dtype.type])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    chunks, error = [], None
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            try:
+                result, err = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                return chunks, f"no response within {timeout_s} s"
+            if err is not None:
+                return chunks, str(err)
+            value = result.as_numpy(output)
+            if value is not None and value.size:
+                chunks.append(value)
+            if cancel_after and len(chunks) >= cancel_after:
+                return chunks, None
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return chunks, None
+    finally:
+        client.stop_stream(cancel_requests=bool(cancel_after))
+        client.close()
+
+
+def token_requests(vocab: int, weights: dict) -> list[tuple[str, dict, int | None]]:
+    """(what, the request's arrays, its task id) for the gRPC streams."""
+    from client.grpc_client import input_arrays
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (9, 17, 12, 21, 14)]
+    ask = lambda prompt, task=None, *tensors: input_arrays(prompt, MAX_TOKENS, True, task, *tensors, end_id=-1)  # noqa
+    return [("base", ask(prompts[0]), None),
+            ("LoRA with its weights", ask(prompts[1], LORA, *weights[LORA]), LORA),
+            ("LoRA by id", ask(prompts[2], LORA), LORA),
+            ("DoRA, four-column config", ask(prompts[3], DORA, *weights[DORA]), DORA),
+            ("DoRA by id", ask(prompts[4], DORA), DORA)]
+
+
+def metric(port: int, name: str, label: str) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+               and label in line)
+
+
+def openai_completion(port: int, model: str, prompt_ids: list[int]) -> str:
+    import httpx
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def free_device_bytes(device: str) -> int | None:
+    if device == "cpu":
+        return None
+    import torch
+    return torch.cuda.mem_get_info()[0]
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every live process (zombies left out)."""
+    out = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] != "Z":
+                out[int(proc.name)] = (int(stat[1]), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def server_settings(model_dir: Path, args) -> dict:
+    return {"LORA_LLM_MODEL_DIR": str(model_dir), "LORA_LLM_DEVICE": args.device, "LORA_LLM_DTYPE": args.dtype,
+            "LORA_LLM_MAX_LORA_RANK": "16", "LORA_LLM_MAX_LORAS": "4"}
+
+
+def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Path, args, report: dict) -> dict:
+    """Every request through a server: {what: (tokens or text, error)}."""
+    from backend.checkpoint import ModelConfig
+    from launch_server import free_ports, start_frontend, start_server, wait_ready
+    cfg = ModelConfig.from_dir(model_dir)
+    http, grpc, metrics = free_ports(3)
+    url = f"127.0.0.1:{grpc}"
+    models = ["lora_llm"] + (["preprocessing", "postprocessing", "ensemble"] if has_text else [])
+    free0 = free_device_bytes(args.device)
+    started = time.monotonic()
+    server = start_server(http, grpc, metrics, env=server_settings(model_dir, args), models=models,
+                          log_file=open(model_dir.parent / "tritonserver.log", "w"), exit_timeout_s=5)
+    frontend = None
+    served = {}
+    try:
+        wait_ready(server, http, timeout_s=args.timeout_s)
+        report["ready_s"] = time.monotonic() - started
+        report["server_gpu_bytes"] = None if free0 is None else free0 - free_device_bytes(args.device)
+        report["kv_cache_tokens"] = 16 * int(metric(metrics, "lora_llm_kv_blocks", 'state="free"'))
+        memory = "-" if free0 is None else f"{report['server_gpu_bytes'] / 2**30:.2f} GiB"
+        print(f"server_check: tritonserver ({report['tritonserver']}) ready on {args.device} in "
+              f"{report['ready_s']:.1f} s; its device memory {memory}; KV cache {report['kv_cache_tokens']} tokens",
+              flush=True)
+        for what, arrays, _ in token_requests(cfg.vocab_size, weights):
+            chunks, error = stream(url, arrays)
+            served[what] = ([int(t) for c in chunks for t in c.reshape(-1)], error)
+        long = token_requests(cfg.vocab_size, weights)[0][1] | {"request_output_len": np.array([[256]], np.int32)}
+        chunks, error = stream(url, long, cancel_after=2)
+        deadline = time.monotonic() + 10
+        while metric(metrics, "lora_llm_kv_blocks", 'state="used"') and time.monotonic() < deadline:
+            time.sleep(0.05)
+        used = metric(metrics, "lora_llm_kv_blocks", 'state="used"')
+        served["cancelled mid-stream"] = (len(chunks), error or (f"{used:.0f} KV blocks still used 10 s after the "
+                                                                 "cancel" if used else None))
+        chunks, error = stream(url, token_requests(cfg.vocab_size, weights)[0][1])
+        served["base after the cancel"] = ([int(t) for c in chunks for t in c.reshape(-1)], error)
+        if has_text:
+            chunks, error = stream(url, {"text_input": np.array([[TEXT_PROMPT]], object),
+                                         "max_tokens": np.array([[MAX_TOKENS]], np.int32),
+                                         "stream": np.array([[False]]),
+                                         "exclude_input_in_output": np.array([[True]])},
+                                   model="ensemble", output="text_output")
+            served["ensemble text"] = ("".join(c.reshape(-1)[0].decode() for c in chunks), error)
+            store = model_dir.parent / "store"
+            shutil.copytree(peft_dir, store / "rand")
+            [port] = free_ports(1)
+            frontend = start_frontend(model_dir, grpc, port, "--adapter-store", str(store),
+                                      log_file=open(model_dir.parent / "frontend.log", "w"))
+            deadline = time.monotonic() + 120
+            from launch_server import is_ready
+            while not is_ready(port, "/health") and time.monotonic() < deadline and frontend.poll() is None:
+                time.sleep(0.2)
+            try:
+                served["OpenAI, adapter by name"] = (openai_completion(port, "rand", text_ids(model_dir)), None)
+            except Exception as err:
+                served["OpenAI, adapter by name"] = ("", f"{type(err).__name__}: {err}\n"
+                                                         f"{(model_dir.parent / 'frontend.log').read_text()[-2000:]}")
+    finally:
+        if frontend is not None:
+            frontend.terminate()
+            frontend.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    return served
+
+
+def text_ids(model_dir: Path) -> list[int]:
+    from backend.text import load_tokenizer
+    return load_tokenizer(model_dir)(TEXT_PROMPT)["input_ids"]
+
+
+def in_process(model_dir: Path, has_text: bool, weights: dict, peft_dir: Path, args) -> dict:
+    """The same requests, one at a time, on an engine set up as the server's."""
+    from backend import LLMEngine
+    from backend.checkpoint import ModelConfig
+    from backend.text import load_tokenizer
+    engine = LLMEngine(model_dir, device=args.device, dtype=args.dtype, max_lora_rank=16, max_loras=4)
+    for task, (w, c) in weights.items():
+        engine.add_lora(task, w, c)
+    engine.add_lora_dir(9, peft_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    requests = token_requests(cfg.vocab_size, weights)
+    run = lambda ids, task=None, ignore=True: engine.generate([ids], max_new_tokens=MAX_TOKENS,  # noqa: E731
+                                                              lora_task_ids=[task], ignore_end_id=ignore)[0]
+    want = {what: (run(arrays["input_ids"].reshape(-1).tolist(), task), None) for what, arrays, task in requests}
+    want["cancelled mid-stream"] = (2, None)
+    want["base after the cancel"] = want["base"]
+    base_of = {what: run(arrays["input_ids"].reshape(-1).tolist()) for what, arrays, task in requests if task}
+    changed = all(want[what][0] != tokens for what, tokens in base_of.items())
+    if has_text:
+        tokenizer = load_tokenizer(model_dir)
+        want["ensemble text"] = (tokenizer.decode(run(text_ids(model_dir), ignore=False), skip_special_tokens=True),
+                                 None)
+        want["OpenAI, adapter by name"] = (tokenizer.decode(run(text_ids(model_dir), 9), skip_special_tokens=True),
+                                           None)
+    del engine
+    return want | {"adapters change the tokens": (changed, None)}
+
+
+def crash_check(model_dir: Path, args, base: tuple[list[int], list[int]], report: dict) -> list[str]:
+    """SIGKILL tritonserver mid-stream under the supervisor; the failures found (none: passed)."""
+    import subprocess
+    import threading
+
+    from launch_server import free_ports, is_ready
+    from client.grpc_client import input_arrays
+    http, grpc, metrics = free_ports(3)
+    free0 = free_device_bytes(args.device)
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(http), "--grpc-port",
+         str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", "5"],
+        env=os.environ | server_settings(model_dir, args), start_new_session=True,
+        stdout=open(model_dir.parent / "launcher.log", "w"), stderr=subprocess.STDOUT)
+    failures = []
+    try:
+        deadline = time.monotonic() + args.timeout_s
+        while not is_ready(http) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [server] = [pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
+                    "tritonserver" in cmd and f"--http-port {http} " in cmd]
+        stubs = {pid for pid, (parent, cmd) in processes().items() if parent == server}
+        prompt, want = base
+        result = {}
+        client = threading.Thread(target=lambda: result.update(zip(("chunks", "error"), stream(
+            f"127.0.0.1:{grpc}", input_arrays(prompt, 512, True, end_id=-1), timeout_s=30))))
+        client.start()
+        while not metric(metrics, "lora_llm_kv_blocks", 'state="used"') and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                                         # tokens on their way
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        client.join(timeout=60)
+        report["client_error_after_s"] = time.monotonic() - killed
+        if client.is_alive() or not result.get("error"):
+            failures.append(f"the client got no error after the kill ({result})")
+        gone_at, free_between = None, None
+        while time.monotonic() < deadline and not is_ready(http):
+            now = processes()
+            if gone_at is None and not stubs & now.keys():
+                gone_at = time.monotonic() - killed
+            new_stubs = [pid for pid, (parent, cmd) in now.items() if "triton_python_backend_stub" in cmd
+                         and parent != server and pid not in stubs and parent in now and
+                         f"--http-port {http} " in now[parent][1]]
+            if gone_at is not None and not new_stubs and free0 is not None:
+                free_between = max(free_between or 0, free_device_bytes(args.device))
+            time.sleep(0.05)
+        report.update(old_stubs_gone_after_s=gone_at, free_before_s=free0, free_between_servers=free_between)
+        if gone_at is None:
+            failures.append(f"old stubs {sorted(stubs & processes().keys())} alive after the restart")
+        if free0 is not None and (free_between is None or free_between < free0 - (1 << 30)):
+            failures.append(f"device memory not back before the new server loaded: {free0 / 2**30:.2f} GiB free "
+                            f"before, at most {(free_between or 0) / 2**30:.2f} GiB between the servers")
+        chunks, error = stream(f"127.0.0.1:{grpc}", input_arrays(prompt, MAX_TOKENS, True, end_id=-1))
+        got = [int(t) for c in chunks for t in c.reshape(-1)]
+        if error or got != want:
+            failures.append(f"the restarted server answered {got} ({error}), want {want}")
+        print(f"server_check: SIGKILL mid-stream: client error after {report['client_error_after_s']:.2f} s; old "
+              f"stubs gone after {gone_at} s; free device memory {free0} before, {free_between} between the servers; "
+              f"restarted server {'serves' if got == want else 'FAILED'}", flush=True)
+    except Exception as err:
+        failures.append(f"{type(err).__name__}: {err}")
+    finally:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(timeout=60)
+    if failures:
+        print(f"--- launcher log:\n{(model_dir.parent / 'launcher.log').read_text()[-3000:]}")
+    return failures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="smollm2-135m-shape")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--timeout-s", type=float, default=180)
+    parser.add_argument("--dtype", help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--crash", action="store_true", help="also SIGKILL tritonserver mid-stream")
+    parser.add_argument("--timeout-s", type=float, default=300)
+    parser.add_argument("--out", type=Path, help="the figures as JSON")
     args = parser.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     started = time.monotonic()
     if missing():
-        print(f"server_check: skipped: {' and '.join(missing())} not installed (docs/gpu.md)")
+        print(f"server_check: skipped: {' and '.join(missing())} not installed (scripts/pack_server.py)")
         return 2
-    from client.grpc_client import LoraLLMClient
-    from launch_server import free_ports, start_server, wait_ready
-    from prepare_model import build_tiny
-
-    from backend import LLMEngine
+    from bench.adapters import adapter_dirs
+    from launch_server import pytriton_dir
     work = Path(tempfile.mkdtemp(prefix="server_check-"))
-    build_tiny(work / "model", seed=0, architecture="llama")
-    weights, config = random_adapter(work / "model", work / "adapter")
-    settings = {"LORA_LLM_MODEL_DIR": str(work / "model"), "LORA_LLM_DEVICE": args.device,
-                "LORA_LLM_DTYPE": "float32", "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(64 << 20),
-                "LORA_LLM_MAX_LORA_RANK": "16"}
-    http, grpc, metrics = free_ports(3)
-    log = open(work / "tritonserver.log", "w")
-    server = start_server(http, grpc, metrics, env=settings, log_file=log, models=["lora_llm"])
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 512, n).tolist() for n in (9, 17, 12)]
-    tasks = [None, TASK_ID, TASK_ID]                       # the base; weights sent once; then by id
+    model_dir, has_text = build(args.shape, work / "model", args.device)
+    weights = {LORA: random_adapter(model_dir, 8, (1, 3, 6)),
+               DORA: random_adapter(model_dir, 16, (1, 2, 3, 4, 5, 6, 7), dora=(4, 6), seed=1)}
+    peft_dir = adapter_dirs(str(model_dir), (8,))[0]
+    report = {"shape": args.shape, "device": args.device, "dtype": args.dtype,
+              "tritonserver": str(pytriton_dir() / "tritonserver" / "bin" / "tritonserver")}
     try:
-        wait_ready(server, http, timeout_s=max(10.0, args.timeout_s - (time.monotonic() - started)))
-        print(f"server_check: tritonserver ready on {args.device} after {time.monotonic() - started:.1f} s")
-        client = LoraLLMClient(f"127.0.0.1:{grpc}")
-        try:
-            served = [[t for chunk in client.generate(p, MAX_TOKENS, lora_task_id=t,
-                                                      lora_dir=work / "adapter" if t else None, end_id=-1)
-                       for t in chunk] for p, t in zip(prompts, tasks)]
-        finally:
-            client.close()
+        served = serve_and_check(model_dir, has_text, weights, peft_dir, args, report)
     except Exception as err:
         print(f"server_check: FAILED: {type(err).__name__}: {err}\n--- tritonserver log:\n"
               f"{(work / 'tritonserver.log').read_text()[-4000:]}")
         return 1
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-    engine = LLMEngine(work / "model", device=args.device, dtype="float32", kv_cache_memory_bytes=64 << 20,
-                       max_lora_rank=16)
-    engine.add_lora(TASK_ID, weights, config)
-    want = [engine.generate([p], max_new_tokens=MAX_TOKENS, lora_task_ids=[t], ignore_end_id=True)[0]
-            for p, t in zip(prompts, tasks)]
-    changed = want[1] != engine.generate([prompts[1]], max_new_tokens=MAX_TOKENS, ignore_end_id=True)[0]
-    print(f"server_check: served {served}\nserver_check: in process {want}")
-    ok = served == want and changed
-    print(f"server_check: {'passed' if ok else 'FAILED'}: the three streams' tokens "
-          f"{'equal' if served == want else 'differ from'} the in-process engine's (the adapter changes tokens: "
-          f"{changed}), {time.monotonic() - started:.1f} s in all")
-    return 0 if ok else 1
+    want = in_process(model_dir, has_text, weights, peft_dir, args)
+    failures = []
+    for what, (value, _) in want.items():
+        got, error = served.get(what, (value, None))
+        ok = error is None and got == value
+        print(f"server_check: {'ok  ' if ok else 'FAIL'} {what}: {got!r}" + ("" if ok else f" want {value!r}")
+              + (f" error: {error}" if error else ""), flush=True)
+        failures += [] if ok else [what]
+    report["checks"] = {what: what not in failures for what in want}
+    if args.crash:
+        base = token_requests(vocab_size(model_dir), weights)[0][1]["input_ids"].reshape(-1).tolist()
+        failures += crash_check(model_dir, args, (base, want["base"][0]), report)
+    report["passed"] = not failures
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print(f"server_check: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)} ({args.shape} on "
+          f"{args.device}, {time.monotonic() - started:.1f} s in all)")
+    return 0 if not failures else 1
+
+
+def vocab_size(model_dir: Path) -> int:
+    from backend.checkpoint import ModelConfig
+    return ModelConfig.from_dir(model_dir).vocab_size
 
 
 if __name__ == "__main__":

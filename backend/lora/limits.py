@@ -15,9 +15,11 @@ HOST_FLOOR = 1 << 30                          # an auto tier's least, as the fix
 
 
 def max_adapter_bytes(model: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
-    """An adapter at max_rank on every module (q, k, v, o, gate, up, down) of every layer, stored in dtype."""
-    widths = sum(sum(module_shape(model, module)) for module in range(1, 8))
-    return max_rank * model.num_layers * widths * dtype.itemsize
+    """A DoRA adapter at max_rank on every module (q, k, v, o, gate, up, down) of every layer, stored in dtype: A, B
+    and the magnitude of each."""
+    shapes = [module_shape(model, module) for module in range(1, 8)]
+    return model.num_layers * sum(max_rank * (in_dim + out_dim) + out_dim for in_dim, out_dim in shapes) \
+        * dtype.itemsize
 
 
 def machine_memory_bytes() -> int:

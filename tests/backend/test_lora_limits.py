@@ -15,22 +15,23 @@ LLAMA_8B = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_si
                                 "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5})
 
 
-def all_modules_at(cfg: ModelConfig, rank: int):
+def all_modules_at(cfg: ModelConfig, rank: int, dora: bool = False):
     """lora_weights (values never read: a zero broadcast) and lora_config of an adapter at `rank` on q, k, v, o,
-    gate, up and down of every layer."""
-    config = torch.tensor([[m, layer, rank] for layer in range(cfg.num_layers) for m in (1, 2, 3, 4, 5, 6, 7)],
-                          dtype=torch.int32)
-    width = max(rank * sum(module_shape(cfg, m)) for m in MODULE_NAMES if m)
+    gate, up and down of every layer (DoRA on each: a magnitude too)."""
+    config = torch.tensor([[m, layer, rank] + [1] * dora for layer in range(cfg.num_layers)
+                           for m in (1, 2, 3, 4, 5, 6, 7)], dtype=torch.int32)
+    width = max(rank * sum(module_shape(cfg, m)) + dora * module_shape(cfg, m)[1] for m in MODULE_NAMES if m)
     return torch.zeros((), dtype=torch.bfloat16).expand(len(config), width), config
 
 
 def test_an_8b_rank_64_adapter_fits_the_default_sizes(monkeypatch):
     monkeypatch.setattr(limits, "machine_memory_bytes", lambda: 128 << 30)        # an H200 machine's
     cfg = limits.resolve_limits(LoraCacheConfig(max_loras=16), LLAMA_8B, torch.bfloat16)
-    assert cfg.max_adapter_bytes == 335_544_320                                     # what the GPU run needed
-    weights, config = all_modules_at(LLAMA_8B, 64)
-    check_lora(weights, config, LLAMA_8B, torch.bfloat16, cfg.max_lora_rank, cfg.max_adapter_bytes)
-    assert cfg.host_memory_bytes == 2 * 16 * 335_544_320                           # W1's 16 adapters, twice over
+    assert cfg.max_adapter_bytes == 338_296_832            # A and B at rank 64 (335,544,320) and DoRA magnitudes
+    for dora in (False, True):
+        weights, config = all_modules_at(LLAMA_8B, 64, dora)
+        check_lora(weights, config, LLAMA_8B, torch.bfloat16, cfg.max_lora_rank, cfg.max_adapter_bytes)
+    assert cfg.host_memory_bytes == 2 * 16 * 338_296_832                           # W1's 16 adapters, twice over
     with pytest.raises(Exception, match="exceeds lora_cache_max_adapter_size"):     # the old fixed default
         check_lora(weights, config, LLAMA_8B, torch.bfloat16, 64, 256 << 20)
 
@@ -54,7 +55,7 @@ def test_the_auto_host_tier_is_at_least_a_gib_and_at_most_a_share_of_memory(monk
 
 @pytest.mark.parametrize("settings, words", [
     (dict(host_memory_bytes=100 << 20), "lora_cache_host_memory_bytes 104857600 cannot hold one adapter of "
-                                        "lora_cache_max_adapter_size 335544320"),
+                                        "lora_cache_max_adapter_size 338296832"),
     (dict(), "25% of this machine's memory")])
 def test_a_host_tier_that_cannot_hold_one_adapter_refuses_to_start(monkeypatch, settings, words):
     monkeypatch.setattr(limits, "machine_memory_bytes", lambda: 1 << 30)            # a quarter: 256 MiB
