@@ -15,6 +15,7 @@ HF + PEFT 16 requests of each (two batches; W1's HF run took ~23 s a batch at th
 import argparse
 import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -84,6 +85,15 @@ def build_model(shape: str, out: Path, device: str, **overrides) -> Path:
     model.save_pretrained(out)
     del model
     free_memory(device)
+    return out
+
+
+def cached_model(shape: str, root: Path, device: str, name: str = "", **overrides) -> Path:
+    """build_model into root/<name or shape>, unless a complete one is there (checks of one run share it)."""
+    out = root / (name or shape)
+    if not ((out / "config.json").is_file() and any(out.glob("*.safetensors"))):
+        shutil.rmtree(out, ignore_errors=True)
+        build_model(shape, out, device, **overrides)
     return out
 
 

@@ -7,9 +7,12 @@
 #      in fp32, bf16 within tolerance, adapter churn, a step under torch.cuda.set_sync_debug_mode("error"));
 #      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/
 #      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
-#   4. the real tritonserver with the engine on the GPU (scripts/server_check.py: gRPC streams, with and without an
-#      adapter, against the same requests in process; skipped where nvidia-pytriton or tritonclient is not
-#      installed: docs/gpu.md lists the wheels to carry);
+#   4. the real tritonserver with the engine on the GPU, at SmolLM2's and Llama-3.1-8B's shapes: scripts/server_check.py
+#      (gRPC streams with LoRA and DoRA adapters, a cancel, the ensemble's text and the OpenAI API, each against the
+#      same request in process; at the first shape also a SIGKILL under the supervisor) and scripts/server_bench.py
+#      (W4 against W1 at concurrency 16 and 64, 128 streams at SmolLM2's shape). Where nvidia-pytriton or
+#      tritonclient is not installed, from the bundle of scripts/pack_server.py (.bundle/server-py<python>.tar.xz,
+#      or LORA_LLM_SERVER_BUNDLE_FILE), unpacked by scripts/unpack_server.sh. Without a GPU, the same at tiny-shape;
 #   5. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT, the
 #      LoRA kernels per projection, time to ready).
 # Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part
@@ -25,6 +28,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUF
 unset TRITON_INTERPRET
 
 REPORT="${GPU_CHECK_REPORT:-gpu_check_report.txt}"      # everything below, for a bug report
+OUT_DIR="${GPU_CHECK_OUT:-.}"                           # the server check's and W4's JSON
 exec > >(tee "$REPORT") 2>&1
 part=all
 case "${1:-}" in
@@ -83,16 +87,42 @@ for name, shape in shapes.items():
 raise SystemExit(1 if failed else 0)
 PY
 }
-step environment "environment" environment
-server() {                                # exit 2 of the check: nvidia-pytriton / tritonclient not installed
-  echo "== the real tritonserver on this GPU"
-  local rc=0
-  "$PYTHON" scripts/server_check.py --device cuda || rc=$?
-  case $rc in
-    0) verdicts+=("gpu_check verdict: server: passed") ;;
-    2) verdicts+=("gpu_check verdict: server: skipped (nvidia-pytriton or tritonclient not installed)") ;;
-    *) verdicts+=("gpu_check verdict: server: FAILED"); failed+=(server) ;;
-  esac
+if [ "$part" != server ]; then
+  step environment "environment" environment
+elif "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  environment
+else                                      # the server part also runs on CPU, at tiny-shape (the bundle's test)
+  echo "gpu_check: no CUDA device: the server part runs on CPU"
+fi
+server() {                                # the server check and W4 per shape; from the bundle where needed
+  echo "== the real tritonserver on this machine"
+  if [ -n "${LORA_LLM_SERVER_BUNDLE_FILE:-}" ] || ! "$PYTHON" -c 'import importlib.util as u, sys
+sys.exit(u.find_spec("pytriton") is None or u.find_spec("tritonclient") is None)'; then
+    if ! source scripts/unpack_server.sh ${LORA_LLM_SERVER_BUNDLE_FILE:-}; then
+      verdicts+=("gpu_check verdict: server: FAILED (the server bundle, above)"); failed+=(server)
+      return
+    fi
+  fi
+  local device shapes bench
+  device="$("$PYTHON" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')"
+  shapes=(smollm2-135m-shape llama-3.1-8b-shape)
+  bench=()
+  if [ "$device" = cpu ]; then                # the same code in seconds: a tiny model, a few requests
+    shapes=(tiny-shape)
+    bench=(--requests 8 --concurrency 4 --wide 0)
+  fi
+  local models crash=--crash
+  models="$(mktemp -d)"
+  for shape in "${shapes[@]}"; do
+    step "server_$shape" "server check at $shape on $device" timeout "${SERVER_CHECK_TIMEOUT_S:-300}" \
+      "$PYTHON" scripts/server_check.py --shape "$shape" --device "$device" --models-dir "$models" $crash \
+      --out "$OUT_DIR/server_check_$shape.json"
+    crash=
+    step "W4_$shape" "W4 against W1 at $shape on $device" timeout "${SERVER_BENCH_TIMEOUT_S:-420}" \
+      "$PYTHON" scripts/server_bench.py --models "$shape" --device "$device" --models-dir "$models" "${bench[@]}" \
+      --out "$OUT_DIR/server_bench_$shape.json"
+  done
+  rm -rf "$models"
 }
 if [ "$part" = server ]; then
   server

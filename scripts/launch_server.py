@@ -85,7 +85,9 @@ def backend_dir() -> Path:
 
 def server_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"          # the stub finds the venv here
+    stub_bin = Path(os.environ["LORA_LLM_STUB_VENV"]) / "bin" if os.environ.get("LORA_LLM_STUB_VENV") else \
+        Path(sys.executable).parent
+    env["PATH"] = f"{stub_bin}:{env.get('PATH', '')}"          # the stub finds its venv here (scripts/unpack_server.sh)
     libs = [sysconfig.get_config_var("LIBDIR")]
     if not os.environ.get("LORA_LLM_TRITONSERVER"):
         libs.append(str(pytriton_dir().parent / "nvidia_pytriton.libs"))

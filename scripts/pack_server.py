@@ -11,6 +11,7 @@ What it holds, under server/:
                                 lacks (rapidjson, fastapi, pydantic, uvicorn, ...), for the target Python: copied from
                                 .venv when it is that Python, else the same versions fetched from PyPI
   bin/perf_analyzer             stripped, with the two libraries it wants under the names it wants (lib/)
+  stub-site/                    numpy 1 for the Python backend's stub where the machine's numpy is 2 (STUB_PACKAGES)
   tokenizer/                    the default model's tokenizer files, where they are built (text checks on
                                 random weights of its shape)
 scripts/unpack_server.sh unpacks it and says what the machine must still provide (the target's libpython).
@@ -29,6 +30,9 @@ SITE = Path(sysconfig.get_paths()["purelib"])
 # what a machine with PyTorch, numpy, grpcio, protobuf, httpx, anyio, jinja2 and prometheus_client lacks
 PACKAGES = ("tritonclient", "python-rapidjson", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core",
             "annotated-types", "annotated-doc", "typing-inspection")
+# the Python backend stub of tritonserver 2.51 reads numpy's arrays through the numpy 1 C layout: under numpy 2 every
+# tensor it makes from an array is empty. Where the target's numpy is 2, the stub runs with this one (unpack_server.sh)
+STUB_PACKAGES = ("numpy",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -67,11 +71,11 @@ def copy_server(stage: Path, version: str) -> None:
         shutil.copy2(libs / name, stage / "site" / libs.name / name)
 
 
-def copy_packages(stage: Path, version: str) -> None:
-    """PACKAGES for the target Python: the venv's own files, or the same versions from PyPI for another Python."""
-    site = stage / "site"
+def copy_packages(site: Path, version: str, packages: tuple[str, ...]) -> None:
+    """`packages` for the target Python into `site`: the venv's own files, or the same versions from PyPI for another
+    Python."""
     if version == f"{sys.version_info.major}.{sys.version_info.minor}":
-        for name in PACKAGES:
+        for name in packages:
             dist = importlib.metadata.distribution(name)
             for file in dist.files or []:
                 path = Path(dist.locate_file(file))
@@ -79,7 +83,7 @@ def copy_packages(stage: Path, version: str) -> None:
                     (site / file).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(path, site / file)
         return
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in PACKAGES]
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in packages]
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
                     "--only-binary=:all:", "--implementation", "cp", "--python-version", version, *platforms,
@@ -130,7 +134,9 @@ def main() -> None:
         stage = Path(tmp) / "server"
         stage.mkdir()
         copy_server(stage, args.python)
-        copy_packages(stage, args.python)
+        copy_packages(stage / "site", args.python, PACKAGES)
+        copy_packages(stage / "stub-site", args.python, STUB_PACKAGES)
+        shutil.rmtree(stage / "stub-site" / "numpy" / "tests", ignore_errors=True)
         copy_perf_analyzer(stage)
         copy_tokenizer(stage)
         strip_binaries(stage)

@@ -30,7 +30,7 @@ from bench.adapters import adapter_dirs                                         
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.server import core_server, prepared_by_id, stream_measured               # noqa: E402
 from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
-from gpu_bench import build_model, figures, free_memory                             # noqa: E402
+from gpu_bench import cached_model, figures, free_memory                             # noqa: E402
 
 W1 = WORKLOADS["W1"]
 COMPARED = ("tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
@@ -49,11 +49,18 @@ def kv_cache(metrics_port: int, cfg: ModelConfig, block_size: int = 16) -> dict:
     return {"blocks": int(blocks), "tokens": tokens, "bytes": tokens * 2 * cfg.num_layers * cfg.kv_size * 2}
 
 
+def link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def prefetch_dir(model_dir: str, out: Path) -> Path:
     """<out>/<task id>/: W1's adapters, as the in-process engine registers them."""
     out.mkdir()
     for task_id, path in enumerate(adapter_dirs(model_dir, W1.adapter_ranks), start=1):
-        shutil.copytree(path, out / str(task_id), copy_function=os.link)    # the server follows no symlinks
+        shutil.copytree(path, out / str(task_id), copy_function=link_or_copy)    # the server follows no symlinks
     return out
 
 
@@ -68,14 +75,16 @@ def in_process(model_dir: str, requests: list[dict], args, concurrencies: list[i
     return runs
 
 
-def bench_shape(shape: str, args) -> dict:
+def bench_shape(shape: str, args, results: dict, save) -> None:
+    """Fills `results` (save() after each part: a run cut off keeps what it measured)."""
     work = Path(tempfile.mkdtemp(prefix=f"server_bench-{shape}-"))
-    model_dir = str(build_model(shape, work / "model", args.device))
+    model_dir = str(cached_model(shape, args.models_dir or work, args.device))
     cfg = ModelConfig.from_dir(model_dir)
     requests = make_requests(W1, cfg.vocab_size, args.requests or None)
     concurrencies = [c for c in args.concurrency if c <= len(requests)]
     wide = [args.wide] if args.wide and shape == "smollm2-135m-shape" and args.wide <= len(requests) else []
-    results = {"W1": in_process(model_dir, requests, args, concurrencies + wide)}
+    results["W1"] = in_process(model_dir, requests, args, concurrencies + wide)
+    save()
     print(f"  {shape} W1 in process: " + ", ".join(f"x{c} {r['tok_s']:.0f} tok/s" for c, r in results["W1"].items()),
           flush=True)
     free0 = free_device_bytes(args.device)
@@ -87,8 +96,15 @@ def bench_shape(shape: str, args) -> dict:
         results["server_gpu_bytes"] = None if free0 is None else free0 - free1
         results["kv_cache"] = kv_cache(metrics, cfg)
         stream_measured(server, grpc, metrics, prepared_by_id(requests[:2]), requests[:2], W1, 2)    # warm-up
-        results["W4"] = {c: figures(stream_measured(server, grpc, metrics, prepared_by_id(requests), requests, W1, c))
-                         for c in concurrencies + wide}
+        results["W4"] = {}
+        for c in concurrencies + wide:
+            run = figures(stream_measured(server, grpc, metrics, prepared_by_id(requests), requests, W1, c))
+            want = sum(r["max_new_tokens"] for r in requests)
+            if run["output_tokens"] != want:
+                raise SystemExit(f"server_bench: {shape} x{c}: the server streamed {run['output_tokens']} tokens of "
+                                 f"{want}")
+            results["W4"][c] = run
+            save()
     for c, served in results["W4"].items():
         local = results["W1"][c]
         served["vs_W1"] = served["tok_s"] / local["tok_s"]
@@ -102,7 +118,7 @@ def bench_shape(shape: str, args) -> dict:
     print(f"  {shape} server ready in {results['server_ready_s']:.1f} s; GPU memory it took "
           f"{'-' if gpu is None else f'{gpu / 2**30:.1f} GiB'}; KV cache {results['kv_cache']['tokens']} tokens "
           f"({results['kv_cache']['bytes'] / 2**30:.2f} GiB)", flush=True)
-    return results
+    save()
 
 
 def main() -> None:
@@ -113,11 +129,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="W1's first N requests (0: all 128)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=Path("server_bench.json"))
+    parser.add_argument("--models-dir", type=Path, help="where the models are built (and found, if built there)")
     args = parser.parse_args()
     report = {"device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu", "models": {}}
     for shape in args.models.split(","):
-        report["models"][shape] = bench_shape(shape, args)
-        args.out.write_text(json.dumps(report, indent=1))
+        report["models"][shape] = {}
+        bench_shape(shape, args, report["models"][shape], lambda: args.out.write_text(json.dumps(report, indent=1)))
     print(f"wrote {args.out}")
 
 

@@ -52,12 +52,13 @@ def tokenizer_dir() -> Path | None:
     return None
 
 
-def build(shape: str, out: Path, device: str) -> tuple[Path, bool]:
-    """A random-weight checkpoint of `shape` (the tokenizer's vocabulary and files where the shape takes them):
-    (its dir, whether it has a tokenizer)."""
-    from gpu_bench import build_model
+def build(shape: str, root: Path, device: str) -> tuple[Path, bool]:
+    """A random-weight checkpoint of `shape` in root (the tokenizer's vocabulary and files where the shape takes
+    them): (its dir, whether it has a tokenizer)."""
+    from gpu_bench import cached_model
     tokenizer = tokenizer_dir() if shape in ("tiny-shape", "smollm2-135m-shape") else None
-    build_model(shape, out, device, **({"vocab_size": 49152} if tokenizer else {}))
+    out = cached_model(shape, root, device, shape + "-text" if tokenizer else shape,
+                       **({"vocab_size": 49152} if tokenizer else {}))
     for name in TOKENIZER_FILES if tokenizer else ():
         if (tokenizer / name).is_file():
             shutil.copy2(tokenizer / name, out / name)
@@ -191,7 +192,7 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
     free0 = free_device_bytes(args.device)
     started = time.monotonic()
     server = start_server(http, grpc, metrics, env=server_settings(model_dir, args), models=models,
-                          log_file=open(model_dir.parent / "tritonserver.log", "w"), exit_timeout_s=5)
+                          log_file=open(args.work / "tritonserver.log", "w"), exit_timeout_s=5)
     frontend = None
     served = {}
     try:
@@ -223,11 +224,11 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
                                          "exclude_input_in_output": np.array([[True]])},
                                    model="ensemble", output="text_output")
             served["ensemble text"] = ("".join(c.reshape(-1)[0].decode() for c in chunks), error)
-            store = model_dir.parent / "store"
+            store = args.work / "store"
             shutil.copytree(peft_dir, store / "rand")
             [port] = free_ports(1)
             frontend = start_frontend(model_dir, grpc, port, "--adapter-store", str(store),
-                                      log_file=open(model_dir.parent / "frontend.log", "w"))
+                                      log_file=open(args.work / "frontend.log", "w"))
             deadline = time.monotonic() + 120
             from launch_server import is_ready
             while not is_ready(port, "/health") and time.monotonic() < deadline and frontend.poll() is None:
@@ -236,7 +237,7 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
                 served["OpenAI, adapter by name"] = (openai_completion(port, "rand", text_ids(model_dir)), None)
             except Exception as err:
                 served["OpenAI, adapter by name"] = ("", f"{type(err).__name__}: {err}\n"
-                                                         f"{(model_dir.parent / 'frontend.log').read_text()[-2000:]}")
+                                                         f"{(args.work / 'frontend.log').read_text()[-2000:]}")
     finally:
         if frontend is not None:
             frontend.terminate()
@@ -292,7 +293,7 @@ def crash_check(model_dir: Path, args, base: tuple[list[int], list[int]], report
         [sys.executable, str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(http), "--grpc-port",
          str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", "5"],
         env=os.environ | server_settings(model_dir, args), start_new_session=True,
-        stdout=open(model_dir.parent / "launcher.log", "w"), stderr=subprocess.STDOUT)
+        stdout=open(args.work / "launcher.log", "w"), stderr=subprocess.STDOUT)
     failures = []
     try:
         deadline = time.monotonic() + args.timeout_s
@@ -345,7 +346,7 @@ def crash_check(model_dir: Path, args, base: tuple[list[int], list[int]], report
         os.killpg(launcher.pid, signal.SIGTERM)
         launcher.wait(timeout=60)
     if failures:
-        print(f"--- launcher log:\n{(model_dir.parent / 'launcher.log').read_text()[-3000:]}")
+        print(f"--- launcher log:\n{(args.work / 'launcher.log').read_text()[-3000:]}")
     return failures
 
 
@@ -357,6 +358,7 @@ def main() -> int:
     parser.add_argument("--crash", action="store_true", help="also SIGKILL tritonserver mid-stream")
     parser.add_argument("--timeout-s", type=float, default=300)
     parser.add_argument("--out", type=Path, help="the figures as JSON")
+    parser.add_argument("--models-dir", type=Path, help="where the models are built (and found, if built there)")
     args = parser.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     started = time.monotonic()
@@ -365,8 +367,8 @@ def main() -> int:
         return 2
     from bench.adapters import adapter_dirs
     from launch_server import pytriton_dir
-    work = Path(tempfile.mkdtemp(prefix="server_check-"))
-    model_dir, has_text = build(args.shape, work / "model", args.device)
+    work = args.work = Path(tempfile.mkdtemp(prefix="server_check-"))
+    model_dir, has_text = build(args.shape, args.models_dir or work, args.device)
     weights = {LORA: random_adapter(model_dir, 8, (1, 3, 6)),
                DORA: random_adapter(model_dir, 16, (1, 2, 3, 4, 5, 6, 7), dora=(4, 6), seed=1)}
     peft_dir = adapter_dirs(str(model_dir), (8,))[0]
