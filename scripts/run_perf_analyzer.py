@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def library_dir() -> Path:
-    """perf_analyzer 2.51 wants libb64.so.0d and libcudart.so.12; nvidia-pytriton's wheel carries both."""
+    """perf_analyzer 2.51 wants libb64.so.0d and libcudart.so.12; nvidia-pytriton's wheel carries both (and the server
+    bundle of scripts/pack_server.py, which also has them under those names)."""
     import pytriton
     libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
     out = Path(sys.prefix) / "perf_analyzer_libs"
@@ -71,7 +73,8 @@ def main() -> None:
     data_file.write_text(json.dumps(input_data(args)))
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = f"{library_dir()}:{env.get('LD_LIBRARY_PATH', '')}"
-    cmd = [str(Path(sys.prefix) / "bin" / "perf_analyzer"), "-m", args.model, "-u", args.url, "-i", "grpc",
+    binary = Path(sys.prefix) / "bin" / "perf_analyzer"            # the venv's; else the PATH's (the server bundle's)
+    cmd = [str(binary) if binary.is_file() else shutil.which("perf_analyzer") or "perf_analyzer", "-m", args.model, "-u", args.url, "-i", "grpc",
            "--streaming", "--input-data", str(data_file), "--concurrency-range", str(args.concurrency),
            "--measurement-mode", "count_windows", "--measurement-request-count", str(args.requests),
            "--max-trials", "3", "--stability-percentage", "999"] + [a for a in extra if a != "--"]

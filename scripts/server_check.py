@@ -1,5 +1,6 @@
 """The real tritonserver with the engine on a device (scripts/gpu_check.sh --server), on a random-weight model of a
 real shape, every answer checked against the same request run in this process:
+  - perf_analyzer (streaming, the base model) reports a throughput;
   - gRPC streams: the base model; an adapter sent with its weights, then by task id; a DoRA adapter whose
     lora_config has four columns, then by id; a stream cancelled after its second token (its KV blocks freed), then
     the base request again;
@@ -217,6 +218,7 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
                                                                  "cancel" if used else None))
         chunks, error = stream(url, token_requests(cfg.vocab_size, weights)[0][1])
         served["base after the cancel"] = ([int(t) for c in chunks for t in c.reshape(-1)], error)
+        served["perf_analyzer"] = perf_analyzer(url, cfg.vocab_size)
         if has_text:
             chunks, error = stream(url, {"text_input": np.array([[TEXT_PROMPT]], object),
                                          "max_tokens": np.array([[MAX_TOKENS]], np.int32),
@@ -247,6 +249,21 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
     return served
 
 
+def perf_analyzer(url: str, vocab: int) -> tuple[bool, str | None]:
+    """A short streaming run of perf_analyzer (scripts/run_perf_analyzer.py): (whether it reported a throughput, why
+    not)."""
+    import re
+    import subprocess
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_perf_analyzer.py"), "--url", url,
+                          "--vocab-size", str(vocab), "--requests", "8", "--concurrency", "2", "--output-len", "8"],
+                         capture_output=True, text=True, timeout=120)
+    match = re.search(r"throughput: ([\d.]+) infer/sec", run.stdout)
+    if run.returncode == 0 and match:
+        print(f"server_check: perf_analyzer: {match.group(0)}", flush=True)
+        return True, None
+    return False, f"exit {run.returncode}: {(run.stdout + run.stderr)[-1500:]}"
+
+
 def text_ids(model_dir: Path) -> list[int]:
     from backend.text import load_tokenizer
     return load_tokenizer(model_dir)(TEXT_PROMPT)["input_ids"]
@@ -268,6 +285,7 @@ def in_process(model_dir: Path, has_text: bool, weights: dict, peft_dir: Path, a
     want = {what: (run(arrays["input_ids"].reshape(-1).tolist(), task), None) for what, arrays, task in requests}
     want["cancelled mid-stream"] = (2, None)
     want["base after the cancel"] = want["base"]
+    want["perf_analyzer"] = (True, None)
     base_of = {what: run(arrays["input_ids"].reshape(-1).tolist()) for what, arrays, task in requests if task}
     changed = all(want[what][0] != tokens for what, tokens in base_of.items())
     if has_text:
