@@ -5,7 +5,7 @@ sequence, the token, its log prob, the sequence's metrics and the step's time) u
 StepOutput is made for each where it is read (`as_output`), on the server's responder thread, off the engine's.
 Every other output (a sequence that finished, failed, or sends logits) is a StepOutput from the start.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Iterator
 
 import torch
@@ -65,6 +65,16 @@ def as_output(entry: TokenRow | StepOutput) -> StepOutput:
                          m.num_new_blocks, m.num_reused_blocks)
     return StepOutput(seq.request_id, [token], log_probs=[log_prob] if seq.params.return_log_probs else [],
                       sequence_index=seq.sequence_index, metrics=metrics)
+
+
+def merged(outs: list[StepOutput]) -> StepOutput:
+    """One sequence's outputs of several steps as one: their tokens, log probs and alternatives in order, the first's
+    prompt outputs, the last's state (finished, metrics). None has generation logits."""
+    first, last = outs[0], outs[-1]
+    return replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+                   log_probs=[lp for o in outs for lp in o.log_probs], top_ids=[t for o in outs for t in o.top_ids],
+                   top_log_probs=[t for o in outs for t in o.top_log_probs], context_logits=first.context_logits,
+                   prompt_log_probs=first.prompt_log_probs)
 
 
 def request_of(entry: TokenRow | StepOutput) -> Hashable:

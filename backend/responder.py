@@ -1,9 +1,11 @@
 """Answers the streams on a thread of its own, so that the engine steps while the server delivers.
 
-A server's send may block: Triton's Python backend waits for tritonserver to take each response (0.3-1 ms), and a
+A server's send may block: Triton's Python backend waits for tritonserver to take each response (0.2-1 ms), and a
 loop sending in line would leave the engine idle for all of them, every step. One FIFO for every stream keeps each
-stream's answers in order and its final answer last. The loop lets at most one step of answers wait (`wait_idle`
-before it queues the next step's), so the queue stays bounded by a step's outputs.
+stream's answers in order and its final answer last. The loop lets a few steps of answers wait (`wait_behind` before
+it queues the next step's), so the queue stays bounded by a few steps' outputs. Where the sends fall behind the
+engine, the steps queued are sent together: one response a stream, with the tokens of all of them (`coalesced`), so
+that a message's cost is paid once for several tokens instead of holding the engine back.
 
 Asking whether a client cancelled is a round trip too (~0.13 ms a stream in Triton), and where the loop lets it
 (EngineLoop's `ask_on_responder`) the responder asks, one stream at a time while no answer waits: the streams it
@@ -14,7 +16,9 @@ import queue
 import threading
 from typing import Callable
 
-from backend.outputs import StepOutput, TokenRow, as_output
+from backend.outputs import StepOutput, TokenRow, as_output, merged
+
+Emit = tuple[object, StepOutput | TokenRow, int, bool]        # (stream, output, batch index, the stream's last)
 
 
 class Responder:
@@ -31,15 +35,25 @@ class Responder:
         self.broken: set = set()                             # streams answered with an error, until forgotten
         self.watched: dict = {}                              # streams without their final answer, oldest first
         self.to_ask: list = []                               # what is left of the last check, next last
+        self.held = None                                     # a call taken while gathering queued steps: next
+        self.steps_queued = 0                                # emit calls not yet sent
+        self.sent = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="responder", daemon=True)
         self.thread.start()
 
-    def emit(self, emits: list[tuple[object, StepOutput | TokenRow, int, bool]]) -> None:
+    def emit(self, emits: list[Emit]) -> None:
         """Queue a step's outputs, (stream, output, batch index, last) each in order, as one call: a queue operation
         (and a wake-up of this thread) a step, not one a token. A token row is made a StepOutput here, on the
         responder's thread."""
         if emits:
+            with self.sent:
+                self.steps_queued += 1
             self.calls.put((None, "emit", emits))
+
+    def wait_behind(self, num_steps: int) -> None:
+        """Until at most `num_steps` steps of answers are queued and not yet sent."""
+        with self.sent:
+            self.sent.wait_for(lambda: self.steps_queued <= num_steps)
 
     def fail(self, stream, message: str) -> None:
         self.calls.put((stream, "fail", (message,)))
@@ -80,6 +94,9 @@ class Responder:
 
     def _next_call(self):
         """The next queued call; until one comes, the check's next question."""
+        if self.held is not None:
+            call, self.held = self.held, None
+            return call
         while self.to_ask:
             try:
                 return self.calls.get_nowait()
@@ -100,8 +117,23 @@ class Responder:
         elif what == "forget":
             self.broken.discard(stream)
         elif what == "emit":
-            for each in args:
+            emits, num_steps = list(args), 1
+            while self.held is None:                         # the steps queued behind it, sent with it
+                try:
+                    call = self.calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is None or call[1] != "emit":
+                    self.held = call                         # answered next, in its place in the order
+                    break
+                emits += call[2]
+                num_steps += 1
+                self.calls.task_done()
+            for each in coalesced(emits) if num_steps > 1 else emits:
                 self._emit(*each)
+            with self.sent:
+                self.steps_queued -= num_steps
+                self.sent.notify_all()
         elif stream not in self.broken:                      # fail, cancelled: a final answer
             self.watched.pop(stream, None)
             quietly(getattr(stream, what), *args)
@@ -119,6 +151,24 @@ class Responder:
             final = True
         if final:
             self.watched.pop(stream, None)
+
+
+def coalesced(emits: list[Emit]) -> list[Emit]:
+    """Several steps' outputs, each stream's together: where all of a stream's are of one sequence and none has
+    generation logits, one output with all their tokens (`merged`); else its outputs as they were, in order."""
+    by_stream: dict = {}
+    for each in emits:
+        by_stream.setdefault(each[0], []).append(each)
+    out = []
+    for stream, group in by_stream.items():
+        if len(group) > 1:
+            outputs = [as_output(each[1]) for each in group]
+            if len({(each[2], o.sequence_index) for each, o in zip(group, outputs)}) == 1 and \
+                    all(o.generation_logits is None for o in outputs):
+                out.append((stream, merged(outputs), group[0][2], group[-1][3]))
+                continue
+        out += group
+    return out
 
 
 def client_cancelled(stream) -> bool:

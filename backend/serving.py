@@ -21,6 +21,9 @@ from backend.request import FatalEngineError, RequestError
 from backend.responder import Responder, client_cancelled
 from backend.uploads import Uploads
 
+MAX_STEPS_BEHIND = 4          # steps of answers the responder may have queued before the loop waits for it; where it
+                              # is behind, they go out together (backend/responder.py)
+
 
 class Stream(Protocol):
     """One client request's response channel, implemented by the server. A request holds one or more rows (its
@@ -148,7 +151,7 @@ class EngineLoop:
             self.step_started = None
         self.num_step_failures = 0
         self._hook(time.perf_counter() - start)
-        self.responder.wait_idle()                           # the last step's answers: at most one step queued
+        self.responder.wait_behind(MAX_STEPS_BEHIND - 1)     # answers of at most a few steps queued
         emits: list[tuple[Stream, StepOutput | TokenRow, int, bool]] = []
         for entry in outputs.entries:
             if type(entry) is StepOutput:

@@ -19,6 +19,7 @@ class FakeStream:
         self.requests = parse_request(arrays, LIMITS)
         self.broken = broken
         self.tokens: list[int] = []
+        self.num_emits = 0
         self.answers: list[str] = []              # "finish", "fail: ...", "cancelled"
         self.done = threading.Event()
 
@@ -29,6 +30,7 @@ class FakeStream:
         if self.broken:
             raise ConnectionError("client went away")
         self.tokens += out.new_token_ids
+        self.num_emits += 1
         if last:
             self._answer("finish")
 
