@@ -98,9 +98,9 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr
 def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, stride_ot, max_rank, stride_ht,
                    stride_bs, stride_bn, stride_bk, stride_rb, stride_bounds, stride_ms, NUM_BANDS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   ALIGNED: tl.constexpr, DOT_FP32: tl.constexpr):
     item = tl.program_id(0)
-    group_start = tl.program_id(1) * (TILES * BLOCK_N)     # TILES tiles of one band (widths are multiples of it)
+    tile = tl.program_id(1)                                # a group of TILES tiles, within one band
     slot, start, end = _work_item(work_ptr, item)
     if slot < 0:
         return
@@ -108,11 +108,27 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr
     band = 0
     rank = tl.load(ranks_ptr + slot)
     col_end = tl.load(bounds + 1)
-    for i in tl.static_range(1, NUM_BANDS):                # the slot's band that holds this group's columns
-        inside = group_start >= tl.load(bounds + i)
-        band = tl.where(inside, i, band)
-        rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
-        col_end = tl.where(inside, tl.load(bounds + i + 1), col_end)
+    if ALIGNED:                                            # every band whole groups: the group's columns at once
+        group_start = tile * (TILES * BLOCK_N)
+        for i in tl.static_range(1, NUM_BANDS):            # the slot's band that holds them
+            inside = group_start >= tl.load(bounds + i)
+            band = tl.where(inside, i, band)
+            rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
+            col_end = tl.where(inside, tl.load(bounds + i + 1), col_end)
+    else:                                                  # each band's own groups in band order, its last masked
+        band_start = tl.load(bounds)
+        first = 0                                          # the band's first group
+        groups_before = 0
+        for i in tl.static_range(1, NUM_BANDS):
+            lo = tl.load(bounds + i)
+            groups_before += tl.cdiv(lo - tl.load(bounds + i - 1), TILES * BLOCK_N)
+            inside = tile >= groups_before
+            band = tl.where(inside, i, band)
+            rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
+            band_start = tl.where(inside, lo, band_start)
+            col_end = tl.where(inside, tl.load(bounds + i + 1), col_end)
+            first = tl.where(inside, groups_before, first)
+        group_start = band_start + (tile - first) * (TILES * BLOCK_N)
     if (rank == 0) | (group_start >= col_end):
         return
     offs_m = start + tl.arange(0, BLOCK_M)

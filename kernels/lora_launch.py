@@ -42,7 +42,7 @@ class LoraLaunch:
     num_items: int
     num_bands: int
     in_dim: int
-    out_dim: int
+    widths: tuple[int, ...]                   # the bands' columns
     max_rank: int
     block_m: int
     block_r: int                              # max_rank, as a power of two
@@ -54,6 +54,10 @@ class LoraLaunch:
                                               # tries more)
     act_bytes: int = 2                        # the activations' element size
     expand_warps: int = 8                     # (expand_tile)
+
+    @property
+    def out_dim(self) -> int:
+        return sum(self.widths)
 
     @property
     def block_c(self) -> int:
@@ -69,7 +73,7 @@ class LoraLaunch:
 
     @property
     def expand_grid(self) -> tuple[int, int]:
-        return self.num_items, triton.cdiv(self.out_dim, self.block_n * self.tiles)
+        return self.num_items, sum(triton.cdiv(width, self.block_n * self.tiles) for width in self.widths)
 
     @property
     def shrink_constexprs(self) -> dict:
@@ -79,7 +83,12 @@ class LoraLaunch:
     @property
     def expand_constexprs(self) -> dict:
         return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TILES": self.tiles,
-                "BLOCK_R": self.block_r}
+                "BLOCK_R": self.block_r, "ALIGNED": self.aligned}
+
+    @property
+    def aligned(self) -> bool:
+        """Every band a whole number of expand groups (TILES x BLOCK_N columns): no band's group is masked."""
+        return all(width % (self.block_n * self.tiles) == 0 for width in self.widths)
 
     @property
     def shrink_options(self) -> dict:
@@ -113,16 +122,15 @@ def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int],
     split_k = triton.cdiv(k_blocks, blocks_per_split)                 # no split left without columns
     decode = block_m == 16 and num_tokens <= DECODE_ROWS_PER_ITEM * num_items
     block_n, warps = expand_tile(widths, block_r, act_bytes, decode)
-    return LoraLaunch(num_items, num_bands, in_dim, sum(widths), max_rank, block_m, block_r, block_k, split_k,
+    return LoraLaunch(num_items, num_bands, in_dim, tuple(widths), max_rank, block_m, block_r, block_k, split_k,
                       blocks_per_split, block_n, 1, act_bytes, warps)
 
 
 def expand_tile(widths: list[int], block_r: int, act_bytes: int = 2, decode: bool = False) -> tuple[int, int]:
-    """(BLOCK_N, warps) of an expand program, which owns one tile of columns (never straddling two bands: BLOCK_N
-    divides every band's width): where items are a few rows (decode), 128 columns on two warps; else 64 on
-    eight. A [BLOCK_N, BLOCK_R] B tile stays <= 8192 values (16-bit; half of that fp32)."""
+    """(BLOCK_N, warps) of an expand program, which owns one tile of one band's columns (a band's last tile masked
+    where BLOCK_N does not divide its width): where items are a few rows (decode), 128 columns on two warps; else 64
+    on eight; at most the largest power of two dividing every width (>= 16: no tile past a band's end where one
+    fits). A [BLOCK_N, BLOCK_R] B tile stays <= 8192 values (16-bit; half of that fp32)."""
     divides = math.gcd(*widths) & -math.gcd(*widths)                 # the largest power of two dividing them
-    if divides < 16:
-        raise ValueError(f"LoRA band widths {widths} must be multiples of 16 for the Triton expand")
-    block_n = min(divides, 128 if decode else 64, max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
+    block_n = min(max(16, divides), 128 if decode else 64, max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
     return block_n, 2 if decode else 8

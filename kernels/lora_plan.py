@@ -102,12 +102,12 @@ def expand_costs(launch: LoraLaunch, widths: list[int], items: list[tuple[int, i
     bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
     costs = []
     group = launch.block_n * launch.tiles
+    tiles = [(band, first) for band in range(len(widths)) for first in range(bounds[band], bounds[band + 1], group)]
     for slot, start, end in items:
-        for first in range(0, launch.out_dim, group):
+        for band, first in tiles:
             if slot < 0:
                 costs.append(3 * 4)
                 continue
-            band = max(i for i in range(len(widths)) if first >= bounds[i])
             rows, rank, cols = end - start, ranks[slot], min(group, bounds[band + 1] - first)
             meta = 3 * 4 + launch.num_bands * 3 * 4
             costs.append(meta + rows * rank * ELT + cols * rank * ELT + 2 * rows * cols * ELT + cols * ELT)

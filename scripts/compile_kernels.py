@@ -85,14 +85,17 @@ def configurations():
 
 def lora_configurations():
     """Each projection of Llama-3.1-8B (and SmolLM2's qkv) as the launchers plan it for a decode step (16 rows) and
-    a prompt chunk (512: 64-row items), max_lora_rank 64 and 16 (and 128 at 8B decode), in every dtype pairing."""
+    a prompt chunk (512: 64-row items), max_lora_rank 64 and 16 (and 128 at 8B decode), in every dtype pairing; and
+    band widths no multiple of 16 (an intermediate size of 344, a head dim of 72: the expand's masked groups)."""
     import torch
 
     from kernels.lora_launch import block_m_for, max_work_items, plan_launch
     from kernels.lora_plan import launch_args
     shapes = {"8b qkv": (4096, [4096, 1024, 1024]), "8b o": (4096, [4096]), "8b gate_up": (4096, [14336, 14336]),
-              "8b down": (14336, [4096]), "smollm2 qkv": (576, [576, 192, 192])}
-    cases = [(shape, tokens, 64) for shape in shapes for tokens in (16, 512)]
+              "8b down": (14336, [4096]), "smollm2 qkv": (576, [576, 192, 192]), "odd gate_up": (96, [344, 344]),
+              "odd qkv": (96, [216, 72, 72])}
+    cases = [(shape, tokens, 64) for shape in shapes if not shape.startswith("odd") for tokens in (16, 512)]
+    cases += [("odd gate_up", 16, 64), ("odd qkv", 512, 64)]
     cases += [("8b qkv", 16, 16), ("8b down", 16, 16), ("8b qkv", 16, 128)]
     for dtype, weight_dtype in [("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "fp16")]:
         for shape, tokens, max_rank in cases:

@@ -22,7 +22,7 @@ from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
-from backend.model.self_check import check_kernels_or_fall_back, shapes_or_fall_back
+from backend.model.self_check import check_kernels_or_fall_back
 from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
@@ -45,10 +45,8 @@ class ModelRunner:
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
-        if self.ops.checked:                                      # shapes a kernel cannot take, then (auto: CUDA)
-            self.kernel_fallbacks = shapes_or_fall_back(self)      # the kernels run at the model's shapes
-            if config.checks_at_start(self.device.type):
-                self.kernel_fallbacks |= check_kernels_or_fall_back(self, config)
+        if self.ops.checked and config.checks_at_start(self.device.type):      # (auto: CUDA) the kernels at the
+            self.kernel_fallbacks = check_kernels_or_fall_back(self, config)     # model's shapes
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
             weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))

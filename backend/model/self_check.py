@@ -198,33 +198,6 @@ def apply_fallbacks(ops, families: set[str]) -> None:
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
 
 
-def lora_widths_unsupported(cfg: ModelConfig) -> str | None:
-    """Why the Triton LoRA kernels cannot take this model's band widths (the expand's tiles never straddle two bands,
-    so a common power-of-two factor of 16 is needed: an intermediate size of 344 has 8), or None. Found at start, on
-    every device, so that such a model is served by the torch reference and no request fails."""
-    from backend.lora.format import module_columns
-    from backend.lora.slots import BANDS
-    from kernels.lora_launch import expand_tile
-    for proj, modules in BANDS.items():
-        widths = [end - start for start, end in (module_columns(cfg, module) for module in modules)]
-        try:
-            expand_tile(widths, 16)
-        except ValueError as err:
-            return f"{proj}: {err}"
-    return None
-
-
-def shapes_or_fall_back(runner) -> dict[str, str]:
-    """The families whose Triton kernels cannot take the served model's shapes at all, served by the torch reference
-    from now on (found without running anything, on every device), with why."""
-    why = lora_widths_unsupported(runner.shard_config)
-    if why is None:
-        return {}
-    log.warning("the Triton LoRA kernels cannot take this model (%s): LoRA runs on the torch reference", why)
-    apply_fallbacks(runner.ops, {"lora"})
-    return {"lora": why}
-
-
 def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
     """The runner's Triton op families checked at its shapes; each that fails is served by the torch reference from
     now on (strict: refuses to start). Returns the families that fell back, with why."""

@@ -102,6 +102,22 @@ def test_projection_shrink_then_expand_match_reference(dtype, weight_dtype, widt
                                                        split_k, rank_major, device):
     """One shrink and one expand launch for all bands of a projection == the reference band by band; adapters in
     the activations' dtype, or fp16 beside fp32 activations (widened in the kernels); split-K partial sums."""
+    check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, split_k, rank_major, device)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths,ranks,fused,dora", [
+    ([344, 344], [[8, 64, 0, 16], [8, 0, 64, 16]], (), (3,)),                  # gate_up of intermediate 344 (8 x 43)
+    ([216, 72, 72], [[8, 16, 0, 4], [8, 0, 16, 4], [8, 13, 16, 0]], (1,), ()),    # qkv of head_dim 72, 3 + 1 heads
+])
+@pytest.mark.parametrize("layout,split_k", [("decode", None), ("mixed", 3)])
+def test_band_widths_no_multiple_of_16_match_reference(dtype, widths, ranks, fused, dora, layout, split_k, device):
+    """Each band's own expand tiles, its last one masked: no column of a band left to another band's tile."""
+    check_projection(dtype, dtype, widths, ranks, fused, dora, layout, split_k, False, device)
+
+
+def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, split_k, rank_major, device):
     max_rank, in_dim = 64, 384                                         # 3 input blocks at the widest tile
     proj = random_projection([list(r) for r in ranks], max_rank, in_dim, widths, weight_dtype, rank_major, device,
                              fused=fused, dora=dora)
