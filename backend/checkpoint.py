@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,8 @@ class ModelConfig:
     hidden_act: str = "silu"                  # the gated MLP's: "silu" or "gelu_pytorch_tanh"
     embedding_scale: float = 1.0              # the embeddings times this (Gemma: sqrt(hidden))
     attention_scale: float | None = None      # the scores' scale where it is not head_dim ** -0.5 (Gemma)
+    attn_logit_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_logit_softcap: float | None = None  # the logits alike (Gemma 2)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -93,8 +95,8 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        if arch == "Gemma3ForCausalLM":
-            return gemma3(cls, hf, rope)
+        if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            return gemma(cls, hf, rope)
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first name for it
@@ -132,31 +134,39 @@ class ModelConfig:
 
 
 
-def gemma3(cls, hf: dict, rope: dict) -> "ModelConfig":
-    """Gemma 3's text model: Llama's fields (from_hf) and its own: five sliding-window layers to one global one
-    (layer_types), a RoPE base of their own for the former (rope_local_base_freq, or rope_parameters by layer type),
-    norms after attention and MLP, weights used as 1 + w, GELU-tanh, embeddings times sqrt(hidden),
-    query_pre_attn_scalar; Q and K head norms as Qwen3's."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(name) is not None:
-            raise ValueError(f"{name} {hf[name]} is not supported (Gemma 2's soft-capping)")
+def gemma(cls, hf: dict, rope: dict) -> "ModelConfig":
+    """Gemma 2 and Gemma 3's text model: Llama's fields (from_hf) and their own: sliding-window layers beside global
+    ones (layer_types: every other layer for Gemma 2, five to one for Gemma 3), norms after attention and MLP,
+    weights used as 1 + w, GELU-tanh, embeddings times sqrt(hidden), query_pre_attn_scalar. Gemma 2: the attention
+    scores and the final logits soft-capped, one RoPE for every layer. Gemma 3: a RoPE base of their own for the
+    sliding-window layers (rope_local_base_freq, or rope_parameters by layer type), Q and K head norms as Qwen3's."""
+    arch = hf["architectures"][0]
+    if arch == "Gemma2ForCausalLM":
+        rope = rope if "full_attention" not in rope else rope["full_attention"]
+        rope = {"full_attention": rope, "sliding_attention": rope}
+    else:
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(name) is not None:
+                raise ValueError(f"{name} {hf[name]} is not supported on Gemma 3 (Gemma 2's soft-capping)")
     full, local = (rope.get("full_attention"), rope.get("sliding_attention")) if "full_attention" in rope else (
         rope | {"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))},
         {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10_000.0)})
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"sliding-window layers' rope_type {local['rope_type']!r} is not supported (default only)")
-    pattern = hf.get("sliding_window_pattern", 6)
+    pattern = hf.get("sliding_window_pattern", 2 if arch == "Gemma2ForCausalLM" else 6)
     layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                             for i in range(hf["num_hidden_layers"])]
     base = cls.from_hf(hf | {"architectures": ["LlamaForCausalLM"], "rope_parameters": full, "rope_scaling": None,
                              "use_sliding_window": False, "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
-    return replace(base, architecture="Gemma3ForCausalLM", qk_norm=True, sandwich_norms=True, norm_offset=1.0,
+    return replace(base, architecture=arch, qk_norm=arch == "Gemma3ForCausalLM", sandwich_norms=True, norm_offset=1.0,
                    layer_windows=tuple(hf.get("sliding_window") if kind == "sliding_attention" else None
                                        for kind in layer_types),
-                   local_rope_theta=float(local.get("rope_theta", 10_000.0)),
+                   local_rope_theta=float(local.get("rope_theta", 10_000.0)) if local is not full else None,
                    hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
                    embedding_scale=hf["hidden_size"] ** 0.5,
-                   attention_scale=hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5)
+                   attention_scale=hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5,
+                   attn_logit_softcap=hf.get("attn_logit_softcapping"),
+                   final_logit_softcap=hf.get("final_logit_softcapping"))
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file that holds it (single file or sharded with an index)."""

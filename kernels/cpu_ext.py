@@ -95,15 +95,17 @@ def available() -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
-                    sliding_window: int | None) -> torch.Tensor:
+                    sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     """Semantics: for each sequence s with L = seq_lens[s] and query rows [query_starts[s], query_starts[s + 1]) at
     the last positions of its context, the row at position p attends to positions [0, p] (the last sliding_window
     of them):
         k[j], v[j] = cache[kv_head, block_tables[s, j // block_size], j % block_size]
-        out[row, h] = softmax(q[row, h] @ k[window].T * scale) @ v[window]
+        s = q[row, h] @ k[window].T * scale
+        if softcap: s = softcap * tanh(s / softcap)
+        out[row, h] = softmax(s) @ v[window]
     h's KV head = h // (num_heads // num_kv_heads). q: [num_rows, num_heads, head_dim]; the tables int32."""
     return load().paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale,
-                                  sliding_window or 0)
+                                  sliding_window or 0, softcap or 0.0)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -59,8 +59,8 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Semantics: kernels.reference.paged_attention, read in place from the paged cache by cpu_ext.paged_attention:
     a decode row alone, a prompt chunk's rows in tiles of consecutive rows."""
     return cpu_ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_starts, scale,
-                                   sliding_window)
+                                   sliding_window, softcap)

@@ -41,11 +41,11 @@ def _find_sequence(query_starts_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_attention_kernel"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr,
-                      query_starts_ptr, seq_lens_ptr, num_seqs, scale, window, stride_qt, stride_qh, stride_ot,
+                      query_starts_ptr, seq_lens_ptr, num_seqs, scale, window, softcap, stride_qt, stride_qh, stride_ot,
                       stride_oh, stride_ch, stride_cb, stride_cs, stride_bt, GROUP: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
+                      SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,6 +94,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, pa
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                 # [BLOCK_M, TILE_N]
+        if SOFTCAP:                                        # softcap * tanh(s / softcap), as 1 - 2 / (e^2x + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (k_pos[None, :] <= q_pos[:, None]) & inside[None, :]
         if window > 0:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -136,10 +138,11 @@ def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, HEA
 
 def attention_config(head_dim: int, block_size: int, group: int, max_query_len: int) -> dict:
     """Tile rows: 16 (tl.dot's minimum) for decode steps, 64 once a step holds prompt chunks long enough to fill
-    them; at least the whole GQA group."""
+    them (32 for heads wider than 128: 64 rows of 256 spill on sm_90, scripts/compile_kernels.py); at least the whole
+    GQA group."""
     rows = max(16, triton.next_power_of_2(group))
     if max_query_len * group >= 64:
-        rows = max(rows, 64)
+        rows = max(rows, 64 if head_dim <= 128 else 32)
     return {"GROUP": group, "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
             "BLOCK_M": rows, "BLOCK_Q": rows // group, "TILE_N": TILE_N}
 
@@ -180,13 +183,15 @@ def decode_graph_splits(num_seqs: int, num_heads: int, num_kv_heads: int, head_d
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
     """Semantics:
         for s in range(num_seqs):
             tokens = range(query_starts[s], query_starts[s + 1]); L = seq_lens[s]
             K, V = the first L cached positions of sequence s (through block_tables[s]), head h reads KV head h // group
-            out[tokens] = softmax(q[tokens] @ K^T * scale, causal: query i sits at position L - len(tokens) + i,
-                                  and sees keys within sliding_window of it) @ V
+            S = q[tokens] @ K^T * scale; if softcap: S = softcap * tanh(S / softcap)
+            out[tokens] = softmax(S, causal: query i sits at position L - len(tokens) + i, and sees keys within
+                                  sliding_window of it) @ V
     q: [num_tokens, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim] -> like q.
     One launch (two with split-K); num_splits (or meta.num_splits, CUDA graphs) fixes the split count, else it
     follows the SM count.
@@ -213,9 +218,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     _attention_kernel[(num_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.query_starts, meta.seq_lens, num_seqs,
-        scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), NUM_SPLITS=num_splits, DOT_FP32=DOT_FP32,
-        **cfg)
+        scale, sliding_window or 0, softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), NUM_SPLITS=num_splits,
+        SOFTCAP=bool(softcap), DOT_FP32=DOT_FP32, **cfg)
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
                                                 HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], NUM_SPLITS=num_splits)

@@ -133,23 +133,25 @@ def step_plan(meta: AttentionMetadata, block_size: int) -> TorchPlan:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of packed queries over each sequence's paged context (K/V already written).
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of packed queries over each sequence's paged context (K/V already written); softcap: the
+    scores soft-capped first, softcap * tanh(scores / softcap) (Gemma 2).
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Sequence s owns queries
     query_starts[s]:query_starts[s+1], the last tokens of its seq_lens[s] context tokens.
     """
     plan = step_plan(meta, k_cache.shape[2])
     out = torch.empty_like(q)
-    prefill_attention(q, k_cache, v_cache, meta, plan, scale, sliding_window, out)
+    prefill_attention(q, k_cache, v_cache, meta, plan, scale, sliding_window, out, softcap)
     if len(plan.decode_token_ids):
         out[plan.decode_token_ids] = _decode_attention(q[plan.decode_token_ids], k_cache, v_cache, plan, scale,
-                                                       sliding_window)
+                                                       sliding_window, softcap)
     return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      plan: TorchPlan, scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+                      plan: TorchPlan, scale: float, sliding_window: int | None, out: torch.Tensor,
+                      softcap: float | None = None) -> None:
     """paged_attention's rows of the plan's prefill sequences, written into out, one sequence at a time."""
     for s in plan.prefill_ids:
         start, end, length = meta.query_starts_list[s], meta.query_starts_list[s + 1], meta.seq_lens_list[s]
@@ -157,13 +159,20 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v = _gather_context(v_cache, meta.block_tables[s], length)[None]
         q_pos = torch.arange(length - (end - start), length, device=q.device)
         mask = _window_mask(q_pos, torch.arange(length, device=q.device), sliding_window)
+        if softcap:                                       # scores capped before the mask: no fused kernel
+            group = q.shape[1] // k.shape[1]
+            scores = torch.einsum("thd,hkd->htk", q[start:end].float(), k[0].repeat_interleave(group, 0).float())
+            scores = softcap * torch.tanh(scores * scale / softcap)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+            out[start:end] = torch.einsum("htk,hkd->thd", probs, v[0].repeat_interleave(group, 0))
+            continue
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
+                      sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence, all sequences at once. q: [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
@@ -173,6 +182,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v.view(num_kv_heads, -1, head_dim).index_fill_(1, plan.decode_padding, 0)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale    # [num_kv_heads, num_seqs, group, context]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     valid = plan.decode_valid
     if sliding_window is not None:
         k_pos = torch.arange(k.shape[2], device=q.device)

@@ -33,17 +33,19 @@ def attention_args(p: str, head_dim: int, block_size: int, group: int) -> dict:
     qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
     return dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32",
                 block_tables_ptr="*i32", query_starts_ptr="*i32", seq_lens_ptr="*i32", num_seqs=7, scale=0.125,
-                window=0, stride_qt=qkv_width, stride_qh=head_dim, stride_ot=num_heads * head_dim, stride_oh=head_dim,
+                window=0, softcap=50.0, stride_qt=qkv_width, stride_qh=head_dim, stride_ot=num_heads * head_dim, stride_oh=head_dim,
                 stride_ch=num_blocks * block_size * head_dim, stride_cb=block_size * head_dim, stride_cs=head_dim,
                 stride_bt=max_blocks)
 
 
-def attention_configurations(dtype: str, head_dim: int, block_size: int, group: int, splits=(1, 16)):
-    """The tiles a decode step and a step with prompt chunks choose, each unsplit and split."""
+def attention_configurations(dtype: str, head_dim: int, block_size: int, group: int, splits=(1, 16),
+                             softcap: bool = False):
+    """The tiles a decode step and a step with prompt chunks choose, each unsplit and split (softcap: scores
+    soft-capped, Gemma 2)."""
     from kernels.paged_attention import attention_config
-    p, tag = DTYPES[dtype], f"{dtype} d{head_dim} bs{block_size} g{group}"
+    p, tag = DTYPES[dtype], f"{dtype} d{head_dim} bs{block_size} g{group}" + (" softcap" if softcap else "")
     for step, max_query_len in (("decode", 1), ("prefill", 512)):
-        cfg = attention_config(head_dim, block_size, group, max_query_len) | {"DOT_FP32": False}
+        cfg = attention_config(head_dim, block_size, group, max_query_len) | {"DOT_FP32": False, "SOFTCAP": softcap}
         for num_splits in splits:
             yield (f"attention {step} {tag} splits{num_splits}", "kernels.paged_attention", "_attention_kernel",
                    attention_args(p, head_dim, block_size, group), cfg | {"NUM_SPLITS": num_splits})
@@ -80,6 +82,8 @@ def configurations():
         if group != 4:
             yield from attention_configurations("bf16", 128, 16, group)
     yield from attention_configurations("fp32", 64, 16, 3, splits=SPLITS[1:-1])
+    for softcap in (False, True):                  # Gemma 3 4B's and Gemma 2 9B's heads: 256 wide, 2 to a KV head
+        yield from attention_configurations("bf16", 256, 16, 2, softcap=softcap)
     yield from lora_configurations()
 
 

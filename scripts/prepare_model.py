@@ -55,7 +55,7 @@ def build_smollm2(out: Path) -> None:
 
 def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> None:
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
@@ -79,15 +79,20 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
                                                    query_pre_attn_scalar=24, sliding_window=16, pad_token_id=0,
                                                    layer_types=["sliding_attention", "full_attention"],
                                                    rope_parameters=rope))
+    elif architecture == "gemma2":                # a window of 16 on layer 0; caps low enough to bend the tiny model's
+        model = Gemma2ForCausalLM(Gemma2Config(**(shape | {"tie_word_embeddings": True}), head_dim=32,   # scores
+                                               query_pre_attn_scalar=24, sliding_window=16, pad_token_id=0,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
     with torch.no_grad():                     # random init is near-uniform; sharpen it so greedy is decisive
         for name, param in model.named_parameters():
             if param.dim() == 2:                  # (Gemma's embeddings are scaled by sqrt(hidden), 8, and tied)
-                param.normal_(0, 0.01 if architecture == "gemma3" and "embed" in name else 0.08)
+                param.normal_(0, 0.01 if architecture.startswith("gemma") and "embed" in name else 0.08)
             elif architecture == "qwen3" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)          # not ones: a norm read from the wrong place changes the tokens
-            elif architecture == "gemma3" and name.endswith("norm.weight"):
+            elif architecture.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)         # (used as 1 + w)
     phase(f"saving tiny {architecture} model to {out}")
     model.save_pretrained(out)
@@ -97,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tiny", type=Path, metavar="OUT", help="write a small random Llama instead")
-    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3", "gemma3"), default="llama",
+    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"), default="llama",
                         help="with --tiny")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -82,7 +82,8 @@ class LlamaModel:
     def attention(self, i: int, q: torch.Tensor, ctx: StepContext, kv_cache) -> torch.Tensor:
         """[num_tokens, num_heads * head_dim]: each token's attention over its sequence's cached context."""
         k_cache, v_cache = kv_cache
-        return self.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, self.cfg.window(i)).flatten(1)
+        return self.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, self.cfg.window(i),
+                                        self.cfg.attn_logit_softcap).flatten(1)
 
     def after_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, ctx: StepContext,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,4 +109,6 @@ class LlamaModel:
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), vocab] fp32: the final norm and the LM head over the rows asked for."""
         last, _ = self.ops.add_rms_norm(h[rows], residual[rows], self.w["norm"], self.cfg.rms_norm_eps)
-        return self.ops.linear(last, self.w["lm_head"], None).float()
+        logits = self.ops.linear(last, self.w["lm_head"], None).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

@@ -66,11 +66,13 @@ def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> l
     for case, (seq_lens, query_lens) in cases.items():
         q, k_cache, v_cache, meta = attention_inputs(cfg, dtype, device, block_size, seq_lens, query_lens, g)
         scale = cfg.head_dim ** -0.5
-        want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+        cap = cfg.attn_logit_softcap
+        want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, softcap=cap)
         what = (f"{case}: contexts {seq_lens}, queries {query_lens}, page {block_size}, {cfg.num_heads} heads on "
-                f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}")
+                f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}" + (f", softcap {cap}" if cap else ""))
         for splits in (None,) + SPLITS:
-            run = lambda: [(ops.paged_attention(q, k_cache, v_cache, meta, scale, num_splits=splits), want)]  # noqa
+            run = lambda: [(ops.paged_attention(q, k_cache, v_cache, meta, scale, softcap=cap, num_splits=splits),  # noqa
+                            want)]
             checks.append(compare("attention", what + (f", {splits} splits" if splits else ""), run, dtype))
     return checks
 

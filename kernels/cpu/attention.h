@@ -1,12 +1,20 @@
 // What the CPU attention kernels share: a step's shapes and the walk over a KV head's pages.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 struct Shape {
   int64_t num_heads, num_kv_heads, group, head_dim, cache_head_stride, block_size, max_blocks;
   int64_t q_row_stride;                      // q may be a view of the step's qkv; out is contiguous
+  float softcap;                             // scores -> softcap * tanh(scores / softcap) where > 0 (Gemma 2)
 };
+
+// Soft-capping of n scores in place (cap <= 0: none).
+inline void cap_scores(float* scores, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+}
 
 // The first position a query at position pos attends to (window <= 0: none, all of them).
 inline int64_t window_start(int64_t pos, int64_t window) {

@@ -163,6 +163,7 @@ void run_tile(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
   x.out.resize(num_queries * s.head_dim);
   const int64_t head_offset = t.head * s.cache_head_stride;
   tile_scores(x.queries.data(), width, k_cache + head_offset, table, t, s, x.scores.data());
+  cap_scores(x.scores.data(), n * width, s.softcap);
   softmax_columns(x.scores.data(), width, t, x.lo.data(), x.hi.data(), x.sums.data());
   tile_values(x.scores.data(), width, num_queries, v_cache + head_offset, table, t, s, x.out.data());
   for (int64_t i = 0; i < t.num_rows; ++i)

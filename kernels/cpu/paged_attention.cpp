@@ -132,6 +132,7 @@ void run_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* tabl
   scores.resize(std::max<size_t>(scores.size(), s.group * (t.hi - t.lo)));
   for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q[q_offset + i]) * scale;
   item_scores(qf.data(), k_cache + head_offset, table, t.lo, t.hi, s, scores.data(), ahead);
+  cap_scores(scores.data(), s.group * (t.hi - t.lo), s.softcap);
   softmax_rows(scores.data(), s.group, t.hi - t.lo);
   item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, out + out_offset, ahead);
 }
@@ -195,9 +196,10 @@ void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* bl
 // q [num_rows, num_heads, head_dim]; k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim];
 // block_tables [num_seqs, max_blocks], seq_lens [num_seqs] (context lengths, this step's rows included) and
 // query_starts [num_seqs + 1] (sequence s has rows [query_starts[s], query_starts[s + 1])), all int32; window <= 0:
-// none.
+// none; softcap <= 0: none.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window) {
+                              torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window,
+                              double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "q and the caches must share a dtype");
@@ -219,7 +221,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(head_dim == k_cache.size(3) && num_heads % num_kv_heads == 0, "head shapes do not match the cache");
   TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.stride(0), block_size,
-                    block_tables.size(1), q.stride(0)};
+                    block_tables.size(1), q.stride(0), static_cast<float>(softcap)};
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "paged_attention", [&] {
     attention<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                         block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),

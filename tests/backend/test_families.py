@@ -16,9 +16,9 @@ from scripts.prepare_model import build_tiny
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
-FAMILIES = ["qwen3", "phi3", "gemma3"]
+FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3"]
 MODULES = {"qwen3": ALL_MODULES, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],    # every one it has
-           "gemma3": ALL_MODULES}
+           "gemma2": ALL_MODULES, "gemma3": ALL_MODULES}
 TASKS = [None, 1, 2, 3, 1, None, 3, 2]                 # request i's adapter (None: the base)
 LENGTHS = [5, 23, 9, 40, 3, 17, 30, 12]
 MAX_NEW = 8
@@ -114,6 +114,26 @@ def test_the_decode_graphs_padded_steps_match_peft(family_dir, family_adapters, 
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
                                  runner.device, capture=False)
     assert serve(engine, family_adapters, prompts[:INTERPRETED]) == expected[:INTERPRETED]
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_gemma2s_soft_capped_logits_score_a_prompt_as_transformers(tmp_path, kernel_backend):
+    """Gemma 2's final logits soft-capped (tanh keeps the greedy token: the log probs show it), its attention
+    scores too: a prompt's log probs == transformers' log_softmax at each position."""
+    from transformers import AutoModelForCausalLM
+    build_tiny(tmp_path, seed=5, architecture="gemma2")
+    prompt = random_prompts([37], 512, seed=62)[0]
+    with torch.inference_mode():
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        want = hf(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    want = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    engine = make_engine(tmp_path, kernel_backend)
+    engine.add_request(prompt, max_new_tokens=1, return_prompt_log_probs=True)
+    scored = []
+    while engine.has_unfinished:                      # (the prompt in two chunks: its log probs with the token)
+        scored += [out.prompt_log_probs for out in engine.step() if out.prompt_log_probs is not None]
+    [scored] = scored
+    torch.testing.assert_close(scored.log_probs[1:], want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("module,says", [(1, "its q, k and v are one, module 0 (attn_qkv)"),

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CP
                                                                 "(python -m kernels.cpu_ext says why)")
 
 
-def check(q, k_cache, v_cache, meta, dtype, sliding_window=None):
+def check(q, k_cache, v_cache, meta, dtype, sliding_window=None, softcap=None):
     scale = q.shape[-1] ** -0.5
-    want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, sliding_window)
-    got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+    want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, sliding_window,
+                                     softcap)
+    got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -50,6 +51,14 @@ def test_decode_rows_beside_prefill_chunks_match_reference(query_lens):
 def test_sliding_window_matches_reference(window, query_lens):
     seq_lens = [40, 29, 5]
     check(*make_batch(seq_lens, query_lens, 4, 2, 64, 16, torch.float32), torch.float32, sliding_window=window)
+
+
+@pytest.mark.parametrize("rows", QUERY_LENS)
+@pytest.mark.parametrize("window", [None, 12])
+def test_soft_capped_scores_match_reference(rows, window):
+    """Gemma 2's scores soft-capped before the mask and the softmax, on the decode rows' path and the tiles'."""
+    q, k_cache, v_cache, meta = make_batch(SEQ_LENS, QUERY_LENS[rows], 4, 2, 64, 16, torch.float32)
+    check(q * 4, k_cache, v_cache, meta, torch.float32, sliding_window=window, softcap=1.5)
 
 
 @pytest.mark.parametrize("rows", ["decode", "prompt chunks"])

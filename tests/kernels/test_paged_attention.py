@@ -37,7 +37,7 @@ def make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_si
 def check(q, k_cache, v_cache, meta, dtype, **kwargs):
     scale = q.shape[-1] ** -0.5
     want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale,
-                                     kwargs.get("sliding_window"))
+                                     kwargs.get("sliding_window"), kwargs.get("softcap"))
     got = paged_attention(q, k_cache, v_cache, meta, scale, **kwargs)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -119,6 +119,17 @@ def test_sliding_window_matches_reference(max_query_len, device):
     seq_lens = [40, 29]
     check(*make_batch(seq_lens, [max_query_len, 1], 4, 2, 64, 16, torch.float32, device), torch.float32,
           sliding_window=12)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("max_query_len", [1, 9])
+def test_soft_capped_scores_match_reference(max_query_len, device):
+    """Gemma 2's scores soft-capped (softcap * tanh(s / softcap)) before the mask and the softmax."""
+    q, k_cache, v_cache, meta = make_batch([40, 29], [max_query_len, 1], 4, 2, 64, 16, torch.float32, device)
+    check(q * 4, k_cache, v_cache, meta, torch.float32, sliding_window=12, softcap=1.5)     # scores well past 1.5
+    plain = reference.paged_attention(q.float() * 4, k_cache.float(), v_cache.float(), meta, 0.125, 12)
+    capped = reference.paged_attention(q.float() * 4, k_cache.float(), v_cache.float(), meta, 0.125, 12, 1.5)
+    assert (plain - capped).abs().max() > 0.1                                    # the cap bends these scores
 
 
 def check_ignores_stale_cache(attention, query_lens, device):
