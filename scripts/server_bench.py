@@ -16,7 +16,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -31,20 +30,15 @@ from bench.engine import make_engine, run_engine                                
 from bench.server import core_server, prepared_by_id, stream_measured               # noqa: E402
 from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
 from gpu_bench import cached_model, figures, free_memory                             # noqa: E402
+from server_probe import free_device_bytes, metric                                  # noqa: E402
 
 W1 = WORKLOADS["W1"]
 COMPARED = ("tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
 
-def free_device_bytes(device: str) -> int | None:
-    return torch.cuda.mem_get_info()[0] if device != "cpu" else None
-
-
 def kv_cache(metrics_port: int, cfg: ModelConfig, block_size: int = 16) -> dict:
     """The KV cache the server chose, from its lora_llm_kv_blocks gauges (bf16 K and V, every layer)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    blocks = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                 if line.startswith("lora_llm_kv_blocks{") and ('state="used"' in line or 'state="free"' in line))
+    blocks = sum(metric(metrics_port, "lora_llm_kv_blocks", f'state="{state}"') for state in ("used", "free"))
     tokens = int(blocks) * block_size
     return {"blocks": int(blocks), "tokens": tokens, "bytes": tokens * 2 * cfg.num_layers * cfg.kv_size * 2}
 

@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "scripts"))
 
-MAX_TOKENS = 8
+from crash_check import crash_check                                                   # noqa: E402
+from server_probe import (MAX_TOKENS, free_device_bytes, metric, openai_completion, perf_analyzer,  # noqa: E402
+                          stream)
+
 LORA, DORA = 7, 8                       # task ids
 TEXT_PROMPT = "The three largest oceans are"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -89,46 +92,6 @@ def random_adapter(model_dir: Path, rank: int, modules: tuple[int, ...], dora: t
     return weights, np.array(config, np.int32)
 
 
-def stream(url: str, arrays: dict, model: str = "lora_llm", output: str = "output_ids", cancel_after: int = 0,
-           timeout_s: float = 120) -> tuple[list[np.ndarray], str | None]:
-    """One request on a gRPC stream: (each response's `output`, the error or None). cancel_after: cancel the stream
-    after that many responses. A response that does not come within timeout_s is an error, never a hang."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    from client.grpc_client import DATATYPES
-    client = grpcclient.InferenceServerClient(url)
-    responses: queue.Queue = queue.Queue()
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                       else DATATYPES[array.dtype.type])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    chunks, error = [], None
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        while True:
-            try:
-                result, err = responses.get(timeout=timeout_s)
-            except queue.Empty:
-                return chunks, f"no response within {timeout_s} s"
-            if err is not None:
-                return chunks, str(err)
-            value = result.as_numpy(output)
-            if value is not None and value.size:
-                chunks.append(value)
-            if cancel_after and len(chunks) >= cancel_after:
-                return chunks, None
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return chunks, None
-    finally:
-        client.stop_stream(cancel_requests=bool(cancel_after))
-        client.close()
-
-
 def token_requests(vocab: int, weights: dict) -> list[tuple[str, dict, int | None]]:
     """(what, the request's arrays, its task id) for the gRPC streams."""
     from client.grpc_client import input_arrays
@@ -140,41 +103,6 @@ def token_requests(vocab: int, weights: dict) -> list[tuple[str, dict, int | Non
             ("LoRA by id", ask(prompts[2], LORA), LORA),
             ("DoRA, four-column config", ask(prompts[3], DORA, *weights[DORA]), DORA),
             ("DoRA by id", ask(prompts[4], DORA), DORA)]
-
-
-def metric(port: int, name: str, label: str) -> float:
-    import urllib.request
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
-               and label in line)
-
-
-def openai_completion(port: int, model: str, prompt_ids: list[int]) -> str:
-    import httpx
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
-    response.raise_for_status()
-    return response.json()["choices"][0]["text"]
-
-
-def free_device_bytes(device: str) -> int | None:
-    if device == "cpu":
-        return None
-    import torch
-    return torch.cuda.mem_get_info()[0]
-
-
-def processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every live process (zombies left out)."""
-    out = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            if stat[0] != "Z":
-                out[int(proc.name)] = (int(stat[1]), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def server_settings(model_dir: Path, args) -> dict:
@@ -249,21 +177,6 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
     return served
 
 
-def perf_analyzer(url: str, vocab: int) -> tuple[bool, str | None]:
-    """A short streaming run of perf_analyzer (scripts/run_perf_analyzer.py): (whether it reported a throughput, why
-    not)."""
-    import re
-    import subprocess
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_perf_analyzer.py"), "--url", url,
-                          "--vocab-size", str(vocab), "--requests", "8", "--concurrency", "2", "--output-len", "8"],
-                         capture_output=True, text=True, timeout=120)
-    match = re.search(r"throughput: ([\d.]+) infer/sec", run.stdout)
-    if run.returncode == 0 and match:
-        print(f"server_check: perf_analyzer: {match.group(0)}", flush=True)
-        return True, None
-    return False, f"exit {run.returncode}: {(run.stdout + run.stderr)[-1500:]}"
-
-
 def text_ids(model_dir: Path) -> list[int]:
     from backend.text import load_tokenizer
     return load_tokenizer(model_dir)(TEXT_PROMPT)["input_ids"]
@@ -296,76 +209,6 @@ def in_process(model_dir: Path, has_text: bool, weights: dict, peft_dir: Path, a
                                            None)
     del engine
     return want | {"adapters change the tokens": (changed, None)}
-
-
-def crash_check(model_dir: Path, args, base: tuple[list[int], list[int]], report: dict) -> list[str]:
-    """SIGKILL tritonserver mid-stream under the supervisor; the failures found (none: passed)."""
-    import subprocess
-    import threading
-
-    from launch_server import free_ports, is_ready
-    from client.grpc_client import input_arrays
-    http, grpc, metrics = free_ports(3)
-    free0 = free_device_bytes(args.device)
-    launcher = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(http), "--grpc-port",
-         str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", "5"],
-        env=os.environ | server_settings(model_dir, args), start_new_session=True,
-        stdout=open(args.work / "launcher.log", "w"), stderr=subprocess.STDOUT)
-    failures = []
-    try:
-        deadline = time.monotonic() + args.timeout_s
-        while not is_ready(http) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        [server] = [pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
-                    "tritonserver" in cmd and f"--http-port {http} " in cmd]
-        stubs = {pid for pid, (parent, cmd) in processes().items() if parent == server}
-        prompt, want = base
-        result = {}
-        client = threading.Thread(target=lambda: result.update(zip(("chunks", "error"), stream(
-            f"127.0.0.1:{grpc}", input_arrays(prompt, 512, True, end_id=-1), timeout_s=30))))
-        client.start()
-        while not metric(metrics, "lora_llm_kv_blocks", 'state="used"') and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)                                         # tokens on their way
-        os.kill(server, signal.SIGKILL)
-        killed = time.monotonic()
-        client.join(timeout=60)
-        report["client_error_after_s"] = time.monotonic() - killed
-        if client.is_alive() or not result.get("error"):
-            failures.append(f"the client got no error after the kill ({result})")
-        gone_at, free_between = None, None
-        while time.monotonic() < deadline and not is_ready(http):
-            now = processes()
-            if gone_at is None and not stubs & now.keys():
-                gone_at = time.monotonic() - killed
-            new_stubs = [pid for pid, (parent, cmd) in now.items() if "triton_python_backend_stub" in cmd
-                         and parent != server and pid not in stubs and parent in now and
-                         f"--http-port {http} " in now[parent][1]]
-            if gone_at is not None and not new_stubs and free0 is not None:
-                free_between = max(free_between or 0, free_device_bytes(args.device))
-            time.sleep(0.05)
-        report.update(old_stubs_gone_after_s=gone_at, free_before_s=free0, free_between_servers=free_between)
-        if gone_at is None:
-            failures.append(f"old stubs {sorted(stubs & processes().keys())} alive after the restart")
-        if free0 is not None and (free_between is None or free_between < free0 - (1 << 30)):
-            failures.append(f"device memory not back before the new server loaded: {free0 / 2**30:.2f} GiB free "
-                            f"before, at most {(free_between or 0) / 2**30:.2f} GiB between the servers")
-        chunks, error = stream(f"127.0.0.1:{grpc}", input_arrays(prompt, MAX_TOKENS, True, end_id=-1))
-        got = [int(t) for c in chunks for t in c.reshape(-1)]
-        if error or got != want:
-            failures.append(f"the restarted server answered {got} ({error}), want {want}")
-        print(f"server_check: SIGKILL mid-stream: client error after {report['client_error_after_s']:.2f} s; old "
-              f"stubs gone after {gone_at} s; free device memory {free0} before, {free_between} between the servers; "
-              f"restarted server {'serves' if got == want else 'FAILED'}", flush=True)
-    except Exception as err:
-        failures.append(f"{type(err).__name__}: {err}")
-    finally:
-        os.killpg(launcher.pid, signal.SIGTERM)
-        launcher.wait(timeout=60)
-    if failures:
-        print(f"--- launcher log:\n{(args.work / 'launcher.log').read_text()[-3000:]}")
-    return failures
 
 
 def main() -> int:
@@ -409,7 +252,7 @@ def main() -> int:
     report["checks"] = {what: what not in failures for what in want}
     if args.crash:
         base = token_requests(vocab_size(model_dir), weights)[0][1]["input_ids"].reshape(-1).tolist()
-        failures += crash_check(model_dir, args, (base, want["base"][0]), report)
+        failures += crash_check(server_settings(model_dir, args), args, (base, want["base"][0]), report)
     report["passed"] = not failures
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

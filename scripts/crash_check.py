@@ -1,0 +1,82 @@
+"""tritonserver under the supervisor (scripts/launch_server.py) killed with SIGKILL mid-stream, for
+scripts/server_check.py --crash: the client gets an error within its timeout, no stub of the old server lives on,
+the device memory is back before the new server loads, and the restarted server answers as the first one did."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from server_probe import MAX_TOKENS, free_device_bytes, metric, processes, stream
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report: dict) -> list[str]:
+    """SIGKILL tritonserver (its engine set up by `settings`) mid-stream under the supervisor; base: a prompt and
+    the tokens the first server gave it. The failures found (none: passed)."""
+    from client.grpc_client import input_arrays
+    from launch_server import free_ports, is_ready
+    http, grpc, metrics = free_ports(3)
+    free0 = free_device_bytes(args.device)
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(http), "--grpc-port",
+         str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", "5"],
+        env=os.environ | settings, start_new_session=True,
+        stdout=open(args.work / "launcher.log", "w"), stderr=subprocess.STDOUT)
+    failures = []
+    try:
+        deadline = time.monotonic() + args.timeout_s
+        while not is_ready(http) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [server] = [pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
+                    "tritonserver" in cmd and f"--http-port {http} " in cmd]
+        stubs = {pid for pid, (parent, cmd) in processes().items() if parent == server}
+        prompt, want = base
+        result = {}
+        client = threading.Thread(target=lambda: result.update(zip(("chunks", "error"), stream(
+            f"127.0.0.1:{grpc}", input_arrays(prompt, 512, True, end_id=-1), timeout_s=30))))
+        client.start()
+        while not metric(metrics, "lora_llm_kv_blocks", 'state="used"') and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                                         # tokens on their way
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        client.join(timeout=60)
+        report["client_error_after_s"] = time.monotonic() - killed
+        if client.is_alive() or not result.get("error"):
+            failures.append(f"the client got no error after the kill ({result})")
+        gone_at, free_between = None, None
+        while time.monotonic() < deadline and not is_ready(http):
+            now = processes()
+            if gone_at is None and not stubs & now.keys():
+                gone_at = time.monotonic() - killed
+            new_stubs = [pid for pid, (parent, cmd) in now.items() if "triton_python_backend_stub" in cmd
+                         and parent != server and pid not in stubs and parent in now and
+                         f"--http-port {http} " in now[parent][1]]
+            if gone_at is not None and not new_stubs and free0 is not None:
+                free_between = max(free_between or 0, free_device_bytes(args.device))
+            time.sleep(0.05)
+        report.update(old_stubs_gone_after_s=gone_at, free_before_s=free0, free_between_servers=free_between)
+        if gone_at is None:
+            failures.append(f"old stubs {sorted(stubs & processes().keys())} alive after the restart")
+        if free0 is not None and (free_between is None or free_between < free0 - (1 << 30)):
+            failures.append(f"device memory not back before the new server loaded: {free0 / 2**30:.2f} GiB free "
+                            f"before, at most {(free_between or 0) / 2**30:.2f} GiB between the servers")
+        chunks, error = stream(f"127.0.0.1:{grpc}", input_arrays(prompt, MAX_TOKENS, True, end_id=-1))
+        got = [int(t) for c in chunks for t in c.reshape(-1)]
+        if error or got != want:
+            failures.append(f"the restarted server answered {got} ({error}), want {want}")
+        print(f"server_check: SIGKILL mid-stream: client error after {report['client_error_after_s']:.2f} s; old "
+              f"stubs gone after {gone_at} s; free device memory {free0} before, {free_between} between the servers; "
+              f"restarted server {'serves' if got == want else 'FAILED'}", flush=True)
+    except Exception as err:
+        failures.append(f"{type(err).__name__}: {err}")
+    finally:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(timeout=60)
+    if failures:
+        print(f"--- launcher log:\n{(args.work / 'launcher.log').read_text()[-3000:]}")
+    return failures
