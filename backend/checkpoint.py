@@ -44,6 +44,8 @@ class ModelConfig:
     attention_scale: float | None = None      # the scores' scale where it is not head_dim ** -0.5 (Gemma)
     attn_logit_softcap: float | None = None   # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
     final_logit_softcap: float | None = None  # the logits alike (Gemma 2)
+    rotary_dim: int | None = None             # RoPE over this many of a head's channels where not all (Phi-4-mini:
+                                              # partial_rotary_factor 0.75): see rotary_order
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -69,6 +71,29 @@ class ModelConfig:
         of `heads` heads: its own share, or (fewer KV heads than ranks) the one head its query heads read."""
         parts = min(tp_size, self.num_kv_heads)
         return parts, rank * parts // tp_size, self.num_kv_heads // parts
+
+    def rotary_order(self) -> list[int] | None:
+        """Where RoPE turns part of each head: the checkpoint's channel each of our head's channels holds, such that
+        our kernels' pairs (j, j + head_dim / 2) are the checkpoint's rotary pairs (i, i + rotary_dim / 2) first and
+        its pass-through channels, paired with each other (turned by angle 0), after: [rotary first half, pass
+        first half, rotary second half, pass second half]. q and k are both reordered (their rows in the weights and
+        in adapters' B), so every score q . k is the checkpoint's. None: RoPE over the whole head."""
+        if self.rotary_dim is None:
+            return None
+        rotary = self.rotary_dim // 2
+        passing = (self.head_dim - self.rotary_dim) // 2
+        return [*range(rotary), *range(self.rotary_dim, self.rotary_dim + passing),
+                *range(rotary, self.rotary_dim), *range(self.rotary_dim + passing, self.head_dim)]
+
+    def qk_row_order(self, num_q_rows: int, num_k_rows: int, num_rows: int) -> list[int] | None:
+        """The order of a tensor's rows that are q heads (the first num_q_rows), then k heads (num_k_rows), then
+        others (v): each head's by rotary_order, the others as they are. None: no reordering."""
+        order = self.rotary_order()
+        if order is None:
+            return None
+        head = self.head_dim
+        return [start + h * head + c for start, count in ((0, num_q_rows), (num_q_rows, num_k_rows))
+                for h in range(count // head) for c in order] + list(range(num_q_rows + num_k_rows, num_rows))
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it sees the whole context."""
@@ -103,9 +128,12 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
         rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if rotary != 1.0:
-            raise ValueError(f"partial_rotary_factor {rotary} is not supported (RoPE over the whole head only)")
         num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rotary_dim = int(head_dim * rotary) if rotary != 1.0 else None
+        if rotary_dim is not None and (rotary_dim % 2 or not 0 < rotary_dim < head_dim or head_dim % 2):
+            raise ValueError(f"partial_rotary_factor {rotary}: {rotary_dim} rotary channels of a head of {head_dim} "
+                             "(an even count below it is needed)")
         eos = hf.get("eos_token_id")
         use_window = hf.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))
         if rope_type in ("yarn", "longrope") and "original_max_position_embeddings" in hf:     # (Phi-3: beside it)
@@ -118,7 +146,7 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
@@ -130,6 +158,7 @@ class ModelConfig:
             sliding_window=hf.get("sliding_window") if use_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            rotary_dim=rotary_dim,
         )
 
 

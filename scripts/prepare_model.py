@@ -66,12 +66,14 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
         model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=10000.0))
     elif architecture == "qwen3":                 # head_dim apart from hidden / heads, as Qwen3's own configs have it
         model = Qwen3ForCausalLM(Qwen3Config(**({"head_dim": 32} | shape), rope_theta=10000.0))
-    elif architecture == "phi3":                  # fused qkv and gate_up; longrope (short factors within 256
-                                                  # positions, scaled); a window of 24
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 16 for i in range(8)],
-                "long_factor": [1.5 + i / 2 for i in range(8)]}
+    elif architecture in ("phi3", "phi4"):       # fused qkv and gate_up; longrope (short factors within 256
+                                                  # positions, scaled); a window of 24; phi4 (Phi-4-mini's kind):
+        rotary = 0.75 if architecture == "phi4" else 1.0                  # RoPE over 3/4 of each head
+        pairs = int(shape["hidden_size"] // shape["num_attention_heads"] * rotary) // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
+                "short_factor": [1.0 + i / 16 for i in range(pairs)], "long_factor": [1.5 + i / 2 for i in range(pairs)]}
         model = Phi3ForCausalLM(Phi3Config(**shape, pad_token_id=0, original_max_position_embeddings=256,
-                                           sliding_window=24, rope_parameters=rope))
+                                           sliding_window=24, rope_parameters=rope, partial_rotary_factor=rotary))
     elif architecture == "gemma3":                # a window of 16 on layer 0, layer 1 global with linear RoPE
         rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
@@ -102,7 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tiny", type=Path, metavar="OUT", help="write a small random Llama instead")
-    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"), default="llama",
+    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3", "phi4", "gemma2", "gemma3"),
+                        default="llama",
                         help="with --tiny")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -221,12 +221,22 @@ def _row_views(weights: torch.Tensor, rows: list[Row], cfg: ModelConfig):
         a = row[:rank * in_dim].reshape(rank, in_dim)
         b = row[rank * in_dim:rank * (in_dim + out_dim)].reshape(out_dim, rank)
         m = row[need - out_dim:need] if dora else None
+        if module_id in (0, 1, 2) and (order := qk_rows(cfg, module_id)) is not None:     # a partial rotary's
+            b, m = b[order], None if m is None else m[order]                                # q and k channels
         if out_dim == module_shape(cfg, module_id)[1]:
             yield (layer, module_id), a, b, m
             continue
         for part, module in enumerate((FUSED_GATE_UP, 7)):
             rows_of = slice(part * cfg.intermediate_size, (part + 1) * cfg.intermediate_size)
             yield (layer, module), a, b[rows_of], None if m is None else m[rows_of]
+
+
+def qk_rows(cfg: ModelConfig, module_id: int) -> list[int] | None:
+    """The order of a q (1), k (2) or fused qkv (0) module's output rows in our channel order (ModelConfig.
+    rotary_order), or None where it is the checkpoint's."""
+    q, kv = cfg.q_size, cfg.kv_size
+    sizes = {0: (q, kv, q + 2 * kv), 1: (q, 0, q), 2: (0, kv, kv)}[module_id]
+    return cfg.qk_row_order(*sizes)
 
 
 def _equal(sent: torch.Tensor, kept: torch.Tensor) -> bool:

@@ -150,7 +150,21 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
                     part = part.float() + cfg.norm_offset
                 parts.append(part.to(device).to(dtype))
-            weights[name] = (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).contiguous()
+            weights[name] = reordered(cfg, name, torch.cat(parts, dim=0) if len(parts) > 1 else parts[0],
+                                      tp_size).contiguous()
     finally:
         handles.clear()
     return weights
+
+
+def reordered(cfg: ModelConfig, name: str, weight: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """A partial rotary's q and k channels in our order (ModelConfig.rotary_order): this rank's qkv rows (weight,
+    bias) and the head norms; any other weight as it is."""
+    if cfg.rotary_order() is None:
+        return weight
+    if name.endswith(("qkv_proj", "qkv_bias")):
+        shard = cfg.shard(tp_size)
+        return weight[cfg.qk_row_order(shard.q_size, shard.kv_size, weight.shape[0])]
+    if name.endswith(("q_norm", "k_norm")):
+        return weight[cfg.rotary_order()]
+    return weight

@@ -29,8 +29,8 @@ from backend.checkpoint import ModelConfig
 
 
 def inv_freq(cfg: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim // 2], the factor cos and sin are scaled by); long: longrope's long factors."""
-    dim, base, scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or {}
+    """(inverse frequencies [rotary_dim // 2], the factor cos and sin are scaled by); long: longrope's long factors."""
+    dim, base, scaling = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     default = 1.0 / (base ** exponents)
@@ -90,10 +90,17 @@ def yarn(cfg: ModelConfig, exponents: torch.Tensor, scaling: dict) -> tuple[torc
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated, float(attention)
 
 
-def table(positions: torch.Tensor, inv: torch.Tensor, attention: float) -> torch.Tensor:
-    """[len(positions), head_dim] fp32: cos of each frequency in the first half, sin in the second, scaled."""
+def table(positions: torch.Tensor, inv: torch.Tensor, attention: float, head_dim: int) -> torch.Tensor:
+    """[len(positions), head_dim] fp32: cos of each frequency in the first half, sin in the second, scaled; past
+    the frequencies (a partial rotary, ModelConfig.rotary_order) cos 1 and sin 0, unscaled: channels left as they
+    are."""
     freqs = positions.float()[:, None] * inv[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention
+    passing = head_dim // 2 - inv.numel()
+    cos, sin = freqs.cos() * attention, freqs.sin() * attention
+    if passing:
+        cos = torch.cat((cos, torch.ones(len(positions), passing)), dim=-1)
+        sin = torch.cat((sin, torch.zeros(len(positions), passing)), dim=-1)
+    return torch.cat((cos, sin), dim=-1)
 
 
 def cos_sin(cfg: ModelConfig) -> torch.Tensor:
@@ -102,8 +109,9 @@ def cos_sin(cfg: ModelConfig) -> torch.Tensor:
     positions = torch.arange(cfg.max_position_embeddings)
     original = long_rope_original(cfg)
     if original is None:
-        return table(positions, *inv_freq(cfg))
-    short, long = table(positions, *inv_freq(cfg)), table(positions, *inv_freq(cfg, long=True))
+        return table(positions, *inv_freq(cfg), cfg.head_dim)
+    short, long = table(positions, *inv_freq(cfg), cfg.head_dim), table(positions, *inv_freq(cfg, long=True),
+                                                                        cfg.head_dim)
     return torch.cat([short[:original], long[original:], long[:original]])
 
 

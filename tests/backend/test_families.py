@@ -16,9 +16,9 @@ from scripts.prepare_model import build_tiny
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
-FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3"]
-MODULES = {"qwen3": ALL_MODULES, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],    # every one it has
-           "gemma2": ALL_MODULES, "gemma3": ALL_MODULES}
+FAMILIES = ["qwen3", "phi3", "phi4", "gemma2", "gemma3"]           # phi4: Phi-3's kind with RoPE over 3/4 of a head
+PHI = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]         # every module it has
+MODULES = {"qwen3": ALL_MODULES, "phi3": PHI, "phi4": PHI, "gemma2": ALL_MODULES, "gemma3": ALL_MODULES}
 TASKS = [None, 1, 2, 3, 1, None, 3, 2]                 # request i's adapter (None: the base)
 LENGTHS = [5, 23, 9, 40, 3, 17, 30, 12]
 MAX_NEW = 8
