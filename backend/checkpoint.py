@@ -127,7 +127,8 @@ class ModelConfig:
         rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first name for it
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-        rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) \
+            if arch == "Phi3ForCausalLM" else 1.0      # (transformers' other families here turn every channel)
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         rotary_dim = int(head_dim * rotary) if rotary != 1.0 else None

@@ -56,12 +56,30 @@ def test_the_table_holds_transformers_rotary_embedding_past_the_original_context
         torch.testing.assert_close(table[rows], hf_rows(config, [position], position + 1), **TOL)
 
 
-def test_an_unknown_rope_type_or_a_partial_rotary_factor_is_refused_by_name():
+def test_an_unknown_rope_type_or_an_odd_rotary_part_is_refused_by_name():
     config = hf_config(TYPES["linear"]).to_dict() | {"architectures": ["LlamaForCausalLM"]}
     with pytest.raises(ValueError, match="unsupported rope_type 'mrope'; supported: default, linear, dynamic"):
         ModelConfig.from_hf(config | {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}})
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
-        ModelConfig.from_hf(config | {"partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.0625: 1 rotary channels of a head of 16"):
+        ModelConfig.from_hf(config | {"partial_rotary_factor": 0.0625, "architectures": ["Phi3ForCausalLM"]})
+
+
+def test_a_partial_rotary_turns_its_channels_as_transformers_and_leaves_the_rest():
+    """partial_rotary_factor 0.5 of a head of 16: transformers' 4 frequencies in our table's first 4 columns of
+    each half; the other 4 pairs turned by angle 0 (cos 1, sin 0); rotary_order puts the checkpoint's rotary pairs
+    (i, i + 4) at the kernels' (j, j + 8) and its pass-through channels 8-15 on the pairs left."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    config = Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        partial_rotary_factor=0.5)
+    cfg = ModelConfig.from_hf(config.to_dict() | {"architectures": ["Phi3ForCausalLM"]})
+    assert cfg.rotary_dim == 8 and cfg.rotary_order() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+    cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, 300, 16), torch.arange(300)[None])     # [.., 8]
+    table = rope.cos_sin(cfg)[:300]
+    torch.testing.assert_close(table[:, :4], cos[0, :, :4], **TOL)
+    torch.testing.assert_close(table[:, 8:12], sin[0, :, :4], **TOL)
+    assert torch.equal(table[:, 4:8], torch.ones(300, 4)) and torch.equal(table[:, 12:], torch.zeros(300, 4))
 
 
 @pytest.fixture(scope="module", params=list(TYPES))
