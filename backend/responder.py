@@ -35,7 +35,7 @@ class Responder:
         self.broken: set = set()                             # streams answered with an error, until forgotten
         self.watched: dict = {}                              # streams without their final answer, oldest first
         self.to_ask: list = []                               # what is left of the last check, next last
-        self.held = None                                     # a call taken while gathering queued steps: next
+        self.held: list = []                                 # a call taken while gathering queued steps: next
         self.steps_queued = 0                                # emit calls not yet sent
         self.sent = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="responder", daemon=True)
@@ -94,9 +94,8 @@ class Responder:
 
     def _next_call(self):
         """The next queued call; until one comes, the check's next question."""
-        if self.held is not None:
-            call, self.held = self.held, None
-            return call
+        if self.held:
+            return self.held.pop()
         while self.to_ask:
             try:
                 return self.calls.get_nowait()
@@ -118,22 +117,24 @@ class Responder:
             self.broken.discard(stream)
         elif what == "emit":
             emits, num_steps = list(args), 1
-            while self.held is None:                         # the steps queued behind it, sent with it
+            while not self.held:                             # the steps queued behind it, sent with it
                 try:
                     call = self.calls.get_nowait()
                 except queue.Empty:
                     break
                 if call is None or call[1] != "emit":
-                    self.held = call                         # answered next, in its place in the order
+                    self.held.append(call)                   # answered next, in its place in the order (a stop too)
                     break
                 emits += call[2]
                 num_steps += 1
                 self.calls.task_done()
-            for each in coalesced(emits) if num_steps > 1 else emits:
-                self._emit(*each)
-            with self.sent:
-                self.steps_queued -= num_steps
-                self.sent.notify_all()
+            try:
+                for each in coalesced(emits) if num_steps > 1 else emits:
+                    self._emit(*each)
+            finally:                                         # the loop waits on this count: never left behind
+                with self.sent:
+                    self.steps_queued -= num_steps
+                    self.sent.notify_all()
         elif stream not in self.broken:                      # fail, cancelled: a final answer
             self.watched.pop(stream, None)
             quietly(getattr(stream, what), *args)

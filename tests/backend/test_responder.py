@@ -28,3 +28,25 @@ def test_several_sequences_or_generation_logits_keep_their_answers_apart():
              (b, out("b", [7], generation_logits=torch.zeros(4)), 0, False),
              (b, out("b", [8], generation_logits=torch.zeros(4)), 0, True)]
     assert coalesced(emits) == emits                                         # as they were, in order
+
+
+def test_a_stop_queued_behind_steps_is_kept_and_ends_the_thread():
+    """The responder gathers the steps queued behind the one it sends; a stop found among them still ends it."""
+    import threading
+
+    from backend.responder import Responder
+    release, got = threading.Event(), []
+
+    class Stream:
+        def emit(self, output, batch_index, last):
+            release.wait(5)
+            got.extend(output.new_token_ids)
+    stream = Stream()
+    responder = Responder(on_broken=lambda s: None)
+    responder.emit([(stream, out("a", [1]), 0, False)])
+    responder.emit([(stream, out("a", [2]), 0, False)])
+    responder.emit([(stream, out("a", [3]), 0, True)])
+    responder.calls.put(None)                                 # stop, behind the steps
+    release.set()
+    responder.thread.join(5)
+    assert not responder.thread.is_alive() and got == [1, 2, 3] and responder.steps_queued == 0
