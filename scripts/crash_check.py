@@ -26,13 +26,14 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
          str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", "5"],
         env=os.environ | settings, start_new_session=True,
         stdout=open(args.work / "launcher.log", "w"), stderr=subprocess.STDOUT)
-    failures = []
+    failures, servers = [], set()
     try:
         deadline = time.monotonic() + args.timeout_s
         while not is_ready(http) and time.monotonic() < deadline:
             time.sleep(0.2)
         [server] = [pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
                     "tritonserver" in cmd and f"--http-port {http} " in cmd]
+        servers.add(server)
         stubs = {pid for pid, (parent, cmd) in processes().items() if parent == server}
         prompt, want = base
         result = {}
@@ -65,6 +66,8 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
         if free0 is not None and (free_between is None or free_between < free0 - (1 << 30)):
             failures.append(f"device memory not back before the new server loaded: {free0 / 2**30:.2f} GiB free "
                             f"before, at most {(free_between or 0) / 2**30:.2f} GiB between the servers")
+        servers |= {pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
+                    "tritonserver" in cmd and f"--http-port {http} " in cmd}              # the restarted one
         chunks, error = stream(f"127.0.0.1:{grpc}", input_arrays(prompt, MAX_TOKENS, True, end_id=-1))
         got = [int(t) for c in chunks for t in c.reshape(-1)]
         if error or got != want:
@@ -77,6 +80,21 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
     finally:
         os.killpg(launcher.pid, signal.SIGTERM)
         launcher.wait(timeout=60)
+    left = stubs_of(servers)
+    if left:
+        failures.append(f"stubs {left} of tritonserver {sorted(servers)} alive 10 s after the launcher stopped")
     if failures:
         print(f"--- launcher log:\n{(args.work / 'launcher.log').read_text()[-3000:]}")
     return failures
+
+
+def stubs_of(servers: set[int], wait_s: float = 10.0) -> list[int]:
+    """The Python backend stubs of those tritonservers (each stub's arguments name its server's pid) still alive
+    after wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = sorted(pid for pid, (_, cmd) in processes().items() if "triton_python_backend_stub" in cmd
+                      and any(f" {server} " in cmd for server in servers))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
