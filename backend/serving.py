@@ -21,8 +21,11 @@ from backend.request import FatalEngineError, RequestError
 from backend.responder import Responder, client_cancelled
 from backend.uploads import Uploads
 
-MAX_STEPS_BEHIND = 4          # steps of answers the responder may have queued before the loop waits for it; where it
-                              # is behind, they go out together (backend/responder.py)
+STEPS_BEHIND = 1              # steps of answers the responder may have queued before the loop waits for it (model
+                              # parameter responder_steps_behind); past 1, the steps it finds queued go out together
+                              # (backend/responder.py). 1 while tritonserver 2.51 can crash when a client's cancel
+                              # meets a final response (#7368): with 4 the soak's tritonserver died of SIGSEGV once,
+                              # a final response then carrying several tokens the client cancels at
 
 
 class Stream(Protocol):
@@ -52,7 +55,9 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, float | None], None] | None = None,
                  idle_wait_s: float = 0.05, max_step_failures: int = 3, cancellation_check_period_s: float = 0.1,
-                 ask_on_responder: bool | None = None):
+                 ask_on_responder: bool | None = None, max_steps_behind: int = STEPS_BEHIND):
+        if max_steps_behind < 1:
+            raise ValueError(f"responder_steps_behind must be >= 1, got {max_steps_behind}")
         if cancellation_check_period_s < 0:
             raise ValueError(f"cancellation_check_period_ms must be >= 0, got {cancellation_check_period_s * 1e3:g}")
         self.engine = engine
@@ -60,6 +65,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.max_step_failures = max_step_failures
         self.cancellation_check_period_s = cancellation_check_period_s
+        self.max_steps_behind = max_steps_behind
         self._next_cancellation_check = 0.0                  # time.monotonic() of the next check
         self.ask_on_responder = engine.runner.device.type != "cpu" if ask_on_responder is None else ask_on_responder
         self.inbox: queue.Queue = queue.Queue()
@@ -151,7 +157,7 @@ class EngineLoop:
             self.step_started = None
         self.num_step_failures = 0
         self._hook(time.perf_counter() - start)
-        self.responder.wait_behind(MAX_STEPS_BEHIND - 1)     # answers of at most a few steps queued
+        self.responder.wait_behind(self.max_steps_behind - 1)   # answers of at most max_steps_behind steps queued
         emits: list[tuple[Stream, StepOutput | TokenRow, int, bool]] = []
         for entry in outputs.entries:
             if type(entry) is StepOutput:

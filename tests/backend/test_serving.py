@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.serving import MAX_STEPS_BEHIND, EngineLoop
+from backend.serving import EngineLoop
 from tests.backend.loop_streams import TIMEOUT_S, FakeStream, prompts
 
 
@@ -52,21 +52,22 @@ class SlowStream(FakeStream):
         super().emit(out, batch_index, last)
 
 
-def test_the_engine_steps_while_a_send_blocks_but_runs_a_few_steps_ahead_at_most(engine):
-    """The responder may fall MAX_STEPS_BEHIND steps behind; the steps it then finds queued go out together, one
-    answer a stream with all their tokens."""
+@pytest.mark.parametrize("steps_behind", [1, 4])
+def test_the_engine_steps_while_a_send_blocks_but_runs_a_few_steps_ahead_at_most(engine, steps_behind):
+    """The responder may fall max_steps_behind steps behind; past 1, the steps it then finds queued go out together,
+    one answer a stream with all their tokens."""
     slow, other = SlowStream(prompts(engine, 1)[0], max_new_tokens=20), FakeStream(prompts(engine, 2)[1], 20)
     want = {id(s): engine.generate([s.requests[0].prompt_ids], max_new_tokens=20)[0] for s in (slow, other)}
-    loop = EngineLoop(engine, idle_wait_s=0.01)                    # after the references: it steps the engine
+    loop = EngineLoop(engine, idle_wait_s=0.01, max_steps_behind=steps_behind)   # (after the references: it steps)
     loop.submit(slow)
     loop.submit(other)
     assert slow.sending.wait(TIMEOUT_S)             # with its first token
     threading.Event().wait(0.3)
     (request_id,) = loop.streams[slow]
-    assert len(engine.seqs[request_id][0].output_ids) == 1 + MAX_STEPS_BEHIND and not slow.done.is_set()
+    assert len(engine.seqs[request_id][0].output_ids) == 1 + steps_behind and not slow.done.is_set()
     slow.release.set()
     assert slow.wait().tokens == want[id(slow)] and other.wait().tokens == want[id(other)]
-    assert slow.num_emits < 20 and other.num_emits < 20                   # the steps queued meanwhile, together
+    assert (slow.num_emits < 20 and other.num_emits < 20) if steps_behind > 1 else slow.num_emits == 20
     loop.stop()
 
 def test_a_steps_outputs_reach_the_responder_in_one_call(engine, monkeypatch):

@@ -22,13 +22,13 @@ from backend.metrics import ServerMetrics                       # noqa: E402
 from backend.output_arrays import (extra_arrays, first_arrays, generation_logits, merge_rows,   # noqa: E402
                                    output_arrays, top_arrays)
 from backend.protocol import check_declared, parse_request     # noqa: E402
-from backend.serving import EngineLoop                         # noqa: E402
+from backend.serving import STEPS_BEHIND, EngineLoop           # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
-              "max_words", "max_word_len", "cancellation_check_period_ms", "tensor_parallel_size",
-              "guided_decoding_compile_memory_bytes", "max_top_log_probs", "max_log_probs_per_request")
+              "max_words", "max_word_len", "cancellation_check_period_ms", "responder_steps_behind",
+              "tensor_parallel_size", "guided_decoding_compile_memory_bytes", "max_top_log_probs", "max_log_probs_per_request")
 AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
@@ -185,8 +185,10 @@ class TritonPythonModel:
         self.metrics = ServerMetrics(metric_family, {"model": args["model_name"], "version": args["model_version"]})
         kwargs = engine_kwargs(config)
         check_period_ms = kwargs.pop("cancellation_check_period_ms", 100)
+        steps_behind = kwargs.pop("responder_steps_behind", STEPS_BEHIND)
         self.engine = LLMEngine(**kwargs)
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, cancellation_check_period_s=check_period_ms / 1e3)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, cancellation_check_period_s=check_period_ms / 1e3,
+                               max_steps_behind=steps_behind)
         self._on_step(self.engine, None)
         self.heartbeat = Heartbeat(self.metrics.beat, lambda: self.loop.alive, lambda: self.loop.step_started).start()
 
