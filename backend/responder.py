@@ -19,6 +19,9 @@ from typing import Callable
 from backend.outputs import StepOutput, TokenRow, as_output, merged
 
 Emit = tuple[object, StepOutput | TokenRow, int, bool]        # (stream, output, batch index, the stream's last)
+STEPS_BEHIND = 1              # the loop's default (model parameter responder_steps_behind): 1 while tritonserver 2.51
+                              # can crash when a client's cancel meets a final response (#7368); with 4 the soak's
+                              # tritonserver died of SIGSEGV once, a final response then carrying several tokens
 
 
 class Responder:

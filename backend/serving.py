@@ -18,14 +18,8 @@ from backend.openmp import one_openmp_thread, release_openmp_pool
 from backend.outputs import StepOutput, TokenRow
 from backend.protocol import ParsedRequest
 from backend.request import FatalEngineError, RequestError
-from backend.responder import Responder, client_cancelled
+from backend.responder import STEPS_BEHIND, Responder, client_cancelled
 from backend.uploads import Uploads
-
-STEPS_BEHIND = 1              # steps of answers the responder may have queued before the loop waits for it (model
-                              # parameter responder_steps_behind); past 1, the steps it finds queued go out together
-                              # (backend/responder.py). 1 while tritonserver 2.51 can crash when a client's cancel
-                              # meets a final response (#7368): with 4 the soak's tritonserver died of SIGSEGV once,
-                              # a final response then carrying several tokens the client cancels at
 
 
 class Stream(Protocol):

@@ -110,11 +110,9 @@ def server_settings(model_dir: Path, args) -> dict:
             "LORA_LLM_MAX_LORA_RANK": "16", "LORA_LLM_MAX_LORAS": "4"}
 
 
-def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Path, args, report: dict) -> dict:
-    """Every request through a server: {what: (tokens or text, error)}."""
-    from backend.checkpoint import ModelConfig
-    from launch_server import free_ports, start_frontend, start_server, wait_ready
-    cfg = ModelConfig.from_dir(model_dir)
+def serve_and_check(model_dir: Path, has_text: bool, requests: list, peft_dir: Path, args, report: dict) -> dict:
+    """Every request (token_requests' and the rest) through a server: {what: (tokens or text, error)}."""
+    from launch_server import free_ports, is_ready, start_frontend, start_server, wait_ready
     http, grpc, metrics = free_ports(3)
     url = f"127.0.0.1:{grpc}"
     models = ["lora_llm"] + (["preprocessing", "postprocessing", "ensemble"] if has_text else [])
@@ -133,10 +131,11 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
         print(f"server_check: tritonserver ({report['tritonserver']}) ready on {args.device} in "
               f"{report['ready_s']:.1f} s; its device memory {memory}; KV cache {report['kv_cache_tokens']} tokens",
               flush=True)
-        for what, arrays, _ in token_requests(cfg.vocab_size, weights):
+        for what, arrays, _ in requests:
             chunks, error = stream(url, arrays)
             served[what] = ([int(t) for c in chunks for t in c.reshape(-1)], error)
-        long = token_requests(cfg.vocab_size, weights)[0][1] | {"request_output_len": np.array([[256]], np.int32)}
+        base = requests[0][1]
+        long = base | {"request_output_len": np.array([[256]], np.int32)}
         chunks, error = stream(url, long, cancel_after=2)
         deadline = time.monotonic() + 10
         while metric(metrics, "lora_llm_kv_blocks", 'state="used"') and time.monotonic() < deadline:
@@ -144,9 +143,9 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
         used = metric(metrics, "lora_llm_kv_blocks", 'state="used"')
         served["cancelled mid-stream"] = (len(chunks), error or (f"{used:.0f} KV blocks still used 10 s after the "
                                                                  "cancel" if used else None))
-        chunks, error = stream(url, token_requests(cfg.vocab_size, weights)[0][1])
+        chunks, error = stream(url, base)
         served["base after the cancel"] = ([int(t) for c in chunks for t in c.reshape(-1)], error)
-        served["perf_analyzer"] = perf_analyzer(url, cfg.vocab_size)
+        served["perf_analyzer"] = perf_analyzer(url, args.vocab_size)
         if has_text:
             chunks, error = stream(url, {"text_input": np.array([[TEXT_PROMPT]], object),
                                          "max_tokens": np.array([[MAX_TOKENS]], np.int32),
@@ -160,7 +159,6 @@ def serve_and_check(model_dir: Path, has_text: bool, weights: dict, peft_dir: Pa
             frontend = start_frontend(model_dir, grpc, port, "--adapter-store", str(store),
                                       log_file=open(args.work / "frontend.log", "w"))
             deadline = time.monotonic() + 120
-            from launch_server import is_ready
             while not is_ready(port, "/health") and time.monotonic() < deadline and frontend.poll() is None:
                 time.sleep(0.2)
             try:
@@ -182,17 +180,14 @@ def text_ids(model_dir: Path) -> list[int]:
     return load_tokenizer(model_dir)(TEXT_PROMPT)["input_ids"]
 
 
-def in_process(model_dir: Path, has_text: bool, weights: dict, peft_dir: Path, args) -> dict:
+def in_process(model_dir: Path, has_text: bool, weights: dict, requests: list, peft_dir: Path, args) -> dict:
     """The same requests, one at a time, on an engine set up as the server's."""
     from backend import LLMEngine
-    from backend.checkpoint import ModelConfig
     from backend.text import load_tokenizer
     engine = LLMEngine(model_dir, device=args.device, dtype=args.dtype, max_lora_rank=16, max_loras=4)
     for task, (w, c) in weights.items():
         engine.add_lora(task, w, c)
     engine.add_lora_dir(9, peft_dir)
-    cfg = ModelConfig.from_dir(model_dir)
-    requests = token_requests(cfg.vocab_size, weights)
     run = lambda ids, task=None, ignore=True: engine.generate([ids], max_new_tokens=MAX_TOKENS,  # noqa: E731
                                                               lora_task_ids=[task], ignore_end_id=ignore)[0]
     want = {what: (run(arrays["input_ids"].reshape(-1).tolist(), task), None) for what, arrays, task in requests}
@@ -226,6 +221,7 @@ def main() -> int:
     if missing():
         print(f"server_check: skipped: {' and '.join(missing())} not installed (scripts/pack_server.py)")
         return 2
+    from backend.checkpoint import ModelConfig
     from bench.adapters import adapter_dirs
     from launch_server import pytriton_dir
     work = args.work = Path(tempfile.mkdtemp(prefix="server_check-"))
@@ -233,15 +229,17 @@ def main() -> int:
     weights = {LORA: random_adapter(model_dir, 8, (1, 3, 6)),
                DORA: random_adapter(model_dir, 16, (1, 2, 3, 4, 5, 6, 7), dora=(4, 6), seed=1)}
     peft_dir = adapter_dirs(str(model_dir), (8,))[0]
+    args.vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    requests = token_requests(args.vocab_size, weights)
     report = {"shape": args.shape, "device": args.device, "dtype": args.dtype,
               "tritonserver": str(pytriton_dir() / "tritonserver" / "bin" / "tritonserver")}
     try:
-        served = serve_and_check(model_dir, has_text, weights, peft_dir, args, report)
+        served = serve_and_check(model_dir, has_text, requests, peft_dir, args, report)
     except Exception as err:
         print(f"server_check: FAILED: {type(err).__name__}: {err}\n--- tritonserver log:\n"
               f"{(work / 'tritonserver.log').read_text()[-4000:]}")
         return 1
-    want = in_process(model_dir, has_text, weights, peft_dir, args)
+    want = in_process(model_dir, has_text, weights, requests, peft_dir, args)
     failures = []
     for what, (value, _) in want.items():
         got, error = served.get(what, (value, None))
@@ -251,7 +249,7 @@ def main() -> int:
         failures += [] if ok else [what]
     report["checks"] = {what: what not in failures for what in want}
     if args.crash:
-        base = token_requests(vocab_size(model_dir), weights)[0][1]["input_ids"].reshape(-1).tolist()
+        base = requests[0][1]["input_ids"].reshape(-1).tolist()
         failures += crash_check(server_settings(model_dir, args), args, (base, want["base"][0]), report)
     report["passed"] = not failures
     if args.out:
@@ -259,11 +257,6 @@ def main() -> int:
     print(f"server_check: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)} ({args.shape} on "
           f"{args.device}, {time.monotonic() - started:.1f} s in all)")
     return 0 if not failures else 1
-
-
-def vocab_size(model_dir: Path) -> int:
-    from backend.checkpoint import ModelConfig
-    return ModelConfig.from_dir(model_dir).vocab_size
 
 
 if __name__ == "__main__":

@@ -108,10 +108,10 @@ def cos_sin(cfg: ModelConfig) -> torch.Tensor:
     the original context after them (see the module docstring)."""
     positions = torch.arange(cfg.max_position_embeddings)
     original = long_rope_original(cfg)
+    short = table(positions, *inv_freq(cfg), cfg.head_dim)
     if original is None:
-        return table(positions, *inv_freq(cfg), cfg.head_dim)
-    short, long = table(positions, *inv_freq(cfg), cfg.head_dim), table(positions, *inv_freq(cfg, long=True),
-                                                                        cfg.head_dim)
+        return short
+    long = table(positions, *inv_freq(cfg, long=True), cfg.head_dim)
     return torch.cat([short[:original], long[original:], long[:original]])
 
 

@@ -22,7 +22,8 @@ from backend.metrics import ServerMetrics                       # noqa: E402
 from backend.output_arrays import (extra_arrays, first_arrays, generation_logits, merge_rows,   # noqa: E402
                                    output_arrays, top_arrays)
 from backend.protocol import check_declared, parse_request     # noqa: E402
-from backend.serving import STEPS_BEHIND, EngineLoop           # noqa: E402
+from backend.responder import STEPS_BEHIND                     # noqa: E402
+from backend.serving import EngineLoop                         # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
