@@ -13,22 +13,27 @@ shrink: programs (item, split) each read one split of the input dimension for th
         by an atomic, sums every split in split order (deterministic: no atomic touches a value) and writes h in
         x's dtype. That program resets the counter, so the next launch (and a replayed graph) finds it at zero.
 expand: programs (item, column group) each own TILES x BLOCK_N columns of one band of the output for the item's
-        rows (the band from the slot's bounds), load h once and walk the group's B tiles (pipelined), adding the
-        product into the output in place; the epilogue scales the sum by the slot's DoRA magnitudes (1 where the
-        slot has none, so a mixed batch of LoRA and DoRA is one pass).
-How each launches at a step's token count (work list, tiles, splits, grids): kernels/lora_launch.py.
+        rows (the band from the slot's bounds) and walk the group's B tiles (pipelined). MMA: h's BLOCK_M rows
+        loaded once, a tensor-core product per tile; else (decode items of a row or a few) each B tile read once
+        into registers and multiplied with the item's rows one by one, a sum over the rank (no 16-row product for
+        one row, a third of the registers). The epilogue adds the fp32 product into the output in place, scaled by
+        the slot's DoRA magnitudes (1 where the slot has none, so a mixed batch of LoRA and DoRA is one pass), or
+        (DELTA) stores it as it is into an fp32 delta.
+merge:  the expand's programs over the delta: the same epilogue, in place (the same bits as the expand's own).
+linear_lora: where a graph step overlaps LoRA (LoraSegments.overlap), shrink and expand (DELTA) run on a side stream
+        beside the base GEMM, and the merge after the join: LoRA off the critical path but for the merge.
+How each launches at a step's token count (work list, tiles, splits, grids): kernels/lora_launch.py; the step's
+state: kernels/lora_step.py.
 """
-import os
-from dataclasses import dataclass
+from contextlib import nullcontext
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_launch import LoraLaunch, plan_launch
+from kernels.lora_step import LoraStep, Prepared, prepare_launch                  # noqa: F401 (the launchers')
 from kernels.metadata import UNSPECIALIZED_ARGS
-
-DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
+from kernels.reference import linear
 
 
 @triton.jit
@@ -94,142 +99,125 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, part_ptr, count_ptr, work_ptr, ranks_ptr
             tl.store(count_ptr + item, 0)
 
 
+@triton.jit
+def _group(bounds_ptr, ranks_ptr, slot, tile, stride_rb, NUM_BANDS: tl.constexpr, GROUP: tl.constexpr,
+           ALIGNED: tl.constexpr):
+    """Column group `tile` of the slot's bands (GROUP columns each): its band, the band's rank and its columns
+    [group_start, col_end) (col_end: the band's end; group_start >= col_end where the slot has no such group)."""
+    band = 0
+    rank = tl.load(ranks_ptr + slot)
+    col_end = tl.load(bounds_ptr + 1)
+    if ALIGNED:                                            # every band whole groups: the group's columns at once
+        group_start = tile * GROUP
+        for i in tl.static_range(1, NUM_BANDS):            # the slot's band that holds them
+            inside = group_start >= tl.load(bounds_ptr + i)
+            band = tl.where(inside, i, band)
+            rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
+            col_end = tl.where(inside, tl.load(bounds_ptr + i + 1), col_end)
+    else:                                                  # each band's own groups in band order, its last masked
+        band_start = tl.load(bounds_ptr)
+        first = 0                                          # the band's first group
+        groups_before = 0
+        for i in tl.static_range(1, NUM_BANDS):
+            lo = tl.load(bounds_ptr + i)
+            groups_before += tl.cdiv(lo - tl.load(bounds_ptr + i - 1), GROUP)
+            inside = tile >= groups_before
+            band = tl.where(inside, i, band)
+            rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
+            band_start = tl.where(inside, lo, band_start)
+            col_end = tl.where(inside, tl.load(bounds_ptr + i + 1), col_end)
+            first = tl.where(inside, groups_before, first)
+        group_start = band_start + (tile - first) * GROUP
+    return band, rank, group_start, col_end
+
+
+@triton.jit
+def _finish(acc, out_ptrs, delta_ptrs, scale, mask, DELTA: tl.constexpr):
+    """The product acc (fp32) of a tile or a row: DELTA, as it is into the fp32 delta (lora_merge adds it later);
+    else out = (out + acc) * scale in place (scale: DoRA magnitudes, 1 where the slot has none)."""
+    if DELTA:
+        tl.store(delta_ptrs, acc, mask=mask)
+    else:
+        base = tl.load(out_ptrs, mask=mask, other=0.0)
+        tl.store(out_ptrs, ((base.to(tl.float32) + acc) * scale).to(out_ptrs.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_expand_kernel"])
-def _expand_kernel(h_ptr, b_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, stride_ot, max_rank, stride_ht,
-                   stride_bs, stride_bn, stride_bk, stride_rb, stride_bounds, stride_ms, NUM_BANDS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-                   ALIGNED: tl.constexpr, DOT_FP32: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, out_ptr, delta_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, stride_ot, stride_dt,
+                   max_rank, stride_ht, stride_bs, stride_bn, stride_bk, stride_rb, stride_bounds, stride_ms,
+                   NUM_BANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                   BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr, MMA: tl.constexpr, DELTA: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
     item = tl.program_id(0)
     tile = tl.program_id(1)                                # a group of TILES tiles, within one band
     slot, start, end = _work_item(work_ptr, item)
     if slot < 0:
         return
-    bounds = bounds_ptr + slot * stride_bounds
-    band = 0
-    rank = tl.load(ranks_ptr + slot)
-    col_end = tl.load(bounds + 1)
-    if ALIGNED:                                            # every band whole groups: the group's columns at once
-        group_start = tile * (TILES * BLOCK_N)
-        for i in tl.static_range(1, NUM_BANDS):            # the slot's band that holds them
-            inside = group_start >= tl.load(bounds + i)
-            band = tl.where(inside, i, band)
-            rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
-            col_end = tl.where(inside, tl.load(bounds + i + 1), col_end)
-    else:                                                  # each band's own groups in band order, its last masked
-        band_start = tl.load(bounds)
-        first = 0                                          # the band's first group
-        groups_before = 0
-        for i in tl.static_range(1, NUM_BANDS):
-            lo = tl.load(bounds + i)
-            groups_before += tl.cdiv(lo - tl.load(bounds + i - 1), TILES * BLOCK_N)
-            inside = tile >= groups_before
-            band = tl.where(inside, i, band)
-            rank = tl.where(inside, tl.load(ranks_ptr + i * stride_rb + slot), rank)
-            band_start = tl.where(inside, lo, band_start)
-            col_end = tl.where(inside, tl.load(bounds + i + 1), col_end)
-            first = tl.where(inside, groups_before, first)
-        group_start = band_start + (tile - first) * (TILES * BLOCK_N)
+    band, rank, group_start, col_end = _group(bounds_ptr + slot * stride_bounds, ranks_ptr, slot, tile, stride_rb,
+                                              NUM_BANDS, TILES * BLOCK_N, ALIGNED)
+    if (rank == 0) | (group_start >= col_end):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + (band * max_rank + offs_r)[None, :] * stride_bk
+    m_row = m_ptr + slot.to(tl.int64) * stride_ms                 # DoRA magnitudes of the slot (1: none)
+    if MMA:                                                # a BLOCK_M-row tensor-core product per B tile
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + (band * max_rank + offs_r)[None, :],
+                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)             # [BLOCK_M, BLOCK_R], once
+        if DOT_FP32:
+            h = h.to(tl.float32)
+        for t in range(TILES):                             # B tiles pipelined (num_stages) along the group
+            offs_n = group_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < col_end
+            b = tl.load(b_rows + offs_n.to(tl.int64)[:, None] * stride_bn, mask=n_mask[:, None] & r_mask[None, :],
+                        other=0.0)                                                 # [BLOCK_N, BLOCK_R]
+            scale = tl.load(m_row + offs_n, mask=n_mask, other=1.0).to(tl.float32)
+            acc = tl.dot(h, tl.trans(b.to(h.dtype)), input_precision="ieee")      # [BLOCK_M, BLOCK_N]
+            _finish(acc, out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
+                    delta_ptr + offs_m.to(tl.int64)[:, None] * stride_dt + offs_n[None, :], scale[None, :],
+                    m_mask[:, None] & n_mask[None, :], DELTA)
+    else:                                                  # rows one by one (decode items): a multiply-and-sum over
+        for t in range(TILES):                             # the rank in registers, the B tile read once for them
+            offs_n = group_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < col_end
+            b = tl.load(b_rows + offs_n.to(tl.int64)[:, None] * stride_bn, mask=n_mask[:, None] & r_mask[None, :],
+                        other=0.0).to(tl.float32)                                  # [BLOCK_N, BLOCK_R]
+            scale = tl.load(m_row + offs_n, mask=n_mask, other=1.0).to(tl.float32)
+            for i in range(0, end - start):
+                row = start.to(tl.int64) + i
+                h = tl.load(h_ptr + row * stride_ht + band * max_rank + offs_r, mask=r_mask,
+                            other=0.0).to(tl.float32)                              # [BLOCK_R]
+                acc = tl.sum(b * h[None, :], axis=1)                               # [BLOCK_N]
+                _finish(acc, out_ptr + row * stride_ot + offs_n, delta_ptr + row * stride_dt + offs_n, scale, n_mask,
+                        DELTA)
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_merge_kernel"])
+def _merge_kernel(delta_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, stride_ot, stride_dt, stride_rb,
+                  stride_bounds, stride_ms, NUM_BANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TILES: tl.constexpr, ALIGNED: tl.constexpr):
+    item = tl.program_id(0)
+    tile = tl.program_id(1)                                # the expand's groups: the same tiles it wrote
+    slot, start, end = _work_item(work_ptr, item)
+    if slot < 0:
+        return
+    band, rank, group_start, col_end = _group(bounds_ptr + slot * stride_bounds, ranks_ptr, slot, tile, stride_rb,
+                                              NUM_BANDS, TILES * BLOCK_N, ALIGNED)
     if (rank == 0) | (group_start >= col_end):
         return
     offs_m = start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < end
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * stride_ht + (band * max_rank + offs_r)[None, :],
-                mask=m_mask[:, None] & r_mask[None, :], other=0.0)                 # [BLOCK_M, BLOCK_R], once
-    if DOT_FP32:
-        h = h.to(tl.float32)
-    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + (band * max_rank + offs_r)[None, :] * stride_bk
-    m_row = m_ptr + slot.to(tl.int64) * stride_ms                 # DoRA magnitudes of the slot (1: none)
-    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot
-    for t in range(TILES):                                 # B tiles pipelined (num_stages) along the group
+    m_row = m_ptr + slot.to(tl.int64) * stride_ms
+    for t in range(TILES):
         offs_n = group_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < col_end
-        b = tl.load(b_rows + offs_n.to(tl.int64)[:, None] * stride_bn, mask=n_mask[:, None] & r_mask[None, :],
-                    other=0.0)                                                     # [BLOCK_N, BLOCK_R]
         mask = m_mask[:, None] & n_mask[None, :]
-        base = tl.load(out_rows + offs_n[None, :], mask=mask, other=0.0)
+        acc = tl.load(delta_ptr + offs_m.to(tl.int64)[:, None] * stride_dt + offs_n[None, :], mask=mask, other=0.0)
         scale = tl.load(m_row + offs_n, mask=n_mask, other=1.0).to(tl.float32)
-        b = b.to(h.dtype)
-        acc = tl.dot(h, tl.trans(b), input_precision="ieee")                       # [BLOCK_M, BLOCK_N]
-        total = (base.to(tl.float32) + acc) * scale[None, :]                      # DoRA: the whole output scaled
-        tl.store(out_rows + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@dataclass(slots=True)
-class Prepared:
-    """One projection's launches within a step: everything but the per-call tensors, made once."""
-    launch: LoraLaunch
-    h: torch.Tensor                           # [num_tokens, cap] view of the step's scratch
-    partials: torch.Tensor                    # [split_k, num_tokens, cap] fp32 view
-    shrink_ints: tuple                        # the shrink's integer arguments after stride_xt
-    expand_ints: tuple                        # the expand's after stride_ot
-    shrink_kwargs: dict
-    expand_kwargs: dict
-
-
-class LoraStep:
-    """A step's work list, each projection's launches and the intermediates they share (every projection and layer
-    runs after the last on one stream): h in x's dtype, the split partials, and the per-item counters, zero
-    between launches. Made at the step's first launch for every projection the step will run (`projections`: the
-    runner passes one layer's; every layer's projection of a kind shares its shapes and strides), so a call does
-    nothing in Python beyond its two launches."""
-
-    def __init__(self, work: torch.Tensor, block_m: int, num_tokens: int, dtype: torch.dtype, device,
-                 projections: list, split_k: int | None = None):
-        self.work, self.block_m, self.num_tokens, self.split_k = work, block_m, num_tokens, split_k
-        self.dtype, self.device = dtype, device
-        self.counters = torch.zeros(work.shape[0], dtype=torch.int32, device=device)
-        self.kinds: dict[tuple, tuple] = {}                    # key -> (launch, a projection of the kind)
-        self.prepared: dict[tuple, Prepared] = {}
-        for proj in projections:
-            self.prepare(proj)
-
-    @classmethod
-    def for_segments(cls, segments, x: torch.Tensor, projections: list, split_k: int | None = None) -> "LoraStep":
-        """Over the step's device work list (LoraFamily.segments of the Triton family built it)."""
-        assert segments.work is not None, "segments without a work list: not the Triton family's"
-        return cls(segments.work, segments.block_m, x.shape[0], x.dtype, x.device, projections, split_k)
-
-    @staticmethod
-    def kind(proj) -> tuple:
-        """Projections of a kind share their shapes and strides, and so their launches."""
-        return proj.a.shape[2], proj.b.shape[1], proj.num_bands
-
-    def prepare(self, proj) -> Prepared:
-        key = self.kind(proj)
-        prepared = self.prepared.get(key)
-        if prepared is None:                                  # a kind first seen: plan it, size the scratch again
-            launch = plan_launch(self.num_tokens, self.work.shape[0], key[0], proj.widths, proj.max_rank,
-                                 self.block_m, self.split_k, self.dtype.itemsize)
-            self.kinds[key] = (launch, proj)
-            self._allocate()
-            prepared = self.prepared[key]
-        return prepared
-
-    def _allocate(self) -> None:
-        caps = {key: proj.num_bands * proj.max_rank for key, (_, proj) in self.kinds.items()}
-        h = torch.empty(self.num_tokens, max(caps.values()), dtype=self.dtype, device=self.device)
-        partials = torch.empty(max(launch.split_k * self.num_tokens * caps[key]
-                                   for key, (launch, _) in self.kinds.items()), dtype=torch.float32,
-                               device=self.device)
-        for key, (launch, proj) in self.kinds.items():
-            cap = caps[key]
-            h_view = h[:, :cap]
-            part_view = partials[:launch.split_k * self.num_tokens * cap].view(launch.split_k, self.num_tokens, cap)
-            self.prepared[key] = prepare_launch(launch, proj, h_view, part_view)
-
-
-def prepare_launch(launch: LoraLaunch, proj, h: torch.Tensor, partials: torch.Tensor) -> Prepared:
-    """A projection's launches at `launch` over its intermediates: h [num_tokens, cap], partials [split_k,
-    num_tokens, cap] (fp32)."""
-    shrink_ints = (launch.in_dim, proj.max_rank, launch.split_k, launch.blocks_per_split, *proj.a.stride(),
-                   proj.ranks.stride(0), h.stride(0), partials.stride(0), partials.stride(1))
-    expand_ints = (proj.max_rank, h.stride(0), *proj.b.stride(), proj.ranks.stride(0), proj.slot_bounds.stride(0),
-                   proj.m.stride(0))
-    return Prepared(launch, h, partials, shrink_ints, expand_ints,
-                    launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": DOT_FP32},
-                    launch.expand_constexprs | launch.expand_options | {"DOT_FP32": DOT_FP32})
+        _finish(acc, out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], delta_ptr, scale[None, :],
+                mask, False)
 
 
 def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:
@@ -248,30 +236,82 @@ def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:
     return p.h
 
 
-def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor) -> None:
+def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor | None) -> None:
     """Semantics:
         for slot, start, end in work:
             if slot >= 0:
                 t = range(start, end)
-                for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r)
+                for band i with r = ranks[i, slot] > 0: rows = i * max_rank + arange(r)
                     cols = bounds[slot, i]:bounds[slot, i + 1]
-                    out[t, cols] = (out[t, cols] + h[t, rows] @ proj.b[slot, cols][:, rows].T) * proj.m[slot, cols]
+                    product = h[t, rows].float() @ proj.b[slot, cols][:, rows].T.float()
+                    if out is None: delta[t, cols] = product
+                    else: out[t, cols] = (out[t, cols] + product) * proj.m[slot, cols]
     (proj.m: DoRA magnitudes, 1 where a slot has none: a DoRA module's whole output is scaled)
     h: lora_shrink's [num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in
-    place.
+    place, or None: the product into the step's fp32 delta, for lora_merge.
     """
     p = step.prepare(proj)
-    _expand_kernel[p.launch.expand_grid](h, proj.b, out, step.work, proj.ranks, proj.slot_bounds, proj.m,
-                                         out.stride(0), *p.expand_ints, **p.expand_kwargs)
+    delta = out is None
+    target = p.delta if delta else out
+    _expand_kernel[p.launch.expand_grid](h, proj.b, target, target, step.work, proj.ranks, proj.slot_bounds, proj.m,
+                                         target.stride(0), target.stride(0), *p.expand_ints, DELTA=delta,
+                                         **p.expand_kwargs)
+
+
+def lora_merge(proj, step: LoraStep, out: torch.Tensor) -> None:
+    """Semantics: over lora_expand's items and columns, out[t, cols] = (out[t, cols] + delta[t, cols]) *
+    proj.m[slot, cols] (the same bits as lora_expand in place: the fp32 product, one rounding)."""
+    p = step.prepare(proj)
+    _merge_kernel[p.launch.expand_grid](p.delta, out, step.work, proj.ranks, proj.slot_bounds, proj.m, out.stride(0),
+                                        p.delta.stride(0), *p.merge_ints, **p.merge_kwargs)
+
+
+def step_of(segments, x: torch.Tensor, proj) -> LoraStep:
+    """The step's LoRA state, made at its first call and kept on the segments (`projections`: what the step runs,
+    so that it is sized once)."""
+    if segments.step is None:
+        segments.step = LoraStep.for_segments(segments, x, segments.projections or [proj])
+    return segments.step
 
 
 def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
-    """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand).
-    The step's state is made at its first call and kept on the segments (`projections`: what the step runs, so
-    that it is sized once)."""
-    if segments.step is None:
-        segments.step = LoraStep.for_segments(segments, x, segments.projections or [proj])
-    lora_expand(lora_shrink(x, proj, segments.step), proj, segments.step, out)
+    """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand)."""
+    step = step_of(segments, x, proj)
+    lora_expand(lora_shrink(x, proj, step), proj, step, out)
+
+
+def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
+    """Semantics: out = linear(x, weight, bias); lora_apply(x, proj, segments, out); return out
+    Where the step overlaps LoRA (segments.overlap: a CUDA graph's steps), its shrink and expand run on a side
+    stream beside the base GEMM, forked once x is ready, into the step's fp32 delta; lora_merge adds it after the
+    join (the same bits as in place). On CPU the same launches run in turn."""
+    step = step_of(segments, x, proj)
+    if not step.overlap:
+        out = linear(x, weight, bias)
+        lora_expand(lora_shrink(x, proj, step), proj, step, out)
+        return out
+    side = side_stream(x.device)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        lora_expand(lora_shrink(x, proj, step), proj, step, None)
+    out = linear(x, weight, bias)
+    if side is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side)
+    lora_merge(proj, step, out)
+    return out
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """The stream LoRA runs on beside the GEMMs, one per CUDA device (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 if __name__ == "__main__":

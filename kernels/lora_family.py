@@ -1,6 +1,7 @@
 """The one owner of a kernel family's LoRA choices: how adapters lie in the device slots (backend/lora/slots.py),
 which dtype they are kept in, and what each step's metadata holds (the padded grid, or the Triton work list, for
 eager and graph steps alike). backend/ asks it and never branches on the family."""
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from kernels.lora_launch import block_m_for, max_work_items
 from kernels.lora_segments import LoraSegments
 
 GRAPH_BLOCK_M = 16                            # the shortest work item: a graph's work list is sized for it
+OVERLAP_VAR = "LORA_LLM_LORA_OVERLAP"         # "0": graphs run LoRA after each base GEMM, not beside it
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,13 +23,16 @@ class LoraFamily:
     work_list: bool                           # steps carry the Triton kernels' work list (else the padded grid
                                               # where it pays)
     reads_narrow: bool                        # reads fp16 adapters as they are beside an fp32 model
+    overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (kernels/lora.linear_lora;
+                                              # the start-up self-check turns it off where it fails)
 
     @classmethod
     def of(cls, backend: str, device: torch.device | str) -> "LoraFamily":
         """The choices of a resolved kernel backend ("torch", "cpu", "triton") on `device`."""
         triton = backend == "triton"
         return cls(rank_major_a=torch.device(device).type == "cpu" and backend != "cpu", fused_a_once=triton,
-                   work_list=triton, reads_narrow=backend in ("cpu", "triton"))
+                   work_list=triton, reads_narrow=backend in ("cpu", "triton"),
+                   overlap=triton and os.environ.get(OVERLAP_VAR, "1") != "0")
 
     def adapter_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
         """"auto" is the model's dtype, except that a float32 model keeps its adapters in float16 where the kernels
@@ -66,12 +71,11 @@ class LoraFamily:
                 "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
                 "lora_work": segments.work}
 
-    @staticmethod
-    def graph_view(buffers: dict[str, torch.Tensor], num_tokens: int, dtype: torch.dtype) -> LoraSegments:
+    def graph_view(self, buffers: dict[str, torch.Tensor], num_tokens: int, dtype: torch.dtype) -> LoraSegments:
         """A graph's segments read from its buffers on the device (their host lists are unknown at capture), kernel
-        grids for num_tokens rows in any segment."""
+        grids for num_tokens rows in any segment; LoRA beside the base GEMMs where the family overlaps."""
         num_segments = buffers["lora_slots"].shape[0]
         block_m = block_m_for(num_tokens, dtype)
         work = buffers["lora_work"][:max_work_items(num_tokens, num_segments, block_m)]
         return LoraSegments(buffers["lora_starts"], buffers["lora_slots"], [0] * (num_segments + 1),
-                            [-1] * num_segments, num_tokens, work=work, block_m=block_m)
+                            [-1] * num_segments, num_tokens, work=work, block_m=block_m, overlap=self.overlap)

@@ -11,8 +11,8 @@ TARGET_PROGRAMS = 128                                       # a shrink launch's 
 SPLIT_COLUMNS_PER_ROW = 32                                  # a split's columns per row of its item: its fp32 partial
                                                             # (written, read back) stays <= 1/16 of the A it reads
 MAX_PARTIAL_BYTES = 64 << 20                                # the split partials of one launch, fp32
-DECODE_ROWS_PER_ITEM = 4                                    # items this short (decode steps): expand tiles of 128
-                                                            # columns on 2 warps (else 64 on 8)
+DECODE_ROWS_PER_ITEM = 4                                    # items this short (decode steps): the expand's rows one
+                                                            # by one (expand_tile)
 
 
 def block_m_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -54,6 +54,8 @@ class LoraLaunch:
                                               # tries more)
     act_bytes: int = 2                        # the activations' element size
     expand_warps: int = 8                     # (expand_tile)
+    mma: bool = True                          # the expand's product on tensor cores, BLOCK_M rows at a time (else
+                                              # row by row in registers: decode items of a row or a few)
 
     @property
     def out_dim(self) -> int:
@@ -83,7 +85,13 @@ class LoraLaunch:
     @property
     def expand_constexprs(self) -> dict:
         return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TILES": self.tiles,
-                "BLOCK_R": self.block_r, "ALIGNED": self.aligned}
+                "BLOCK_R": self.block_r, "ALIGNED": self.aligned, "MMA": self.mma}
+
+    @property
+    def merge_constexprs(self) -> dict:
+        """lora_merge covers the expand's tiles."""
+        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TILES": self.tiles,
+                "ALIGNED": self.aligned}
 
     @property
     def aligned(self) -> bool:
@@ -98,6 +106,10 @@ class LoraLaunch:
     @property
     def expand_options(self) -> dict:
         return {"num_warps": self.expand_warps, "num_stages": 2}
+
+    @property
+    def merge_options(self) -> dict:
+        return {"num_warps": 4, "num_stages": 1}
 
 
 def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int], max_rank: int,
@@ -123,14 +135,18 @@ def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int],
     decode = block_m == 16 and num_tokens <= DECODE_ROWS_PER_ITEM * num_items
     block_n, warps = expand_tile(widths, block_r, act_bytes, decode)
     return LoraLaunch(num_items, num_bands, in_dim, tuple(widths), max_rank, block_m, block_r, block_k, split_k,
-                      blocks_per_split, block_n, 1, act_bytes, warps)
+                      blocks_per_split, block_n, 1, act_bytes, warps, mma=not decode)
 
 
 def expand_tile(widths: list[int], block_r: int, act_bytes: int = 2, decode: bool = False) -> tuple[int, int]:
     """(BLOCK_N, warps) of an expand program, which owns one tile of one band's columns (a band's last tile masked
-    where BLOCK_N does not divide its width): where items are a few rows (decode), 128 columns on two warps; else 64
-    on eight; at most the largest power of two dividing every width (>= 16: no tile past a band's end where one
-    fits). A [BLOCK_N, BLOCK_R] B tile stays <= 8192 values (16-bit; half of that fp32)."""
+    where BLOCK_N does not divide its width), at most the largest power of two dividing every width (>= 16: no tile
+    past a band's end where one fits). Where items are a few rows (decode: rows one by one, no tensor cores), 128
+    columns, or 8192 values of B, on 2-8 warps that hold <= 32 of them a thread (ptxas: 58 registers at rank 64,
+    32 of 64 warps resident per SM where the 16-row product held 168 and 12); else 64 columns on eight warps, a
+    [BLOCK_N, BLOCK_R] B tile <= 8192 values (16-bit; half of that fp32)."""
     divides = math.gcd(*widths) & -math.gcd(*widths)                 # the largest power of two dividing them
-    block_n = min(max(16, divides), 128 if decode else 64, max(16, 8192 // block_r // (2 if act_bytes > 2 else 1)))
-    return block_n, 2 if decode else 8
+    if decode:
+        block_n = min(max(16, divides), 128, max(16, 8192 // block_r))
+        return block_n, min(8, max(2, block_n * block_r // 1024))
+    return min(max(16, divides), 64, max(16, 8192 // block_r // (2 if act_bytes > 2 else 1))), 8

@@ -42,30 +42,36 @@ class LaunchCost:
     waves: float
 
 
-def launch_args(launch: LoraLaunch, num_tokens: int, act: str = "*bf16", weight: str = "*bf16") -> tuple[dict, dict]:
-    """The runtime arguments (pointer types and ints, as the launchers pass them) of a projection's shrink and
-    expand, for compiling them ahead of time: slots stored as on a GPU ([slot, cap, in] and [slot, out, cap])."""
+def launch_args(launch: LoraLaunch, num_tokens: int, act: str = "*bf16", weight: str = "*bf16",
+                delta: bool = False) -> tuple[dict, dict, dict]:
+    """The runtime arguments (pointer types and ints, as the launchers pass them) of a projection's shrink, expand
+    (delta: into the fp32 delta) and merge, for compiling them ahead of time: slots stored as on a GPU ([slot, cap,
+    in] and [slot, out, cap])."""
     cap, ints = launch.num_bands * launch.max_rank, "*i32"
     shrink = dict(x_ptr=act, a_ptr=weight, h_ptr=act, part_ptr="*fp32", count_ptr=ints, work_ptr=ints,
                   ranks_ptr=ints, stride_xt=launch.in_dim, in_dim=launch.in_dim, max_rank=launch.max_rank,
                   split_k=launch.split_k, blocks_per_split=launch.blocks_per_split, stride_as=cap * launch.in_dim,
                   stride_ar=launch.in_dim, stride_ak=1, stride_rb=NUM_SLOTS, stride_ht=cap,
                   stride_ps=num_tokens * cap, stride_pt=cap)
-    expand = dict(h_ptr=act, b_ptr=weight, out_ptr=act, work_ptr=ints, ranks_ptr=ints, bounds_ptr=ints, m_ptr=weight,
-                  stride_ot=launch.out_dim, max_rank=launch.max_rank, stride_ht=cap, stride_bs=launch.out_dim * cap,
-                  stride_bn=cap, stride_bk=1, stride_rb=NUM_SLOTS, stride_bounds=launch.num_bands + 1,
-                  stride_ms=launch.out_dim)
-    return shrink, expand
+    target = "*fp32" if delta else act
+    expand = dict(h_ptr=act, b_ptr=weight, out_ptr=target, delta_ptr=target, work_ptr=ints, ranks_ptr=ints,
+                  bounds_ptr=ints, m_ptr=weight, stride_ot=launch.out_dim, stride_dt=launch.out_dim,
+                  max_rank=launch.max_rank, stride_ht=cap, stride_bs=launch.out_dim * cap, stride_bn=cap, stride_bk=1,
+                  stride_rb=NUM_SLOTS, stride_bounds=launch.num_bands + 1, stride_ms=launch.out_dim)
+    merge = dict(delta_ptr="*fp32", out_ptr=act, work_ptr=ints, ranks_ptr=ints, bounds_ptr=ints, m_ptr=weight,
+                 stride_ot=launch.out_dim, stride_dt=launch.out_dim, stride_rb=NUM_SLOTS,
+                 stride_bounds=launch.num_bands + 1, stride_ms=launch.out_dim)
+    return shrink, expand, merge
 
 
 def occupancy(launch: LoraLaunch, num_tokens: int, cc: int = 90) -> tuple[int, int]:
     """Programs per SM of the shrink and the expand, from ptxas's registers and the compiler's shared memory."""
     from kernels.aot import compile_kernel, resources
-    shrink, expand = launch_args(launch, num_tokens)
+    shrink, expand, _ = launch_args(launch, num_tokens)
     blocks = []
     for kernel, args, constexprs, options in (
             ("_shrink_kernel", shrink, launch.shrink_constexprs, launch.shrink_options),
-            ("_expand_kernel", expand, launch.expand_constexprs, launch.expand_options)):
+            ("_expand_kernel", expand, launch.expand_constexprs | {"DELTA": False}, launch.expand_options)):
         compiled = compile_kernel("kernels.lora", kernel, args, constexprs | {"DOT_FP32": False}, cc, options)
         blocks.append(resources(compiled, cc)["blocks_per_sm"])
     return blocks[0], blocks[1]

@@ -36,6 +36,7 @@ class LoraSegments:
     block_m: int = 0                          # its rows per item
     projections: list | None = None           # what the step runs (one layer's Projections): sizes its scratch once
     step: object | None = None                # the Triton kernels' state for the step (kernels/lora.LoraStep)
+    overlap: bool = False                     # LoRA beside the base GEMMs, on a side stream (kernels/lora.py)
 
     @classmethod
     def from_token_slots(cls, token_slots: list[int], block_m: int = 0,

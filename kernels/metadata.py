@@ -24,4 +24,4 @@ class AttentionMetadata:
 # (tests/kernels/test_specializations.py).
 UNSPECIALIZED_ARGS = {"_attention_kernel": ("num_seqs", "stride_bt"),
                       "_shrink_kernel": ("split_k", "blocks_per_split", "stride_ps"),
-                      "_expand_kernel": ()}
+                      "_expand_kernel": (), "_merge_kernel": ()}

@@ -8,9 +8,13 @@ the Llama-3.1-8B shape a correct step differed by 0.225 (relative logit error) f
 0.002 in fp32. So the allowed error is the eager step's own noise at the graph's padding (the same step eagerly
 beside padding rows that fill the bucket, against it alone) times NOISE_FACTOR, and never less than the dtype's
 fixed tolerance: rounding passes, a wrong piece (tens of times the noise) does not.
+
+Graph steps run LoRA beside the GEMMs (kernels/lora.linear_lora), eager steps after them: the checks compare the
+two, and `capture_checked` captures the graphs again without the overlap where it is what fails.
 """
 import logging
 from copy import copy
+from dataclasses import replace
 
 import torch
 
@@ -173,3 +177,42 @@ def check_graphs(runner, lora_cache) -> str | None:
     finally:
         probes.close()
     return differs(runner, f"a decode step of {len(order)} sequences", graphed, reference, noise)
+
+
+def capture_checked(runner, lora_cache) -> dict[str, str]:
+    """The runner's graphs captured and checked: {"graphs" | "piecewise_graphs" | "lora_overlap": why} for what
+    was dropped. Where graphs with LoRA beside the GEMMs fail to capture or differ from eager steps (one device),
+    they are captured again with LoRA after each GEMM, kept so where that fails less."""
+    errors = capture_and_check(runner, lora_cache)
+    if errors and runner.ops.lora.overlap and runner.tp is None:
+        overlapping = runner.ops.lora
+        runner.ops.lora = replace(overlapping, overlap=False)
+        in_turn = capture_and_check(runner, lora_cache)
+        if len(in_turn) < len(errors):                  # LoRA beside the GEMMs was at fault
+            return in_turn | {"lora_overlap": "; ".join(errors.values())}
+        runner.ops.lora = overlapping                   # it was not: the graphs as they were
+        errors = capture_and_check(runner, lora_cache)
+    return errors
+
+
+def capture_and_check(runner, lora_cache) -> dict[str, str]:
+    """The graphs captured and checked against eager steps: {"graphs" | "piecewise_graphs": why} for those dropped
+    (a capture that fails with LoRA beside the GEMMs drops both)."""
+    runner.graphs = runner.piecewise = None
+    torch.cuda.empty_cache()
+    try:
+        runner.start_graphs(lora_cache, capture=True)
+    except RuntimeError as err:
+        if not runner.ops.lora.overlap or runner.tp is not None:
+            raise
+        runner.graphs = runner.piecewise = None
+        return {"graphs": f"capture with LoRA beside the GEMMs: {type(err).__name__}: {str(err)[:200]}"}
+    errors = {}
+    if runner.config.kernel_self_check != "false":
+        error = check_piecewise_graphs(runner, lora_cache)
+        if error is not None:
+            errors["piecewise_graphs"], runner.piecewise = error, None
+        error = check_graphs(runner, lora_cache)
+        if error is not None:
+            errors["graphs"], runner.graphs = error, None
+    return errors

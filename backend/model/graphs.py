@@ -164,7 +164,7 @@ class DecodeGraphs:
         ctx = StepContext(b["input_ids"][:rows], b["positions"][:rows], attn, self.logits_indices[:rows],
                           self.logits_indices[:0])
         if with_lora:
-            ctx.lora = LoraBatch(self.lora_slots, LoraFamily.graph_view(b, rows, self.dtype), self.model.ops)
+            ctx.lora = LoraBatch(self.lora_slots, self.model.ops.lora.graph_view(b, rows, self.dtype), self.model.ops)
         return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
     def _capture_all(self) -> None:

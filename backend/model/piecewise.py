@@ -92,7 +92,7 @@ class PiecewiseGraphs:
         attn = AttentionMetadata(empty, empty, empty[None], b["slot_mapping"][rows], [], [], 0, 0)
         ctx = StepContext(b["input_ids"][rows], b["positions"][rows], attn, empty, empty)
         if with_lora:
-            ctx.lora = LoraBatch(self.lora_slots, LoraFamily.graph_view(b, bucket, self.dtype), model.ops)
+            ctx.lora = LoraBatch(self.lora_slots, model.ops.lora.graph_view(b, bucket, self.dtype), model.ops)
         if i == 0:
             h, residual = model.embed(ctx), None
         else:

@@ -14,7 +14,7 @@ from backend.lora.batch import LoraBatch
 from backend.lora.cache import LoraCache
 from backend.model import rope
 from backend.model.context import StepInputs
-from backend.model.graph_check import check_graphs, check_piecewise_graphs
+from backend.model.graph_check import capture_checked
 from backend.model.graphs import DecodeGraphs
 from backend.model.kept import KeptBatch, LaunchRows
 from backend.model.llama import LlamaModel
@@ -113,18 +113,11 @@ class ModelRunner:
         return peak
 
     def capture_graphs(self, lora_cache: LoraCache) -> None:
-        """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache: on CUDA with the Triton
-        kernels, unless cuda_graph_mode is off."""
+        """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache, checked against eager steps:
+        on CUDA with the Triton kernels, unless cuda_graph_mode is off (graph_check.capture_checked)."""
         if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.graphs
-                and not self.kernel_fallbacks):         # the torch fallbacks do not take a graph's padding rows
-            self.start_graphs(lora_cache, capture=True)
-            if self.config.kernel_self_check != "false":
-                error = check_piecewise_graphs(self, lora_cache)
-                if error is not None:
-                    self.kernel_fallbacks["piecewise_graphs"], self.piecewise = error, None
-                error = check_graphs(self, lora_cache)
-                if error is not None:
-                    self.kernel_fallbacks["graphs"], self.graphs = error, None
+                and not self.kernel_fallbacks.keys() - {"lora_overlap"}):   # the torch fallbacks do not take a
+            self.kernel_fallbacks |= capture_checked(self, lora_cache)       # graph's padding rows
 
     def start_graphs(self, lora_cache: LoraCache, capture: bool) -> None:
         """Decode graphs on this rank and on the workers, piecewise graphs on one device (capture=False: their

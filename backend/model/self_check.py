@@ -10,6 +10,8 @@ refuses to start. The decode-graph check lives with the runner (ModelRunner.chec
     lora:      every projection of layer 0 with three adapters (max_lora_rank, a quarter of it with DoRA
                magnitudes, and a half of it with a fused qkv module: its A once), on every module, and base rows,
                for 8 tokens (a decode step) and 100 (a prompt chunk), each split-K as planned
+    lora_overlap: the decode step's projections through linear_lora with LoRA beside the GEMM (graph steps run it
+               so: a side stream, the fp32 delta, the merge); where it fails, graphs run LoRA after each GEMM
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
 """
 import logging
@@ -26,7 +28,7 @@ from kernels import reference
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
 
-FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",),
+FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache")}
 SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
@@ -138,7 +140,24 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
             what = (f"{proj} {in_dim}->{out_dim}, ranks {ranks} (the second DoRA, the last a fused qkv), "
                     f"{len(token_slots)} tokens, {dtype} on {lora_dtype} adapters")
             checks.append(compare("lora", what, run, dtype))
+            if ops.lora.overlap and len(token_slots) < 16:
+                checks.append(compare("lora_overlap", f"{what}, beside the base GEMM",
+                                      overlap_check(ops, slots, proj, token_slots, x, out_dim, g), dtype))
     return checks
+
+
+def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int, g):
+    """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference."""
+    def run():
+        segments = ops.lora.segments(token_slots, x.dtype)
+        segments.use({name: t.to(x.device) for name, t in segments.tensors.items()})
+        segments.overlap = True
+        weight = (torch.randn(out_dim, x.shape[1], generator=g) * x.shape[1] ** -0.5).to(x.device, x.dtype)
+        got = ops.linear_lora(x, weight, None, slots.projections[0][proj], segments)
+        want = reference.linear(x.float(), weight.float(), None)
+        reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
+        return [(got, want)]
+    return run
 
 
 def float_projection(slots: DeviceSlots, proj: str):
@@ -198,6 +217,8 @@ def apply_fallbacks(ops, families: set[str]) -> None:
             setattr(ops, name, getattr(reference, name))
     if "lora" in families:
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
+    if families & {"lora", "lora_overlap"}:
+        ops.lora = replace(ops.lora, overlap=False)
 
 
 def check_kernels_or_fall_back(runner, config) -> dict[str, str]:

@@ -120,8 +120,27 @@ def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    assert not engine.runner.kernel_fallbacks and engine.runner.ops.lora.overlap     # LoRA beside the GEMMs
     graphs = engine.runner.graphs              # each bucket and context class, with and without adapters
     assert len(graphs.graphs) == 2 * len(bucket_sizes(6)) * len(graphs.contexts)
     buckets = count_graph_steps(engine.runner.graphs)
     assert run(engine, prompts) == want
     assert {6, 4, 2, 1} <= set(buckets), buckets
+
+
+@needs_cuda
+def test_graphs_whose_overlapped_lora_fails_are_captured_again_without_it(tiny_model_dir, tiny_adapters,
+                                                                          monkeypatch):
+    """LoRA beside the GEMMs that loses its delta inside a capture only (the eager self-check passes): the graph
+    check sees the graphed step differ, the graphs are captured again with LoRA after each GEMM, and serve."""
+    from kernels import lora
+    merge = lora.lora_merge
+    monkeypatch.setattr(lora, "lora_merge", lambda proj, step, out: None if torch.cuda.is_current_stream_capturing()
+                        else merge(proj, step, out))
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=53)
+    want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"}, engine.runner.kernel_fallbacks
+    assert engine.runner.graphs is not None and not engine.runner.ops.lora.overlap
+    buckets = count_graph_steps(engine.runner.graphs)
+    assert run(engine, prompts) == want and buckets

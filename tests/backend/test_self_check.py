@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels.triton_ops as triton_ops
+from kernels import lora
 from backend import LLMEngine
 from backend.checkpoint import ModelConfig
 from backend.metrics import gauges
@@ -53,7 +54,7 @@ FAULTS = {"attention wrong": ("paged_attention", wrong_values(triton_ops.paged_a
 def test_the_kernels_pass_at_the_served_shapes(model, tiny_model_dir, smollm2_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir if model == "tiny" else smollm2_dir)
     checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64)
-    assert {c.family for c in checks} == {"attention", "lora", "fused"} and len(checks) >= 10
+    assert {c.family for c in checks} == {"attention", "lora", "lora_overlap", "fused"} and len(checks) >= 10
     assert [(c.what, c.error) for c in checks if c.error] == []
 
 
@@ -82,6 +83,17 @@ def test_a_broken_lora_kernel_falls_back_and_adapters_stay_right(tiny_model_dir,
     broken = engine("triton")
     assert set(broken.runner.kernel_fallbacks) == {"lora"}
     assert broken.generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2]) == want
+
+
+def test_a_broken_overlap_turns_it_off_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
+    """LoRA beside the GEMM that never merges its delta: the self-check's lora_overlap case fails, graphs run LoRA
+    after each GEMM from then on (ops.lora.overlap off), the Triton LoRA kernels still serve."""
+    monkeypatch.setattr(lora, "lora_merge", lambda proj, step, out: None)
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kernel_self_check="true",
+                       kv_cache_memory_bytes=1 << 20)
+    assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"} and not engine.runner.ops.lora.overlap
+    assert gauges(engine, alive=True)[("lora_llm_kernel_fallback", (("kernel", "lora_overlap"),))] == 1
+    assert engine.runner.ops.linear_lora is triton_ops.linear_lora
 
 
 def test_strict_refuses_to_start_naming_the_kernel(tiny_model_dir, monkeypatch):
@@ -160,10 +172,12 @@ PIECEWISE_DEFECTS = {                         # a defect of the graphs' code, ru
     "adapters dropped inside the pieces": (piecewise, "LoraBatch", lambda *args: None),
     "the LoRA segments not copied in": (piecewise, "copy_lora", no_lora_copy),
     "a stale positions buffer": (piecewise, "TOKEN_INPUTS", ("input_ids", "slot_mapping")),
-    "the adapters' slots swapped": (piecewise, "padded_tokens", swapped_adapter_slots)}
+    "the adapters' slots swapped": (piecewise, "padded_tokens", swapped_adapter_slots),
+    "the LoRA delta never merged": (lora, "lora_merge", lambda proj, step, out: None)}
 DECODE_DEFECTS = {
     "padding that writes cache slot 0": (graphs, "padded_inputs", padding_writes_slot_0),
-    "the LoRA segments not copied in": (graphs, "copy_lora", no_lora_copy)}
+    "the LoRA segments not copied in": (graphs, "copy_lora", no_lora_copy),
+    "the LoRA delta never merged": (lora, "lora_merge", lambda proj, step, out: None)}
 
 
 @pytest.mark.parametrize("defect", list(PIECEWISE_DEFECTS))

@@ -1,11 +1,13 @@
 """LoRA shrink/expand: Triton kernels (one launch each per projection) against the torch reference, mixed ranks
 and base-only tokens in one call."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from backend.lora.slots import Band, Projection
 from kernels import reference
-from kernels.lora import LoraStep, lora_expand, lora_shrink
+from kernels.lora import LoraStep, linear_lora, lora_expand, lora_merge, lora_shrink, prepare_launch
 from kernels.lora_launch import block_m_for, max_work_items, work_items
 from kernels.lora_segments import LoraSegments
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
@@ -146,6 +148,51 @@ def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, sp
     untouched = torch.tensor([slot < 0 for n, slot in LAYOUTS[layout] for _ in range(n)], device=device)
     assert torch.equal(got[untouched], base[untouched])
     assert not step.counters.any(), "every counter back at zero for the next launch"
+
+
+def with_expand(step: LoraStep, proj, mma: bool) -> None:
+    """The step's launches of proj with the expand's product on tensor cores (mma) or row by row."""
+    p = step.prepare(proj)
+    step.prepared[LoraStep.kind(proj)] = prepare_launch(replace(p.launch, mma=mma), proj, p.h, p.partials, p.delta)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+@pytest.mark.parametrize("mma", [True, False])
+def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, device):
+    """Both expand paths (tensor-core tiles, rows one by one) at any item length == the reference; the product into
+    the fp32 delta then lora_merge == the expand in place, bit for bit (what overlapping LoRA with the GEMM runs);
+    linear_lora overlapping == linear then lora_apply, bit for bit."""
+    ranks = [[48, 1, 64, 0], [0, 32, 64, 8]]
+    proj = random_projection([list(r) for r in ranks], 64, 128, [80, 48], dtype, False, device, dora=(2,))
+    segments = segments_for(LAYOUTS[layout], device, dtype)
+    segments.overlap = True
+    num_tokens = segments.starts_list[-1]
+    x = torch.randn(num_tokens, 128).to(dtype).to(device)
+    base = torch.randn(num_tokens, 128).to(dtype).to(device)
+    step = LoraStep.for_segments(segments, x, [proj])
+    with_expand(step, proj, mma)
+    h = lora_shrink(x, proj, step)
+    in_place = base.clone()
+    lora_expand(h, proj, step, in_place)
+    want = base.float().clone()
+    reference.lora_apply(x.float(), float_copy(proj), segments, want)
+    torch.testing.assert_close(in_place.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    merged = base.clone()
+    lora_expand(h, proj, step, None)
+    lora_merge(proj, step, merged)
+    assert torch.equal(merged, in_place)
+
+    weight = (torch.randn(128, 128) * 0.1).to(dtype).to(device)
+    segments.step = None
+    overlapped = linear_lora(x, weight, None, proj, segments)
+    assert segments.step.overlap and segments.step.prepare(proj).delta is not None
+    with_expand(segments.step, proj, mma)
+    overlapped = linear_lora(x, weight, None, proj, segments)
+    in_turn = reference.linear(x, weight, None)
+    lora_expand(h, proj, step, in_turn)
+    assert torch.equal(overlapped, in_turn)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
