@@ -1,8 +1,9 @@
 """The LoRA kernels alone, one layer of a model shape: per case and projection, the GPU time of the two launches
 (from a CUDA-graph replay of many calls, so launch gaps do not count), the host time to dispatch them (eager calls,
-not waited for), the adapter-bytes bound (the bytes of the adapters the step uses, at the measured copy bandwidth)
-and the base GEMM of the same projection. Used by scripts/gpu_bench.py; on CPU (a dry run) the torch reference runs
-eagerly and only the code path is exercised."""
+not waited for), the adapter-bytes bound (the bytes of the adapters the step uses, at the measured copy bandwidth),
+the base GEMM of the same projection, the GEMM with its LoRA in turn and beside it (the LoRA left on the critical
+path: that time less the GEMM's), and the LoRA kernels with the expand the plan did not choose. Used by
+scripts/gpu_bench.py; on CPU (a dry run) the torch reference runs eagerly and only the code path is exercised."""
 import time
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ from backend.lora.slots import PROJS, DeviceSlots, proj_shape
 from backend.model.self_check import random_adapter
 from bench.step_profile import sync
 from kernels.dispatch import load_ops
+from kernels.lora import LoraStep, prepare_launch
 
 RANKS = [8, 16, 32, 64] * 4                   # W1's adapters, slot by slot; max_lora_rank 64
 CASES = {                                     # name -> tokens per slot (slots in order)
@@ -30,17 +32,13 @@ def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
     on_cuda = torch.device(device).type == "cuda"
     ops = load_ops("triton" if on_cuda else "torch", device)
     dtype = torch.bfloat16
-    one_layer = replace(cfg, num_layers=1)
-    slots = DeviceSlots(one_layer, len(RANKS), max(RANKS), dtype, device, ops.lora)
-    g = torch.Generator().manual_seed(0)
-    for slot, rank in enumerate(RANKS):
-        slots.load(slot, random_adapter(one_layer, rank, dtype, g))
-    slots.copies.wait(list(range(len(RANKS))))
+    one_layer, slots = layer_slots(cfg, ops, device)
     result = {}
     for case, per_slot in CASES.items():
         token_slots = [slot for slot, n in enumerate(per_slot) for _ in range(n)]
         used = sorted(set(token_slots))
-        row, totals = {}, {"gpu_us": 0.0, "host_us": 0.0, "bound_us": 0.0, "gemm_us": 0.0}
+        row, totals = {}, dict.fromkeys(("gpu_us", "host_us", "bound_us", "gemm_us", "in_turn_us", "overlap_us",
+                                         "gpu_us_other_expand"), 0.0)
         for proj in PROJS:
             in_dim, out_dim = proj_shape(one_layer, proj)
             segments = ops.lora.segments(token_slots, dtype)
@@ -55,12 +53,51 @@ def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
             entry = {"gpu_us": replay_us(lora, device), "host_us": host_us(lora, device),
                      "bound_us": adapter_bytes / bandwidth * 1e6,
                      "gemm_us": replay_us(lambda: torch.nn.functional.linear(x, weight), device)}
+            entry |= beside_the_gemm(ops, slots, token_slots, projection, x, weight, device)
             row[proj] = entry
             for key in totals:
                 totals[key] += entry[key]
         row["layer"] = totals | {"vs_bound": totals["gpu_us"] / totals["bound_us"],
-                                 "vs_gemm": totals["gpu_us"] / totals["gemm_us"]}
+                                 "vs_gemm": totals["gpu_us"] / totals["gemm_us"],
+                                 "on_path_us": totals["overlap_us"] - totals["gemm_us"],
+                                 "on_path_in_turn_us": totals["in_turn_us"] - totals["gemm_us"]}
         result[case] = row
+    return result
+
+
+def layer_slots(cfg: ModelConfig, ops, device: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """(cfg of one layer, its device slots holding RANKS' adapters on every module, slot by slot)."""
+    one_layer = replace(cfg, num_layers=1)
+    slots = DeviceSlots(one_layer, len(RANKS), max(RANKS), dtype, device, ops.lora)
+    g = torch.Generator().manual_seed(0)
+    for slot, rank in enumerate(RANKS):
+        slots.load(slot, random_adapter(one_layer, rank, dtype, g))
+    slots.copies.wait(list(range(len(RANKS))))
+    return one_layer, slots
+
+
+def beside_the_gemm(ops, slots, token_slots: list[int], projection, x: torch.Tensor, weight: torch.Tensor,
+                    device: str) -> dict:
+    """The projection's GEMM with its LoRA: in turn (the GEMM, then shrink and expand in place) and overlapped
+    (shrink and expand on the side stream beside the GEMM, into the delta, then the merge: what graph steps run),
+    and the LoRA kernels with the other expand (rows one by one where the plan takes tensor cores, and the other
+    way round): its GPU time, to keep what wins."""
+    def segments(overlap: bool):
+        made = ops.lora.segments(token_slots, x.dtype)
+        made.use({name: t.to(device) for name, t in made.tensors.items()})
+        made.overlap = overlap
+        LoraBatch(slots, made, ops)
+        return made
+    in_turn, overlapped, other = segments(False), segments(True), segments(False)
+    result = {"in_turn_us": replay_us(lambda: ops.linear_lora(x, weight, None, projection, in_turn), device),
+              "overlap_us": replay_us(lambda: ops.linear_lora(x, weight, None, projection, overlapped), device)}
+    out = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=device)
+    ops.lora_apply(x, projection, other, out)                          # plans the step
+    if other.step is not None:                                         # (the Triton family's)
+        p = other.step.prepare(projection)
+        other.step.prepared[LoraStep.kind(projection)] = prepare_launch(
+            replace(p.launch, mma=not p.launch.mma), projection, p.h, p.partials, p.delta)
+    result["gpu_us_other_expand"] = replay_us(lambda: ops.lora_apply(x, projection, other, out), device)
     return result
 
 
@@ -107,5 +144,7 @@ def summary(result: dict) -> list[str]:
         layer = row["layer"]
         lines.append(f"  LoRA {case}: {layer['gpu_us']:.1f} us a layer on the GPU ({layer['vs_bound']:.1f}x the "
                      f"adapter-bytes bound {layer['bound_us']:.1f} us, {layer['vs_gemm']:.0%} of the base GEMMs "
-                     f"{layer['gemm_us']:.1f} us), host {layer['host_us']:.1f} us")
+                     f"{layer['gemm_us']:.1f} us), host {layer['host_us']:.1f} us; on the critical path "
+                     f"{layer['on_path_us']:.1f} us beside the GEMMs, {layer['on_path_in_turn_us']:.1f} in turn; "
+                     f"with the other expand {layer['gpu_us_other_expand']:.1f} us")
     return lines

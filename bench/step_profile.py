@@ -6,7 +6,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-KINDS = {"attention": ("_attention_kernel", "_reduce_kernel"), "lora": ("_shrink_kernel", "_expand_kernel"),
+KINDS = {"attention": ("_attention_kernel", "_reduce_kernel"),
+         "lora": ("_shrink_kernel", "_expand_kernel", "_merge_kernel"),
          "gemm": ("gemm", "gemv", "cutlass", "xmma", "splitk", "sm80_", "sm90_")}
 
 
@@ -26,11 +27,7 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
     num_timed steps each way (eager, graph replay when the engine has graphs). On CPU (a dry run) no kernel is
     counted."""
     device = engine.runner.device
-    for r in requests:
-        engine.add_request(r["prompt"], lora=r.get("lora_task_id"), max_new_tokens=4 * num_timed + 8,
-                           ignore_end_id=True)
-    while any(seq.num_computed_tokens < len(seq.prompt_ids) for members in engine.seqs.values() for seq in members):
-        engine.step()
+    start_decoding(engine, requests, 4 * num_timed + 8)
     runner, graphs = engine.runner, engine.runner.graphs
     runner.graphs = None                                               # eager steps first
     try:
@@ -64,11 +61,34 @@ def decode_step_profile(engine, requests: list[dict], num_timed: int = 20) -> di
         calls = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
                  and e.name.startswith(("cuda", "cu")) and ("Launch" in e.name or "Memcpy" in e.name)]
         result["graph_step_host_calls"] = {name: calls.count(name) for name in sorted(set(calls))}
+    abort_all(engine)
+    return result
+
+
+def decode_step_ms(engine, requests: list[dict], num_timed: int = 20) -> float:
+    """The wall time of a decode step of `requests` once their prompts are in (through the graphs where the engine
+    has them)."""
+    start_decoding(engine, requests, 2 * num_timed + 8)
+    _step_ms(engine, 2, engine.runner.device)                          # steady: kept buffers, warm graphs
+    ms = _step_ms(engine, num_timed, engine.runner.device)
+    abort_all(engine)
+    return ms
+
+
+def start_decoding(engine, requests: list[dict], max_new_tokens: int) -> None:
+    """Add the requests and step until every prompt is in."""
+    for r in requests:
+        engine.add_request(r["prompt"], lora=r.get("lora_task_id"), max_new_tokens=max_new_tokens,
+                           ignore_end_id=True)
+    while any(seq.num_computed_tokens < len(seq.prompt_ids) for members in engine.seqs.values() for seq in members):
+        engine.step()
+
+
+def abort_all(engine) -> None:
     for request_id in list(engine.seqs):
         engine.abort(request_id)
     while engine.has_unfinished:
         engine.step()
-    return result
 
 
 def _step_ms(engine, num_steps: int, device) -> float:

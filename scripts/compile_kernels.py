@@ -107,16 +107,21 @@ def lora_configurations():
             block_m = block_m_for(tokens, torch.float32 if dtype == "fp32" else torch.bfloat16)
             launch = plan_launch(tokens, max_work_items(tokens, 18, block_m), in_dim, widths, max_rank, block_m,
                                  act_bytes=4 if dtype == "fp32" else 2)
-            shrink, expand = launch_args(launch, tokens, DTYPES[dtype], DTYPES[weight_dtype])
+            shrink, expand, merge = launch_args(launch, tokens, DTYPES[dtype], DTYPES[weight_dtype])
             tag = f"{dtype} adapters {weight_dtype} {shape} r{max_rank} t{tokens}"
             yield (f"lora_shrink {tag}", "kernels.lora", "_shrink_kernel", shrink,
                    launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": False})
             yield (f"lora_expand {tag}", "kernels.lora", "_expand_kernel", expand,
-                   launch.expand_constexprs | launch.expand_options | {"DOT_FP32": False})
+                   launch.expand_constexprs | launch.expand_options | {"DELTA": False, "DOT_FP32": False})
+            delta = launch_args(launch, tokens, DTYPES[dtype], DTYPES[weight_dtype], delta=True)[1]
+            yield (f"lora_expand_delta {tag}", "kernels.lora", "_expand_kernel", delta,       # beside the GEMM
+                   launch.expand_constexprs | launch.expand_options | {"DELTA": True, "DOT_FP32": False})
+            yield (f"lora_merge {tag}", "kernels.lora", "_merge_kernel", merge,
+                   launch.merge_constexprs | launch.merge_options)
 
 
-HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "add_rms_norm bf16",
-       "silu_and_mul bf16", "rotary_and_cache bf16 d128")      # what an 8B decode step runs
+HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "lora_expand_delta bf16",
+       "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128")   # an 8B decode step
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}

@@ -2,8 +2,10 @@
 (+ PEFT) on the same GPU in the same run, and W3 against the HBM bandwidth bound (and with each step waiting for
 its tokens, overlap_steps off: what running a step ahead gains; and on an engine of its own, max_num_seqs 1, as W3
 asks, where the main run's W3 shares W1's engine); the decode step profiled with and
-without adapters, and the LoRA kernels alone per projection (bench/lora_kernels.py: GPU time from a graph replay,
-host dispatch time, the adapter-bytes bound, the base GEMM). Prints one table, writes JSON.
+without adapters, the LoRA kernels alone per projection (bench/lora_kernels.py: GPU time from a graph replay,
+host dispatch time, the adapter-bytes bound, the base GEMM, the LoRA left on the critical path beside the GEMM),
+and the adapter-count curve (bench/adapter_curve.py: 64 decoding sequences over 1-64 distinct adapters against
+none). Prints one table, writes JSON.
 
     python scripts/gpu_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--requests N] [--baseline hf|none]
     (also qwen3-8b-shape, gemma-3-4b-shape)
@@ -28,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from backend.checkpoint import ModelConfig                                          # noqa: E402
 from backend.heap import freeze_heap, unfreeze_heap                                 # noqa: E402
+from bench.adapter_curve import adapter_curve                                       # noqa: E402
+from bench.adapter_curve import summary as curve_summary                            # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.hf import run_hf                                                         # noqa: E402
 from bench.lora_kernels import lora_kernels, summary                                # noqa: E402
@@ -184,6 +188,15 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
     unfreeze_heap()
     free_memory(args.device)
     results["W3_own_engine"] = w3_on_its_own_engine(model_dir, cfg, shape, args)
+    if args.curve_seqs:
+        try:
+            results["adapter_curve"] = adapter_curve(model_dir, args.device, args.curve_seqs,
+                                                     tuple(int(n) for n in args.curve_counts.split(",")),
+                                                     cuda_graph_mode=args.cuda_graphs == "on")
+            print(f"  {shape} {curve_summary(results['adapter_curve'])}", flush=True)
+        except Exception as err:                                      # a measurement, not worth the run
+            results["adapter_curve"] = {"error": f"{type(err).__name__}: {err}"}
+        free_memory(args.device)
     try:
         results["lora_kernels"] = lora_kernels(cfg, args.device, bandwidth)
         print("\n".join(summary(results["lora_kernels"])), flush=True)
@@ -244,6 +257,8 @@ def table(report: dict) -> str:
                              f"({shares}); a graphed step's launches and copies: {p.get('graph_step_host_calls')}")
         if "error" not in r.get("lora_kernels", {"error": ""}):
             lines += [f"{shape}{line}" for line in summary(r["lora_kernels"])]
+        if "error" not in r.get("adapter_curve", {"error": ""}):
+            lines.append(f"{shape} {curve_summary(r['adapter_curve'])} (target at 64: <= 1.3x)")
         a = r.get("decode_attention", {})
         if "vs_bound" in a:
             lines.append(f"{shape} decode attention, {a['num_seqs']} x {a['context']} tokens: {a['us']:.0f} us, "
@@ -267,6 +282,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                         help="off: every step eager (before/after)")
+    parser.add_argument("--curve-seqs", type=int, default=64,
+                        help="the adapter-count curve's batch of decoding sequences (0: no curve)")
+    parser.add_argument("--curve-counts", default="1,4,16,64", help="its numbers of distinct adapters")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gpu.json")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():

@@ -14,7 +14,8 @@
 #      tritonclient is not installed, from the bundle of scripts/pack_server.py (.bundle/server-py<python>.tar.xz,
 #      or LORA_LLM_SERVER_BUNDLE_FILE), unpacked by scripts/unpack_server.sh. Without a GPU, the same at tiny-shape;
 #   5. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT, the
-#      LoRA kernels per projection, time to ready).
+#      LoRA kernels per projection and what of them stays on the critical path beside the GEMMs, the adapter-count
+#      curve, time to ready), then the LoRA kernels of an 8B decode step under Nsight Compute (scripts/ncu_lora.py).
 # Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part
 # and writes everything to $GPU_CHECK_REPORT (gpu_check_report.txt): the file to attach to a bug report.
 #
@@ -145,6 +146,8 @@ if [ "$part" = all ]; then
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"
+  step ncu "the LoRA kernels of an 8B decode step under Nsight Compute" \
+    "$PYTHON" scripts/ncu_lora.py --out "$OUT_DIR/ncu_lora.json"
 fi
 printf '%s\n' "${verdicts[@]}"
 echo "gpu_check: the whole output is in $REPORT (attach it to a bug report)"

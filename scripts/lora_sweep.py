@@ -37,7 +37,8 @@ CASE_KEYS = {"decode": "decode, 16 tokens over 16 adapters", "64": "64 tokens ov
              "256": "256 tokens over 16 adapters", "one": "decode, 16 tokens on one rank-64 adapter"}
 SHRINK = {"block_k": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
-EXPAND = {"block_n": (32, 64, 128, 256), "tiles": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3)}
+EXPAND = {"mma": (True, False), "block_n": (32, 64, 128, 256), "tiles": (1, 2, 4, 8), "num_warps": (2, 4, 8),
+          "num_stages": (2, 3)}
 L2_BYTES = 60 << 20
 CALLS = 24                                    # calls a timed graph holds
 
@@ -92,9 +93,9 @@ class Case:
         return lora_shrink(p["x"], view_proj, p["step"])
 
     def expand(self, proj: str, config: dict, out: torch.Tensor, view: int = 0) -> None:
-        """One expand at `config` ({block_n, tiles, num_warps, num_stages}) adding into out."""
+        """One expand at `config` ({mma, block_n, tiles, num_warps, num_stages}) adding into out."""
         p, view_proj = self.projs[proj], self.projs[proj]["views"][view]
-        launch = replace(p["launch"], block_n=config["block_n"], tiles=config["tiles"])
+        launch = replace(p["launch"], mma=config["mma"], block_n=config["block_n"], tiles=config["tiles"])
         prepared = prepare_launch(launch, view_proj, p["h"], p["partials"])
         prepared.expand_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
         p["step"].prepared[LoraStep.kind(view_proj)] = prepared                # what lora_expand launches
@@ -110,7 +111,7 @@ def expand_configs(p: dict) -> list[dict]:
 
 def default_configs(launch) -> tuple[dict, dict]:
     return ({"block_k": launch.block_k, "split_k": launch.split_k, **launch.shrink_options},
-            {"block_n": launch.block_n, "tiles": launch.tiles, **launch.expand_options})
+            {"mma": launch.mma, "block_n": launch.block_n, "tiles": launch.tiles, **launch.expand_options})
 
 
 def build(shape: str, cases: list[str], device: str, copies: bool) -> dict[str, Case]:
@@ -187,7 +188,7 @@ def sweep_projection(case: Case, proj: str, deadline: float) -> dict:
     default_shrink, default_expand = default_configs(launch)
     h_scratch, out = torch.zeros_like(p["h"]), p["base"].clone()
     rows = {"launch": {k: getattr(launch, k) for k in ("num_items", "num_bands", "in_dim", "out_dim", "block_m",
-                                                        "block_r", "block_k", "split_k", "block_n", "tiles")}}
+                                                        "block_r", "block_k", "split_k", "block_n", "tiles", "mma")}}
 
     def expanded(config: dict) -> torch.Tensor:
         got = p["base"].clone()

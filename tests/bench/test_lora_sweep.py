@@ -9,8 +9,8 @@ from scripts import lora_sweep
 def test_a_dry_sweep_checks_every_configuration_against_the_default(monkeypatch):
     monkeypatch.setattr(lora_sweep, "SHRINK", {"block_k": (32,), "num_warps": (4,), "num_stages": (2,)})
     monkeypatch.setattr(lora_sweep, "SPLITS", (1, 3))
-    monkeypatch.setattr(lora_sweep, "EXPAND", {"block_n": (32, 64), "tiles": (1, 2), "num_warps": (4,),
-                                               "num_stages": (2,)})
+    monkeypatch.setattr(lora_sweep, "EXPAND", {"mma": (True, False), "block_n": (32, 64), "tiles": (1, 2),
+                                               "num_warps": (4,), "num_stages": (2,)})
     case = lora_sweep.build("tiny-shape", ["decode"], "cpu", copies=False)["decode"]
     results = {"cases": {"decode": {}}}
     for proj in ("qkv", "o"):

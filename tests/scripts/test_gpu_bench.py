@@ -10,7 +10,8 @@ from tests.helpers import ROOT
 def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     out = tmp_path / "gpu.json"
     run = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_bench.py", "--device", "cpu", "--models",
-                          "tiny-shape", "--requests", "3", "--out", out], capture_output=True, text=True, timeout=600,
+                          "tiny-shape", "--requests", "3", "--curve-seqs", "8", "--curve-counts", "1,4,8",
+                          "--out", out], capture_output=True, text=True, timeout=600,
                          env=os.environ | {"LORA_LLM_OVERLAP_STEPS": "true"})     # as on CUDA: W3 run ahead, in turn
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -29,7 +30,11 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
     assert len(lora) == 4, lora
     for case in lora.values():
         assert set(case) == {"qkv", "o", "gate_up", "down", "layer"}
-        assert all(case["layer"][k] > 0 for k in ("gpu_us", "host_us", "bound_us", "gemm_us"))
+        assert all(case["layer"][k] > 0 for k in ("gpu_us", "host_us", "bound_us", "gemm_us", "in_turn_us",
+                                                   "overlap_us", "gpu_us_other_expand"))
+    curve = r["adapter_curve"]
+    assert curve["num_seqs"] == 8 and curve["base_step_ms"] > 0 and not curve["kernel_fallbacks"], curve
+    assert all(curve[f"{n} adapters"]["vs_base"] > 0 for n in (1, 4, 8)) and "distinct adapters" in run.stdout
 
 
 def test_gpu_step_times_dry_run_on_cpu_prints_each_way(tmp_path):
