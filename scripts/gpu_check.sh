@@ -19,7 +19,8 @@
 # Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part
 # and writes everything to $GPU_CHECK_REPORT (gpu_check_report.txt): the file to attach to a bug report.
 #
-#   scripts/gpu_check.sh [--tests-only | --server | --bench-only] [gpu_bench.py arguments, e.g. --out $OUT/gpu.json]
+#   scripts/gpu_check.sh [--tests-only | --server | --bench-only | --churn] [gpu_bench.py / gpu_churn.py arguments]
+# --churn: W5's adapter churn alone (scripts/gpu_churn.py: upload times, W5 through 8 and 32 slots against W1).
 # With its defaults the bench fits a 10-minute call on one H100 or H200 (both shapes; the HF + PEFT baselines on 16
 # requests each); the tests and the server check fit another.
 set -euo pipefail
@@ -36,6 +37,7 @@ case "${1:-}" in
   --tests-only) part=tests; shift ;;
   --bench-only) part=bench; shift ;;
   --server) part=server; shift ;;
+  --churn) part=churn; shift ;;
 esac
 
 verdicts=()
@@ -148,6 +150,10 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"
   step ncu "the LoRA kernels of an 8B decode step under Nsight Compute" \
     "$PYTHON" scripts/ncu_lora.py --out "$OUT_DIR/ncu_lora.json"
+fi
+if [ "$part" = churn ]; then                # W5 at the 8B shape: a call of its own
+  step churn "adapter churn (W5) at the Llama-3.1-8B shape" "$PYTHON" scripts/gpu_churn.py \
+    --out "$OUT_DIR/gpu_churn.json" "$@"
 fi
 printf '%s\n' "${verdicts[@]}"
 echo "gpu_check: the whole output is in $REPORT (attach it to a bug report)"
