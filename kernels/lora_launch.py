@@ -142,7 +142,7 @@ def expand_tile(widths: list[int], block_r: int, act_bytes: int = 2, decode: boo
     """(BLOCK_N, warps) of an expand program, which owns one tile of one band's columns (a band's last tile masked
     where BLOCK_N does not divide its width), at most the largest power of two dividing every width (>= 16: no tile
     past a band's end where one fits). Where items are a few rows (decode: rows one by one, no tensor cores), 128
-    columns, or 8192 values of B, on 2-8 warps that hold <= 32 of them a thread (ptxas: 58 registers at rank 64,
+    columns, or 8192 values of B, on 2-8 warps that hold <= 32 of them a thread (ptxas: 64 registers at rank 64,
     32 of 64 warps resident per SM where the 16-row product held 168 and 12); else 64 columns on eight warps, a
     [BLOCK_N, BLOCK_R] B tile <= 8192 values (16-bit; half of that fp32)."""
     divides = math.gcd(*widths) & -math.gcd(*widths)                 # the largest power of two dividing them

@@ -2,7 +2,7 @@
 reports ready: each op family once at the served model's shapes against the torch reference on the same device.
 A family whose kernel fails to compile, raises at launch or disagrees beyond its dtype's tolerance is served by the
 torch reference instead (`apply_fallbacks`), and the failure is logged with its shapes and its max error; `strict`
-refuses to start. The decode-graph check lives with the runner (ModelRunner.check_graphs).
+refuses to start. The graphs' check lives in backend/model/graph_check.py.
 
     attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens), and the same beside a prompt
                chunk of 37 tokens after 20 cached ones, over the configured page size, GQA group and head dim, at
@@ -142,17 +142,18 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
             checks.append(compare("lora", what, run, dtype))
             if ops.lora.overlap and len(token_slots) < 16:
                 checks.append(compare("lora_overlap", f"{what}, beside the base GEMM",
-                                      overlap_check(ops, slots, proj, token_slots, x, out_dim, g), dtype))
+                                      overlap_check(ops, slots, proj, token_slots, x, out_dim), dtype))
     return checks
 
 
-def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int, g):
+def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int):
     """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference."""
     def run():
         segments = ops.lora.segments(token_slots, x.dtype)
         segments.use({name: t.to(x.device) for name, t in segments.tensors.items()})
         segments.overlap = True
-        weight = (torch.randn(out_dim, x.shape[1], generator=g) * x.shape[1] ** -0.5).to(x.device, x.dtype)
+        g = torch.Generator(device=x.device).manual_seed(3)                  # made on the device: 8B's in ms
+        weight = torch.randn(out_dim, x.shape[1], generator=g, device=x.device).to(x.dtype) * x.shape[1] ** -0.5
         got = ops.linear_lora(x, weight, None, slots.projections[0][proj], segments)
         want = reference.linear(x.float(), weight.float(), None)
         reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
