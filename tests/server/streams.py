@@ -98,7 +98,8 @@ def run(url: str, arrays: dict, model: str = "lora_llm", request_id: str = "",
 
 def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = "lora_llm") -> str:
     """A request whose input `name` declares `shape` but carries no data (a shape whose byte count wraps around 64
-    bits passes tritonserver's size check); the error it got, or "" for a normal final response."""
+    bits passes tritonserver's size check); the error it got (an error response, or the stream cut where
+    tritonserver itself went down: either way the client knows), or "" for a normal final response."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
@@ -114,7 +115,12 @@ def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = 
     tensor.shape.extend(shape)
     request.raw_input_contents[index] = b""
     with grpc.insecure_channel(url) as channel:
-        for response in service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]),
-                                                                                              timeout=60):
-            return response.error_message
+        try:
+            for response in service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]),
+                                                                                                  timeout=60):
+                return response.error_message
+        except grpc.RpcError as err:        # tritonserver 2.51 itself went down with the stub: the stream is cut
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return f"the stream was cut: {err.details()}"
     return ""
