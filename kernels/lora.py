@@ -19,7 +19,8 @@ expand: programs (item, column group) each own TILES x BLOCK_N columns of one ba
         one row, a third of the registers). The epilogue adds the fp32 product into the output in place, scaled by
         the slot's DoRA magnitudes (1 where the slot has none, so a mixed batch of LoRA and DoRA is one pass), or
         (DELTA) stores it as it is into an fp32 delta.
-merge:  the expand's programs over the delta: the same epilogue, in place (the same bits as the expand's own).
+merge:  programs (item, column group) over the delta, wider groups than the expand's but the same columns (each
+        slot's bands with a rank): the same epilogue, in place (the same bits as the expand's own).
 linear_lora: where a graph step overlaps LoRA (LoraSegments.overlap), shrink and expand (DELTA) run on a side stream
         beside the base GEMM, and the merge after the join: LoRA off the critical path but for the merge.
 How each launches at a step's token count (work list, tiles, splits, grids): kernels/lora_launch.py; the step's
@@ -199,7 +200,7 @@ def _merge_kernel(delta_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, st
                   stride_bounds, stride_ms, NUM_BANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   TILES: tl.constexpr, ALIGNED: tl.constexpr):
     item = tl.program_id(0)
-    tile = tl.program_id(1)                                # the expand's groups: the same tiles it wrote
+    tile = tl.program_id(1)                                # a group of TILES tiles, within one band
     slot, start, end = _work_item(work_ptr, item)
     if slot < 0:
         return
@@ -262,7 +263,7 @@ def lora_merge(proj, step: LoraStep, out: torch.Tensor) -> None:
     """Semantics: over lora_expand's items and columns, out[t, cols] = (out[t, cols] + delta[t, cols]) *
     proj.m[slot, cols] (the same bits as lora_expand in place: the fp32 product, one rounding)."""
     p = step.prepare(proj)
-    _merge_kernel[p.launch.expand_grid](p.delta, out, step.work, proj.ranks, proj.slot_bounds, proj.m, out.stride(0),
+    _merge_kernel[p.launch.merge_grid](p.delta, out, step.work, proj.ranks, proj.slot_bounds, proj.m, out.stride(0),
                                         p.delta.stride(0), *p.merge_ints, **p.merge_kwargs)
 
 

@@ -11,6 +11,8 @@ TARGET_PROGRAMS = 128                                       # a shrink launch's 
 SPLIT_COLUMNS_PER_ROW = 32                                  # a split's columns per row of its item: its fp32 partial
                                                             # (written, read back) stays <= 1/16 of the A it reads
 MAX_PARTIAL_BYTES = 64 << 20                                # the split partials of one launch, fp32
+MERGE_VALUES = 16384                                        # a merge program's tiles at most (LoraLaunch.merge_tiles):
+                                                            # 1024 columns of a decode item
 DECODE_ROWS_PER_ITEM = 4                                    # items this short (decode steps): the expand's rows one
                                                             # by one (expand_tile)
 
@@ -88,10 +90,25 @@ class LoraLaunch:
                 "BLOCK_R": self.block_r, "ALIGNED": self.aligned, "MMA": self.mma}
 
     @property
+    def merge_tiles(self) -> int:
+        """BLOCK_N tiles a merge program covers (the product is done; a merge program only streams it back, so
+        fewer, wider programs than the expand's): up to MERGE_VALUES of [BLOCK_M, BLOCK_N] tiles, as many as make
+        groups that divide every band (a masked group of several tiles held 168-255 registers)."""
+        tiles = max(1, MERGE_VALUES // (self.block_m * self.block_n))
+        while tiles > 1 and any(width % (tiles * self.block_n) for width in self.widths):
+            tiles //= 2
+        return tiles
+
+    @property
+    def merge_grid(self) -> tuple[int, int]:
+        return self.num_items, sum(triton.cdiv(width, self.block_n * self.merge_tiles) for width in self.widths)
+
+    @property
     def merge_constexprs(self) -> dict:
-        """lora_merge covers the expand's tiles."""
-        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TILES": self.tiles,
-                "ALIGNED": self.aligned}
+        """lora_merge covers what the expand wrote (each slot's bands with a rank), in groups of its own."""
+        group = self.block_n * self.merge_tiles
+        return {"NUM_BANDS": self.num_bands, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "TILES": self.merge_tiles, "ALIGNED": all(width % group == 0 for width in self.widths)}
 
     @property
     def aligned(self) -> bool:
@@ -109,7 +126,7 @@ class LoraLaunch:
 
     @property
     def merge_options(self) -> dict:
-        return {"num_warps": 4, "num_stages": 1}
+        return {"num_warps": 8, "num_stages": 1}
 
 
 def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int], max_rank: int,

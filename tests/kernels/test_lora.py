@@ -160,17 +160,18 @@ def with_expand(step: LoraStep, proj, mma: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
 @pytest.mark.parametrize("mma", [True, False])
-def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, device):
+@pytest.mark.parametrize("widths", [[72, 24], [80, 48], [2048, 1024]])   # groups masked, the expand's, wider
+def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, widths, device):
     """Both expand paths (tensor-core tiles, rows one by one) at any item length == the reference; the product into
     the fp32 delta then lora_merge == the expand in place, bit for bit (what overlapping LoRA with the GEMM runs);
     linear_lora overlapping == linear then lora_apply, bit for bit."""
     ranks = [[48, 1, 64, 0], [0, 32, 64, 8]]
-    proj = random_projection([list(r) for r in ranks], 64, 128, [80, 48], dtype, False, device, dora=(2,))
+    proj = random_projection([list(r) for r in ranks], 64, 128, widths, dtype, False, device, dora=(2,))
     segments = segments_for(LAYOUTS[layout], device, dtype)
     segments.overlap = True
     num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, 128).to(dtype).to(device)
-    base = torch.randn(num_tokens, 128).to(dtype).to(device)
+    base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
     step = LoraStep.for_segments(segments, x, [proj])
     with_expand(step, proj, mma)
     h = lora_shrink(x, proj, step)
@@ -184,7 +185,8 @@ def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, dev
     lora_merge(proj, step, merged)
     assert torch.equal(merged, in_place)
 
-    weight = (torch.randn(128, 128) * 0.1).to(dtype).to(device)
+    weight = (torch.randn(sum(widths), 128) * 0.1).to(dtype).to(device)
+    assert (step.prepare(proj).launch.merge_tiles > 1) == (widths[0] > 1000)     # wider merge groups where they fit
     segments.step = None
     overlapped = linear_lora(x, weight, None, proj, segments)
     assert segments.step.overlap and segments.step.prepare(proj).delta is not None
