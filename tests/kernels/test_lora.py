@@ -158,9 +158,9 @@ def with_expand(step: LoraStep, proj, mma: bool) -> None:
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["decode", "mixed"])
 @pytest.mark.parametrize("mma", [True, False])
-@pytest.mark.parametrize("widths", [[72, 24], [80, 48], [2048, 1024]])   # groups masked, the expand's, wider
+@pytest.mark.parametrize("layout,widths", [("decode", [72, 24]), ("decode", [80, 48]), ("decode", [2048, 1024]),
+                                           ("mixed", [72, 24]), ("mixed", [80, 48])])
 def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, widths, device):
     """Both expand paths (tensor-core tiles, rows one by one) at any item length == the reference; the product into
     the fp32 delta then lora_merge == the expand in place, bit for bit (what overlapping LoRA with the GEMM runs);
