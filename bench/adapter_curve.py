@@ -6,6 +6,7 @@ import torch
 from backend import LLMEngine
 from backend.checkpoint import ModelConfig
 from backend.lora.dora import checkpoint_weights
+from backend.lora.limits import max_adapter_bytes
 from backend.lora.peft import load_lora_dir
 from bench.adapters import adapter_dirs
 from bench.step_profile import decode_step_ms
@@ -23,7 +24,8 @@ def adapter_curve(model_dir: str, device: str, num_seqs: int = 64, counts: tuple
     cfg = ModelConfig.from_dir(model_dir)
     engine = LLMEngine(model_dir, dtype="bfloat16", device=device, cuda_graph_mode=cuda_graph_mode,
                        max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_loras=max(counts),
-                       max_lora_rank=max(RANKS))
+                       max_lora_rank=max(RANKS), lora_cache_host_memory_bytes=max(counts) * max_adapter_bytes(
+                           cfg, max(RANKS), torch.bfloat16))       # all of them, whatever the machine's memory says
     try:
         base = checkpoint_weights(model_dir, engine.runner.dtype, engine.runner.device)
         parsed = [load_lora_dir(path, base, cfg) for path in adapter_dirs(model_dir, RANKS)]
