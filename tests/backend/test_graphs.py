@@ -92,12 +92,18 @@ def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_ad
 
 
 @INTERPRETER_MARK
-@pytest.mark.parametrize("with_adapters", [False, True])
-def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters):
+@pytest.mark.parametrize("with_adapters,graph", [(False, False), (True, False), (True, True)])
+def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters, graph):
     """Per layer: two add + RMSNorm, RoPE with the cache write, attention, SiLU-and-mul and, with adapters, one
-    shrink and one expand per projection (4 x 2); then the final norm. GEMMs are torch's (not counted)."""
+    shrink and one expand per projection (4 x 2), and in a graph step a merge of each expand's delta after its GEMM
+    (4 x 3: LoRA beside the GEMMs); then the final norm. GEMMs are torch's (not counted)."""
     from triton.runtime.interpreter import GridExecutor
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    if graph:
+        runner = engine.runner
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
+                                     runner.device, capture=False)
+        buckets = count_graph_steps(runner.graphs)
     task = 1 if with_adapters else None
     for prompt in random_prompts([5, 9, 4], 512, seed=52):
         engine.add_request(prompt, lora=task, max_new_tokens=4)
@@ -111,8 +117,10 @@ def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_a
         engine.step()                                 # a decode step of three sequences
     finally:
         GridExecutor.__call__ = call
-    per_layer = 5 + (8 if with_adapters else 0)
+    per_layer = 5 + (12 if graph else 8 if with_adapters else 0)
     assert len(launches) == engine.model_config.num_layers * per_layer + 1, launches
+    assert launches.count("_merge_kernel") == (4 * engine.model_config.num_layers if graph else 0)
+    assert not graph or buckets == [4]
 
 
 @needs_cuda
