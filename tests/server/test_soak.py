@@ -40,10 +40,12 @@ def test_the_soak_answers_everything_and_leaks_nothing(report):
 
 @pytest.mark.slow
 def test_two_minute_soak_keeps_memory_flat_over_its_second_half(report):
-    """The mean RSS of the last quarter of the load over that of a quarter around its middle: the engine's stub and
-    tritonserver less the adapter weights in flight (it holds each request's message until its final answer) grow
-    by less than 5%."""
+    """The mean RSS of the last quarter of the load over that of a quarter around its middle: tritonserver less the
+    adapter weights in flight (it holds each request's message until its final answer) grows by less than 5%, the
+    engine's stub by less than 10%. (A leak of 1 MB a request, injected, gives the stub +49%. Without one, its warm-up
+    on the tiny model ends within the first minute alone, +1.75-2.7% after it, but later on two cores shared with
+    the rest of the suite: +5.1% and +5.3% in two fresh-clone runs, its RSS still rising 1 MB/s towards a plateau.)"""
     assert report["seconds"] >= 120
     growth = report["rss_growth_second_half"]
     assert {"stub lora_llm", "tritonserver_less_uploads_mb"} <= set(growth), growth
-    assert growth["stub lora_llm"] < 0.05 and growth["tritonserver_less_uploads_mb"] < 0.05, growth
+    assert growth["stub lora_llm"] < 0.10 and growth["tritonserver_less_uploads_mb"] < 0.05, growth
