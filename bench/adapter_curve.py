@@ -20,7 +20,8 @@ def adapter_curve(model_dir: str, device: str, num_seqs: int = 64, counts: tuple
                   cuda_graph_mode: bool = True) -> dict:
     """{"base_step_ms", "num_seqs", "<n> adapters": {"step_ms", "vs_base"}}: an engine of max_loras max(counts)
     (each adapter parsed once per rank and cached under as many task ids as need it: distinct slots, distinct
-    reads), num_seqs sequences decoding, sequence i on adapter i % n."""
+    reads), num_seqs sequences decoding, sequence i on adapter i % n (adapter k at RANKS[k % 4]: one adapter is at
+    rank 8, four or more mix the ranks evenly)."""
     cfg = ModelConfig.from_dir(model_dir)
     engine = LLMEngine(model_dir, dtype="bfloat16", device=device, cuda_graph_mode=cuda_graph_mode,
                        max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_loras=max(counts),
