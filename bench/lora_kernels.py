@@ -15,7 +15,6 @@ from backend.lora.slots import PROJS, DeviceSlots, proj_shape
 from backend.model.self_check import random_adapter
 from bench.step_profile import sync
 from kernels.dispatch import load_ops
-from kernels.lora import LoraStep, prepare_launch
 
 RANKS = [8, 16, 32, 64] * 4                   # W1's adapters, slot by slot; max_lora_rank 64
 CASES = {                                     # name -> tokens per slot (slots in order)
@@ -94,9 +93,8 @@ def beside_the_gemm(ops, slots, token_slots: list[int], projection, x: torch.Ten
     out = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=device)
     ops.lora_apply(x, projection, other, out)                          # plans the step
     if other.step is not None:                                         # (the Triton family's)
-        p = other.step.prepare(projection)
-        other.step.prepared[LoraStep.kind(projection)] = prepare_launch(
-            replace(p.launch, mma=not p.launch.mma), projection, p.h, p.partials, p.delta)
+        mma = other.step.prepare(projection).launch.mma
+        other.step.use(projection, other.step.relaunched(projection, mma=not mma))
     result["gpu_us_other_expand"] = replay_us(lambda: ops.lora_apply(x, projection, other, out), device)
     return result
 

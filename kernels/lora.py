@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_step import LoraStep, Prepared, prepare_launch                  # noqa: F401 (the launchers')
+from kernels.lora_step import LoraStep
 from kernels.metadata import UNSPECIALIZED_ARGS
 from kernels.reference import linear
 
@@ -289,7 +289,7 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     step = step_of(segments, x, proj)
     if not step.overlap:
         out = linear(x, weight, bias)
-        lora_expand(lora_shrink(x, proj, step), proj, step, out)
+        lora_apply(x, proj, segments, out)
         return out
     side = side_stream(x.device)
     if side is not None:

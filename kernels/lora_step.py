@@ -1,7 +1,7 @@
 """A step's LoRA state for the Triton kernels (kernels/lora.py): each projection kind's launches, planned once
 (kernels/lora_launch.py), and the intermediates they share."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,16 @@ class LoraStep:
             self._allocate()
             prepared = self.prepared[key]
         return prepared
+
+    def relaunched(self, proj, **changes) -> Prepared:
+        """proj's launches with their configuration changed (LoraLaunch fields: a sweep's, a test's), over the same
+        intermediates; `use` puts them in place."""
+        p = self.prepare(proj)
+        return prepare_launch(replace(p.launch, **changes), proj, p.h, p.partials, p.delta)
+
+    def use(self, proj, prepared: Prepared) -> None:
+        """What the launchers run for proj's kind from now on."""
+        self.prepared[self.kind(proj)] = prepared
 
     def _allocate(self) -> None:
         caps = {key: proj.num_bands * proj.max_rank for key, (_, proj) in self.kinds.items()}

@@ -30,7 +30,8 @@ from backend.model.self_check import random_adapter                             
 from bench.lora_kernels import CASES, RANKS                                         # noqa: E402
 from bench.step_profile import sync                                                 # noqa: E402
 from kernels.dispatch import load_ops                                               # noqa: E402
-from kernels.lora import LoraStep, lora_expand, lora_shrink, prepare_launch         # noqa: E402
+from kernels.lora import lora_expand, lora_shrink                                   # noqa: E402
+from kernels.lora_step import prepare_launch                                        # noqa: E402
 from scripts.gpu_bench import SHAPES                                                # noqa: E402
 
 CASE_KEYS = {"decode": "decode, 16 tokens over 16 adapters", "64": "64 tokens over 16 adapters",
@@ -89,7 +90,7 @@ class Case:
                                                                   dtype=torch.float32, device=h.device))
         prepared = prepare_launch(launch, view_proj, h, part)
         prepared.shrink_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        p["step"].prepared[LoraStep.kind(view_proj)] = prepared                # what lora_shrink launches
+        p["step"].use(view_proj, prepared)                                     # what lora_shrink launches
         return lora_shrink(p["x"], view_proj, p["step"])
 
     def expand(self, proj: str, config: dict, out: torch.Tensor, view: int = 0) -> None:
@@ -98,7 +99,7 @@ class Case:
         launch = replace(p["launch"], mma=config["mma"], block_n=config["block_n"], tiles=config["tiles"])
         prepared = prepare_launch(launch, view_proj, p["h"], p["partials"])
         prepared.expand_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        p["step"].prepared[LoraStep.kind(view_proj)] = prepared                # what lora_expand launches
+        p["step"].use(view_proj, prepared)                                     # what lora_expand launches
         lora_expand(p["h"], view_proj, p["step"], out)
 
 

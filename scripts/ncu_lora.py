@@ -15,7 +15,6 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +41,7 @@ def child(shape: str, case: str, labels_path: Path) -> None:
     from backend.lora.slots import PROJS, proj_shape
     from bench.lora_kernels import CASES, layer_slots
     from kernels.dispatch import load_ops
-    from kernels.lora import LoraStep, lora_expand, lora_merge, lora_shrink, prepare_launch
+    from kernels.lora import lora_expand, lora_merge, lora_shrink
     from scripts.gpu_bench import SHAPES
     ops = load_ops("triton", "cuda")
     cfg, slots = layer_slots(ModelConfig.from_hf(SHAPES[shape]), ops, "cuda")
@@ -58,16 +57,15 @@ def child(shape: str, case: str, labels_path: Path) -> None:
         out = torch.randn(len(token_slots), out_dim, device="cuda", dtype=torch.bfloat16)
         projection = slots.projections[0][proj]
         ops.lora_apply(x, projection, segments, out)                    # plans the step
-        step, key = segments.step, LoraStep.kind(projection)
+        step = segments.step
         planned = step.prepare(projection)
-        other = prepare_launch(replace(planned.launch, mma=not planned.launch.mma), projection, planned.h,
-                               planned.partials, planned.delta)
+        other = step.relaunched(projection, mma=not planned.launch.mma)
         way = {True: "tensor cores", False: "rows"}
 
-        def expand(prepared, into=out, step=step, key=key, projection=projection, planned=planned):
-            step.prepared[key] = prepared
+        def expand(prepared, into=out, step=step, projection=projection, planned=planned):
+            step.use(projection, prepared)
             lora_expand(planned.h, projection, step, into)
-            step.prepared[key] = planned
+            step.use(projection, planned)
         launches += [(f"{proj} shrink", lambda x=x, p=projection, s=step: lora_shrink(x, p, s)),
                      (f"{proj} expand, {way[planned.launch.mma]} (planned)", lambda e=expand: e(planned)),
                      (f"{proj} expand, {way[other.launch.mma]}", lambda e=expand, o=other: e(o)),

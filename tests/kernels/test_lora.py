@@ -1,13 +1,11 @@
 """LoRA shrink/expand: Triton kernels (one launch each per projection) against the torch reference, mixed ranks
 and base-only tokens in one call."""
-from dataclasses import replace
-
 import pytest
 import torch
 
 from backend.lora.slots import Band, Projection
 from kernels import reference
-from kernels.lora import LoraStep, linear_lora, lora_expand, lora_merge, lora_shrink, prepare_launch
+from kernels.lora import LoraStep, linear_lora, lora_expand, lora_merge, lora_shrink
 from kernels.lora_launch import block_m_for, max_work_items, work_items
 from kernels.lora_segments import LoraSegments
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
@@ -152,8 +150,7 @@ def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, sp
 
 def with_expand(step: LoraStep, proj, mma: bool) -> None:
     """The step's launches of proj with the expand's product on tensor cores (mma) or row by row."""
-    p = step.prepare(proj)
-    step.prepared[LoraStep.kind(proj)] = prepare_launch(replace(p.launch, mma=mma), proj, p.h, p.partials, p.delta)
+    step.use(proj, step.relaunched(proj, mma=mma))
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
