@@ -50,6 +50,19 @@ def register_adapters(engine, workload) -> None:
         engine.add_lora_dir(task_id, path)
 
 
+def register_copies(engine, ranks: tuple[int, ...], num_task_ids: int) -> None:
+    """Task ids 1..num_task_ids, id k holding the adapter of rank ranks[(k - 1) % len(ranks)]: each PEFT file parsed
+    once (seconds at the 8B shape) and cached under its share of the ids, which the engine keeps apart (slots,
+    uploads) as any distinct adapters."""
+    from backend.lora.dora import checkpoint_weights
+    from backend.lora.peft import load_lora_dir
+    model_dir = engine.config.model_dir
+    base = checkpoint_weights(model_dir, engine.runner.dtype, engine.runner.device)
+    parsed = [load_lora_dir(path, base, engine.model_config) for path in adapter_dirs(model_dir, ranks)]
+    for task_id in range(1, num_task_ids + 1):
+        engine.add_lora(task_id, *parsed[(task_id - 1) % len(parsed)])
+
+
 def attach_peft_adapters(model, workload, loaded: int | None = None):
     """Load the workload's adapters (the first `loaded` of them; all by default) into an HF model:
     (PeftModel, {task_id: adapter name})."""

@@ -9,14 +9,12 @@ import torch
 
 from backend import LLMEngine
 from backend.checkpoint import ModelConfig
-from backend.lora.dora import checkpoint_weights
 from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.limits import max_adapter_bytes
-from backend.lora.peft import load_lora_dir
 from backend.lora.slots import DeviceSlots
-from bench.adapters import adapter_dirs
+from bench.adapters import register_copies
 from bench.engine import make_engine, run_engine
-from bench.step_profile import abort_all, start_decoding, sync
+from bench.step_profile import abort_all, free_memory, start_decoding, sync
 from bench.workloads import WORKLOADS, make_requests
 
 DISTINCT_FILES = 16                           # W5's adapters: this many files, each under 128 / 16 task ids
@@ -56,17 +54,6 @@ def upload_ms(cfg: ModelConfig, device: str, ranks: tuple[int, ...] = (16, 64), 
     return result
 
 
-def register_w5(engine: LLMEngine, model_dir: str) -> None:
-    """W5's adapters: each of DISTINCT_FILES rank-8 PEFT files parsed once, cached under its share of the task ids
-    (distinct slots to the engine, each uploaded on its own)."""
-    cfg, workload = ModelConfig.from_dir(model_dir), WORKLOADS["W5"]
-    base = checkpoint_weights(model_dir, engine.runner.dtype, engine.runner.device)
-    files = adapter_dirs(model_dir, workload.adapter_ranks[:DISTINCT_FILES])
-    parsed = [load_lora_dir(path, base, cfg) for path in files]
-    for task_id in range(1, len(workload.adapter_ranks) + 1):
-        engine.add_lora(task_id, *parsed[(task_id - 1) % len(parsed)])
-
-
 def w5_engine(model_dir: str, device: str, device_tier: int, cuda_graph_mode: bool) -> LLMEngine:
     workload = WORKLOADS["W5"]
     engine = LLMEngine(model_dir, dtype="bfloat16", device=device, cuda_graph_mode=cuda_graph_mode,
@@ -74,7 +61,7 @@ def w5_engine(model_dir: str, device: str, device_tier: int, cuda_graph_mode: bo
                        max_lora_rank=workload.max_lora_rank,
                        lora_cache_host_memory_bytes=2 * len(workload.adapter_ranks) * max_adapter_bytes(
                            ModelConfig.from_dir(model_dir), workload.max_lora_rank, torch.bfloat16))
-    register_w5(engine, model_dir)
+    register_copies(engine, workload.adapter_ranks[:DISTINCT_FILES], len(workload.adapter_ranks))
     return engine
 
 
@@ -95,8 +82,7 @@ def w5(model_dir: str, device: str, device_tier: int, num_requests: int | None =
             run["uploads_beside_decoding"] = uploads_beside_decoding(engine)
     finally:
         del engine
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     return run
 
 
@@ -140,6 +126,5 @@ def w1(model_dir: str, device: str, num_requests: int | None = None, cuda_graph_
         run = run_engine(engine, requests, "W1")
     finally:
         del engine
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     return {k: v for k, v in run.items() if not isinstance(v, list)}

@@ -1,6 +1,7 @@
 """One decode step on the GPU, measured: kernel launches (the most frequent by name), the share of GPU time in
 attention / LoRA / GEMMs (torch.profiler), and the step's wall time eager and as a CUDA graph replay. Used by
 scripts/gpu_bench.py."""
+import gc
 import time
 
 import torch
@@ -15,6 +16,13 @@ def sync(device) -> None:
     """Wait for the device's queued work (nothing to wait for on CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    """What a dropped engine held, back: its cycles collected, and on CUDA the cached blocks returned."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def kind_of(kernel_name: str) -> str:

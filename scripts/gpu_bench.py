@@ -15,7 +15,6 @@ HF + PEFT 16 requests of each (two batches; W1's HF run took ~23 s a batch at th
 `--device cpu --models tiny-shape` runs the same code on CPU in seconds (the test suite does, to keep it working).
 """
 import argparse
-import gc
 import json
 import shutil
 import sys
@@ -36,8 +35,8 @@ from bench.engine import make_engine, run_engine                                
 from bench.hf import run_hf                                                         # noqa: E402
 from bench.lora_kernels import lora_kernels, summary                                # noqa: E402
 from bench.roofline import weight_bytes                                             # noqa: E402
-from bench.step_profile import (decode_attention_vs_bound, decode_step_profile, single_sequence_attention,  # noqa: E402
-                                sync)
+from bench.step_profile import (decode_attention_vs_bound, decode_step_profile, free_memory,  # noqa: E402
+                                single_sequence_attention, sync)
 from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
@@ -99,12 +98,6 @@ def cached_model(shape: str, root: Path, device: str, name: str = "", **override
         shutil.rmtree(out, ignore_errors=True)
         build_model(shape, out, device, **overrides)
     return out
-
-
-def free_memory(device: str) -> None:
-    gc.collect()
-    if device != "cpu":
-        torch.cuda.empty_cache()
 
 
 def copy_bandwidth(device: str) -> float:

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 from backend.checkpoint import ModelConfig                                          # noqa: E402
 from bench.churn import upload_ms, w1, w5                                           # noqa: E402
-from scripts.gpu_bench import build_model, free_memory                              # noqa: E402
+from bench.step_profile import free_memory                                          # noqa: E402
+from scripts.gpu_bench import build_model                                           # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
                                    for rank, u in report["upload"].items()), flush=True)
     report["W1"] = w1(model_dir, args.device, args.requests or None, graphs)
     print(f"  W1: {report['W1']['tok_s']:.1f} tok/s", flush=True)
+    args.out.write_text(json.dumps(report, indent=1))                 # after each part: a cut-off run keeps its own
     for tier in (int(t) for t in args.tiers.split(",")):
         run = w5(model_dir, args.device, tier, args.requests or None, graphs)
         run["vs_W1"] = run["tok_s"] / report["W1"]["tok_s"]
@@ -54,7 +56,6 @@ def main() -> None:
                                                      f"{beside['step_ms_with_uploads']:.2f} ms with an upload beside "
                                                      f"({beside['ratio']:.2f}x)" if beside else ""), flush=True)
         args.out.write_text(json.dumps(report, indent=1))
-    args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -29,8 +29,9 @@ from backend.checkpoint import ModelConfig                                      
 from bench.adapters import adapter_dirs                                             # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.server import core_server, prepared_by_id, stream_measured               # noqa: E402
+from bench.step_profile import free_memory                                          # noqa: E402
 from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
-from gpu_bench import cached_model, figures, free_memory                             # noqa: E402
+from gpu_bench import cached_model, figures                                         # noqa: E402
 from server_probe import free_device_bytes, metric                                  # noqa: E402
 
 W1 = WORKLOADS["W1"]

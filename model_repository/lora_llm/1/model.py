@@ -29,7 +29,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len", "cancellation_check_period_ms", "responder_steps_behind",
-              "tensor_parallel_size", "guided_decoding_compile_memory_bytes", "max_top_log_probs", "max_log_probs_per_request")
+              "tensor_parallel_size", "guided_decoding_compile_memory_bytes", "max_top_log_probs",
+              "max_log_probs_per_request")
 AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
