@@ -1,5 +1,6 @@
 """Raw gRPC streaming helpers for the server tests (independent of client/, which they also test)."""
 import queue
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,13 @@ class Stream:
         self.client = grpcclient.InferenceServerClient(url)
         self.responses: queue.Queue = queue.Queue()
         self.seen: list = []                                     # responses taken by wait_first, not yet collected
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self.final_at: float | None = None                       # time.monotonic() when the final response arrived
+        self.client.start_stream(callback=self._arrived)
+
+    def _arrived(self, result, error) -> None:
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            self.final_at = time.monotonic()
+        self.responses.put((result, error))
 
     def send(self, arrays: dict, model: str = "lora_llm", request_id: str = "",
              parameters: dict | None = None) -> "Stream":
@@ -87,9 +94,10 @@ class Stream:
         self.client.close()
 
 
-def run(url: str, arrays: dict, model: str = "lora_llm", request_id: str = "",
+def run(url: str | Stream, arrays: dict, model: str = "lora_llm", request_id: str = "",
         output: str = "output_ids") -> StreamResult:
-    stream = Stream(url).send(arrays, model, request_id)
+    """One request on a new stream (or on `url` when it is an open Stream), collected and closed."""
+    stream = (url if isinstance(url, Stream) else Stream(url)).send(arrays, model, request_id)
     try:
         return stream.collect(output=output)
     finally:
