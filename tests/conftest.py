@@ -9,6 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter import skip_patching_inside_launches
+    skip_patching_inside_launches()
+
 from tests.helpers import SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  # noqa: E402
 
 # The modules that take a minute or more, in that order, run first: scripts/test.sh hands whole modules to two
