@@ -34,7 +34,8 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_gt, stride_ot, BLOC
 
 
 @triton.jit
-def _rotate_head(src, dst, cos, sin, d, mask, HALF: tl.constexpr):
+def _rotate(src, dst, cos, sin, d, mask, HALF: tl.constexpr):
+    """Rows of heads: src, dst [BLOCK_H, 1] head starts, d [1, BLOCK_HALF]; cos, sin [1, BLOCK_HALF] fp32."""
     x1 = tl.load(src + d, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF + d, mask=mask).to(tl.float32)
     tl.store(dst + d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
@@ -43,31 +44,32 @@ def _rotate_head(src, dst, cos, sin, d, mask, HALF: tl.constexpr):
 
 @triton.jit
 def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
-                             cos_sin_ptr, num_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                             stride_vh, stride_ot, stride_oh, stride_ch, stride_cs, stride_cos,
-                             HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Program (token, head): heads [0, num_heads) rotate a query head; the next num_kv_heads rotate a key head
-    into the cache and copy its value head beside it (tokens with slot -1, padding, write nothing)."""
+                             cos_sin_ptr, num_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh,
+                             stride_vt, stride_vh, stride_ot, stride_oh, stride_ch, stride_cs, stride_cos,
+                             HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (token, block of BLOCK_H heads) of the query heads followed by the key heads: a query head is rotated
+    into q_out, a key head rotated into the cache with its value head copied beside it (tokens with slot -1,
+    padding, write no cache)."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_HALF)
-    mask = d < HALF
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=mask)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=mask)
-    if head < num_heads:
-        _rotate_head(q_ptr + token * stride_qt + head * stride_qh,
-                     q_out_ptr + token * stride_ot + head * stride_oh, cos, sin, d, mask, HALF)
-    else:
-        kv_head = (head - num_heads).to(tl.int64)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        if slot >= 0:
-            cache_row = kv_head * stride_ch + slot * stride_cs
-            _rotate_head(k_ptr + token * stride_kt + kv_head * stride_kh, k_cache_ptr + cache_row, cos, sin, d,
-                         mask, HALF)
-            v_src = v_ptr + token * stride_vt + kv_head * stride_vh
-            tl.store(v_cache_ptr + cache_row + d, tl.load(v_src + d, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + cache_row + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d_mask)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d_mask)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    is_q = heads < num_heads
+    is_kv = (heads >= num_heads) & (heads < num_heads + num_kv_heads) & (slot >= 0)
+    q_head = tl.where(is_q, heads, 0).to(tl.int64)[:, None]
+    _rotate(q_ptr + token * stride_qt + q_head * stride_qh, q_out_ptr + token * stride_ot + q_head * stride_oh,
+            cos, sin, d, is_q[:, None] & d_mask, HALF)
+    kv_head = tl.where(is_kv, heads - num_heads, 0).to(tl.int64)[:, None]
+    kv_mask = is_kv[:, None] & d_mask
+    cache_rows = kv_head * stride_ch + tl.maximum(slot, 0) * stride_cs
+    _rotate(k_ptr + token * stride_kt + kv_head * stride_kh, k_cache_ptr + cache_rows, cos, sin, d, kv_mask, HALF)
+    v_src = v_ptr + token * stride_vt + kv_head * stride_vh
+    tl.store(v_cache_ptr + cache_rows + d, tl.load(v_src + d, mask=kv_mask), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_rows + HALF + d, tl.load(v_src + HALF + d, mask=kv_mask), mask=kv_mask)
 
 
 def norm_config(hidden: int) -> dict:
@@ -78,8 +80,14 @@ def silu_config() -> dict:
     return {"BLOCK": 1024}
 
 
-def rotary_config(head_dim: int) -> dict:
-    return {"HALF": head_dim // 2, "BLOCK_HALF": triton.next_power_of_2(head_dim // 2)}
+ROTARY_VALUES = 1024                # a rotary program's share of a token's heads: BLOCK_H x BLOCK_HALF values
+
+
+def rotary_config(head_dim: int, num_heads: int) -> dict:
+    """num_heads: query and key heads together."""
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_h = min(triton.next_power_of_2(num_heads), max(ROTARY_VALUES // block_half, 1))
+    return {"HALF": head_dim // 2, "BLOCK_HALF": block_half, "BLOCK_H": block_h}
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -129,9 +137,10 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     assert k_cache.shape[0] == num_kv_heads and k_cache.shape[3] == head_dim and k.dtype == k_cache.dtype == v.dtype
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cfg = rotary_config(head_dim, num_heads + num_kv_heads)
     if num_tokens:
-        _rotary_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
-            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
-            k_cache.stride(2), cos_sin.stride(0), **rotary_config(head_dim))
+        _rotary_and_cache_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, cfg["BLOCK_H"]))](
+            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
+            k_cache.stride(0), k_cache.stride(2), cos_sin.stride(0), **cfg)
     return q_out

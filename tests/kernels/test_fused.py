@@ -45,11 +45,13 @@ def test_silu_and_mul_matches_reference(dtype, inter, device):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size", [(64, 4, 4, 16), (64, 6, 2, 4), (128, 4, 1, 32),
-                                                                         (96, 8, 2, 16), (80, 10, 2, 16)])
+                                                                         (96, 8, 2, 16), (80, 10, 2, 16),
+                                                                         (128, 18, 6, 16)])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size, slot_dtype, device):
     """q, k, v sliced from one fused qkv row as the model has them; tokens land in shuffled slots across blocks, and
-    a padding token (slot -1) writes nothing."""
+    a padding token (slot -1) writes nothing. 18 + 6 heads of 128: two programs a token, the second's block of
+    heads both query and key heads, its last masked."""
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
                       1e-5, 10000.0, None, False, False, None, None, None)
     cos_sin = rope_cos_sin(cfg).to(device)
