@@ -15,6 +15,10 @@ from tqdm import tqdm
 from bench.engine import own_cpu_seconds, percentile
 
 
+EXIT_TIMEOUT_S = 5      # a bench stops its server once every stream has ended; yet tritonserver 2.51 sometimes waits
+                        # out its whole exit timeout (30 s by default) for the lora_llm model to unload
+
+
 @contextmanager
 def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "auto", prefetch_dir: Path | None = None):
     """tritonserver with the core model only, set up as the in-process engine is for the workload (with the adapters
@@ -27,7 +31,7 @@ def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "aut
     if prefetch_dir is not None:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(prefetch_dir)
     server = start_server(http, grpc, metrics, env=env, log_file=open(f"/tmp/bench_{workload.name}_server.log", "w"),
-                          models=["lora_llm"])
+                          models=["lora_llm"], exit_timeout_s=EXIT_TIMEOUT_S)
     try:
         wait_ready(server, http)
         yield server, grpc, metrics

@@ -34,7 +34,8 @@ class SoakServer:
     def __enter__(self) -> "SoakServer":
         self.launcher = subprocess.Popen(
             [sys.executable, "-u", str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), "--models", "lora_llm"],
+             "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), "--models", "lora_llm",
+             "--exit-timeout-s", "5"],                 # the soak stops it once every stream has ended
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read, daemon=True).start()
         if not self.ready.wait(300):
