@@ -21,20 +21,16 @@ expand: programs (item, column group) each own TILES x BLOCK_N columns of one ba
         (DELTA) stores it as it is into an fp32 delta.
 merge:  programs (item, column group) over the delta, wider groups than the expand's but the same columns (each
         slot's bands with a rank): the same epilogue, in place (the same bits as the expand's own).
-linear_lora: where a graph step overlaps LoRA (LoraSegments.overlap), shrink and expand (DELTA) run on a side stream
-        beside the base GEMM, and the merge after the join: LoRA off the critical path but for the merge.
+Graph steps run shrink and expand (DELTA) beside the base GEMM and the merge after it: kernels/lora_overlap.py.
 How each launches at a step's token count (work list, tiles, splits, grids): kernels/lora_launch.py; the step's
 state: kernels/lora_step.py.
 """
-from contextlib import nullcontext
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.lora_step import LoraStep
 from kernels.metadata import UNSPECIALIZED_ARGS
-from kernels.reference import linear
 
 
 @triton.jit
@@ -279,40 +275,6 @@ def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
     """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand)."""
     step = step_of(segments, x, proj)
     lora_expand(lora_shrink(x, proj, step), proj, step, out)
-
-
-def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
-    """Semantics: out = linear(x, weight, bias); lora_apply(x, proj, segments, out); return out
-    Where the step overlaps LoRA (segments.overlap: a CUDA graph's steps), its shrink and expand run on a side
-    stream beside the base GEMM, forked once x is ready, into the step's fp32 delta; lora_merge adds it after the
-    join (the same bits as in place). On CPU the same launches run in turn."""
-    step = step_of(segments, x, proj)
-    if not step.overlap:
-        out = linear(x, weight, bias)
-        lora_apply(x, proj, segments, out)
-        return out
-    side = side_stream(x.device)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side) if side is not None else nullcontext():
-        lora_expand(lora_shrink(x, proj, step), proj, step, None)
-    out = linear(x, weight, bias)
-    if side is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side)
-    lora_merge(proj, step, out)
-    return out
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
-    """The stream LoRA runs on beside the GEMMs, one per CUDA device (None on CPU)."""
-    if device.type != "cuda":
-        return None
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 if __name__ == "__main__":

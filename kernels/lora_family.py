@@ -23,7 +23,7 @@ class LoraFamily:
     work_list: bool                           # steps carry the Triton kernels' work list (else the padded grid
                                               # where it pays)
     reads_narrow: bool                        # reads fp16 adapters as they are beside an fp32 model
-    overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (kernels/lora.linear_lora;
+    overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (kernels/lora_overlap.linear_lora;
                                               # the start-up self-check turns it off where it fails)
 
     @classmethod

@@ -1,6 +1,7 @@
 """The Triton implementation of every op in kernels/dispatch.OP_NAMES (the GEMMs are still torch's)."""
 from kernels.fused import add_rms_norm, rotary_and_cache, silu_and_mul
-from kernels.lora import linear_lora, lora_apply
+from kernels.lora import lora_apply
+from kernels.lora_overlap import linear_lora
 from kernels.paged_attention import paged_attention
 from kernels.reference import linear, prepare_weights
 

@@ -141,9 +141,9 @@ def test_graphs_whose_overlapped_lora_fails_are_captured_again_without_it(tiny_m
                                                                           monkeypatch):
     """LoRA beside the GEMMs that loses its delta inside a capture only (the eager self-check passes): the graph
     check sees the graphed step differ, the graphs are captured again with LoRA after each GEMM, and serve."""
-    from kernels import lora
-    merge = lora.lora_merge
-    monkeypatch.setattr(lora, "lora_merge", lambda proj, step, out: None if torch.cuda.is_current_stream_capturing()
+    from kernels import lora_overlap
+    merge = lora_overlap.lora_merge
+    monkeypatch.setattr(lora_overlap, "lora_merge", lambda proj, step, out: None if torch.cuda.is_current_stream_capturing()
                         else merge(proj, step, out))
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=53)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels.triton_ops as triton_ops
-from kernels import lora
+from kernels import lora_overlap
 from backend import LLMEngine
 from backend.checkpoint import ModelConfig
 from backend.metrics import gauges
@@ -88,7 +88,7 @@ def test_a_broken_lora_kernel_falls_back_and_adapters_stay_right(tiny_model_dir,
 def test_a_broken_overlap_turns_it_off_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
     """LoRA beside the GEMM that never merges its delta: the self-check's lora_overlap case fails, graphs run LoRA
     after each GEMM from then on (ops.lora.overlap off), the Triton LoRA kernels still serve."""
-    monkeypatch.setattr(lora, "lora_merge", lambda proj, step, out: None)
+    monkeypatch.setattr(lora_overlap, "lora_merge", lambda proj, step, out: None)
     engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kernel_self_check="true",
                        kv_cache_memory_bytes=1 << 20)
     assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"} and not engine.runner.ops.lora.overlap
@@ -173,11 +173,11 @@ PIECEWISE_DEFECTS = {                         # a defect of the graphs' code, ru
     "the LoRA segments not copied in": (piecewise, "copy_lora", no_lora_copy),
     "a stale positions buffer": (piecewise, "TOKEN_INPUTS", ("input_ids", "slot_mapping")),
     "the adapters' slots swapped": (piecewise, "padded_tokens", swapped_adapter_slots),
-    "the LoRA delta never merged": (lora, "lora_merge", lambda proj, step, out: None)}
+    "the LoRA delta never merged": (lora_overlap, "lora_merge", lambda proj, step, out: None)}
 DECODE_DEFECTS = {
     "padding that writes cache slot 0": (graphs, "padded_inputs", padding_writes_slot_0),
     "the LoRA segments not copied in": (graphs, "copy_lora", no_lora_copy),
-    "the LoRA delta never merged": (lora, "lora_merge", lambda proj, step, out: None)}
+    "the LoRA delta never merged": (lora_overlap, "lora_merge", lambda proj, step, out: None)}
 
 
 @pytest.mark.parametrize("defect", list(PIECEWISE_DEFECTS))

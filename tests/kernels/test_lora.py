@@ -5,7 +5,8 @@ import torch
 
 from backend.lora.slots import Band, Projection
 from kernels import reference
-from kernels.lora import LoraStep, linear_lora, lora_expand, lora_merge, lora_shrink
+from kernels.lora import LoraStep, lora_expand, lora_merge, lora_shrink
+from kernels.lora_overlap import linear_lora
 from kernels.lora_launch import block_m_for, max_work_items, work_items
 from kernels.lora_segments import LoraSegments
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
