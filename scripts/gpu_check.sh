@@ -42,14 +42,14 @@ esac
 
 verdicts=()
 failed=()
-step() {                                  # step LABEL TITLE COMMAND...: a failure is reported at the end
-  local label=$1 title=$2
+step() {                                  # step LABEL TITLE COMMAND...: a failure is reported at the end, with
+  local label=$1 title=$2 start=$SECONDS  # each step's seconds (what the next device call can budget by)
   shift 2
   echo "== $title"
   if "$@"; then
-    verdicts+=("gpu_check verdict: $label: passed")
+    verdicts+=("gpu_check verdict: $label: passed ($((SECONDS - start)) s)")
   else
-    verdicts+=("gpu_check verdict: $label: FAILED")
+    verdicts+=("gpu_check verdict: $label: FAILED ($((SECONDS - start)) s)")
     failed+=("$label")
   fi
 }
@@ -156,7 +156,7 @@ if [ "$part" = churn ]; then                # W5 at the 8B shape: a call of its 
     --out "$OUT_DIR/gpu_churn.json" "$@"
 fi
 printf '%s\n' "${verdicts[@]}"
-echo "gpu_check: the whole output is in $REPORT (attach it to a bug report)"
+echo "gpu_check: $SECONDS s in all; the whole output is in $REPORT (attach it to a bug report)"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: FAILED: ${failed[*]}"
   exit 1
