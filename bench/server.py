@@ -15,15 +15,11 @@ from tqdm import tqdm
 from bench.engine import own_cpu_seconds, percentile
 
 
-EXIT_TIMEOUT_S = 5      # a bench stops its server once every stream has ended; yet tritonserver 2.51 sometimes waits
-                        # out its whole exit timeout (30 s by default) for the lora_llm model to unload
-
-
 @contextmanager
 def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "auto", prefetch_dir: Path | None = None):
     """tritonserver with the core model only, set up as the in-process engine is for the workload (with the adapters
     of `prefetch_dir` loaded at start, where given): (process, grpc port, metrics port) until the block ends."""
-    from launch_server import free_ports, start_server, wait_ready
+    from launch_server import QUICK_EXIT_TIMEOUT_S, free_ports, start_server, wait_ready
     http, grpc, metrics = free_ports(3)
     env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": kernel_backend,
            "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),
@@ -31,7 +27,7 @@ def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "aut
     if prefetch_dir is not None:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(prefetch_dir)
     server = start_server(http, grpc, metrics, env=env, log_file=open(f"/tmp/bench_{workload.name}_server.log", "w"),
-                          models=["lora_llm"], exit_timeout_s=EXIT_TIMEOUT_S)
+                          models=["lora_llm"], exit_timeout_s=QUICK_EXIT_TIMEOUT_S)
     try:
         wait_ready(server, http)
         yield server, grpc, metrics

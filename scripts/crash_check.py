@@ -18,12 +18,12 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
     """SIGKILL tritonserver (its engine set up by `settings`) mid-stream under the supervisor; base: a prompt and
     the tokens the first server gave it. The failures found (none: passed)."""
     from client.grpc_client import input_arrays
-    from launch_server import free_ports, is_ready
+    from launch_server import QUICK_EXIT_TIMEOUT_S, free_ports, is_ready
     http, grpc, metrics = free_ports(3)
     free0 = free_device_bytes(args.device)
     launcher = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(http), "--grpc-port",
-         str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", "5"],
+         str(grpc), "--metrics-port", str(metrics), "--no-openai", "--models", "lora_llm", "--exit-timeout-s", str(QUICK_EXIT_TIMEOUT_S)],
         env=os.environ | settings, start_new_session=True,
         stdout=open(args.work / "launcher.log", "w"), stderr=subprocess.STDOUT)
     failures, servers = [], set()

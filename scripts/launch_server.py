@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
 from backend.heartbeat import die_with_parent, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
+QUICK_EXIT_TIMEOUT_S = 5               # a server stopped once its own streams have ended (benches, checks, tests):
+                                       # tritonserver 2.51 sometimes waits out the whole exit timeout to unload lora_llm
 KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL
 # glibc raises its mmap threshold to the largest block freed so far, after which the multi-MB inputs of adapter
 # uploads come from heap arenas that keep the memory once they are freed (tritonserver's RSS only grew under the

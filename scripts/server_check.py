@@ -112,14 +112,14 @@ def server_settings(model_dir: Path, args) -> dict:
 
 def serve_and_check(model_dir: Path, has_text: bool, requests: list, peft_dir: Path, args, report: dict) -> dict:
     """Every request (token_requests' and the rest) through a server: {what: (tokens or text, error)}."""
-    from launch_server import free_ports, is_ready, start_frontend, start_server, wait_ready
+    from launch_server import QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server, wait_ready
     http, grpc, metrics = free_ports(3)
     url = f"127.0.0.1:{grpc}"
     models = ["lora_llm"] + (["preprocessing", "postprocessing", "ensemble"] if has_text else [])
     free0 = free_device_bytes(args.device)
     started = time.monotonic()
     server = start_server(http, grpc, metrics, env=server_settings(model_dir, args), models=models,
-                          log_file=open(args.work / "tritonserver.log", "w"), exit_timeout_s=5)
+                          log_file=open(args.work / "tritonserver.log", "w"), exit_timeout_s=QUICK_EXIT_TIMEOUT_S)
     frontend = None
     served = {}
     try:

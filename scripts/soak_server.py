@@ -10,6 +10,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from launch_server import QUICK_EXIT_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,7 +37,7 @@ class SoakServer:
         self.launcher = subprocess.Popen(
             [sys.executable, "-u", str(ROOT / "scripts" / "launch_server.py"), "--http-port", str(self.http_port),
              "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), "--models", "lora_llm",
-             "--exit-timeout-s", "5"],                 # the soak stops it once every stream has ended
+             "--exit-timeout-s", str(QUICK_EXIT_TIMEOUT_S)],
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read, daemon=True).start()
         if not self.ready.wait(300):

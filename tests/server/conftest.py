@@ -14,7 +14,8 @@ from backend import LLMEngine
 from tests.helpers import ROOT
 
 sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
-from launch_server import free_ports, is_ready, start_frontend, start_server, wait_ready  # noqa: E402
+from launch_server import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server,  # noqa: E402
+                           wait_ready)
 
 
 @dataclass
@@ -48,7 +49,8 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
     log = tmp_path_factory.mktemp(name) / "tritonserver.log"
     with open(log, "w") as log_file:
         process = start_server(http, grpc, metrics, model_repository, env=env, log_file=log_file, models=models,
-                               exit_timeout_s=TEST_EXIT_TIMEOUT_S)
+                               exit_timeout_s=QUICK_EXIT_TIMEOUT_S)    # (the supervision tests check the
+                                                                       # exit timeout with launchers of their own)
     try:
         wait_ready(process, http)
     except Exception:
@@ -65,8 +67,6 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
     assert not any(crash in text for crash in ("Segmentation fault", "Segfault encountered", "signal 11"))
 
 
-TEST_EXIT_TIMEOUT_S = 5        # a test server's stop waits this long for streams still open (tritonserver: 30 s);
-                               # the supervision tests check the exit timeout with launchers of their own
 TINY_ENV = {"LORA_LLM_DTYPE": "float32", "LORA_LLM_KERNEL_BACKEND": "torch", "LORA_LLM_KV_BLOCK_SIZE": "16",
             "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(4 << 20), "LORA_LLM_MAX_LORAS": "4", "LORA_LLM_MAX_NUM_SEQS": "32"}
 
