@@ -79,10 +79,12 @@ def die_with_parent() -> None:
 def watchdog() -> subprocess.Popen:
     """A process of its own that SIGKILLs this one once its parent is gone: tritonserver's Python backend stub is
     reparented and runs on, holding its engine's memory, when tritonserver is killed, and a thread of the stub
-    cannot see to that (its calls into the dead tritonserver may wait forever holding the GIL). It ends with us."""
+    cannot see to that (its calls into the dead tritonserver may wait forever holding the GIL). It ends with us. In a
+    session of its own: a signal to tritonserver's process group (a stop) must not end it before the stub is gone."""
     script = 'while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; kill -9 "$2" 2>/dev/null'
     return subprocess.Popen(["sh", "-c", script, "lora-llm-watchdog", str(os.getppid()), str(os.getpid())],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 def exit_with_parent(period_s: float = 1.0) -> threading.Thread:

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from client.grpc_client import NOT_FOUND, infer_request
+from client.grpc_client import NOT_FOUND, call_ended, infer_request
 
 METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -71,6 +71,7 @@ async def _one(stub, index: int, request: bytes, stats: StreamStats, on_tokens,
                     stats.gaps.append(now - last)
                 last = now
         if result.parameters["triton_final_response"].bool_param:
+            await call_ended(call)
             return None
     return "stream closed before the final response"
 

@@ -1,4 +1,5 @@
 """A streaming gRPC client for the lora_llm model, speaking TensorRT-LLM backend's tensors."""
+import asyncio
 import queue
 from pathlib import Path
 from typing import Iterator
@@ -83,6 +84,16 @@ def infer_request_bytes(model: str, arrays: dict[str, np.ndarray], request_id: s
         request.inputs.add(name=name, datatype=datatype, shape=shape)
         tail += [_varint(RAW_INPUT_CONTENTS << 3 | 2), _varint(len(raw)), raw]      # tag (length-delimited), length
     return b"".join([request.SerializeToString(), *tail])
+
+
+async def call_ended(call, timeout_s: float = 1.0) -> None:
+    """After a stream's final response, wait (a little) for its status before the call is closed or cancelled:
+    tritonserver 2.51 keeps the request of a stream cancelled between the two and then never unloads the model, so
+    that it cannot stop (see scripts/launch_server.stop_server). grpc.aio calls."""
+    try:
+        await asyncio.wait_for(call.code(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
 
 
 def _varint(value: int) -> bytes:

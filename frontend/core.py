@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from client.grpc_client import NOT_FOUND, infer_request, infer_request_bytes
+from client.grpc_client import NOT_FOUND, call_ended, infer_request, infer_request_bytes
 from frontend.adapters import Adapter
 from frontend.errors import OpenAIError, from_core
 from frontend.metrics import UPLOADS
@@ -129,6 +129,7 @@ class CoreClient:
                 if chunk.token_ids:
                     yield chunk
                 if result.parameters["triton_final_response"].bool_param:
+                    await call_ended(call)
                     return
             raise OpenAIError(503, "the core model closed its stream before the final response",
                               "ServiceUnavailableError", code="service_unavailable")

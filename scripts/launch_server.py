@@ -12,6 +12,7 @@ them: in-flight requests get --exit-timeout-s to finish, then tritonserver is ki
 import argparse
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,9 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
 from backend.heartbeat import die_with_parent, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
-QUICK_EXIT_TIMEOUT_S = 5               # a server stopped once its own streams have ended (benches, checks, tests):
-                                       # tritonserver 2.51 sometimes waits out the whole exit timeout to unload lora_llm
-KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL
+QUICK_EXIT_TIMEOUT_S = 5               # a server stopped once its own streams have ended (benches, checks, tests)
+KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL (see stop_server)
 # glibc raises its mmap threshold to the largest block freed so far, after which the multi-MB inputs of adapter
 # uploads come from heap arenas that keep the memory once they are freed (tritonserver's RSS only grew under the
 # soak, 2 GB after the load stopped); the threshold fixed at its initial 128 KiB maps each such block and returns it
@@ -123,6 +123,24 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
     return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                             start_new_session=True, preexec_fn=die_with_parent if die_with_us else None)
+
+
+def stop_server(process: subprocess.Popen, exit_timeout_s: int = EXIT_TIMEOUT_S) -> None:
+    """SIGTERM to tritonserver; SIGKILL to its process group (its stubs with it) if it is still there
+    KILL_AFTER_EXIT_TIMEOUT_S after its exit timeout. tritonserver 2.51 never unloads a model while its gRPC frontend
+    holds a request of a stream the client cancelled after the final response (before the call's status came), and
+    its exit past the timeout with the model still loaded can corrupt its heap and hang in its own abort handler."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300) -> None:

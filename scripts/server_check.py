@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -112,7 +111,8 @@ def server_settings(model_dir: Path, args) -> dict:
 
 def serve_and_check(model_dir: Path, has_text: bool, requests: list, peft_dir: Path, args, report: dict) -> dict:
     """Every request (token_requests' and the rest) through a server: {what: (tokens or text, error)}."""
-    from launch_server import QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server, wait_ready
+    from launch_server import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server, stop_server,
+                               wait_ready)
     http, grpc, metrics = free_ports(3)
     url = f"127.0.0.1:{grpc}"
     models = ["lora_llm"] + (["preprocessing", "postprocessing", "ensemble"] if has_text else [])
@@ -170,8 +170,7 @@ def serve_and_check(model_dir: Path, has_text: bool, requests: list, peft_dir: P
         if frontend is not None:
             frontend.terminate()
             frontend.wait(timeout=30)
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        stop_server(server, QUICK_EXIT_TIMEOUT_S)
     return served
 
 

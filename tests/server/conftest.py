@@ -15,7 +15,7 @@ from tests.helpers import ROOT
 
 sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
 from launch_server import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server,  # noqa: E402
-                           wait_ready)
+                           stop_server, wait_ready)
 
 
 @dataclass
@@ -58,11 +58,7 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
         raise RuntimeError(f"tritonserver did not start:\n{log.read_text()[-4000:]}")
     server = Server(process, http, grpc, metrics, env, log)
     yield server
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_server(process, QUICK_EXIT_TIMEOUT_S)
     text = log.read_text()
     assert not any(crash in text for crash in ("Segmentation fault", "Segfault encountered", "signal 11"))
 

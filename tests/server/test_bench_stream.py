@@ -1,15 +1,18 @@
 """bench/stream.py, the benchmarks' lean gRPC client, against a real tritonserver: the tokens it counts are
-the engine's, a request the server answers "not found" is sent again with its adapter, and an error stops the run."""
+the engine's, a request the server answers "not found" is sent again with its adapter, an error stops the run, and a
+stream read to its final response is left once its status came (never cancelled: see client.grpc_client.call_ended)."""
 import asyncio
 from functools import partial
 
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2
 
 from backend.lora.peft import peft_to_trtllm
-from client.grpc_client import input_arrays
+from client.grpc_client import call_ended, input_arrays
 from tests.helpers import random_prompts
 
-from bench.stream import Prepared, serialize_request, stream_requests
+from bench.stream import METHOD, Prepared, serialize_request, stream_requests
 
 MAX_NEW = 6
 
@@ -61,3 +64,18 @@ def test_an_error_response_stops_the_run_with_its_message(tiny_server):
     bad = serialize_request("lora_llm", input_arrays([1, 2, 3], MAX_NEW, True, 999_001))
     with pytest.raises(RuntimeError, match="LoRA task 999001 not found in cache"):
         asyncio.run(stream_requests(tiny_server.grpc_url, [Prepared(bad, 999_001)], 1))
+
+
+def test_a_stream_read_to_its_final_response_ends_with_its_status_not_a_cancel(tiny_server):
+    async def final_then_ended() -> tuple[bool, bool, grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(tiny_server.grpc_url) as channel:
+            call = channel.stream_stream(METHOD, response_deserializer=service_pb2.ModelStreamInferResponse.FromString)()
+            await call.write(request(random_prompts([6], 512, seed=52)[0]))
+            await call.done_writing()
+            async for response in call:
+                if response.infer_response.parameters["triton_final_response"].bool_param:
+                    break
+            await call_ended(call)
+            return call.done(), call.cancelled(), await call.code()
+
+    assert asyncio.run(final_then_ended()) == (True, False, grpc.StatusCode.OK)

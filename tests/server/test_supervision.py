@@ -78,6 +78,34 @@ def test_a_stop_ends_tritonserver_even_while_a_client_holds_its_stream_open(tiny
         launcher.wait(timeout=60)
 
 
+def test_stop_server_kills_a_held_tritonserver_and_its_stubs_after_the_exit_timeout(tiny_model_dir):
+    """launch_server.stop_server, with which benches, checks and tests stop their servers, against the same hold."""
+    from launch_server import start_server, stop_server, wait_ready
+    http, grpc, metrics = free_ports(3)
+    server = start_server(http, grpc, metrics, env=TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)},
+                          log_file=subprocess.DEVNULL, models=["lora_llm"], exit_timeout_s=1)
+    stream = None
+    try:
+        wait_ready(server, http)
+        below = descendants(server.pid)                           # the stub and what it started
+        stream = Stream(f"127.0.0.1:{grpc}").send(trtllm_inputs(random_prompts([8], 512, seed=53)[0], 3, True))
+        assert len(stream.collect().tokens) == 3
+        start = time.monotonic()
+        stop_server(server, exit_timeout_s=1)
+        assert server.returncode == -signal.SIGKILL               # it would not have ended by itself
+        assert time.monotonic() - start < 1 + 5 + 5
+        deadline = time.monotonic() + 5
+        while any(map(is_running, below)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert below and not any(map(is_running, below))
+    finally:
+        if stream is not None:
+            stream.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
 def test_a_killed_openai_frontend_is_restarted_while_tritonserver_serves_on(tiny_chat_model_dir):
     [port] = free_ports(1)
     launcher, grpc = start_launcher(tiny_chat_model_dir, "--openai-port", str(port))
