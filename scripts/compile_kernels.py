@@ -70,7 +70,7 @@ def configurations():
                     slot_ptr="*i32", cos_sin_ptr="*fp32", num_heads=32, num_kv_heads=8, stride_qt=width, stride_qh=head_dim,
                     stride_kt=width, stride_kh=head_dim, stride_vt=width, stride_vh=head_dim,
                     stride_ot=32 * head_dim, stride_oh=head_dim, stride_ch=16000 * head_dim, stride_cs=head_dim,
-                    stride_cos=head_dim), rotary_config(head_dim, 40))
+                    stride_cos=head_dim), rotary_config(head_dim, 32 + 8))
         yield from attention_configurations(dtype, head_dim, 16, 4)
         yield (f"attention_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_reduce_kernel",
                dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ot=32 * head_dim, stride_oh=head_dim),
