@@ -11,7 +11,7 @@ HELD_OUT = ["What is a volcano?", "Tell me one fact about penguins.", "Describe 
 @pytest.fixture(scope="module")
 def engine_and_tokenizer(smollm2_dir, demo_adapters):
     from transformers import AutoTokenizer
-    engine = LLMEngine(smollm2_dir, dtype="bfloat16", kernel_backend="torch", kv_cache_memory_bytes=256 << 20,
+    engine = LLMEngine(smollm2_dir, dtype="bfloat16", kernel_backend="auto", kv_cache_memory_bytes=256 << 20,
                        lora_prefetch_dir=str(demo_adapters))
     return engine, AutoTokenizer.from_pretrained(smollm2_dir)
 
