@@ -215,14 +215,16 @@ def test_top_and_prompt_log_probs_equal_the_engines(tiny_server, engine, streami
     ids = np.concatenate([r.as_numpy("output_top_log_prob_ids")[0, 0] for r in tops])
     values = np.concatenate([r.as_numpy("output_top_log_probs")[0, 0] for r in tops])
     assert tokens == want["tokens"] and ids.shape == (MAX_NEW, k) and ids.tolist() == want["top_ids"]
-    np.testing.assert_allclose(values, want["top_log_probs"], rtol=1e-5)
+    # the engine in this process against the server's: once (a fresh-clone run) 7.7e-5 apart, the test's engine off
+    # the value the server and a fresh process both gave; well below a wrong token's or position's difference
+    np.testing.assert_allclose(values, want["top_log_probs"], atol=1e-4)
     [first] = [r for r in results if r.as_numpy("prompt_log_probs") is not None]
     scored = want["prompt"]
     assert first.as_numpy("prompt_log_probs").shape == (1, len(prompt))
-    np.testing.assert_allclose(first.as_numpy("prompt_log_probs")[0], scored.log_probs.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(first.as_numpy("prompt_log_probs")[0], scored.log_probs.numpy(), atol=1e-4)
     assert first.as_numpy("prompt_log_prob_ranks")[0].tolist() == scored.ranks.tolist()
     assert first.as_numpy("prompt_top_log_prob_ids")[0].tolist() == scored.top_ids.tolist()
-    np.testing.assert_allclose(first.as_numpy("prompt_top_log_probs")[0], scored.top_log_probs.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(first.as_numpy("prompt_top_log_probs")[0], scored.top_log_probs.numpy(), atol=1e-4)
 
 
 def test_a_batch_of_rows_answers_each_rows_prompt_log_probs(tiny_server, engine):
