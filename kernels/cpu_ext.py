@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.reference import add_lora_delta
+
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp")]
@@ -109,16 +111,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: if residual is not None: residual += x (in place), x = residual
+                 eps: float, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: x = add_lora_delta(x, delta); if residual is not None: residual += x (in place), x = residual
         return weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), x
-    x, residual: [num_tokens, hidden]."""
+    x, residual: [num_tokens, hidden]. (A delta comes only from graph steps: torch's addition here.)"""
+    x = add_lora_delta(x, delta)
     return load().add_rms_norm(x, residual, weight, eps), x if residual is None else residual
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Semantics: gate, up = gate_up.chunk(2, -1); return silu(gate) * up. gate_up: [num_tokens, 2 * inter]."""
-    return load().silu_and_mul(gate_up)
+def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
+    """Semantics: gate, up = add_lora_delta(gate_up, delta).chunk(2, -1); return silu(gate) * up.
+    gate_up: [num_tokens, 2 * inter]."""
+    return load().silu_and_mul(add_lora_delta(gate_up, delta))
 
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

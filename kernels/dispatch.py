@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.compose import compose_linear_lora
+from kernels.compose import compose_linear_lora, in_place
 from kernels.lora_family import LoraFamily
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-            "lora_apply", "linear_lora")
+            "lora_apply", "linear_lora", "linear_lora_deferred")
 # A test hook, off unless set: these Triton ops (a comma list) raise at every call, in every process that loads the
 # kernels (tensor-parallel workers included), as a kernel that cannot launch on a device would.
 BROKEN_OPS_VAR = "LORA_LLM_TEST_BROKEN_OPS"
@@ -51,6 +51,8 @@ def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
             setattr(ops, op, broken(op))
     if not hasattr(ops, "linear_lora"):
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
+    if not hasattr(ops, "linear_lora_deferred"):
+        ops.linear_lora_deferred = in_place(ops.linear_lora)
     ops.name = backend
     ops.lora = LoraFamily.of(backend, device)
     ops.checked = ops.graphs = backend == "triton"

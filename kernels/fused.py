@@ -1,17 +1,33 @@
 """The elementwise work of a layer, each step in one launch: residual add + RMSNorm, RoPE + the KV-cache write,
-SiLU-and-mul. Math in fp32, rounded to the activations' dtype where the torch reference rounds."""
+SiLU-and-mul. Math in fp32, rounded to the activations' dtype where the torch reference rounds. The add + RMSNorm
+and the SiLU-and-mul add a LoRA product left by the GEMM before them as they load its output (HAS_DELTA:
+kernels/lora_overlap.LoraDelta)."""
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps, stride_xt, stride_rt, stride_ot,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _with_delta(x, delta_ptr, m_ptr, slots_ptr, token, cols, mask, stride_dt, stride_ms):
+    """x (a token's columns, as loaded) with its LoRA delta added where the token has an adapter: ((x + delta) *
+    m[slot]) rounded once to x's dtype (the merge's bits); x as it is where it has none."""
+    slot = tl.load(slots_ptr + token)
+    has = mask & (slot >= 0)
+    d = tl.load(delta_ptr + token * stride_dt + cols, mask=has, other=0.0)
+    m = tl.load(m_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_ms + cols, mask=has, other=1.0).to(tl.float32)
+    return tl.where(has, ((x.to(tl.float32) + d) * m).to(x.dtype), x)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, delta_ptr, m_ptr, slots_ptr, hidden, eps,
+                         stride_xt, stride_rt, stride_ot, stride_dt, stride_ms, HAS_RESIDUAL: tl.constexpr,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = _with_delta(x, delta_ptr, m_ptr, slots_ptr, token, cols, mask, stride_dt, stride_ms)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(residual_ptr + token * stride_rt + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(out_ptr.dtype.element_ty)                             # the sum as the residual stream keeps it
@@ -23,12 +39,18 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps, 
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_gt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, m_ptr, slots_ptr, inter, stride_gt, stride_ot, stride_dt,
+                         stride_ms, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(gate_up_ptr + token * stride_gt + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + token * stride_gt + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + token * stride_gt + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + token * stride_gt + inter + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        gate = _with_delta(gate, delta_ptr, m_ptr, slots_ptr, token, cols, mask, stride_dt, stride_ms)
+        up = _with_delta(up, delta_ptr, m_ptr, slots_ptr, token, inter + cols, mask, stride_dt, stride_ms)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -90,31 +112,47 @@ def rotary_config(head_dim: int, num_heads: int) -> dict:
     return {"HALF": head_dim // 2, "BLOCK_HALF": block_half, "BLOCK_H": block_h}
 
 
+def delta_args(x: torch.Tensor, delta) -> tuple:
+    """A LoraDelta's launch arguments (delta, m, token slots, their strides), x's in their place where None."""
+    if delta is None:
+        return x, x, x, 0, 0
+    assert delta.delta.stride(1) == 1 and delta.m.stride(1) == 1 and delta.delta.shape == x.shape
+    return delta.delta, delta.m, delta.token_slots, delta.delta.stride(0), delta.m.stride(0)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics:
+        x = add_lora_delta(x, delta)                  (kernels.reference; the GEMM's output itself left as it is)
         if residual is not None: residual += x; x = residual
         return weight * (x * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype), x
     x, residual: [num_tokens, hidden] (residual updated in place)."""
     num_tokens, hidden = x.shape
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    assert residual is not None or delta is None, "a LoRA delta goes into the residual stream"
     out = torch.empty_like(x)
     stream = x if residual is None else residual
     if num_tokens:
-        _add_rms_norm_kernel[(num_tokens,)](x, stream, weight, out, hidden, eps, x.stride(0), stream.stride(0),
-                                            out.stride(0), HAS_RESIDUAL=residual is not None, **norm_config(hidden))
+        d, m, slots, stride_dt, stride_ms = delta_args(x, delta)
+        _add_rms_norm_kernel[(num_tokens,)](x, stream, weight, out, d, m, slots, hidden, eps, x.stride(0),
+                                            stream.stride(0), out.stride(0), stride_dt, stride_ms,
+                                            HAS_RESIDUAL=residual is not None, HAS_DELTA=delta is not None,
+                                            **norm_config(hidden))
     return out, stream
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Semantics: gate, up = gate_up.chunk(2, -1); return silu(gate) * up.   [num_tokens, 2 * inter] -> [.., inter]"""
+def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
+    """Semantics: gate, up = add_lora_delta(gate_up, delta).chunk(2, -1); return silu(gate) * up.
+    [num_tokens, 2 * inter] -> [.., inter]"""
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     cfg = silu_config()
     if num_tokens:
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, cfg["BLOCK"]))](gate_up, out, inter, gate_up.stride(0),
-                                                                              out.stride(0), **cfg)
+        d, m, slots, stride_dt, stride_ms = delta_args(gate_up, delta)
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, cfg["BLOCK"]))](
+            gate_up, out, d, m, slots, inter, gate_up.stride(0), out.stride(0), stride_dt, stride_ms,
+            HAS_DELTA=delta is not None, **cfg)
     return out
 
 

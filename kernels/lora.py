@@ -18,7 +18,7 @@ expand: programs (item, column group) each own TILES x BLOCK_N columns of one ba
         into registers and multiplied with the item's rows one by one, a sum over the rank (no 16-row product for
         one row, a third of the registers). The epilogue adds the fp32 product into the output in place, scaled by
         the slot's DoRA magnitudes (1 where the slot has none, so a mixed batch of LoRA and DoRA is one pass), or
-        (DELTA) stores it as it is into an fp32 delta.
+        (DELTA) stores it as it is into an fp32 delta, every column of an item's rows (0 in a band of rank 0).
 merge:  programs (item, column group) over the delta, wider groups than the expand's but the same columns (each
         slot's bands with a rank): the same epilogue, in place (the same bits as the expand's own).
 Graph steps run shrink and expand (DELTA) beside the base GEMM and the merge after it: kernels/lora_overlap.py.
@@ -152,7 +152,10 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, delta_ptr, work_ptr, ranks_ptr, bounds
         return
     band, rank, group_start, col_end = _group(bounds_ptr + slot * stride_bounds, ranks_ptr, slot, tile, stride_rb,
                                               NUM_BANDS, TILES * BLOCK_N, ALIGNED)
-    if (rank == 0) | (group_start >= col_end):
+    done = group_start >= col_end
+    if not DELTA:                                          # (a delta's rows are whole: a band of rank 0 writes 0)
+        done = done | (rank == 0)
+    if done:
         return
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
@@ -238,10 +241,10 @@ def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor | None)
         for slot, start, end in work:
             if slot >= 0:
                 t = range(start, end)
-                for band i with r = ranks[i, slot] > 0: rows = i * max_rank + arange(r)
+                for band i with r = ranks[i, slot]: rows = i * max_rank + arange(r)
                     cols = bounds[slot, i]:bounds[slot, i + 1]
                     product = h[t, rows].float() @ proj.b[slot, cols][:, rows].T.float()
-                    if out is None: delta[t, cols] = product
+                    if out is None: delta[t, cols] = product                   (0 where r == 0)
                     else: out[t, cols] = (out[t, cols] + product) * proj.m[slot, cols]
     (proj.m: DoRA magnitudes, 1 where a slot has none: a DoRA module's whole output is scaled)
     h: lora_shrink's [num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in

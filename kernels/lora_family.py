@@ -2,7 +2,7 @@
 which dtype they are kept in, and what each step's metadata holds (the padded grid, or the Triton work list, for
 eager and graph steps alike). backend/ asks it and never branches on the family."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -11,6 +11,7 @@ from kernels.lora_segments import LoraSegments
 
 GRAPH_BLOCK_M = 16                            # the shortest work item: a graph's work list is sized for it
 OVERLAP_VAR = "LORA_LLM_LORA_OVERLAP"         # "0": graphs run LoRA after each base GEMM, not beside it
+FOLD_VAR = "LORA_LLM_LORA_FOLD"               # "0": LoRA beside the GEMMs merged after each one, not by the next op
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,14 +26,21 @@ class LoraFamily:
     reads_narrow: bool                        # reads fp16 adapters as they are beside an fp32 model
     overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (kernels/lora_overlap.linear_lora;
                                               # the start-up self-check turns it off where it fails)
+    fold: bool = False                        # and leave the product of o, gate_up and down for the op after the
+                                              # GEMM to add (its add + RMSNorm, its SiLU-and-mul): no merge launch
 
     @classmethod
     def of(cls, backend: str, device: torch.device | str) -> "LoraFamily":
         """The choices of a resolved kernel backend ("torch", "cpu", "triton") on `device`."""
         triton = backend == "triton"
+        overlap = triton and os.environ.get(OVERLAP_VAR, "1") != "0"
         return cls(rank_major_a=torch.device(device).type == "cpu" and backend != "cpu", fused_a_once=triton,
-                   work_list=triton, reads_narrow=backend in ("cpu", "triton"),
-                   overlap=triton and os.environ.get(OVERLAP_VAR, "1") != "0")
+                   work_list=triton, reads_narrow=backend in ("cpu", "triton"), overlap=overlap,
+                   fold=overlap and os.environ.get(FOLD_VAR, "1") != "0")
+
+    def in_turn(self) -> "LoraFamily":
+        """The same family with graph steps' LoRA after each base GEMM (no overlap, nothing folded)."""
+        return replace(self, overlap=False, fold=False)
 
     def adapter_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
         """"auto" is the model's dtype, except that a float32 model keeps its adapters in float16 where the kernels
@@ -50,32 +58,35 @@ class LoraFamily:
 
     @staticmethod
     def graph_buffers(num_segments: int, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """A graph's fixed segment buffers and work list (as long as any bucket's), as padding: every segment
-        empty, no adapter, every item idle."""
+        """A graph's fixed segment buffers, work list (as long as any bucket's) and token slots, as padding: every
+        segment empty, no adapter, every item idle."""
         num_items = max_work_items(max_tokens, num_segments, GRAPH_BLOCK_M)
         return {"lora_starts": torch.zeros(num_segments + 1, dtype=torch.int32, device=device),
                 "lora_slots": torch.full((num_segments,), -1, dtype=torch.int32, device=device),
-                "lora_work": torch.tensor([-1, 0, 0], dtype=torch.int32).repeat(num_items, 1).to(device)}
+                "lora_work": torch.tensor([-1, 0, 0], dtype=torch.int32).repeat(num_items, 1).to(device),
+                "lora_token_slots": torch.full((max_tokens,), -1, dtype=torch.int32, device=device)}
 
     @staticmethod
     def graph_segments(token_slots: list[int], num_tokens: int, num_segments: int,
                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """A graph step's segments (padding rows -1) padded to num_segments (empty ones at the end), and its work
-        list to the graph's length (idle items at the end), as host tensors for `graph_buffers`."""
+        """A graph step's segments (padding rows -1) padded to num_segments (empty ones at the end), its work list
+        to the graph's length (idle items at the end) and its token slots, as host tensors for `graph_buffers`."""
         block_m = block_m_for(num_tokens, dtype)
-        segments = LoraSegments.from_token_slots(token_slots + [-1] * (num_tokens - len(token_slots)), block_m,
-                                                 max_work_items(num_tokens, num_segments, block_m))
+        padded = token_slots + [-1] * (num_tokens - len(token_slots))
+        segments = LoraSegments.from_token_slots(padded, block_m, max_work_items(num_tokens, num_segments, block_m))
         num_empty = num_segments - len(segments.slots_list)
         assert num_empty >= 0, "more LoRA segments than a graph can have"
         return {"lora_starts": torch.cat([segments.starts, torch.full((num_empty,), num_tokens, dtype=torch.int32)]),
                 "lora_slots": torch.cat([segments.slots, torch.full((num_empty,), -1, dtype=torch.int32)]),
-                "lora_work": segments.work}
+                "lora_work": segments.work, "lora_token_slots": torch.tensor(padded, dtype=torch.int32)}
 
     def graph_view(self, buffers: dict[str, torch.Tensor], num_tokens: int, dtype: torch.dtype) -> LoraSegments:
         """A graph's segments read from its buffers on the device (their host lists are unknown at capture), kernel
-        grids for num_tokens rows in any segment; LoRA beside the base GEMMs where the family overlaps."""
+        grids for num_tokens rows in any segment; LoRA beside the base GEMMs where the family overlaps, and its
+        product left for the next op where the family folds."""
         num_segments = buffers["lora_slots"].shape[0]
         block_m = block_m_for(num_tokens, dtype)
         work = buffers["lora_work"][:max_work_items(num_tokens, num_segments, block_m)]
         return LoraSegments(buffers["lora_starts"], buffers["lora_slots"], [0] * (num_segments + 1),
-                            [-1] * num_segments, num_tokens, work=work, block_m=block_m, overlap=self.overlap)
+                            [-1] * num_segments, num_tokens, work=work, block_m=block_m, overlap=self.overlap,
+                            token_slots=buffers["lora_token_slots"][:num_tokens] if self.fold else None)

@@ -37,6 +37,8 @@ class LoraSegments:
     projections: list | None = None           # what the step runs (one layer's Projections): sizes its scratch once
     step: object | None = None                # the Triton kernels' state for the step (kernels/lora.LoraStep)
     overlap: bool = False                     # LoRA beside the base GEMMs, on a side stream (kernels/lora.py)
+    token_slots: torch.Tensor | None = None   # [num_tokens] int32, -1: none; where the next op may add a projection's
+                                              # LoRA product (kernels/lora_overlap.LoraDelta: graph steps)
 
     @classmethod
     def from_token_slots(cls, token_slots: list[int], block_m: int = 0,

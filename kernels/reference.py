@@ -58,10 +58,23 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return q
 
 
+def add_lora_delta(x: torch.Tensor, delta) -> torch.Tensor:
+    """x with a projection's LoRA product added (kernels/lora_overlap.LoraDelta; None: x as it is): each row with an
+    adapter ((x.float() + delta) * m[slot]).to(x.dtype), the bits lora_merge gives."""
+    if delta is None:
+        return x
+    rows = (delta.token_slots >= 0).nonzero().flatten()
+    out = x.clone()
+    scale = delta.m[delta.token_slots[rows].long()].float()
+    out[rows] = ((x[rows].float() + delta.delta[rows]) * scale).to(x.dtype)
+    return out
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(residual + x), residual + x), the sum written into residual (None: x alone). The variance in fp32,
-    as Llama computes it. x, residual: [num_tokens, hidden]."""
+                 eps: float, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x), the sum written into residual (None: x alone), x with its LoRA delta
+    added first (add_lora_delta). The variance in fp32, as Llama computes it. x, residual: [num_tokens, hidden]."""
+    x = add_lora_delta(x, delta)
     if residual is not None:
         residual += x
         x = residual
@@ -69,15 +82,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), x
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * inter] -> silu(gate) * up [num_tokens, inter]."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> silu(gate) * up [num_tokens, inter], gate_up with its LoRA delta added first."""
+    gate, up = add_lora_delta(gate_up, delta).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * inter] -> gelu_tanh(gate) * up [num_tokens, inter] (Gemma's MLP; every backend's, unfused)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def gelu_tanh_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> gelu_tanh(gate) * up [num_tokens, inter] (Gemma's MLP; every backend's, unfused),
+    gate_up with its LoRA delta added first."""
+    gate, up = add_lora_delta(gate_up, delta).chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
 

@@ -51,18 +51,28 @@ def attention_configurations(dtype: str, head_dim: int, block_size: int, group: 
                    attention_args(p, head_dim, block_size, group), cfg | {"NUM_SPLITS": num_splits})
 
 
+def lora_delta_args(p: str, lora: bool) -> dict:
+    """The pointers of a LoRA delta an add + RMSNorm or SiLU-and-mul adds (fused.delta_args), x's without one."""
+    return dict(delta_ptr="*fp32", m_ptr=p, slots_ptr="*i32") if lora else dict(delta_ptr=p, m_ptr=p, slots_ptr=p)
+
+
 def configurations():
     """(label, module, kernel name, runtime arguments, constexprs) for every choice the launchers make: each
     dtype x head dim at the default page, then every page size, GQA group and split count."""
     from kernels.fused import norm_config, rotary_config, silu_config
     for dtype in DTYPES:
         p = DTYPES[dtype]
-        for hidden in (576, 4096, 8192):
-            yield (f"add_rms_norm {dtype} h{hidden}", "kernels.fused", "_add_rms_norm_kernel",
-                   dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, hidden=hidden, eps=1e-5, stride_xt=hidden,
-                        stride_rt=hidden, stride_ot=hidden), norm_config(hidden) | {"HAS_RESIDUAL": True})
-        yield (f"silu_and_mul {dtype}", "kernels.fused", "_silu_and_mul_kernel",
-               dict(gate_up_ptr=p, out_ptr=p, inter=14336, stride_gt=2 * 14336, stride_ot=14336), silu_config())
+        for hidden, lora in itertools.product((576, 4096, 8192), (False, True)):
+            delta = lora_delta_args(p, lora)
+            yield (f"add_rms_norm {dtype} h{hidden}" + (" lora" if lora else ""), "kernels.fused",
+                   "_add_rms_norm_kernel",
+                   dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, **delta, hidden=hidden, eps=1e-5,
+                        stride_xt=hidden, stride_rt=hidden, stride_ot=hidden, stride_dt=hidden, stride_ms=hidden),
+                   norm_config(hidden) | {"HAS_RESIDUAL": True, "HAS_DELTA": lora})
+            if hidden == 4096:
+                yield (f"silu_and_mul {dtype}" + (" lora" if lora else ""), "kernels.fused", "_silu_and_mul_kernel",
+                       dict(gate_up_ptr=p, out_ptr=p, **delta, inter=14336, stride_gt=2 * 14336, stride_ot=14336,
+                            stride_dt=2 * 14336, stride_ms=2 * 14336), silu_config() | {"HAS_DELTA": lora})
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS):
         p, width = DTYPES[dtype], 48 * head_dim
         yield (f"rotary_and_cache {dtype} d{head_dim}", "kernels.fused", "_rotary_and_cache_kernel",

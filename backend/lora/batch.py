@@ -19,3 +19,8 @@ class LoraBatch:
                proj: str) -> torch.Tensor:
         """x @ weight^T (+ bias) + expand(shrink(x)) of every band of the projection."""
         return self.ops.linear_lora(x, weight, bias, self.slots.projections[layer][proj], self.segments)
+
+    def linear_deferred(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
+                        proj: str) -> tuple[torch.Tensor, object | None]:
+        """(x @ weight^T (+ bias), the LoRA delta the next op adds) where the step folds, else (linear(...), None)."""
+        return self.ops.linear_lora_deferred(x, weight, bias, self.slots.projections[layer][proj], self.segments)

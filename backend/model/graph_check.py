@@ -14,7 +14,6 @@ two, and `capture_checked` captures the graphs again without the overlap where i
 """
 import logging
 from copy import copy
-from dataclasses import replace
 
 import torch
 
@@ -186,7 +185,7 @@ def capture_checked(runner, lora_cache) -> dict[str, str]:
     errors = capture_and_check(runner, lora_cache)
     if errors and runner.ops.lora.overlap and runner.tp is None:
         overlapping = runner.ops.lora
-        runner.ops.lora = replace(overlapping, overlap=False)
+        runner.ops.lora = overlapping.in_turn()
         in_turn = capture_and_check(runner, lora_cache)
         if len(in_turn) < len(errors):                  # LoRA beside the GEMMs was at fault
             return in_turn | {"lora_overlap": "; ".join(errors.values())}

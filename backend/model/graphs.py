@@ -44,8 +44,8 @@ def padded_tokens(tensors: dict[str, torch.Tensor], token_slots: list[int], num_
 
 
 def copy_lora(buffers: dict[str, torch.Tensor], t: dict[str, torch.Tensor]) -> None:
-    """A step's uploaded LoRA segments and work list into a graph's buffers."""
-    for name in ("lora_starts", "lora_slots", "lora_work"):
+    """A step's uploaded LoRA segments, work list and token slots into a graph's buffers."""
+    for name in ("lora_starts", "lora_slots", "lora_work", "lora_token_slots"):
         buffers[name][:t[name].shape[0]].copy_(t[name])
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from backend.checkpoint import ModelConfig
 from backend.model import rope
 from backend.model.context import StepContext
-from backend.model.layers import linear
+from backend.model.layers import linear, linear_deferred
 from kernels import reference
 
 
@@ -35,10 +35,10 @@ class LlamaModel:
         (with_context) those of ctx.context_indices: [num_sampled + num_context, vocab]; ctx.prompt_scores gets its
         rows' log probs. logits=False (a tensor parallel worker) runs the layers only. The pieces below are what
         piecewise graphs record between the attention calls (backend/model/piecewise.py)."""
-        h, residual = self.embed(ctx), None                         # [num_tokens, hidden]; the stream layers add to
+        h, residual, delta = self.embed(ctx), None, None            # [num_tokens, hidden]; the stream layers add to
         for i in range(self.cfg.num_layers):
-            q, residual = self.before_attention(i, h, residual, ctx, kv_caches[i])
-            h, residual = self.after_attention(i, self.attention(i, q, ctx, kv_caches[i]), residual, ctx)
+            q, residual = self.before_attention(i, h, residual, ctx, kv_caches[i], delta)
+            h, residual, delta = self.after_attention(i, self.attention(i, q, ctx, kv_caches[i]), residual, ctx)
         if not logits:
             return None
         if ctx.prompt_scores is not None:
@@ -51,11 +51,12 @@ class LlamaModel:
         return h if self.cfg.embedding_scale == 1.0 else h * torch.tensor(self.cfg.embedding_scale, dtype=h.dtype)
 
     def before_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext,
-                         kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i up to its attention: the norm, q/k/v (with adapters), RoPE and the new tokens' K/V into the
-        cache. Returns q [num_tokens, num_heads, head_dim] and the residual stream."""
+                         kv_cache, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to its attention: the norm (adding delta, the LoRA the layer before left in h), q/k/v (with
+        adapters), RoPE and the new tokens' K/V into the cache. Returns q [num_tokens, num_heads, head_dim] and the
+        residual stream."""
         cfg, w, ops = self.cfg, self.w, self.ops
-        x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
+        x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps, delta)
         qkv = linear(ops, x, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"), ctx.lora, i, "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                 # [num_tokens, num_heads, head_dim]
@@ -86,25 +87,38 @@ class LlamaModel:
                                         self.cfg.attn_logit_softcap).flatten(1)
 
     def after_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, ctx: StepContext,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i from its attention's output: o (with adapters), the norm, the MLP (with adapters)."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, object | None]:
+        """Layer i from its attention's output: o (with adapters), the norm, the MLP (with adapters). Returns h, the
+        residual stream and the LoRA delta of down left for the next layer's norm to add (None: in h already).
+        Where a step folds LoRA (layers.linear_deferred), the op after each GEMM adds its delta: o's and down's the
+        residual add (where nothing comes between: no all-reduce, no norm of its own), gate_up's the activation."""
         cfg, w, ops = self.cfg, self.w, self.ops
-        h = linear(ops, o, w[f"layers.{i}.o_proj"], None, ctx.lora, i, "o")
+        into_stream = self.all_reduce is None and not cfg.sandwich_norms
+        h, delta = self.project(o, i, "o", ctx, defer=into_stream)
         if self.all_reduce is not None:
             self.all_reduce(h)
         if cfg.sandwich_norms:
             h = self.norm(h, w[f"layers.{i}.attn_out_norm"])
-        x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps)
-        gate_up = linear(ops, x, w[f"layers.{i}.gate_up_proj"], None, ctx.lora, i, "gate_up")
-        act = ops.silu_and_mul(gate_up) if cfg.hidden_act == "silu" else reference.gelu_tanh_and_mul(gate_up)
-        h = linear(ops, act, w[f"layers.{i}.down_proj"], None, ctx.lora, i, "down")
+        x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps, delta)
+        gate_up, delta = self.project(x, i, "gate_up", ctx, defer=True)
+        act = (ops.silu_and_mul(gate_up, delta) if cfg.hidden_act == "silu"
+               else reference.gelu_tanh_and_mul(gate_up, delta))
+        h, delta = self.project(act, i, "down", ctx, defer=into_stream and i < cfg.num_layers - 1)
         if self.all_reduce is not None:
             self.all_reduce(h)
         if cfg.sandwich_norms:
             h = self.norm(h, w[f"layers.{i}.mlp_out_norm"])
         if ctx.between_layers is not None:
             ctx.between_layers()
-        return h, residual
+        return h, residual, delta
+
+    def project(self, x: torch.Tensor, i: int, proj: str, ctx: StepContext,
+                defer: bool) -> tuple[torch.Tensor, object | None]:
+        """Layer i's projection of x with adapters; defer: its LoRA delta may be left for the next op."""
+        weight = self.w[f"layers.{i}.{proj}_proj"]
+        if defer:
+            return linear_deferred(self.ops, x, weight, None, ctx.lora, i, proj)
+        return linear(self.ops, x, weight, None, ctx.lora, i, proj), None
 
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), vocab] fp32: the final norm and the LM head over the rows asked for."""

@@ -94,11 +94,11 @@ class PiecewiseGraphs:
         if with_lora:
             ctx.lora = LoraBatch(self.lora_slots, model.ops.lora.graph_view(b, bucket, self.dtype), model.ops)
         if i == 0:
-            h, residual = model.embed(ctx), None
+            h, residual, delta = model.embed(ctx), None, None
         else:
-            h, residual = model.after_attention(i - 1, self.o[rows], self.residual[rows], ctx)
+            h, residual, delta = model.after_attention(i - 1, self.o[rows], self.residual[rows], ctx)
         if i < model.cfg.num_layers:
-            q, residual = model.before_attention(i, h, residual, ctx, self.kv_caches[i])
+            q, residual = model.before_attention(i, h, residual, ctx, self.kv_caches[i], delta)
             self.q[rows].copy_(q)
         else:
             self.h[rows].copy_(h)

@@ -25,7 +25,7 @@ from backend.device import on
 from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
 from kernels import reference
-from kernels.compose import compose_linear_lora
+from kernels.compose import compose_linear_lora, in_place
 from kernels.metadata import AttentionMetadata
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (),
@@ -147,7 +147,8 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
 
 
 def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int):
-    """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference."""
+    """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference; where
+    the family folds, linear_lora_deferred's output with its delta added too."""
     def run():
         segments = ops.lora.segments(token_slots, x.dtype)
         segments.use({name: t.to(x.device) for name, t in segments.tensors.items()})
@@ -157,7 +158,11 @@ def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x:
         got = ops.linear_lora(x, weight, None, slots.projections[0][proj], segments)
         want = reference.linear(x.float(), weight.float(), None)
         reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
-        return [(got, want)]
+        if not ops.lora.fold:
+            return [(got, want)]
+        segments.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=x.device)
+        out, delta = ops.linear_lora_deferred(x, weight, None, slots.projections[0][proj], segments)
+        return [(got, want), (reference.add_lora_delta(out, delta), want)]
     return run
 
 
@@ -218,8 +223,9 @@ def apply_fallbacks(ops, families: set[str]) -> None:
             setattr(ops, name, getattr(reference, name))
     if "lora" in families:
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
+        ops.linear_lora_deferred = in_place(ops.linear_lora)
     if families & {"lora", "lora_overlap"}:
-        ops.lora = replace(ops.lora, overlap=False)
+        ops.lora = ops.lora.in_turn()
 
 
 def check_kernels_or_fall_back(runner, config) -> dict[str, str]:

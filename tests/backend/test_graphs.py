@@ -9,6 +9,7 @@ import torch
 from backend import LLMEngine
 from backend.model import graphs as graphs_module
 from backend.model.graphs import DecodeGraphs, bucket_sizes
+from kernels.lora_family import FOLD_VAR
 from tests.helpers import INTERPRETER_MARK, needs_cuda, random_prompts
 
 TASKS = [1, None, 2, 1, None]
@@ -92,13 +93,19 @@ def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_ad
 
 
 @INTERPRETER_MARK
-@pytest.mark.parametrize("with_adapters,graph", [(False, False), (True, False), (True, True)])
-def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters, graph):
+@pytest.mark.parametrize("with_adapters,graph,fold", [(False, False, True), (True, False, True), (True, True, False),
+                                                      (True, True, True)])
+def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters, graph, fold,
+                                                          monkeypatch):
     """Per layer: two add + RMSNorm, RoPE with the cache write, attention, SiLU-and-mul and, with adapters, one
-    shrink and one expand per projection (4 x 2), and in a graph step a merge of each expand's delta after its GEMM
-    (4 x 3: LoRA beside the GEMMs); then the final norm. GEMMs are torch's (not counted)."""
+    shrink and one expand per projection (4 x 2). A graph step runs LoRA beside the GEMMs, into a delta: merged
+    after each GEMM (4 x 3), or (fold) added by the op after o, gate_up and down as it loads their output, so only
+    qkv's is merged (4 x 2 + 1), and the last layer's down (its output goes to the final norm of a few rows). Then
+    the final norm. GEMMs are torch's (not counted)."""
     from triton.runtime.interpreter import GridExecutor
+    monkeypatch.setenv(FOLD_VAR, "1" if fold else "0")
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    num_layers = engine.model_config.num_layers
     if graph:
         runner = engine.runner
         runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
@@ -117,9 +124,10 @@ def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_a
         engine.step()                                 # a decode step of three sequences
     finally:
         GridExecutor.__call__ = call
-    per_layer = 5 + (12 if graph else 8 if with_adapters else 0)
-    assert len(launches) == engine.model_config.num_layers * per_layer + 1, launches
-    assert launches.count("_merge_kernel") == (4 * engine.model_config.num_layers if graph else 0)
+    merges = (num_layers + 1 if fold else 4 * num_layers) if graph else 0
+    per_layer = 5 + (8 if with_adapters else 0)
+    assert len(launches) == num_layers * per_layer + merges + 1, launches
+    assert launches.count("_merge_kernel") == merges
     assert not graph or buckets == [4]
 
 

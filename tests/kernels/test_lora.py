@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from backend.lora.slots import Band, Projection
-from kernels import reference
+from kernels import fused, reference
 from kernels.lora import LoraStep, lora_expand, lora_merge, lora_shrink
-from kernels.lora_overlap import linear_lora
+from kernels.lora_overlap import LoraDelta, linear_lora, linear_lora_deferred
 from kernels.lora_launch import block_m_for, max_work_items, work_items
 from kernels.lora_segments import LoraSegments
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
@@ -193,6 +193,44 @@ def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, wid
     in_turn = reference.linear(x, weight, None)
     lora_expand(h, proj, step, in_turn)
     assert torch.equal(overlapped, in_turn)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_a_delta_left_for_the_next_op_gives_the_merged_bits(dtype, layout, device):
+    """linear_lora_deferred leaves the product in the step's delta (every column of an adapter's rows, 0 in a band of
+    rank 0, even over a delta full of NaN from before); the add + RMSNorm and the SiLU-and-mul that add it as they
+    load the GEMM's output give the bits of the GEMM, the merge, then the op: mixed ranks, a DoRA slot, base rows."""
+    ranks = [[48, 0, 64, 8], [0, 32, 64, 8]]                          # a band of rank 0 in slots 0 and 1
+    widths = [80, 80]                                                 # gate and up (o, down: one band of the width)
+    proj = random_projection([list(r) for r in ranks], 64, 128, widths, dtype, False, device, dora=(2,))
+    token_slots = [slot for n, slot in LAYOUTS[layout] for _ in range(n)]
+    x = torch.randn(len(token_slots), 128).to(dtype).to(device)
+    weight = (torch.randn(sum(widths), 128) * 0.1).to(dtype).to(device)
+    merged_segments = segments_for(LAYOUTS[layout], device, dtype)
+    merged_segments.overlap = True
+    merged = linear_lora(x, weight, None, proj, merged_segments)
+    segments = segments_for(LAYOUTS[layout], device, dtype)
+    segments.overlap = True
+    segments.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+    segments.step = LoraStep.for_segments(segments, x, [proj])
+    segments.step.prepare(proj).delta.fill_(float("nan"))
+    out, delta = linear_lora_deferred(x, weight, None, proj, segments)
+    assert delta is not None and torch.equal(out, reference.linear(x, weight, None))
+    torch.testing.assert_close(reference.add_lora_delta(out, delta), merged, atol=0, rtol=0 if dtype == torch.float32
+                               else 2 ** -7)                          # (the interpreter rounds bf16 down)
+    assert torch.equal(fused.silu_and_mul(out, delta), fused.silu_and_mul(merged))
+    for width in widths:                                              # as a projection of one band feeds the stream
+        one_band = slice(0, width)
+        band_delta = LoraDelta(delta.delta[:, one_band], delta.m[:, one_band], delta.token_slots)
+        residual = torch.randn(len(token_slots), width).to(dtype).to(device)
+        norm_weight = (1 + 0.1 * torch.randn(width)).to(dtype).to(device)
+        got = fused.add_rms_norm(out[:, one_band], residual.clone(), norm_weight, 1e-5, band_delta)
+        want = fused.add_rms_norm(merged[:, one_band].contiguous(), residual.clone(), norm_weight, 1e-5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    base_rows = torch.tensor([slot < 0 for slot in token_slots], device=device)
+    assert torch.equal(fused.silu_and_mul(out, delta)[base_rows], fused.silu_and_mul(out)[base_rows])
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
