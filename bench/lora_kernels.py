@@ -2,8 +2,8 @@
 (from a CUDA-graph replay of many calls, so launch gaps do not count), the host time to dispatch them (eager calls,
 not waited for), the adapter-bytes bound (the bytes of the adapters the step uses, at the measured copy bandwidth),
 the base GEMM of the same projection, the GEMM with its LoRA in turn and beside it (the LoRA left on the critical
-path: that time less the GEMM's; and with o's, gate_up's and down's product left for the next op, as graph steps
-that fold run them: no merge, the next op's read of the delta not counted), and the LoRA kernels with the expand the
+path: that time less the GEMM's; and with the product left for the next op, as graph steps that fold run them:
+no merge, the next op's read of the delta not counted), and the LoRA kernels with the expand the
 plan did not choose. Used by
 scripts/gpu_bench.py; on CPU (a dry run) the torch reference runs eagerly and only the code path is exercised."""
 import time
@@ -54,7 +54,7 @@ def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
             entry = {"gpu_us": replay_us(lora, device), "host_us": host_us(lora, device),
                      "bound_us": adapter_bytes / bandwidth * 1e6,
                      "gemm_us": replay_us(lambda: torch.nn.functional.linear(x, weight), device)}
-            entry |= beside_the_gemm(ops, slots, token_slots, projection, x, weight, device, folds=proj != "qkv")
+            entry |= beside_the_gemm(ops, slots, token_slots, projection, x, weight, device)
             row[proj] = entry
             for key in totals:
                 totals[key] += entry[key]
@@ -79,12 +79,12 @@ def layer_slots(cfg: ModelConfig, ops, device: str, dtype: torch.dtype = torch.b
 
 
 def beside_the_gemm(ops, slots, token_slots: list[int], projection, x: torch.Tensor, weight: torch.Tensor,
-                    device: str, folds: bool) -> dict:
+                    device: str) -> dict:
     """The projection's GEMM with its LoRA: in turn (the GEMM, then shrink and expand in place) and overlapped
     (shrink and expand on the side stream beside the GEMM, into the delta, then the merge: what graph steps run),
-    folded (the same without the merge, where the model folds the projection: all but qkv), and the LoRA kernels
-    with the other expand (rows one by one where the plan takes tensor cores, and the other way round): its GPU
-    time, to keep what wins."""
+    folded (the same without the merge, left for the op after the GEMM), and the LoRA kernels with the other
+    expand (rows one by one where the plan takes tensor cores, and the other way round): its GPU time, to keep what
+    wins."""
     def segments(overlap: bool):
         made = ops.lora.segments(token_slots, x.dtype)
         made.use({name: t.to(device) for name, t in made.tensors.items()})
@@ -93,10 +93,9 @@ def beside_the_gemm(ops, slots, token_slots: list[int], projection, x: torch.Ten
         return made
     in_turn, overlapped, folded, other = segments(False), segments(True), segments(True), segments(False)
     folded.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
-    deferred = ops.linear_lora_deferred if folds else ops.linear_lora
     result = {"in_turn_us": replay_us(lambda: ops.linear_lora(x, weight, None, projection, in_turn), device),
               "overlap_us": replay_us(lambda: ops.linear_lora(x, weight, None, projection, overlapped), device),
-              "folded_us": replay_us(lambda: deferred(x, weight, None, projection, folded), device)}
+              "folded_us": replay_us(lambda: ops.linear_lora_deferred(x, weight, None, projection, folded), device)}
     out = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=device)
     ops.lora_apply(x, projection, other, out)                          # plans the step
     if other.step is not None:                                         # (the Triton family's)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import add_lora_delta
+from kernels.reference import add_lora_delta, add_qkv_delta
 
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name
@@ -127,9 +127,11 @@ def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Semantics: q, k = rotary(q, k, positions, cos_sin) (in place); write_kv_cache(k, v, k_cache, v_cache,
-    slot_mapping); return q. q: [num_tokens, num_heads, head_dim], k, v: [num_tokens, num_kv_heads, head_dim]."""
+                     slot_mapping: torch.Tensor, delta=None) -> torch.Tensor:
+    """Semantics: q, k, v = add_qkv_delta(q, k, v, delta); q, k = rotary(q, k, positions, cos_sin) (in place);
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping); return q. q: [num_tokens, num_heads, head_dim], k, v:
+    [num_tokens, num_kv_heads, head_dim]."""
+    q, k, v = add_qkv_delta(q, k, v, delta)
     load().rotary_and_cache(q, k, v, positions.int(), cos_sin, k_cache, v_cache, slot_mapping.int())
     return q
 

@@ -1,20 +1,24 @@
 """The elementwise work of a layer, each step in one launch: residual add + RMSNorm, RoPE + the KV-cache write,
-SiLU-and-mul. Math in fp32, rounded to the activations' dtype where the torch reference rounds. The add + RMSNorm
-and the SiLU-and-mul add a LoRA product left by the GEMM before them as they load its output (HAS_DELTA:
-kernels/lora_overlap.LoraDelta)."""
+SiLU-and-mul. Math in fp32, rounded to the activations' dtype where the torch reference rounds. Each adds a LoRA
+product left by the GEMM before it as it loads that GEMM's output (HAS_DELTA: kernels/lora_overlap.LoraDelta)."""
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _with_delta(x, delta_ptr, m_ptr, slots_ptr, token, cols, mask, stride_dt, stride_ms):
-    """x (a token's columns, as loaded) with its LoRA delta added where the token has an adapter: ((x + delta) *
-    m[slot]) rounded once to x's dtype (the merge's bits); x as it is where it has none."""
+def _lora_rows(delta_ptr, m_ptr, slots_ptr, token, stride_dt, stride_ms):
+    """The token's row of the delta, its slot's row of magnitudes, and whether it has an adapter."""
     slot = tl.load(slots_ptr + token)
-    has = mask & (slot >= 0)
-    d = tl.load(delta_ptr + token * stride_dt + cols, mask=has, other=0.0)
-    m = tl.load(m_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_ms + cols, mask=has, other=1.0).to(tl.float32)
+    return delta_ptr + token * stride_dt, m_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_ms, slot >= 0
+
+
+@triton.jit
+def _plus_delta(x, delta_row, m_row, cols, has):
+    """x (values as loaded, at these columns of the GEMM's output) with the LoRA delta added where `has`: ((x +
+    delta) * m) rounded once to x's dtype (the merge's bits); x as it is elsewhere."""
+    d = tl.load(delta_row + cols, mask=has, other=0.0)
+    m = tl.load(m_row + cols, mask=has, other=1.0).to(tl.float32)
     return tl.where(has, ((x.to(tl.float32) + d) * m).to(x.dtype), x)
 
 
@@ -27,7 +31,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, delta_ptr, m_
     mask = cols < hidden
     x = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        x = _with_delta(x, delta_ptr, m_ptr, slots_ptr, token, cols, mask, stride_dt, stride_ms)
+        delta_row, m_row, has = _lora_rows(delta_ptr, m_ptr, slots_ptr, token, stride_dt, stride_ms)
+        x = _plus_delta(x, delta_row, m_row, cols, mask & has)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(residual_ptr + token * stride_rt + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(out_ptr.dtype.element_ty)                             # the sum as the residual stream keeps it
@@ -47,8 +52,9 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, m_ptr, slots_ptr, inte
     gate = tl.load(gate_up_ptr + token * stride_gt + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + token * stride_gt + inter + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        gate = _with_delta(gate, delta_ptr, m_ptr, slots_ptr, token, cols, mask, stride_dt, stride_ms)
-        up = _with_delta(up, delta_ptr, m_ptr, slots_ptr, token, inter + cols, mask, stride_dt, stride_ms)
+        delta_row, m_row, has = _lora_rows(delta_ptr, m_ptr, slots_ptr, token, stride_dt, stride_ms)
+        gate = _plus_delta(gate, delta_row, m_row, cols, mask & has)
+        up = _plus_delta(up, delta_row, m_row, inter + cols, mask & has)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -56,22 +62,34 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, delta_ptr, m_ptr, slots_ptr, inte
 
 
 @triton.jit
-def _rotate(src, dst, cos, sin, d, mask, HALF: tl.constexpr):
-    """Rows of heads: src, dst [BLOCK_H, 1] head starts, d [1, BLOCK_HALF]; cos, sin [1, BLOCK_HALF] fp32."""
-    x1 = tl.load(src + d, mask=mask).to(tl.float32)
-    x2 = tl.load(src + HALF + d, mask=mask).to(tl.float32)
+def _load_half(src, d, mask, delta_row, m_row, cols, has, HAS_DELTA: tl.constexpr):
+    """Half of each head: src and cols [BLOCK_H, 1] (the heads' starts, their first qkv columns), d [1,
+    BLOCK_HALF]; with the LoRA delta added where the token has an adapter (HAS_DELTA)."""
+    x = tl.load(src + d, mask=mask)
+    if HAS_DELTA:
+        x = _plus_delta(x, delta_row, m_row, cols + d, mask & has)
+    return x
+
+
+@triton.jit
+def _rotate(src, dst, cos, sin, d, mask, delta_row, m_row, cols, has, HALF: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """Rows of heads: src, dst, cols [BLOCK_H, 1] head starts, d [1, BLOCK_HALF]; cos, sin [1, BLOCK_HALF] fp32."""
+    x1 = _load_half(src, d, mask, delta_row, m_row, cols, has, HAS_DELTA).to(tl.float32)
+    x2 = _load_half(src + HALF, d, mask, delta_row, m_row, cols + HALF, has, HAS_DELTA).to(tl.float32)
     tl.store(dst + d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
-                             cos_sin_ptr, num_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh,
-                             stride_vt, stride_vh, stride_ot, stride_oh, stride_ch, stride_cs, stride_cos,
-                             HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                             cos_sin_ptr, delta_ptr, m_ptr, slots_ptr, num_heads, num_kv_heads, stride_qt, stride_qh,
+                             stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ch, stride_cs,
+                             stride_cos, stride_dt, stride_ms, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                             BLOCK_H: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Program (token, block of BLOCK_H heads) of the query heads followed by the key heads: a query head is rotated
     into q_out, a key head rotated into the cache with its value head copied beside it (tokens with slot -1,
-    padding, write no cache)."""
+    padding, write no cache). HAS_DELTA: q, k and v with the qkv projection's LoRA delta added as they load (its
+    columns: q's heads, then k's, then v's, 2 * HALF each)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -80,18 +98,26 @@ def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cach
     cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d_mask)
     sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d_mask)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if HAS_DELTA:
+        delta_row, m_row, has = _lora_rows(delta_ptr, m_ptr, slots_ptr, token, stride_dt, stride_ms)
+    else:
+        delta_row, m_row, has = delta_ptr, m_ptr, token < 0
     is_q = heads < num_heads
     is_kv = (heads >= num_heads) & (heads < num_heads + num_kv_heads) & (slot >= 0)
     q_head = tl.where(is_q, heads, 0).to(tl.int64)[:, None]
     _rotate(q_ptr + token * stride_qt + q_head * stride_qh, q_out_ptr + token * stride_ot + q_head * stride_oh,
-            cos, sin, d, is_q[:, None] & d_mask, HALF)
+            cos, sin, d, is_q[:, None] & d_mask, delta_row, m_row, q_head * 2 * HALF, has, HALF, HAS_DELTA)
     kv_head = tl.where(is_kv, heads - num_heads, 0).to(tl.int64)[:, None]
     kv_mask = is_kv[:, None] & d_mask
     cache_rows = kv_head * stride_ch + tl.maximum(slot, 0) * stride_cs
-    _rotate(k_ptr + token * stride_kt + kv_head * stride_kh, k_cache_ptr + cache_rows, cos, sin, d, kv_mask, HALF)
+    k_cols = (num_heads + kv_head) * 2 * HALF
+    _rotate(k_ptr + token * stride_kt + kv_head * stride_kh, k_cache_ptr + cache_rows, cos, sin, d, kv_mask,
+            delta_row, m_row, k_cols, has, HALF, HAS_DELTA)
     v_src = v_ptr + token * stride_vt + kv_head * stride_vh
-    tl.store(v_cache_ptr + cache_rows + d, tl.load(v_src + d, mask=kv_mask), mask=kv_mask)
-    tl.store(v_cache_ptr + cache_rows + HALF + d, tl.load(v_src + HALF + d, mask=kv_mask), mask=kv_mask)
+    v_cols = k_cols + num_kv_heads * 2 * HALF
+    for half in tl.static_range(2):
+        v = _load_half(v_src + half * HALF, d, kv_mask, delta_row, m_row, v_cols + half * HALF, has, HAS_DELTA)
+        tl.store(v_cache_ptr + cache_rows + half * HALF + d, v, mask=kv_mask)
 
 
 def norm_config(hidden: int) -> dict:
@@ -112,11 +138,12 @@ def rotary_config(head_dim: int, num_heads: int) -> dict:
     return {"HALF": head_dim // 2, "BLOCK_HALF": block_half, "BLOCK_H": block_h}
 
 
-def delta_args(x: torch.Tensor, delta) -> tuple:
-    """A LoraDelta's launch arguments (delta, m, token slots, their strides), x's in their place where None."""
+def delta_args(shape: tuple, delta, stand_in: torch.Tensor) -> tuple:
+    """A LoraDelta's launch arguments (delta, m, token slots, their strides) for the GEMM output of this shape that
+    the op reads, stand_in (any tensor of the op's) in their place where None."""
     if delta is None:
-        return x, x, x, 0, 0
-    assert delta.delta.stride(1) == 1 and delta.m.stride(1) == 1 and delta.delta.shape == x.shape
+        return stand_in, stand_in, stand_in, 0, 0
+    assert delta.delta.stride(1) == 1 and delta.m.stride(1) == 1 and delta.delta.shape == shape
     return delta.delta, delta.m, delta.token_slots, delta.delta.stride(0), delta.m.stride(0)
 
 
@@ -133,7 +160,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     stream = x if residual is None else residual
     if num_tokens:
-        d, m, slots, stride_dt, stride_ms = delta_args(x, delta)
+        d, m, slots, stride_dt, stride_ms = delta_args(x.shape, delta, x)
         _add_rms_norm_kernel[(num_tokens,)](x, stream, weight, out, d, m, slots, hidden, eps, x.stride(0),
                                             stream.stride(0), out.stride(0), stride_dt, stride_ms,
                                             HAS_RESIDUAL=residual is not None, HAS_DELTA=delta is not None,
@@ -149,7 +176,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     cfg = silu_config()
     if num_tokens:
-        d, m, slots, stride_dt, stride_ms = delta_args(gate_up, delta)
+        d, m, slots, stride_dt, stride_ms = delta_args(gate_up.shape, delta, gate_up)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, cfg["BLOCK"]))](
             gate_up, out, d, m, slots, inter, gate_up.stride(0), out.stride(0), stride_dt, stride_ms,
             HAS_DELTA=delta is not None, **cfg)
@@ -158,8 +185,9 @@ def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> torch.Tensor:
+                     slot_mapping: torch.Tensor, delta=None) -> torch.Tensor:
     """Semantics (RoPE in fp32, neox layout; one launch):
+        q, k, v = add_qkv_delta(q, k, v, delta)           (kernels.reference: the qkv projection's LoRA, None: none)
         cos, sin = cos_sin[positions, :half], cos_sin[positions, half:]
         rotate(x) = cat(x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin)
         for t, slot in enumerate(slot_mapping): if slot >= 0:
@@ -177,8 +205,11 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cfg = rotary_config(head_dim, num_heads + num_kv_heads)
     if num_tokens:
+        qkv_shape = torch.Size([num_tokens, (num_heads + 2 * num_kv_heads) * head_dim])
+        d, m, slots, stride_dt, stride_ms = delta_args(qkv_shape, delta, q)
         _rotary_and_cache_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, cfg["BLOCK_H"]))](
-            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
-            k_cache.stride(0), k_cache.stride(2), cos_sin.stride(0), **cfg)
+            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, d, m, slots, num_heads, num_kv_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
+            q_out.stride(1), k_cache.stride(0), k_cache.stride(2), cos_sin.stride(0), stride_dt, stride_ms,
+            HAS_DELTA=delta is not None, **cfg)
     return q_out

@@ -26,8 +26,8 @@ class LoraFamily:
     reads_narrow: bool                        # reads fp16 adapters as they are beside an fp32 model
     overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (kernels/lora_overlap.linear_lora;
                                               # the start-up self-check turns it off where it fails)
-    fold: bool = False                        # and leave the product of o, gate_up and down for the op after the
-                                              # GEMM to add (its add + RMSNorm, its SiLU-and-mul): no merge launch
+    fold: bool = False                        # and leave each projection's product for the op after its GEMM to
+                                              # add (add + RMSNorm, SiLU-and-mul, RoPE): no merge launch
 
     @classmethod
     def of(cls, backend: str, device: torch.device | str) -> "LoraFamily":

@@ -38,8 +38,8 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def linear_lora_deferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj,
                          segments) -> tuple[torch.Tensor, LoraDelta | None]:
     """Semantics: out = linear(x, weight, bias); return out, LoraDelta(product of lora_expand, ...): the LoRA left
-    for the op that reads out next (add_rms_norm, silu_and_mul) where the step folds (segments.token_slots: graph
-    steps with LoRA beside the GEMMs); else linear_lora(...), None."""
+    for the op that reads out next (add_rms_norm, silu_and_mul, rotary_and_cache) where the step folds
+    (segments.token_slots: graph steps with LoRA beside the GEMMs); else linear_lora(...), None."""
     step = step_of(segments, x, proj)
     if not step.overlap or segments.token_slots is None:
         return linear_lora(x, weight, bias, proj, segments), None

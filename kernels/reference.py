@@ -51,8 +51,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> torch.Tensor:
-    """RoPE of q and k, then k and v into the cache; returns the rotated q."""
+                     slot_mapping: torch.Tensor, delta=None) -> torch.Tensor:
+    """RoPE of q and k, then k and v into the cache; returns the rotated q. q, k and v with the qkv projection's LoRA
+    delta added first (add_qkv_delta)."""
+    q, k, v = add_qkv_delta(q, k, v, delta)
     q, k = rotary(q, k, positions, cos_sin)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return q
@@ -68,6 +70,16 @@ def add_lora_delta(x: torch.Tensor, delta) -> torch.Tensor:
     scale = delta.m[delta.token_slots[rows].long()].float()
     out[rows] = ((x[rows].float() + delta.delta[rows]) * scale).to(x.dtype)
     return out
+
+
+def add_qkv_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta) -> tuple[torch.Tensor, ...]:
+    """q, k, v [num_tokens, heads, head_dim] with the qkv projection's LoRA delta added (add_lora_delta over its
+    columns: q's, then k's, then v's); as they are where delta is None."""
+    if delta is None:
+        return q, k, v
+    qkv = add_lora_delta(torch.cat([t.flatten(1) for t in (q, k, v)], dim=1), delta)
+    parts = qkv.split([t.shape[1] * t.shape[2] for t in (q, k, v)], dim=1)
+    return tuple(part.reshape(t.shape) for part, t in zip(parts, (q, k, v)))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -52,7 +52,7 @@ def attention_configurations(dtype: str, head_dim: int, block_size: int, group: 
 
 
 def lora_delta_args(p: str, lora: bool) -> dict:
-    """The pointers of a LoRA delta an add + RMSNorm or SiLU-and-mul adds (fused.delta_args), x's without one."""
+    """The pointers of a LoRA delta a fused op adds (fused.delta_args), stand-ins without one."""
     return dict(delta_ptr="*fp32", m_ptr=p, slots_ptr="*i32") if lora else dict(delta_ptr=p, m_ptr=p, slots_ptr=p)
 
 
@@ -75,12 +75,15 @@ def configurations():
                             stride_dt=2 * 14336, stride_ms=2 * 14336), silu_config() | {"HAS_DELTA": lora})
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS):
         p, width = DTYPES[dtype], 48 * head_dim
-        yield (f"rotary_and_cache {dtype} d{head_dim}", "kernels.fused", "_rotary_and_cache_kernel",
-               dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, pos_ptr="*i32",
-                    slot_ptr="*i32", cos_sin_ptr="*fp32", num_heads=32, num_kv_heads=8, stride_qt=width, stride_qh=head_dim,
-                    stride_kt=width, stride_kh=head_dim, stride_vt=width, stride_vh=head_dim,
-                    stride_ot=32 * head_dim, stride_oh=head_dim, stride_ch=16000 * head_dim, stride_cs=head_dim,
-                    stride_cos=head_dim), rotary_config(head_dim, 32 + 8))
+        for lora in (False, True):
+            yield (f"rotary_and_cache {dtype} d{head_dim}" + (" lora" if lora else ""), "kernels.fused",
+                   "_rotary_and_cache_kernel",
+                   dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, pos_ptr="*i32",
+                        slot_ptr="*i32", cos_sin_ptr="*fp32", **lora_delta_args(p, lora), num_heads=32,
+                        num_kv_heads=8, stride_qt=width, stride_qh=head_dim, stride_kt=width, stride_kh=head_dim,
+                        stride_vt=width, stride_vh=head_dim, stride_ot=32 * head_dim, stride_oh=head_dim,
+                        stride_ch=16000 * head_dim, stride_cs=head_dim, stride_cos=head_dim, stride_dt=width,
+                        stride_ms=width), rotary_config(head_dim, 32 + 8) | {"HAS_DELTA": lora})
         yield from attention_configurations(dtype, head_dim, 16, 4)
         yield (f"attention_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_reduce_kernel",
                dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ot=32 * head_dim, stride_oh=head_dim),

@@ -53,11 +53,12 @@ class LlamaModel:
     def before_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext,
                          kv_cache, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i up to its attention: the norm (adding delta, the LoRA the layer before left in h), q/k/v (with
-        adapters), RoPE and the new tokens' K/V into the cache. Returns q [num_tokens, num_heads, head_dim] and the
-        residual stream."""
+        adapters: their LoRA added by the rotary op where the step folds, unless a norm of q and k comes first),
+        RoPE and the new tokens' K/V into the cache. Returns q [num_tokens, num_heads, head_dim] and the residual
+        stream."""
         cfg, w, ops = self.cfg, self.w, self.ops
         x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps, delta)
-        qkv = linear(ops, x, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"), ctx.lora, i, "qkv")
+        qkv, delta = self.project(x, i, "qkv", ctx, defer=not cfg.qk_norm, bias=w.get(f"layers.{i}.qkv_bias"))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                 # [num_tokens, num_heads, head_dim]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)              # [num_tokens, num_kv_heads, head_dim]
@@ -67,7 +68,7 @@ class LlamaModel:
             v = v.contiguous()
         k_cache, v_cache = kv_cache
         cos_sin = self.cos_sin if self.local_cos_sin is None or cfg.window(i) is None else self.local_cos_sin
-        q = ops.rotary_and_cache(q, k, v, ctx.positions, cos_sin, k_cache, v_cache, ctx.attn.slot_mapping)
+        q = ops.rotary_and_cache(q, k, v, ctx.positions, cos_sin, k_cache, v_cache, ctx.attn.slot_mapping, delta)
         return q, residual
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,8 @@ class LlamaModel:
         """Layer i from its attention's output: o (with adapters), the norm, the MLP (with adapters). Returns h, the
         residual stream and the LoRA delta of down left for the next layer's norm to add (None: in h already).
         Where a step folds LoRA (layers.linear_deferred), the op after each GEMM adds its delta: o's and down's the
-        residual add (where nothing comes between: no all-reduce, no norm of its own), gate_up's the activation."""
+        residual add (where nothing comes between: no all-reduce, no norm of its own), gate_up's the activation
+        (and qkv's the rotary op, before_attention)."""
         cfg, w, ops = self.cfg, self.w, self.ops
         into_stream = self.all_reduce is None and not cfg.sandwich_norms
         h, delta = self.project(o, i, "o", ctx, defer=into_stream)
@@ -112,13 +114,13 @@ class LlamaModel:
             ctx.between_layers()
         return h, residual, delta
 
-    def project(self, x: torch.Tensor, i: int, proj: str, ctx: StepContext,
-                defer: bool) -> tuple[torch.Tensor, object | None]:
+    def project(self, x: torch.Tensor, i: int, proj: str, ctx: StepContext, defer: bool,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, object | None]:
         """Layer i's projection of x with adapters; defer: its LoRA delta may be left for the next op."""
         weight = self.w[f"layers.{i}.{proj}_proj"]
         if defer:
-            return linear_deferred(self.ops, x, weight, None, ctx.lora, i, proj)
-        return linear(self.ops, x, weight, None, ctx.lora, i, proj), None
+            return linear_deferred(self.ops, x, weight, bias, ctx.lora, i, proj)
+        return linear(self.ops, x, weight, bias, ctx.lora, i, proj), None
 
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), vocab] fp32: the final norm and the LM head over the rows asked for."""

@@ -15,7 +15,7 @@ from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.graphs import DecodeGraphs
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.self_check import check_kernels
-from kernels.compose import compose_linear_lora
+from kernels.compose import compose_linear_lora, in_place
 from kernels.dispatch import BROKEN_OPS_VAR, load_ops
 from tests.helpers import INTERPRETER_MARK, build_tiny, hf_greedy, random_prompts
 
@@ -223,6 +223,7 @@ def test_bf16_rounding_beyond_the_fixed_tolerance_is_not_a_defect(tmp_path):
     engine, runner = uncaptured(None, "bfloat16", tmp_path)
     runner.ops.linear = padded_shapes_round_otherwise(runner.ops.linear)
     runner.ops.linear_lora = compose_linear_lora(runner.ops.linear, runner.ops.lora_apply)
+    runner.ops.linear_lora_deferred = in_place(runner.ops.linear_lora)
     seen = {}
     real_differs = graph_check.differs
 

@@ -195,15 +195,9 @@ def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, wid
     assert torch.equal(overlapped, in_turn)
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["decode", "mixed"])
-def test_a_delta_left_for_the_next_op_gives_the_merged_bits(dtype, layout, device):
-    """linear_lora_deferred leaves the product in the step's delta (every column of an adapter's rows, 0 in a band of
-    rank 0, even over a delta full of NaN from before); the add + RMSNorm and the SiLU-and-mul that add it as they
-    load the GEMM's output give the bits of the GEMM, the merge, then the op: mixed ranks, a DoRA slot, base rows."""
-    ranks = [[48, 0, 64, 8], [0, 32, 64, 8]]                          # a band of rank 0 in slots 0 and 1
-    widths = [80, 80]                                                 # gate and up (o, down: one band of the width)
+def deferred_and_merged(ranks: list[list[int]], widths: list[int], dtype, layout: str, device) -> tuple:
+    """A projection's GEMM and LoRA beside it (a DoRA slot among mixed ranks, base rows), its product left in a delta
+    that held NaN before (linear_lora_deferred), and the same merged: (out, LoraDelta, merged, token_slots)."""
     proj = random_projection([list(r) for r in ranks], 64, 128, widths, dtype, False, device, dora=(2,))
     token_slots = [slot for n, slot in LAYOUTS[layout] for _ in range(n)]
     x = torch.randn(len(token_slots), 128).to(dtype).to(device)
@@ -220,6 +214,19 @@ def test_a_delta_left_for_the_next_op_gives_the_merged_bits(dtype, layout, devic
     assert delta is not None and torch.equal(out, reference.linear(x, weight, None))
     torch.testing.assert_close(reference.add_lora_delta(out, delta), merged, atol=0, rtol=0 if dtype == torch.float32
                                else 2 ** -7)                          # (the interpreter rounds bf16 down)
+    return out, delta, merged, token_slots
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_a_delta_left_for_the_next_op_gives_the_merged_bits(dtype, layout, device):
+    """linear_lora_deferred leaves the product in the step's delta (every column of an adapter's rows, 0 in a band of
+    rank 0, even over a delta full of NaN from before); the add + RMSNorm and the SiLU-and-mul that add it as they
+    load the GEMM's output give the bits of the GEMM, the merge, then the op."""
+    ranks = [[48, 0, 64, 8], [0, 32, 64, 8]]                          # a band of rank 0 in slots 0 and 1
+    widths = [80, 80]                                                 # gate and up (o, down: one band of the width)
+    out, delta, merged, token_slots = deferred_and_merged(ranks, widths, dtype, layout, device)
     assert torch.equal(fused.silu_and_mul(out, delta), fused.silu_and_mul(merged))
     for width in widths:                                              # as a projection of one band feeds the stream
         one_band = slice(0, width)
@@ -231,6 +238,32 @@ def test_a_delta_left_for_the_next_op_gives_the_merged_bits(dtype, layout, devic
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     base_rows = torch.tensor([slot < 0 for slot in token_slots], device=device)
     assert torch.equal(fused.silu_and_mul(out, delta)[base_rows], fused.silu_and_mul(out)[base_rows])
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_the_rotary_op_adds_the_qkv_delta_with_the_merged_bits(dtype, layout, device):
+    """qkv's product left in the delta, added by the RoPE + cache-write op as it loads q, k and v: the rotated q and
+    both caches as after the merge, bit for bit (a band of rank 0 in three slots, one of them v's)."""
+    head_dim, num_heads, num_kv_heads, block_size = 16, 4, 2, 8
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    ranks = [[48, 0, 64, 8], [0, 32, 64, 8], [8, 16, 0, 8]]
+    out, delta, merged, token_slots = deferred_and_merged(ranks, widths, dtype, layout, device)
+    num_tokens = len(token_slots)
+
+    def rotated(qkv: torch.Tensor, delta) -> list[torch.Tensor]:
+        q, k, v = qkv.split(widths, dim=1)
+        caches = [torch.zeros(num_kv_heads, 8, block_size, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        slots = torch.tensor([-1] + list(range(3, num_tokens + 2)), dtype=torch.int32, device=device)  # (one pad)
+        q = fused.rotary_and_cache(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                                   v.reshape(num_tokens, num_kv_heads, head_dim), positions, cos_sin, *caches, slots,
+                                   delta)
+        return [q, *caches]
+    positions = torch.arange(num_tokens, dtype=torch.int32, device=device) * 3
+    cos_sin = torch.randn(3 * num_tokens, head_dim, device=device)
+    for got, want in zip(rotated(out, delta), rotated(merged, None)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
