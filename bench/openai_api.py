@@ -15,7 +15,7 @@ from bench.stream import StreamStats
 def run_openai_workload(model_dir: str, requests: list[dict], workload, dtype: str, concurrency: int = 32,
                         kernel_backend: str = "auto") -> dict:
     from bench.adapters import adapter_dirs
-    from launch_server import free_ports, is_ready, start_frontend
+    from server_process import free_ports, is_ready, start_frontend
 
     store = adapter_dirs(model_dir, workload.adapter_ranks)[0].parent if workload.adapter_ranks else None
     with core_server(model_dir, workload, dtype, kernel_backend) as (server, grpc, metrics):

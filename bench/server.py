@@ -19,7 +19,7 @@ from bench.engine import own_cpu_seconds, percentile
 def core_server(model_dir: str, workload, dtype: str, kernel_backend: str = "auto", prefetch_dir: Path | None = None):
     """tritonserver with the core model only, set up as the in-process engine is for the workload (with the adapters
     of `prefetch_dir` loaded at start, where given): (process, grpc port, metrics port) until the block ends."""
-    from launch_server import QUICK_EXIT_TIMEOUT_S, free_ports, start_server, stop_server, wait_ready
+    from server_process import QUICK_EXIT_TIMEOUT_S, free_ports, start_server, stop_server, wait_ready
     http, grpc, metrics = free_ports(3)
     env = {"LORA_LLM_MODEL_DIR": model_dir, "LORA_LLM_DTYPE": dtype, "LORA_LLM_KERNEL_BACKEND": kernel_backend,
            "LORA_LLM_MAX_LORAS": str(workload.max_loras), "LORA_LLM_MAX_LORA_RANK": str(workload.max_lora_rank),

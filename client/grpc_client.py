@@ -89,7 +89,7 @@ def infer_request_bytes(model: str, arrays: dict[str, np.ndarray], request_id: s
 async def call_ended(call, timeout_s: float = 1.0) -> None:
     """After a stream's final response, wait (a little) for its status before the call is closed or cancelled:
     tritonserver 2.51 keeps the request of a stream cancelled between the two and then never unloads the model, so
-    that it cannot stop (see scripts/launch_server.stop_server). grpc.aio calls."""
+    that it cannot stop (see scripts/server_process.stop_server). grpc.aio calls."""
     try:
         await asyncio.wait_for(call.code(), timeout_s)
     except asyncio.TimeoutError:

@@ -18,7 +18,7 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
     """SIGKILL tritonserver (its engine set up by `settings`) mid-stream under the supervisor; base: a prompt and
     the tokens the first server gave it. The failures found (none: passed)."""
     from client.grpc_client import input_arrays
-    from launch_server import QUICK_EXIT_TIMEOUT_S, free_ports, is_ready
+    from server_process import QUICK_EXIT_TIMEOUT_S, free_ports, is_ready
     http, grpc, metrics = free_ports(3)
     free0 = free_device_bytes(args.device)
     launcher = subprocess.Popen(

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch_server import is_ready
+from server_process import is_ready
 from supervisor import Service, supervise
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -111,7 +111,7 @@ def server_settings(model_dir: Path, args) -> dict:
 
 def serve_and_check(model_dir: Path, has_text: bool, requests: list, peft_dir: Path, args, report: dict) -> dict:
     """Every request (token_requests' and the rest) through a server: {what: (tokens or text, error)}."""
-    from launch_server import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server, stop_server,
+    from server_process import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server, stop_server,
                                wait_ready)
     http, grpc, metrics = free_ports(3)
     url = f"127.0.0.1:{grpc}"
@@ -222,7 +222,7 @@ def main() -> int:
         return 2
     from backend.checkpoint import ModelConfig
     from bench.adapters import adapter_dirs
-    from launch_server import pytriton_dir
+    from server_process import pytriton_dir
     work = args.work = Path(tempfile.mkdtemp(prefix="server_check-"))
     model_dir, has_text = build(args.shape, args.models_dir or work, args.device)
     weights = {LORA: random_adapter(model_dir, 8, (1, 3, 6)),

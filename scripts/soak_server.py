@@ -10,7 +10,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from launch_server import QUICK_EXIT_TIMEOUT_S
+from server_process import QUICK_EXIT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -132,7 +132,7 @@ def test_the_image_copies_what_exists_and_runs_the_launcher():
         assert (ROOT / source).exists(), source
     entry = re.search(r'^ENTRYPOINT \[(.*)\]', dockerfile, re.M)[1]
     assert '"scripts/launch_server.py"' in entry and (ROOT / "scripts/launch_server.py").exists()
-    launcher = (ROOT / "scripts/launch_server.py").read_text()
+    launcher = (ROOT / "scripts/launch_server.py").read_text() + (ROOT / "scripts/server_process.py").read_text()
     for name in re.findall(r"(LORA_LLM_\w+)=", dockerfile):
         assert name in launcher, name
     def pins(path: Path) -> dict[str, str]:

@@ -14,7 +14,7 @@ from backend import LLMEngine
 from tests.helpers import ROOT
 
 sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
-from launch_server import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server,  # noqa: E402
+from server_process import (QUICK_EXIT_TIMEOUT_S, free_ports, is_ready, start_frontend, start_server,  # noqa: E402
                            stop_server, wait_ready)
 
 

@@ -206,7 +206,7 @@ def test_the_kubernetes_probes_answer(tiny_server, tiny_chat_model_dir, tmp_path
 
 
 def test_tritonserver_returns_freed_request_memory_and_the_engine_keeps_its_malloc(tiny_server):
-    """scripts/launch_server.py fixes glibc's mmap threshold for tritonserver (multi-MB adapter uploads go back to
+    """scripts/server_process.py fixes glibc's mmap threshold for tritonserver (multi-MB adapter uploads go back to
     the system when freed) and its stub wrapper leaves the engine's process with glibc's own behaviour."""
     def environ(pid: int) -> dict[str, str]:
         pairs = (item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
@@ -227,7 +227,7 @@ def anon_rss_mb(pid: int) -> float:
 def test_tritonserver_memory_follows_the_requests_in_flight_not_the_largest_ever_seen(tiny_server):
     """Triton's gRPC frontend reuses its request objects, and a reused protobuf keeps the capacity of the largest
     message it held: with reuse, each recycled request object keeps a multi-MB adapter upload for good (tritonserver
-    grew ~40 MB/min in the soak). launch_server turns the reuse off (--grpc-infer-allocation-pool-size 0)."""
+    grew ~40 MB/min in the soak). server_process turns the reuse off (--grpc-infer-allocation-pool-size 0)."""
     def uploads(num_rounds: int, width: int) -> None:           # rounds of 8 concurrent uploads the model refuses
         upload = {"lora_task_id": np.array([[77]], np.uint64), "lora_weights": np.zeros((1, 4, width), np.float16),
                   "lora_config": np.array([[[1, 0, 4]] * 4], np.int32)}

@@ -79,8 +79,8 @@ def test_a_stop_ends_tritonserver_even_while_a_client_holds_its_stream_open(tiny
 
 
 def test_stop_server_kills_a_held_tritonserver_and_its_stubs_after_the_exit_timeout(tiny_model_dir):
-    """launch_server.stop_server, with which benches, checks and tests stop their servers, against the same hold."""
-    from launch_server import start_server, stop_server, wait_ready
+    """server_process.stop_server, with which benches, checks and tests stop their servers, against the same hold."""
+    from server_process import start_server, stop_server, wait_ready
     http, grpc, metrics = free_ports(3)
     server = start_server(http, grpc, metrics, env=TINY_ENV | {"LORA_LLM_MODEL_DIR": str(tiny_model_dir)},
                           log_file=subprocess.DEVNULL, models=["lora_llm"], exit_timeout_s=1)

@@ -1,4 +1,4 @@
-"""scripts/launch_server.py's probes: any failure to get a 200 is a no, never an exception that ends the supervisor
+"""scripts/server_process.py's probes: any failure to get a 200 is a no, never an exception that ends the supervisor
 (a malformed status line from a server still starting used to), and a stale heartbeat is an engine that cannot
 serve."""
 import socket
@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import ROOT
 
 sys.path.append(str(ROOT / "scripts"))
-from launch_server import engine_alive, is_ready  # noqa: E402
+from server_process import engine_alive, is_ready  # noqa: E402
 
 
 def serve_once(answer: bytes) -> int:
