@@ -66,7 +66,8 @@ def gauges(engine, alive: bool) -> dict[tuple[str, tuple], float]:
            ("lora_llm_kv_cache_reuse", (("stat", "hits"),)): hits,
            ("lora_llm_kv_cache_reuse", (("stat", "hit_rate"),)): hits / lookups if lookups else 0.0,
            ("lora_llm_engine_alive", ()): 1 if alive else 0}
-    for kernel in ("attention", "lora", "lora_overlap", "fused", "graphs", "piecewise_graphs", "overlap_steps"):
+    for kernel in ("attention", "lora", "lora_overlap", "lora_fold", "fused", "graphs", "piecewise_graphs",
+                   "overlap_steps"):
         out[("lora_llm_kernel_fallback", (("kernel", kernel),))] = int(kernel in engine.runner.kernel_fallbacks)
     for name in LORA_STATS:
         tier, stat = name.split("_", 1)

@@ -42,6 +42,10 @@ class LoraFamily:
         """The same family with graph steps' LoRA after each base GEMM (no overlap, nothing folded)."""
         return replace(self, overlap=False, fold=False)
 
+    def merged(self) -> "LoraFamily":
+        """The same family with graph steps' LoRA beside each GEMM, merged after it (nothing folded)."""
+        return replace(self, fold=False)
+
     def adapter_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
         """"auto" is the model's dtype, except that a float32 model keeps its adapters in float16 where the kernels
         read them as they are: TensorRT-LLM clients send lora_weights as FP16, so nothing sent is lost, and a decode

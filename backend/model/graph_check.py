@@ -179,19 +179,23 @@ def check_graphs(runner, lora_cache) -> str | None:
 
 
 def capture_checked(runner, lora_cache) -> dict[str, str]:
-    """The runner's graphs captured and checked: {"graphs" | "piecewise_graphs" | "lora_overlap": why} for what
-    was dropped. Where graphs with LoRA beside the GEMMs fail to capture or differ from eager steps (one device),
-    they are captured again with LoRA after each GEMM, kept so where that fails less."""
+    """The runner's graphs captured and checked: {"graphs" | "piecewise_graphs" | "lora_fold" | "lora_overlap":
+    why} for what was dropped. Where graphs with LoRA beside the GEMMs fail to capture or differ from eager steps
+    (one device), they are captured again with each product merged after its GEMM (if folded), then with LoRA after
+    each GEMM, and kept the first way that fails less."""
     errors = capture_and_check(runner, lora_cache)
-    if errors and runner.ops.lora.overlap and runner.tp is None:
-        overlapping = runner.ops.lora
-        runner.ops.lora = overlapping.in_turn()
-        in_turn = capture_and_check(runner, lora_cache)
-        if len(in_turn) < len(errors):                  # LoRA beside the GEMMs was at fault
-            return in_turn | {"lora_overlap": "; ".join(errors.values())}
-        runner.ops.lora = overlapping                   # it was not: the graphs as they were
-        errors = capture_and_check(runner, lora_cache)
-    return errors
+    if not errors or not runner.ops.lora.overlap or runner.tp is not None:
+        return errors
+    family = runner.ops.lora
+    for kernel, lighter in (("lora_fold", family.merged()), ("lora_overlap", family.in_turn())):
+        if lighter == family:
+            continue
+        runner.ops.lora = lighter
+        retried = capture_and_check(runner, lora_cache)
+        if len(retried) < len(errors):                  # what it turned off was at fault
+            return retried | {kernel: "; ".join(errors.values())}
+    runner.ops.lora = family                            # neither was: the graphs as they were
+    return capture_and_check(runner, lora_cache)
 
 
 def capture_and_check(runner, lora_cache) -> dict[str, str]:

@@ -116,8 +116,8 @@ class ModelRunner:
         """CUDA graphs of decode steps (backend/model/graphs.py), after the KV cache, checked against eager steps:
         on CUDA with the Triton kernels, unless cuda_graph_mode is off (graph_check.capture_checked)."""
         if (self.config.cuda_graph_mode and self.device.type == "cuda" and self.ops.graphs
-                and not self.kernel_fallbacks.keys() - {"lora_overlap"}):   # the torch fallbacks do not take a
-            self.kernel_fallbacks |= capture_checked(self, lora_cache)       # graph's padding rows
+                and not self.kernel_fallbacks.keys() - {"lora_overlap", "lora_fold"}):   # the torch fallbacks do
+            self.kernel_fallbacks |= capture_checked(self, lora_cache)       # not take a graph's padding rows
 
     def start_graphs(self, lora_cache: LoraCache, capture: bool) -> None:
         """Decode graphs on this rank and on the workers, piecewise graphs on one device (capture=False: their

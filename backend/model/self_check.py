@@ -12,6 +12,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
                for 8 tokens (a decode step) and 100 (a prompt chunk), each split-K as planned
     lora_overlap: the decode step's projections through linear_lora with LoRA beside the GEMM (graph steps run it
                so: a side stream, the fp32 delta, the merge); where it fails, graphs run LoRA after each GEMM
+    lora_fold: the same through linear_lora_deferred, its delta added as the op after the GEMM adds it; where it
+               fails, graphs merge each product after its GEMM
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
 """
 import logging
@@ -28,7 +30,7 @@ from kernels import reference
 from kernels.compose import compose_linear_lora, in_place
 from kernels.metadata import AttentionMetadata
 
-FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (),
+FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (), "lora_fold": (),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache")}
 SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
@@ -142,27 +144,30 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
             checks.append(compare("lora", what, run, dtype))
             if ops.lora.overlap and len(token_slots) < 16:
                 checks.append(compare("lora_overlap", f"{what}, beside the base GEMM",
-                                      overlap_check(ops, slots, proj, token_slots, x, out_dim), dtype))
+                                      overlap_check(ops, slots, proj, token_slots, x, out_dim, False), dtype))
+            if ops.lora.fold and len(token_slots) < 16:
+                checks.append(compare("lora_fold", f"{what}, beside the base GEMM, left for the next op",
+                                      overlap_check(ops, slots, proj, token_slots, x, out_dim, True), dtype))
     return checks
 
 
-def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int):
-    """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference; where
-    the family folds, linear_lora_deferred's output with its delta added too."""
+def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int,
+                  fold: bool):
+    """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference; fold:
+    linear_lora_deferred's output with its delta added instead."""
     def run():
         segments = ops.lora.segments(token_slots, x.dtype)
         segments.use({name: t.to(x.device) for name, t in segments.tensors.items()})
         segments.overlap = True
         g = torch.Generator(device=x.device).manual_seed(3)                  # made on the device: 8B's in ms
         weight = torch.randn(out_dim, x.shape[1], generator=g, device=x.device).to(x.dtype) * x.shape[1] ** -0.5
-        got = ops.linear_lora(x, weight, None, slots.projections[0][proj], segments)
         want = reference.linear(x.float(), weight.float(), None)
         reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
-        if not ops.lora.fold:
-            return [(got, want)]
+        if not fold:
+            return [(ops.linear_lora(x, weight, None, slots.projections[0][proj], segments), want)]
         segments.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=x.device)
         out, delta = ops.linear_lora_deferred(x, weight, None, slots.projections[0][proj], segments)
-        return [(got, want), (reference.add_lora_delta(out, delta), want)]
+        return [(reference.add_lora_delta(out, delta), want)]
     return run
 
 
@@ -223,6 +228,9 @@ def apply_fallbacks(ops, families: set[str]) -> None:
             setattr(ops, name, getattr(reference, name))
     if "lora" in families:
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
+        ops.linear_lora_deferred = in_place(ops.linear_lora)
+    if "lora_fold" in families:
+        ops.lora = ops.lora.merged()
         ops.linear_lora_deferred = in_place(ops.linear_lora)
     if families & {"lora", "lora_overlap"}:
         ops.lora = ops.lora.in_turn()

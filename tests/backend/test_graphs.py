@@ -148,8 +148,10 @@ def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters
 def test_graphs_whose_overlapped_lora_fails_are_captured_again_without_it(tiny_model_dir, tiny_adapters,
                                                                           monkeypatch):
     """LoRA beside the GEMMs that loses its delta inside a capture only (the eager self-check passes): the graph
-    check sees the graphed step differ, the graphs are captured again with LoRA after each GEMM, and serve."""
+    check sees the graphed step differ, the graphs are captured again with LoRA after each GEMM, and serve. (Every
+    product merged: LORA_LLM_LORA_FOLD=0.)"""
     from kernels import lora_overlap
+    monkeypatch.setenv(FOLD_VAR, "0")
     merge = lora_overlap.lora_merge
     monkeypatch.setattr(lora_overlap, "lora_merge", lambda proj, step, out: None if torch.cuda.is_current_stream_capturing()
                         else merge(proj, step, out))
@@ -158,5 +160,27 @@ def test_graphs_whose_overlapped_lora_fails_are_captured_again_without_it(tiny_m
     engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
     assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"}, engine.runner.kernel_fallbacks
     assert engine.runner.graphs is not None and not engine.runner.ops.lora.overlap
+    buckets = count_graph_steps(engine.runner.graphs)
+    assert run(engine, prompts) == want and buckets
+
+
+@needs_cuda
+def test_graphs_whose_folded_lora_fails_are_captured_again_merging(tiny_model_dir, tiny_adapters, monkeypatch):
+    """The product left for the next op lost inside a capture only (the eager self-check passes): the graph check
+    sees the graphed step differ, the graphs are captured again with each product merged after its GEMM (LoRA
+    still beside the GEMMs), and serve."""
+    import kernels.triton_ops as triton_ops
+    deferred = triton_ops.linear_lora_deferred
+
+    def lost_in_capture(*args):
+        out, delta = deferred(*args)
+        return out, None if torch.cuda.is_current_stream_capturing() else delta
+    monkeypatch.setattr(triton_ops, "linear_lora_deferred", lost_in_capture)
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=54)
+    want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    assert set(engine.runner.kernel_fallbacks) == {"lora_fold"}, engine.runner.kernel_fallbacks
+    lora = engine.runner.ops.lora
+    assert engine.runner.graphs is not None and lora.overlap and not lora.fold
     buckets = count_graph_steps(engine.runner.graphs)
     assert run(engine, prompts) == want and buckets

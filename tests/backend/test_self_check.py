@@ -54,7 +54,8 @@ FAULTS = {"attention wrong": ("paged_attention", wrong_values(triton_ops.paged_a
 def test_the_kernels_pass_at_the_served_shapes(model, tiny_model_dir, smollm2_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir if model == "tiny" else smollm2_dir)
     checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64)
-    assert {c.family for c in checks} == {"attention", "lora", "lora_overlap", "fused"} and len(checks) >= 10
+    assert {c.family for c in checks} == {"attention", "lora", "lora_overlap", "lora_fold", "fused"}
+    assert len(checks) >= 10
     assert [(c.what, c.error) for c in checks if c.error] == []
 
 
@@ -94,6 +95,26 @@ def test_a_broken_overlap_turns_it_off_and_adapters_stay_right(tiny_model_dir, t
     assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"} and not engine.runner.ops.lora.overlap
     assert gauges(engine, alive=True)[("lora_llm_kernel_fallback", (("kernel", "lora_overlap"),))] == 1
     assert engine.runner.ops.linear_lora is triton_ops.linear_lora
+
+
+def test_a_broken_fold_turns_only_it_off_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
+    """A deferred LoRA whose product never reaches the next op: the self-check's lora_fold case fails, graphs keep
+    LoRA beside the GEMMs but merge each product after its GEMM (ops.lora.fold off, overlap on), and no step runs
+    the deferred op again: adapters answer as on the torch path."""
+    def engine(backend: str) -> LLMEngine:
+        e = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=backend, kernel_self_check="true",
+                      kv_cache_memory_bytes=1 << 20)
+        for task_id, path in enumerate(tiny_adapters[:2], start=1):
+            e.add_lora_dir(task_id, path)
+        return e
+    want = engine("torch").generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2])
+    monkeypatch.setattr(triton_ops, "linear_lora_deferred", lambda x, weight, bias, proj, segments: (
+        triton_ops.linear(x, weight, bias), None))
+    broken = engine("triton")
+    assert set(broken.runner.kernel_fallbacks) == {"lora_fold"}
+    assert broken.runner.ops.lora.overlap and not broken.runner.ops.lora.fold
+    assert gauges(broken, alive=True)[("lora_llm_kernel_fallback", (("kernel", "lora_fold"),))] == 1
+    assert broken.generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2]) == want
 
 
 def test_strict_refuses_to_start_naming_the_kernel(tiny_model_dir, monkeypatch):
