@@ -72,16 +72,20 @@ def test_a_broken_kernel_falls_back_and_the_tokens_stay_right(fault, tiny_model_
     assert engine.generate(PROMPTS, max_new_tokens=6) == [hf_greedy(hf_tiny, p, 6) for p in PROMPTS]
 
 
+def adapter_engine(model_dir, adapters, backend: str) -> LLMEngine:
+    """The tiny model checked at start on `backend`, with two adapters as tasks 1 and 2."""
+    engine = LLMEngine(model_dir, dtype="float32", kernel_backend=backend, kernel_self_check="true",
+                       kv_cache_memory_bytes=1 << 20)
+    for task_id, path in enumerate(adapters[:2], start=1):
+        engine.add_lora_dir(task_id, path)
+    return engine
+
+
 def test_a_broken_lora_kernel_falls_back_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
-    def engine(backend):
-        e = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=backend, kernel_self_check="true",
-                      kv_cache_memory_bytes=1 << 20)
-        for task_id, path in enumerate(tiny_adapters[:2], start=1):
-            e.add_lora_dir(task_id, path)
-        return e
-    want = engine("torch").generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2])
+    want = adapter_engine(tiny_model_dir, tiny_adapters, "torch").generate(PROMPTS, max_new_tokens=6,
+                                                                           lora_task_ids=[1, None, 2])
     monkeypatch.setattr(triton_ops, "lora_apply", lora_wrong_values)
-    broken = engine("triton")
+    broken = adapter_engine(tiny_model_dir, tiny_adapters, "triton")
     assert set(broken.runner.kernel_fallbacks) == {"lora"}
     assert broken.generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2]) == want
 
@@ -101,16 +105,11 @@ def test_a_broken_fold_turns_only_it_off_and_adapters_stay_right(tiny_model_dir,
     """A deferred LoRA whose product never reaches the next op: the self-check's lora_fold case fails, graphs keep
     LoRA beside the GEMMs but merge each product after its GEMM (ops.lora.fold off, overlap on), and no step runs
     the deferred op again: adapters answer as on the torch path."""
-    def engine(backend: str) -> LLMEngine:
-        e = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=backend, kernel_self_check="true",
-                      kv_cache_memory_bytes=1 << 20)
-        for task_id, path in enumerate(tiny_adapters[:2], start=1):
-            e.add_lora_dir(task_id, path)
-        return e
-    want = engine("torch").generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2])
+    want = adapter_engine(tiny_model_dir, tiny_adapters, "torch").generate(PROMPTS, max_new_tokens=6,
+                                                                           lora_task_ids=[1, None, 2])
     monkeypatch.setattr(triton_ops, "linear_lora_deferred", lambda x, weight, bias, proj, segments: (
         triton_ops.linear(x, weight, bias), None))
-    broken = engine("triton")
+    broken = adapter_engine(tiny_model_dir, tiny_adapters, "triton")
     assert set(broken.runner.kernel_fallbacks) == {"lora_fold"}
     assert broken.runner.ops.lora.overlap and not broken.runner.ops.lora.fold
     assert gauges(broken, alive=True)[("lora_llm_kernel_fallback", (("kernel", "lora_fold"),))] == 1
