@@ -3,9 +3,9 @@
 not waited for), the adapter-bytes bound (the bytes of the adapters the step uses, at the measured copy bandwidth),
 the base GEMM of the same projection, the GEMM with its LoRA in turn and beside it (the LoRA left on the critical
 path: that time less the GEMM's; and with the product left for the next op, as graph steps that fold run them:
-no merge, the next op's read of the delta not counted), and the LoRA kernels with the expand the
-plan did not choose. Used by
-scripts/gpu_bench.py; on CPU (a dry run) the torch reference runs eagerly and only the code path is exercised."""
+no merge, the next op's read of the delta not counted), and the LoRA kernels with the expand the plan did not
+choose. Used by scripts/gpu_bench.py; on CPU (a dry run) the torch reference runs eagerly and only the code path is
+exercised."""
 import time
 from dataclasses import replace
 

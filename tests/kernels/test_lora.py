@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend.lora.slots import Band, Projection
-from kernels import fused, reference
+from kernels import fused, reference, reference_lora
 from kernels.lora import LoraStep, lora_expand, lora_merge, lora_shrink
 from kernels.lora_overlap import LoraDelta, linear_lora, linear_lora_deferred
 from kernels.lora_launch import block_m_for, max_work_items, work_items
@@ -132,7 +132,7 @@ def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, sp
     h = lora_shrink(x, proj, step)
     assert h.shape == (num_tokens, len(widths) * max_rank) and h.dtype == dtype
     for band, band_ranks in enumerate(proj.ranks.tolist()):
-        want_h = reference.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band], band_ranks)
+        want_h = reference_lora.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band], band_ranks)
         for start, end, slot in zip(segments.starts_list, segments.starts_list[1:], segments.slots_list):
             if slot >= 0 and band_ranks[slot]:
                 rows = slice(band * max_rank, band * max_rank + band_ranks[slot])
@@ -330,12 +330,12 @@ def test_padded_grid_matches_segment_loop(dtype, layout, device):
     num_tokens = sum(n for n, _ in layout)
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
     base = torch.randn(num_tokens, out_dim).to(dtype).to(device)
-    h_grid = reference.lora_shrink(x, lora_a, segments, ranks, ranks_list)
-    h_loop = reference.lora_shrink(x, lora_a, loop, ranks, ranks_list)
+    h_grid = reference_lora.lora_shrink(x, lora_a, segments, ranks, ranks_list)
+    h_loop = reference_lora.lora_shrink(x, lora_a, loop, ranks, ranks_list)
     torch.testing.assert_close(h_grid, h_loop, atol=TOL[dtype], rtol=TOL[dtype])
     got, want = base.clone(), base.clone()
-    reference.lora_expand(h_grid, lora_b, segments, ranks, ranks_list, got)
-    reference.lora_expand(h_loop, lora_b, loop, ranks, ranks_list, want)
+    reference_lora.lora_expand(h_grid, lora_b, segments, ranks, ranks_list, got)
+    reference_lora.lora_expand(h_loop, lora_b, loop, ranks, ranks_list, want)
     torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
 
 
