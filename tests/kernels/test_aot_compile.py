@@ -47,3 +47,18 @@ def test_occupancy_follows_registers_and_shared_memory(monkeypatch):
                                                                                                     "stride_bt"})
     assert signature == {"p": "*bf16", "num_seqs": "i32", "stride_bt": "i32"} and list(attrs) == [(0,)]
     assert not constants
+
+
+def test_configurations_that_make_the_same_kernel_compile_once(monkeypatch):
+    if "TRITON_INTERPRET" in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from compile_kernels import configurations, distinct
+    every = list(configurations())
+    kernels = distinct(every)
+    assert sorted(label for labels, *_ in kernels for label in labels) == sorted(c[0] for c in every)
+    shared = next(labels for labels, *_ in kernels if "lora_merge bf16 adapters bf16 8b o r64 t16" in labels)
+    assert "lora_merge bf16 adapters bf16 8b down r64 t16" in shared      # same widths' launch, same signature
+    alone = next(labels for labels, *_ in kernels if "lora_expand bf16 adapters bf16 8b o r64 t16" in labels)
+    assert "lora_expand_delta bf16 adapters bf16 8b o r64 t16" not in alone     # DELTA differs
+    assert len(kernels) < len(every)
