@@ -18,10 +18,11 @@ from tests.helpers import SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  #
 # The modules that take a minute or more, in that order, run first: scripts/test.sh hands whole modules to two
 # workers (pytest-xdist), which then finish together instead of one running these alone at the end. (The kernel
 # compile takes seconds where Triton's cache holds its kernels, minutes on a fresh machine such as CI's.)
-LONG_MODULES = ("tests/kernels/test_aot_compile.py", "tests/server/test_soak.py", "tests/server/test_bench.py", "tests/server/test_replicas.py",
-                "tests/server/test_supervision.py", "tests/server/test_health.py", "tests/server/test_openai.py",
-                "tests/server/test_openai_doors.py", "tests/backend/test_tensor_parallel.py",
-                "tests/backend/test_self_check.py", "tests/backend/test_dora.py", "tests/server/test_bundle.py")
+LONG_MODULES = ("tests/kernels/test_aot_compile.py", "tests/server/test_soak.py", "tests/server/test_bench.py",
+                "tests/server/test_replicas.py", "tests/server/test_supervision.py", "tests/server/test_health.py",
+                "tests/server/test_openai.py", "tests/server/test_openai_doors.py",
+                "tests/backend/test_tensor_parallel.py", "tests/backend/test_self_check.py",
+                "tests/backend/test_dora.py", "tests/server/test_bundle.py")
 
 
 def pytest_collection_modifyitems(items):
