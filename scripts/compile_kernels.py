@@ -1,6 +1,5 @@
 """Compile every Triton kernel, in every configuration the launchers can choose, ahead of time for real GPUs
-(PTX and cubin, no GPU needed; configurations that make the same kernel compiled once), and check shared memory
-against each device's limit.
+(PTX and cubin, no GPU needed), and check shared memory against each device's limit.
 
     python scripts/compile_kernels.py [--targets 80,90] [--jobs 2] [--resources]
 --resources adds what ptxas (Triton's own) reports for each: registers per thread, spilled bytes, shared memory,
@@ -18,7 +17,6 @@ os.environ.pop("TRITON_INTERPRET", None)          # compile for real: the interp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.aot import (MAX_WARPS_PER_SM, SHARED_LIMIT, compile_kernel, occupancy_warps,  # noqa: E402,F401
                          resources, runtime_signature)
-from kernels.metadata import UNSPECIALIZED_ARGS  # noqa: E402
 
 DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 HEAD_DIMS = (64, 80, 96, 128)                     # Llama/Mistral/Qwen2 128, SmolLM2 64, Phi-like 80/96
@@ -137,34 +135,16 @@ def lora_configurations():
 
 HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "lora_expand_delta bf16",
        "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128")   # an 8B decode step
-
-
-def distinct(configs) -> list[tuple]:
-    """The configurations that compile to different kernels (module, kernel, the signature Triton derives from
-    the arguments, constexprs), each once, its label a list of every configuration that shares it."""
-    kernels: dict[tuple, tuple] = {}
-    for label, module, kernel, args, constexprs in configs:
-        signature, attrs, constants = runtime_signature(args, set(UNSPECIALIZED_ARGS.get(kernel, ())))
-        key = (module, kernel, tuple(signature.items()), repr(sorted(attrs.items())),
-               repr(sorted((constexprs | constants).items())))
-        if key in kernels:
-            kernels[key][0].append(label)
-        else:
-            kernels[key] = ([label], module, kernel, args, constexprs)
-    return list(kernels.values())
-
-
-def compile_one(job) -> tuple[list[str], int, int | None, str, dict]:
-    labels, module, kernel, args, constexprs, cc, with_resources = job
-    constexprs = dict(constexprs)
+def compile_one(job) -> tuple[str, int, int | None, str, dict]:
+    label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
     try:
         compiled = compile_kernel(module, kernel, args, constexprs, cc, options)
         assert compiled.asm["cubin"]
         report = resources(compiled, cc) if with_resources else {}
-        return labels, cc, compiled.metadata.shared, "", report
+        return label, cc, compiled.metadata.shared, "", report
     except Exception as err:                       # report every failure, not just the first
-        return labels, cc, None, f"{type(err).__name__}: {str(err)[:300]}", {}
+        return label, cc, None, f"{type(err).__name__}: {str(err)[:300]}", {}
 
 
 def main() -> None:
@@ -176,23 +156,21 @@ def main() -> None:
                                        "what an 8B decode step runs)")
     args = parser.parse_args()
     only = HOT if args.only == "hot" else tuple(args.only.split(",")) if args.only else ("",)
-    kernels = distinct(c for c in configurations() if c[0].startswith(only))
-    jobs = [k + (int(cc), args.resources) for cc in args.targets.split(",") for k in kernels]
-    num_configurations = failures = 0
+    jobs = [c + (int(cc), args.resources) for cc in args.targets.split(",") for c in configurations()
+            if c[0].startswith(only)]
+    failures = 0
     with ProcessPoolExecutor(args.jobs) as pool:
-        for labels, cc, shared, error, report in pool.map(compile_one, jobs):
+        for label, cc, shared, error, report in pool.map(compile_one, jobs):
             ok = not error and shared <= SHARED_LIMIT[cc]
+            hot_spill = report.get("spill_bytes", 0) > 0 and label.startswith(HOT)
+            failures += not ok or hot_spill
             detail = error or f"shared {shared} B (limit {SHARED_LIMIT[cc]})"
             if report:
                 detail += (f", {report['registers']} registers, {report['spill_bytes']} B spilled, "
-                           f"{report['num_warps']} warps: {report['warps_per_sm']}/{MAX_WARPS_PER_SM} warps per SM")
-            for label in labels:
-                hot_spill = report.get("spill_bytes", 0) > 0 and label.startswith(HOT)
-                num_configurations += 1
-                failures += not ok or hot_spill
-                print(f"{'ok  ' if ok and not hot_spill else 'FAIL'} sm_{cc} {label:44s} {detail}"
-                      + (" (a hot configuration spills)" if hot_spill else ""), flush=True)
-    print(f"{num_configurations - failures} compiled, {failures} failed ({len(jobs)} distinct kernels)")
+                           f"{report['num_warps']} warps: {report['warps_per_sm']}/{MAX_WARPS_PER_SM} warps per SM"
+                           + (" (a hot configuration spills)" if hot_spill else ""))
+            print(f"{'ok  ' if ok and not hot_spill else 'FAIL'} sm_{cc} {label:44s} {detail}", flush=True)
+    print(f"{len(jobs) - failures} compiled, {failures} failed")
     sys.exit(1 if failures else 0)
 
 

@@ -3,8 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import ROOT
 
 
@@ -37,18 +35,11 @@ def test_resources_of_the_hot_configurations_show_no_spills():
     assert any(row.startswith("ok   sm_90 attention decode bf16 d128 bs16 g4 splits1") for row in rows)
 
 
-@pytest.fixture()
-def compile_kernels(monkeypatch):
-    """scripts/compile_kernels.py as a module."""
+def test_occupancy_follows_registers_and_shared_memory(monkeypatch):
     if "TRITON_INTERPRET" in os.environ:      # the script drops it as it loads: keep it for the later tests
         monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import compile_kernels
-    return compile_kernels
-
-
-def test_occupancy_follows_registers_and_shared_memory(compile_kernels):
-    occupancy_warps, runtime_signature = compile_kernels.occupancy_warps, compile_kernels.runtime_signature
+    from compile_kernels import occupancy_warps, runtime_signature
     assert occupancy_warps(168, 39168, 4, 90) == 12          # 5376 registers a warp: 12 warps, 3 blocks of 4
     assert occupancy_warps(32, 0, 4, 90) == 64               # the SM's 64-warp limit
     assert occupancy_warps(32, 100 * 1024, 4, 80) == 4       # one 100 KiB block fits in 164 KiB
@@ -56,14 +47,3 @@ def test_occupancy_follows_registers_and_shared_memory(compile_kernels):
                                                                                                     "stride_bt"})
     assert signature == {"p": "*bf16", "num_seqs": "i32", "stride_bt": "i32"} and list(attrs) == [(0,)]
     assert not constants
-
-
-def test_configurations_that_make_the_same_kernel_compile_once(compile_kernels):
-    every = list(compile_kernels.configurations())
-    kernels = compile_kernels.distinct(every)
-    assert sorted(label for labels, *_ in kernels for label in labels) == sorted(c[0] for c in every)
-    shared = next(labels for labels, *_ in kernels if "lora_merge bf16 adapters bf16 8b o r64 t16" in labels)
-    assert "lora_merge bf16 adapters bf16 8b down r64 t16" in shared      # the merge reads only the output widths
-    alone = next(labels for labels, *_ in kernels if "lora_expand bf16 adapters bf16 8b o r64 t16" in labels)
-    assert "lora_expand_delta bf16 adapters bf16 8b o r64 t16" not in alone     # DELTA differs
-    assert len(kernels) < len(every)
