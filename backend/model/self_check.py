@@ -228,10 +228,10 @@ def apply_fallbacks(ops, families: set[str]) -> None:
             setattr(ops, name, getattr(reference, name))
     if "lora" in families:
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
+    if families & {"lora", "lora_fold"}:
         ops.linear_lora_deferred = in_place(ops.linear_lora)
     if "lora_fold" in families:
         ops.lora = ops.lora.merged()
-        ops.linear_lora_deferred = in_place(ops.linear_lora)
     if families & {"lora", "lora_overlap"}:
         ops.lora = ops.lora.in_turn()
 
