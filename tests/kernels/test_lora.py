@@ -132,7 +132,8 @@ def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, sp
     h = lora_shrink(x, proj, step)
     assert h.shape == (num_tokens, len(widths) * max_rank) and h.dtype == dtype
     for band, band_ranks in enumerate(proj.ranks.tolist()):
-        want_h = reference_lora.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band], band_ranks)
+        want_h = reference_lora.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band],
+                                            band_ranks)
         for start, end, slot in zip(segments.starts_list, segments.starts_list[1:], segments.slots_list):
             if slot >= 0 and band_ranks[slot]:
                 rows = slice(band * max_rank, band * max_rank + band_ranks[slot])
