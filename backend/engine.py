@@ -6,6 +6,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from backend.beams import BeamSearch
 from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
 from backend.device import is_device_fault
@@ -20,7 +21,7 @@ from backend.model.results import LaunchedStep
 from backend.model.runner import ModelRunner
 from backend.outputs import StepOutput, StepOutputs, TokenRow, token_output
 from backend.overlap_check import check_overlap
-from backend.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status
+from backend.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status, stops
 from backend.scheduler import Batch, Scheduler, StepSummary
 from backend.sequences import RequestTable
 
@@ -217,6 +218,11 @@ class LLMEngine:
             if seq.status is finished:
                 num_dropped += 1
                 continue
+            if seq.beams is not None:
+                ids, log_probs = top_rows(r.top, launched.rows_of[seq], seq.beams.num_candidates)
+                if seq.beams.offer(seq, ids, log_probs):
+                    entries.append(self._select(seq.beams))
+                continue
             out = seq.output_ids
             if every_row or end is None or token == end or len(out) + 1 >= seq.params.max_new_tokens:
                 row, k = launched.rows_of[seq], seq.params.top_log_probs
@@ -230,6 +236,39 @@ class LLMEngine:
                 m.first_token_time_ns = now
             entries.append((seq, token, log_prob, m, now))
         self.num_generated_tokens += len(r.tokens) - num_dropped
+
+    def _select(self, search: BeamSearch) -> StepOutput:
+        """Every live beam of a search has offered its next tokens: one round of the search (backend/beams.py), its
+        beams moved on and their KV blocks shared or copied; the request's output (its beams so far, or its best
+        hypotheses when the search is done)."""
+        first, now = search.seqs[0], time.time_ns()
+        kept = search.select(lambda output_ids: stops(first.params, output_ids))
+        if search.done:
+            return self._finish_search(search)
+        copies, started, moved = search.advance(kept, self.blocks)
+        if copies:
+            self.runner.copy_kv_blocks(copies)
+        for seq in started:
+            self.scheduler.join(seq)
+        if moved:                                            # tables replaced: the next step built from scratch
+            self.scheduler.decoding = None
+            self.runner.kept.drop()
+        for seq in search.live:
+            m = seq.metrics
+            m.last_token_time_ns = now
+            if not m.first_token_time_ns:
+                m.first_token_time_ns = now
+        return StepOutput(first.request_id, [], metrics=first.metrics.copy(), beams=search.running())
+
+    def _finish_search(self, search: BeamSearch) -> StepOutput:
+        """A search done: every beam ends, the request's output its best num_return_sequences hypotheses."""
+        first = search.seqs[0]
+        best = search.best(first.params.num_return_sequences)
+        reason = "length" if len(best[0].output_ids) >= first.params.max_new_tokens else "stop"
+        for seq in search.seqs:
+            out = self._finish(seq, reason)
+        out.metrics, out.beams = first.metrics.copy(), best
+        return out
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> list[StepOutput]:
         """A failed step fails its requests, never the engine; unless the engine itself cannot go on."""
@@ -293,6 +332,8 @@ class LLMEngine:
             for out in self.step():
                 if out.error:
                     raise RuntimeError(out.error)
-                if out.request_id in outputs:
+                if out.request_id in outputs and out.beams is not None and out.request_finished:
+                    outputs[out.request_id] = out.beams[0].output_ids          # beam search: the best beam
+                elif out.request_id in outputs:
                     outputs[out.request_id] += out.new_token_ids
         return [outputs[request_id] for request_id in ids]

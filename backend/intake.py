@@ -3,6 +3,7 @@ names its field), its adapter cached, its grammar compiled, and its sequences ma
 from dataclasses import fields
 from typing import Callable
 
+from backend.beams import BeamSearch
 from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig
 from backend.kv_cache import BlockManager
@@ -25,7 +26,8 @@ class RequestIntake:
                                     max_input_values=max(MAX_BATCH_ROWS * max_input_len,
                                                          config.lora.host_memory_bytes // 2),
                                     max_top_log_probs=config.max_top_log_probs,
-                                    max_log_probs=config.max_log_probs_per_request)
+                                    max_log_probs=config.max_log_probs_per_request,
+                                    max_beam_width=config.max_beam_width)
         self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if config.guided_decoding_backend == "xgrammar":
             from backend.guided import GuidedDecoding
@@ -57,9 +59,13 @@ class RequestIntake:
             raise RequestError(field_name, f"{num_log_probs} log probs ((k + 1) x tokens x "
                                            f"sequences) exceed the model's max_log_probs_per_request "
                                            f"{self.limits.max_log_probs}")
-        needed = -(-(len(prompt_ids) + params.max_new_tokens) // self.blocks.block_size)
+        size, width = self.blocks.block_size, params.beam_width
+        needed = -(-(len(prompt_ids) + params.max_new_tokens) // size)
+        if width > 1:                                  # the prompt's full blocks once, the rest by beam
+            needed = len(prompt_ids) // size + width * (needed - len(prompt_ids) // size)
         if needed > self.blocks.num_blocks:
-            raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks, "
+            raise RequestError("request_output_len", f"prompt + output need {needed} KV blocks"
+                                                     f"{f' ({width} beams)' if width > 1 else ''}, "
                                                      f"the cache holds {self.blocks.num_blocks}")
         return prompt_ids
 
@@ -72,13 +78,17 @@ class RequestIntake:
             self.lora_cache.insert(lora.task_id, lora.adapter or self.lora_cache.parse(lora.weights, lora.config))
         if params.guide_type is not None:
             params.grammar = params.grammar or self.compile_guide(params)
-        for _ in range(params.num_return_sequences):
+        for _ in range(params.num_sequences):
             self.lora_cache.ref(lora_task_id)                # raises for an adapter the cache lacks
         if lora is not None and lora.name:
             self.lora_cache.names[lora.task_id] = lora.name
         adapter_key = self.lora_cache.key(lora_task_id)
         members = [Sequence(request_id, prompt_ids, params, lora_task_id, sequence_index=i, adapter_key=adapter_key)
-                   for i in range(params.num_return_sequences)]
+                   for i in range(params.num_sequences)]
+        if params.beam_width > 1:
+            search = BeamSearch(members)
+            for seq in members:
+                seq.beams = search
         if params.grammar is not None:
             for seq in members:
                 seq.matcher = self.guided.matcher(params.grammar)

@@ -32,6 +32,8 @@ class StepOutput:
     top_ids: list[list[int]] = field(default_factory=list)            # by new token: its top_log_probs alternatives
     top_log_probs: list[list[float]] = field(default_factory=list)
     prompt_log_probs: PromptLogProbs | None = None  # with the first token, when asked for (return_prompt_log_probs)
+    beams: list | None = None                 # beam search: each beam's tokens so far, best first (backend/beams.py's
+                                              # Hypothesis); when the request finishes, its best hypotheses
 
 
 class StepOutputs:

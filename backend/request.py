@@ -32,6 +32,7 @@ class RequestLimits:
     max_input_values: int = 1 << 28           # values of any one input tensor, as declared (an adapter's weights)
     max_top_log_probs: int = 20               # top alternatives at each token
     max_log_probs: int = 1 << 22              # log probs (chosen and top) one request may ask for
+    max_beam_width: int = 1                   # beams of one request (the model's max_beam_width)
 
 
 def check_finite(name: str, value: float) -> None:
@@ -60,8 +61,12 @@ class SamplingParams:
     return_prompt_log_probs: bool = False     # each prompt token's log prob given those before it (with its top ones)
     return_generation_logits: bool = False    # each sampled token's [vocab] logits, as the model gave them
     return_context_logits: bool = False       # the prompt's [prompt_len, vocab] logits, with the first token
-    beam_width: int = 1
-    num_return_sequences: int = 1             # samples of the prompt, sharing its KV blocks
+    beam_width: int = 1                       # > 1: beam search (backend/beams.py), deterministic: temperature,
+                                              # top-k/p, min-p and seed do not apply
+    length_penalty: float = 1.0               # beams ranked by cum log prob / length ** length_penalty
+    early_stopping: bool | str = True         # True, False or "never" (transformers' meanings)
+    diversity_rate: float = 0.0               # beam_search_diversity_rate: only 0
+    num_return_sequences: int = 1             # samples of the prompt sharing its KV blocks; with beams, the best n
     top_p_min: float = 1e-6                   # top-p decay (TensorRT-LLM): after each token top_p becomes
     top_p_decay: float = 1.0                  # max(top_p * decay, top_p_min), and the initial top_p again
     top_p_reset_id: int | None = None         # when the token is top_p_reset_id
@@ -92,9 +97,20 @@ class SamplingParams:
         return prompt + generated
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: its beams, or its samples."""
+        return self.beam_width if self.beam_width > 1 else self.num_return_sequences
+
+    @property
+    def num_candidates(self) -> int:
+        """Most likely next tokens each row's step returns: a beam's 2 x beam_width, else the top alternatives."""
+        return max(self.top_log_probs, 2 * self.beam_width if self.beam_width > 1 else 0)
+
+    @property
     def reads_last_token(self) -> bool:
-        """The next step's sampling inputs depend on the last token: penalties, bad words, top-p decay."""
-        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+        """The next step's inputs depend on the last token: beams (chosen on the host), penalties, bad words, top-p
+        decay."""
+        return (self.beam_width > 1 or self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
                 or bool(self.bad_words) or self.top_p_decay != 1.0 or self.top_p_reset_id is not None)
 
     def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
@@ -107,8 +123,7 @@ class SamplingParams:
         if self.max_new_tokens <= 0:
             raise RequestError("request_output_len", f"must be > 0, got {self.max_new_tokens}")
         if self.beam_width != 1:
-            raise RequestError("beam_width", f"only beam_width 1 is supported (beam search is not), got "
-                                             f"{self.beam_width}")
+            self._validate_beams(vocab_size, limits)
         if not 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES:
             raise RequestError("num_return_sequences", f"must be in [1, {MAX_RETURN_SEQUENCES}], got "
                                                        f"{self.num_return_sequences}")
@@ -152,6 +167,41 @@ class SamplingParams:
             for word in words:
                 if not word or any(not 0 <= t < vocab_size for t in word):
                     raise RequestError(name, f"word {word} is empty or has ids outside [0, {vocab_size})")
+
+
+    def _validate_beams(self, vocab_size: int, limits: RequestLimits | None) -> None:
+        max_width = limits.max_beam_width if limits is not None else MAX_RETURN_SEQUENCES
+        if not 1 <= self.beam_width <= max_width:
+            raise RequestError("beam_width", f"{self.beam_width} is outside [1, {max_width}] (the model's "
+                                             f"max_beam_width {max_width})")
+        if 2 * self.beam_width > vocab_size:
+            raise RequestError("beam_width", f"2 x {self.beam_width} exceeds the vocabulary ({vocab_size})")
+        if not 1 <= self.num_return_sequences <= self.beam_width:
+            raise RequestError("num_return_sequences", f"must be in [1, beam_width {self.beam_width}] with beam "
+                                                       f"search, got {self.num_return_sequences}")
+        check_finite("len_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise RequestError("early_stopping", f"must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.diversity_rate != 0.0:
+            raise RequestError("beam_search_diversity_rate", f"diverse beam search is not supported; must be 0, got "
+                                                             f"{self.diversity_rate}")
+        for name, asked in (("num_top_log_probs", self.top_log_probs > 0),
+                            ("return_generation_logits", self.return_generation_logits),
+                            ("return_context_logits", self.return_context_logits),
+                            ("return_prompt_log_probs", self.return_prompt_log_probs),
+                            ("guided_decoding_guide_type", self.guide_type is not None)):
+            if asked:
+                raise RequestError(name, f"is not supported with beam search (beam_width {self.beam_width})")
+
+
+def stops(params: SamplingParams, output_ids: list[int]) -> bool:
+    """These output tokens end a sequence by its end token or a stop word (once min_tokens are out)."""
+    p, out = params, output_ids
+    if len(out) < p.min_tokens:
+        return False
+    if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
+        return True
+    return bool(p.stop_words) and any(out[-len(word):] == word for word in p.stop_words)
 
 
 def validate_prompt(prompt_ids: list[int], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
@@ -218,6 +268,7 @@ class Sequence:
     adapter_key: bytes = b""                  # the adapter (task id and version) in the names of its KV blocks
     block_digests: list[bytes] = field(default_factory=list)    # names of its full blocks, when reuse is on
     matcher: object | None = None             # its grammar's state, under guided decoding
+    beams: object | None = None               # its request's BeamSearch (backend/beams.py), under beam search
     context_logits: dict[int, object] = field(default_factory=dict)   # prompt chunk start -> [n, vocab] (host)
     prompt_scores: dict[int, object] = field(default_factory=dict)    # prompt chunk start -> its scored rows (host
                                                                       # values [n, 2 + k], ids [n, k])
@@ -275,9 +326,6 @@ class Sequence:
         p, out = self.params, self.output_ids
         if self.matcher is not None and self.matcher.is_terminated():
             return "stop"
-        if len(out) >= p.min_tokens:
-            if p.end_id is not None and not p.ignore_end_id and out[-1] == p.end_id:
-                return "stop"
-            if p.stop_words and any(out[-len(word):] == word for word in p.stop_words):
-                return "stop"
+        if stops(p, out):
+            return "stop"
         return "length" if len(out) >= p.max_new_tokens else None

@@ -58,8 +58,8 @@ def prepare(seqs: list[Sequence], vocab_size: int) -> SamplingPlan:
     guided = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     plan = SamplingPlan(num_rows=len(seqs), any_sampled=bool(sampled), max_top_k=0, any_top_p=False, any_min_p=False,
                         num_repetition=0, num_presence=0, num_bans=0, num_biased=0, num_guided=len(guided),
-                        any_log_probs=any(p.any_log_probs for p in params),
-                        max_top_log_probs=max(p.top_log_probs for p in params) if params else 0,
+                        any_log_probs=any(p.any_log_probs or p.beam_width > 1 for p in params),
+                        max_top_log_probs=max(p.num_candidates for p in params) if params else 0,
                         reusable=not sampled and not extra and not guided)
     t = plan.t
     if sampled:

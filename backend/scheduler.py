@@ -138,6 +138,9 @@ class Scheduler:
                 continue
             num_tokens = len(seq.prompt_ids) + num_output
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if not num_new:                          # a beam that has offered its next tokens waits for the others
+                kept.append(seq)
+                continue
             if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:   # a block more (rarely)
                 while not self.blocks.can_allocate(seq, num_new):
                     victim = pending.pop() if pending else seq
@@ -156,6 +159,9 @@ class Scheduler:
         waiting_for_slot: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.beams is not None and not seq.output_ids and \
+                    len(self.running) + seq.params.beam_width > self.max_num_seqs:
+                break                                # a search's first sequence holds a seat for each of its beams
             num_reused = self.blocks.match_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_allocate(seq, num_new, keep_watermark=True):
@@ -179,10 +185,27 @@ class Scheduler:
             self.running.append(seq)
             budget -= num_new
         self.waiting.extendleft(reversed(waiting_for_slot))     # back at the head, in order: first to get a slot
+        if not items and self.waiting and self.running and not preempted:
+            self._unblock_beams()
         if items and len(items) == len(self.running) and all(item.num_new_tokens == 1 and item.samples
                                                              for item in items):
             self._start_decoding(items)
         return Batch(items, self.num_preemptions)
+
+    def join(self, seq: Sequence) -> None:
+        """A beam that starts running at once, on blocks it shares with the beam it continues (its seat was held)."""
+        if self.adapters is not None:
+            self.adapters.acquire(seq.lora_task_id)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self.decoding = None
+
+    def _unblock_beams(self) -> None:
+        """Nothing ran: the running sequences are beams waiting for another beam of theirs that waits for blocks
+        they hold. They step back and are computed again once their search's beams fit together."""
+        if all(seq.beams is not None and seq.num_uncomputed_tokens == 0 for seq in self.running):
+            for seq in reversed(list(self.running)):
+                self._preempt(seq)
 
     def _start_decoding(self, items: list[ScheduledSeq]) -> None:
         """Steady decoding from this batch on: each step, every sequence one token more. A sequence needs a block more
@@ -224,6 +247,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.decoding = None
+        if seq.beams is not None:
+            seq.beams.withdraw(seq)              # it samples again once computed again
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)

@@ -15,7 +15,7 @@ class RequestTable(dict):
 
     def add(self, request_id: Hashable, members: list[Sequence]) -> None:
         self[request_id] = members
-        if len(members) > 1:
+        if len(members) > 1 and members[0].beams is None:        # (beams start from the search: backend/beams.py)
             self.waiting_forks[members[0]] = members[1:]
 
     def take_forks(self, first: Sequence) -> list[Sequence]:

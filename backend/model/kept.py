@@ -111,7 +111,7 @@ def plain_end(seq) -> int | None:
     that end id (-1: none). None where a token needs more: log probs or logits to return (the prompt's come with the
     first token), stop words, a grammar, top-p decay, min_tokens still to come."""
     p = seq.params
-    if (p.any_log_probs or p.return_generation_logits or p.stop_words or seq.matcher is not None
+    if (p.any_log_probs or p.beam_width > 1 or p.return_generation_logits or p.stop_words or seq.matcher is not None
             or p.top_p_decay != 1.0 or p.top_p_reset_id is not None
             or (p.reads_prompt_logits and not seq.output_ids)
             or p.min_tokens > len(seq.output_ids)):
@@ -174,6 +174,10 @@ class KeptBatch:
         if not all(item.num_new_tokens == 1 and item.seq is kept.seq for item, kept in zip(batch.items, last)):
             return None
         return rows, [batch.items[i] for i in rows.order]
+
+    def drop(self) -> None:
+        """The next step is built from scratch (block tables were replaced: beams took others' places)."""
+        self.rows, self.items = None, []
 
     def keep(self, items: list, launch_items: list, rows: LaunchRows, inputs, num_preemptions: int) -> None:
         """A step launched (its scheduled items, and in launch order; its StepInputs `inputs`): kept where each of its
