@@ -36,10 +36,9 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "context_phase_params": ("disaggregated serving", EMPTY),
 }
 
-# Read by TensorRT-LLM only for beam search, draft tokens or prompt tables: with beam_width 1 and no drafts or
-# table it ignores them whatever their value, and so do we.
-IGNORED = ("len_penalty", "early_stopping", "beam_search_diversity_rate", "draft_acceptance_threshold",
-           "prompt_vocab_size", "pad_id")
+# Read by TensorRT-LLM only for draft tokens or prompt tables: with no drafts or table it ignores them whatever their
+# value, and so do we. (Beam search's len_penalty, early_stopping and beam_search_diversity_rate are read.)
+IGNORED = ("draft_acceptance_threshold", "prompt_vocab_size", "pad_id")
 
 
 # the same for the inputs only the text models (`ensemble`, `tensorrt_llm_bls`) declare

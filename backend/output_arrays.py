@@ -19,6 +19,22 @@ def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[s
     }
 
 
+def beam_arrays(beams: list, prompt: list[int], pad_id: int) -> dict[str, np.ndarray]:
+    """A beam search's response for its beams (backend/beams.py's Hypothesis, best first): output_ids [1, beams, n]
+    (each beam's tokens after `prompt`, padded with pad_id, TensorRT-LLM's end id), sequence_length [1, beams],
+    cum_log_probs [1, beams] (each beam's sum of log probs) and output_log_probs [1, beams, n]."""
+    n = len(prompt) + max(len(beam.output_ids) for beam in beams)
+    ids = np.full((1, len(beams), n), pad_id, dtype=np.int32)
+    log_probs = np.zeros((1, len(beams), n), dtype=np.float32)
+    for i, beam in enumerate(beams):
+        ids[0, i, :len(prompt) + len(beam.output_ids)] = prompt + beam.output_ids
+        log_probs[0, i, len(prompt):len(prompt) + len(beam.log_probs)] = beam.log_probs
+    return {"output_ids": ids,
+            "sequence_length": np.array([[len(prompt) + len(beam.output_ids) for beam in beams]], dtype=np.int32),
+            "cum_log_probs": np.array([[beam.cum_log_prob for beam in beams]], dtype=np.float32),
+            "output_log_probs": log_probs}
+
+
 def top_arrays(ids: list[list[int]], log_probs: list[list[float]], request: ParsedRequest) -> dict[str, np.ndarray]:
     """Our extension (num_top_log_probs): each new token's k most likely tokens, output_top_log_probs (FP32) and
     output_top_log_prob_ids (INT32) [1, beam=1, tokens, k]."""
@@ -54,7 +70,7 @@ def extra_arrays(row: ParsedRequest, batch_size: int, batch_index: int, sequence
     out = {}
     if batch_size > 1:
         out["batch_index"] = np.array([[batch_index]], dtype=np.int32)
-    if row.params.num_return_sequences > 1:
+    if row.params.num_return_sequences > 1 and row.params.beam_width == 1:     # (beams come in one response)
         out["sequence_index"] = np.array([[sequence_index]], dtype=np.int32)
     if row.return_perf_metrics and metrics is not None:
         out |= {name: np.array([[value]], dtype=np.int32) for name, value in (

@@ -138,6 +138,7 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
     temperature = _scalar(arrays, "temperature", float, 1.0)   # read (and checked) even where greedy ignores it
     end_id = _scalar(arrays, "end_id", int)
     seed = _scalar(arrays, "seed", int, _scalar(arrays, "random_seed", int))
+    beam_width = _scalar(arrays, "beam_width", int, 1)
     words = {name: parse_words(name, arrays[name], limits) if name in arrays else []
              for name in ("stop_words_list", "bad_words_list")}
     params = SamplingParams(
@@ -159,8 +160,11 @@ def parse_row(arrays: dict[str, np.ndarray], limits: RequestLimits) -> ParsedReq
         return_prompt_log_probs=_scalar(arrays, "return_prompt_log_probs", bool, False),
         return_generation_logits=_scalar(arrays, "return_generation_logits", bool, False),
         return_context_logits=_scalar(arrays, "return_context_logits", bool, False),
-        beam_width=_scalar(arrays, "beam_width", int, 1),
-        num_return_sequences=_scalar(arrays, "num_return_sequences", int, 1),
+        beam_width=beam_width,
+        length_penalty=_scalar(arrays, "len_penalty", float, 1.0),
+        early_stopping=_scalar(arrays, "early_stopping", bool, True),
+        diversity_rate=_scalar(arrays, "beam_search_diversity_rate", float, 0.0),
+        num_return_sequences=_scalar(arrays, "num_return_sequences", int, beam_width),   # beams: all of them
         top_p_min=_scalar(arrays, "runtime_top_p_min", float, 1e-6),
         top_p_decay=_scalar(arrays, "runtime_top_p_decay", float, 1.0),
         top_p_reset_id=_reset_id(_scalar(arrays, "runtime_top_p_reset_ids", int)),

@@ -125,9 +125,9 @@ class CoreClient:
                         raise AdapterNotFound(response.error_message)
                     raise from_core(response.error_message)
                 result = response.infer_response
-                chunk = parse(result)
-                if chunk.token_ids:
-                    yield chunk
+                for chunk in parse(result):
+                    if chunk.token_ids:
+                        yield chunk
                 if result.parameters["triton_final_response"].bool_param:
                     await call_ended(call)
                     return
@@ -145,13 +145,23 @@ class AdapterNotFound(Exception):
     pass
 
 
-def parse(result: service_pb2.ModelInferResponse) -> CoreChunk:
+def parse(result: service_pb2.ModelInferResponse) -> list[CoreChunk]:
+    """A response's chunks: one, or under beam search one per beam (output_ids [1, beams, n], each beam's tokens
+    up to its sequence_length)."""
     outputs = {out.name: (out.shape, raw) for out, raw in zip(result.outputs, result.raw_output_contents)}
 
     def array(name: str, dtype) -> np.ndarray:
         shape, raw = outputs.get(name, ((0,), b""))
         return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
+    ids = array("output_ids", np.int32)
+    if ids.ndim == 3 and ids.shape[1] > 1:
+        lengths = array("sequence_length", np.int32).reshape(-1)
+        return [CoreChunk(beam, ids[0, beam, :n].tolist(), []) for beam, n in enumerate(lengths.tolist())]
+    return [parse_one(array, outputs)]
+
+
+def parse_one(array, outputs: dict) -> CoreChunk:
     index = array("sequence_index", np.int32).reshape(-1)
     chunk = CoreChunk(int(index[0]) if index.size else 0, array("output_ids", np.int32).reshape(-1).tolist(),
                       array("output_log_probs", np.float32).reshape(-1).tolist())

@@ -76,8 +76,22 @@ def check_supported(req: SamplingRequest) -> None:
             raise bad_request("top_logprobs", "needs logprobs true")
         if req.max_tokens == 0:
             raise bad_request("max_tokens", "must be >= 1 (0 only scores a prompt: completions with echo)")
+    if req.use_beam_search:
+        check_beams(req)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs", "is not available when stream is true")
+
+
+def check_beams(req: SamplingRequest) -> None:
+    """Beam search (vLLM's use_beam_search): n beams, ranked by log prob; what it cannot combine with is refused."""
+    if (req.top_p or 1.0) < 1.0 or (req.top_k or 0) > 0 or req.min_p or req.seed is not None:
+        raise bad_request("use_beam_search", "beams are ranked by log prob, not sampled: top_p, top_k, min_p and "
+                                             "seed must be unset")
+    if req.logprobs not in (None, False) or getattr(req, "top_logprobs", None) or req.prompt_logprobs is not None or \
+            getattr(req, "echo", False):
+        raise bad_request("use_beam_search", "log probs and echo are not available with beam search")
+    if guide(req) is not None:
+        raise bad_request("use_beam_search", "guided decoding is not available with beam search")
 
 
 def log_probs_asked(req: SamplingRequest, chat: bool) -> LogProbsAsked:
@@ -113,8 +127,12 @@ def core_arrays(req: SamplingRequest, prompt_ids: list[int], num_tokens: int, in
     arrays = {"input_ids": np.array([prompt_ids], np.int32), "input_lengths": scalar(len(prompt_ids), np.int32),
               "request_output_len": scalar(max(num_tokens, 1), np.int32), "streaming": scalar(True, np.bool_),
               "num_return_sequences": scalar(req.n, np.int32)}
+    if req.use_beam_search:                          # the n best beams, all at the end (beams change until then)
+        arrays |= {"beam_width": scalar(req.n, np.int32), "len_penalty": scalar(req.length_penalty, np.float32),
+                   "early_stopping": scalar(req.early_stopping, np.bool_), "streaming": scalar(False, np.bool_),
+                   "exclude_input_in_output": scalar(True, np.bool_)}
     temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature > 0:                              # the core samples when runtime_top_p > 0
+    if temperature > 0 and not req.use_beam_search:  # the core samples when runtime_top_p > 0
         arrays |= {"temperature": scalar(temperature, np.float32),
                    "runtime_top_p": scalar(req.top_p or 1.0, np.float32)}
         if req.top_k and req.top_k > 0:

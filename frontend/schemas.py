@@ -77,6 +77,9 @@ class SamplingRequest(Strict):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     structured_outputs: StructuredOutputs | None = None
+    use_beam_search: bool = False                           # vLLM's extension: n beams, the n best returned
+    length_penalty: float = Field(1.0, allow_inf_nan=False)  # with beam search: score = cum log prob / len ** this
+    early_stopping: bool = False                            # with beam search: stop once n beams have ended
     # sent by OpenAI's clients; nothing here depends on them
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -40,9 +40,25 @@ def test_an_input_of_a_feature_we_lack_accepts_its_neutral_value_and_refuses_oth
 
 
 @pytest.mark.parametrize("name", IGNORED)
-def test_beam_search_and_draft_knobs_are_ignored_at_beam_width_1_as_tensorrt_llm_does(name):
+def test_draft_and_prompt_table_knobs_are_ignored_as_tensorrt_llm_does_without_them(name):
     [row] = parse_request(BASE | {name: np.array([[3]], dtype=np.int32)}, LIMITS)
     assert row.params == parse_request(BASE, LIMITS)[0].params
+
+
+def test_beam_search_inputs_are_read_and_all_beams_returned_unless_num_return_sequences_says():
+    beams = {"beam_width": np.array([[4]], dtype=np.int32), "len_penalty": np.array([[0.5]], dtype=np.float32),
+             "early_stopping": np.array([[False]])}
+    [row] = parse_request(BASE | beams, LIMITS)
+    p = row.params
+    assert (p.beam_width, p.length_penalty, p.early_stopping, p.num_return_sequences) == (4, 0.5, False, 4)
+    [row] = parse_request(BASE | beams | {"num_return_sequences": np.array([[2]], dtype=np.int32)}, LIMITS)
+    assert row.params.num_return_sequences == 2
+    [row] = parse_request(BASE | {"beam_search_diversity_rate": np.array([[0.5]], dtype=np.float32)}, LIMITS)
+    row.params.validate(vocab_size=100, limits=LIMITS)                 # beam width 1: not read, as TensorRT-LLM
+    [row] = parse_request(BASE | beams | {"beam_search_diversity_rate": np.array([[0.5]], dtype=np.float32)},
+                          LIMITS)
+    with pytest.raises(RequestError, match="^beam_search_diversity_rate: diverse beam search is not supported"):
+        row.params.validate(vocab_size=100, limits=RequestLimits(max_input_len=16, max_beam_width=4))
 
 
 @pytest.mark.parametrize("name,shape,words", [

@@ -19,7 +19,7 @@ from backend.text import (IncrementalDetokenizer, decode_strings, embedding_bias
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # text model input -> core model input, passed through as they are
 TO_CORE = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
-           "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty",
+           "length_penalty": "len_penalty", "early_stopping": "early_stopping", "repetition_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "min_length": "min_tokens",
            "random_seed": "seed", "beam_width": "beam_width", "stream": "streaming",
            "exclude_input_in_output": "exclude_input_in_output", "num_return_sequences": "num_return_sequences",
@@ -131,7 +131,7 @@ class TritonPythonModel:
         if streaming and not self.decoupled:
             raise RequestError("stream", "streaming is only supported in decoupled mode")
         llm = pb_utils.InferenceRequest(model_name=self.core, inputs=self._core_inputs(inputs), request_id=core_id,
-                                        requested_output_names=["output_ids", *PASSED_OUTPUTS])
+                                        requested_output_names=["output_ids", "sequence_length", *PASSED_OUTPUTS])
         self.watcher.watch(core_id, sender)
         detokenizers: dict[tuple[int, int], IncrementalDetokenizer] = {}
         last = None
@@ -142,12 +142,17 @@ class TritonPythonModel:
             ids = arrays.pop("output_ids", None)
             if ids is None:
                 continue
-            key = (index(arrays, "batch_index"), index(arrays, "sequence_index"))
-            detok = detokenizers.setdefault(key, IncrementalDetokenizer(self.tokenizer))
-            text = detok.add(ids.reshape(-1).tolist())
-            if streaming and not text:
-                continue                                     # a character still partial
-            last = pb_utils.InferenceResponse([tensor("text_output", np.array([text.encode()], dtype=object))] +
+            lengths = arrays.pop("sequence_length", None)
+            if ids.shape[1] > 1:                             # beams: each one's whole text (beams change as they go)
+                texts = [self.tokenizer.decode(ids[0, b, :lengths[0, b]], skip_special_tokens=True).encode()
+                         for b in range(ids.shape[1])]
+            else:
+                key = (index(arrays, "batch_index"), index(arrays, "sequence_index"))
+                detok = detokenizers.setdefault(key, IncrementalDetokenizer(self.tokenizer))
+                texts = [detok.add(ids.reshape(-1).tolist()).encode()]
+                if streaming and not texts[0]:
+                    continue                                 # a character still partial
+            last = pb_utils.InferenceResponse([tensor("text_output", np.array(texts, dtype=object))] +
                                               [tensor(name, value) for name, value in arrays.items()])
             if self.decoupled:
                 sender.send(last)

@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 from backend import LLMEngine, RequestError                    # noqa: E402
 from backend.heartbeat import Heartbeat, watchdog               # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
-from backend.output_arrays import (extra_arrays, first_arrays, generation_logits, merge_rows,   # noqa: E402
-                                   output_arrays, top_arrays)
+from backend.output_arrays import (beam_arrays, extra_arrays, first_arrays, generation_logits,   # noqa: E402
+                                   merge_rows, output_arrays, top_arrays)
 from backend.protocol import check_declared, parse_request     # noqa: E402
 from backend.responder import STEPS_BEHIND                     # noqa: E402
 from backend.serving import EngineLoop                         # noqa: E402
@@ -30,7 +30,7 @@ INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num
               "max_loras", "lora_cache_host_memory_bytes", "lora_cache_max_adapter_size", "max_queue_size",
               "max_words", "max_word_len", "cancellation_check_period_ms", "responder_steps_behind",
               "tensor_parallel_size", "guided_decoding_compile_memory_bytes", "max_top_log_probs",
-              "max_log_probs_per_request")
+              "max_log_probs_per_request", "max_beam_width")
 AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
@@ -96,6 +96,9 @@ class TritonStream:
         if not self.outputs:
             self.metrics.observe_ttft(time.perf_counter() - self.start)
         row = self.requests[batch_index]
+        if out.beams is not None:
+            self._emit_beams(out, row, batch_index, last)
+            return
         tokens, log_probs, top_ids, top_log_probs = self.outputs.setdefault((batch_index, out.sequence_index),
                                                                             ([], [], [], []))
         tokens += out.new_token_ids
@@ -119,6 +122,19 @@ class TritonStream:
             arrays = output_arrays(prompt + tokens, [0.0] * len(prompt) + log_probs) | first
             self._send(arrays | top_arrays(top_ids, top_log_probs, row) | generation_logits(logits, row), last, row,
                        batch_index, out, len(tokens))
+        if last:
+            self.metrics.count("success")
+
+    def _emit_beams(self, out, row, batch_index: int, last: bool) -> None:
+        """A beam search's outputs: streaming, each round's beams so far (they change as beams take others'
+        places); either way its best beams when it ends, with the prompt unless excluded, as TensorRT-LLM sends
+        them."""
+        self.outputs[(batch_index, 0)] = ([], [], [], [])          # (its first output counted for the TTFT)
+        if row.streaming or out.request_finished:
+            prompt = [] if row.streaming or row.exclude_input_in_output else row.prompt_ids
+            num_tokens = len(out.beams[0].output_ids)
+            pad = row.params.end_id if row.params.end_id is not None else 0
+            self._send(beam_arrays(out.beams, prompt, pad), last, row, batch_index, out, num_tokens)
         if last:
             self.metrics.count("success")
 
@@ -174,7 +190,7 @@ def check_unary(rows) -> None:
     """Without decoupled mode a request gets exactly one response: its rows' outputs together, not streamed."""
     if any(row.streaming for row in rows):
         raise RequestError("streaming", "streaming is only supported in decoupled mode")
-    if any(row.params.num_return_sequences > 1 for row in rows):
+    if any(row.params.num_return_sequences > 1 and row.params.beam_width == 1 for row in rows):
         raise RequestError("num_return_sequences", "several sequences of a prompt need decoupled mode (one "
                                                    "response each)")
 
