@@ -46,7 +46,8 @@ class EngineConfig:
                                               # max_logprobs)
     max_log_probs_per_request: int = 1 << 22  # (k + 1) x (prompt tokens scored + output tokens) x sequences: the log
                                               # probs one request may ask for
-    max_beam_width: int = 8                   # beams one request may ask for (TensorRT-LLM's name)
+    max_beam_width: int = 8                   # beams one request may ask for (TensorRT-LLM's name; at most
+                                              # max_num_seqs: a request's beams step together)
     guided_decoding_backend: str = ""         # "xgrammar": guided decoding on (needs the model's tokenizer)
     tokenizer_dir: str | None = None          # for guided decoding; default: model_dir
     guided_decoding_compile_timeout_s: float = 5.0        # a grammar's compile, past which it is refused
@@ -94,9 +95,6 @@ class EngineConfig:
                              f"{self.guided_decoding_compile_memory_bytes}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
-        if self.max_beam_width > self.max_num_seqs:
-            raise ValueError(f"max_beam_width ({self.max_beam_width}) must be <= max_num_seqs ({self.max_num_seqs}): "
-                             f"a request's beams step together")
         if self.max_top_log_probs < 0:
             raise ValueError(f"max_top_log_probs must be >= 0, got {self.max_top_log_probs}")
         if not 0.0 <= self.kv_watermark < 1.0:

@@ -27,7 +27,7 @@ class RequestIntake:
                                                          config.lora.host_memory_bytes // 2),
                                     max_top_log_probs=config.max_top_log_probs,
                                     max_log_probs=config.max_log_probs_per_request,
-                                    max_beam_width=config.max_beam_width)
+                                    max_beam_width=min(config.max_beam_width, config.max_num_seqs))
         self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if config.guided_decoding_backend == "xgrammar":
             from backend.guided import GuidedDecoding
