@@ -228,3 +228,41 @@ def test_a_dora_adapter_in_tensorrt_llm_four_column_form_answers_as_in_process(t
                                                          lora_task_id=np.array([[303]], np.uint64), **carry))
         assert result.error is None, result.error
         assert result.tokens == tokens
+
+
+def in_process_beams(engine, prompt: list[int], **params) -> list:
+    """The in-process engine's beam search: its best beams (Hypothesis), best first."""
+    request_id = engine.add_request(prompt, **params)
+    final = None
+    while request_id in engine.seqs:
+        final = next((out for out in engine.step() if out.request_id == request_id and out.request_finished), final)
+    return final.beams
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_beam_search_returns_every_beam_in_tensorrt_llms_shapes(tiny_server, engine, streaming):
+    prompt = random_prompts([13], 512, seed=44)[0]
+    want = in_process_beams(engine, prompt, max_new_tokens=MAX_NEW, beam_width=3, num_return_sequences=3,
+                            length_penalty=0.5, end_id=7)
+    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs(
+        prompt, MAX_NEW, streaming, beam_width=np.array([[3]], np.int32), len_penalty=np.array([[0.5]], np.float32),
+        end_id=np.array([[7]], np.int32), return_log_probs=np.array([[True]])))
+    try:
+        responses = [r for r in stream.results() if r.as_numpy("output_ids") is not None]
+    finally:
+        stream.close()
+    if streaming:                      # each round's beams so far, all of the same length, then the best beams
+        shapes = [r.as_numpy("output_ids").shape for r in responses]
+        assert all(shape[:2] == (1, 3) for shape in shapes) and len(shapes) > 1
+        assert [shape[2] for shape in shapes[:-1]] == list(range(1, len(shapes)))
+    last = responses[-1]
+    prefix = [] if streaming else prompt
+    lengths = last.as_numpy("sequence_length")[0].tolist()
+    ids = last.as_numpy("output_ids")[0]
+    assert lengths == [len(prefix) + len(beam.output_ids) for beam in want]
+    assert [ids[b, :n].tolist() for b, n in enumerate(lengths)] == [prefix + beam.output_ids for beam in want]
+    assert all((ids[b, n:] == 7).all() for b, n in enumerate(lengths)), "padded with the end id"
+    assert last.as_numpy("cum_log_probs")[0] == pytest.approx([beam.cum_log_prob for beam in want], abs=1e-4)
+    log_probs = last.as_numpy("output_log_probs")[0]
+    for b, (n, beam) in enumerate(zip(lengths, want)):
+        assert log_probs[b, len(prefix):n].tolist() == pytest.approx(beam.log_probs, abs=1e-4)

@@ -389,3 +389,32 @@ def test_weights_are_sent_again_when_the_core_no_longer_has_them(smollm2_server,
         finally:
             await core.close()
     assert asyncio.run(generate()) == core_task(ids, "rand2") and ghost.accepted
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_vllms_beam_search_returns_the_core_models_best_beams(client, tokenizer, smollm2_server, chat):
+    prompt = "The three primary colors are"
+    ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}]) if chat else tokenizer(prompt)["input_ids"]
+    stream = Stream(smollm2_server.grpc_url).send(trtllm_inputs(
+        ids, MAX_NEW, False, end_id=np.array([[2]], np.int32), beam_width=np.array([[3]], np.int32),
+        len_penalty=np.array([[0.8]], np.float32), exclude_input_in_output=np.array([[True]])))
+    try:
+        [core] = [r for r in stream.results() if r.as_numpy("output_ids") is not None]
+    finally:
+        stream.close()
+    lengths = core.as_numpy("sequence_length")[0].tolist()
+    want = [tokenizer.decode(core.as_numpy("output_ids")[0, b, :n], skip_special_tokens=True)
+            for b, n in enumerate(lengths)]
+    extra = {"use_beam_search": True, "length_penalty": 0.8}
+    if chat:
+        response = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": prompt}], n=3,
+                                                  max_tokens=MAX_NEW, temperature=0, extra_body=extra)
+        texts = [choice.message.content for choice in response.choices]
+    else:
+        response = client.completions.create(model=BASE, prompt=prompt, n=3, max_tokens=MAX_NEW, temperature=0,
+                                             extra_body=extra)
+        texts = [choice.text for choice in response.choices]
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert texts == want and len(set(texts)) == 3
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model=BASE, prompt=prompt, n=2, max_tokens=4, top_p=0.5, extra_body=extra)
