@@ -44,7 +44,7 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "", concurr
     first: dict = {}
     last: dict = {}
     gaps: list[float] = []
-    num_tokens = 0
+    generated0 = engine.num_generated_tokens
     todo = list(reversed(requests))
 
     def arrive() -> None:
@@ -66,9 +66,8 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "", concurr
         for out in outputs:
             if out.error:
                 raise RuntimeError(out.error)
-            if out.new_token_ids:
-                num_tokens += len(out.new_token_ids)
-                bar.update(len(out.new_token_ids))
+            if out.new_token_ids or out.beams:                   # (a beam search: each round its beams)
+                bar.update(len(out.new_token_ids) or len(out.beams))
                 if out.request_id in last:
                     gaps.append(now - last[out.request_id])
                 first.setdefault(out.request_id, now - arrived[out.request_id])
@@ -76,6 +75,7 @@ def run_engine(engine: LLMEngine, requests: list[dict], label: str = "", concurr
             if out.finished and todo:
                 arrive()
     elapsed = time.perf_counter() - start
+    num_tokens = engine.num_generated_tokens - generated0     # every sequence's, each beam's
     cpu = own_cpu_seconds() - cpu0
     bar.close()
     ttfts = list(first.values())

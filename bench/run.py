@@ -34,6 +34,10 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     if args.log_probs is not None:                       # every request asks for log probs and k alternatives
         for r in requests:
             r["sampling"] = {"return_log_probs": True, "top_log_probs": args.log_probs}
+    if args.beams is not None:                           # every request: k beams, or (--sampled) k samples
+        for i, r in enumerate(requests):
+            r["sampling"] = ({"num_return_sequences": args.beams, "temperature": 1.0, "seed": i} if args.sampled
+                             else {"beam_width": args.beams, "num_return_sequences": args.beams})
     if workload.server:                                  # (tritonclient: not on a GPU machine's image)
         from bench.openai_api import run_openai_workload
         from bench.server import run_server_workload
@@ -105,6 +109,9 @@ def main(doc: str = __doc__) -> None:
                              "run and each ratio's median over the rounds")
     parser.add_argument("--log-probs", type=int, metavar="K",
                         help="in-process workloads: every request asks for its tokens' log probs and K alternatives")
+    parser.add_argument("--beams", type=int, metavar="K",
+                        help="every request a beam search of width K (tokens/s: every beam's tokens)")
+    parser.add_argument("--sampled", action="store_true", help="with --beams: K sampled sequences instead")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots (adds a concurrency sweep)")
     parser.add_argument("--host-profile", action="store_true",

@@ -6,6 +6,7 @@
     python scripts/bench.py --workload W1,W2,W3 --requests 32 --baseline vllm  # against vLLM's CPU build
     python scripts/bench.py --workload W4,W9,W8,W10 --requests 32 --baseline none   # gRPC against the OpenAI API
     python scripts/bench.py --workload W1 --requests 32 --baseline none --log-probs 5   # every request: 5 top
+    python scripts/bench.py --workload W2 --requests 32 --baseline none --beams 4 [--sampled]   # 4 beams (samples)
     python scripts/bench.py --host-profile                                     # host ms per decode step, by stage
 """
 import os

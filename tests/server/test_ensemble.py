@@ -47,6 +47,25 @@ def test_lora_inputs_reach_the_core_model(smollm2_server):
     assert base_text != upper_text and sum(c.isupper() for c in letters) >= 0.9 * len(letters)
 
 
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_beam_search_returns_each_beams_text(smollm2_server, smollm2_dir, model):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = "The three primary colors are"
+    beams = {"beam_width": np.array([[3]], np.int32), "exclude_input_in_output": np.array([[True]]),
+             "end_id": np.array([[2]], np.int32)}
+    core = run(smollm2_server.grpc_url, {"input_ids": np.array([tokenizer(prompt)["input_ids"]], np.int32),
+                                         "input_lengths": np.array([[len(tokenizer(prompt)["input_ids"])]], np.int32),
+                                         "request_output_len": np.array([[10]], np.int32)} | beams)
+    [ids] = core.chunks                                           # [1, 3, n], padded with the end id
+    want = [tokenizer.decode([t for t in ids[0, b] if t != 2], skip_special_tokens=True) for b in range(3)]
+    for stream in (False, True):
+        result = run(smollm2_server.grpc_url, text_request(prompt, 10, stream, **beams), model=model,
+                     output="text_output")
+        assert result.error is None
+        assert [t.decode() for t in result.chunks[-1].reshape(-1)] == want     # (streamed: each round's beams whole)
+
+
 def test_unknown_adapter_error_reaches_the_text_client(smollm2_server):
     result = run(smollm2_server.grpc_url, text_request("Hi", 4, True, lora_task_id=np.array([[4242]], np.uint64)),
                  model="ensemble", output="text_output")
