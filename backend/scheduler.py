@@ -146,6 +146,10 @@ class Scheduler:
                     victim = pending.pop() if pending else seq
                     self._preempt(victim)
                     preempted = True
+                    if victim.beams is not None:     # its beams not scheduled yet step back with it
+                        for other in [other for other in pending if other.beams is victim.beams]:
+                            pending.remove(other)
+                            self._preempt(other)
                     if victim is seq:
                         break
                 if seq.status is not Status.RUNNING:
