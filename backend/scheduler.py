@@ -138,8 +138,8 @@ class Scheduler:
                 continue
             num_tokens = len(seq.prompt_ids) + num_output
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
-            if not num_new:                          # a beam that has offered its next tokens waits for the others
-                kept.append(seq)
+            if not num_new and seq.beams is not None:   # a beam that has offered its next tokens waits for the
+                kept.append(seq)                        # others
                 continue
             if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:   # a block more (rarely)
                 while not self.blocks.can_allocate(seq, num_new):

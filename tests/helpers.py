@@ -1,4 +1,5 @@
 """Oracles and builders the tests share."""
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -98,18 +99,21 @@ def peft_model_with(base_dir, adapter_dirs: list[Path], dtype=torch.float32):
     return model.eval()
 
 
+@contextlib.contextmanager
+def adapter_active(model, adapter: str | None):
+    """A PEFT model with one adapter active (None: none), in inference mode."""
+    with torch.inference_mode(), (model.disable_adapter() if adapter is None else contextlib.nullcontext()):
+        if adapter is not None:
+            model.set_adapter(adapter)
+        yield model
+
+
 def peft_greedy_alone(model, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
     """PEFT greedy with one adapter active (None: none), for adapters PEFT will not mix in a batch (DoRA)."""
     ids = torch.tensor([prompt], device=model.device)
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                  pad_token_id=0)
-    with torch.inference_mode():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(**kwargs)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(**kwargs)
+    with adapter_active(model, adapter):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, kv_bytes_for_blocks, peft_model_with,
-                           random_prompts)
+from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, adapter_active, kv_bytes_for_blocks, peft_greedy_alone,
+                           peft_model_with, random_prompts)
 
 PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]
 MAX_NEW = 10
@@ -26,13 +26,8 @@ def hf_beams(model, prompt: list[int], width: int, length_penalty: float, early_
                   do_sample=False, max_new_tokens=MAX_NEW, length_penalty=length_penalty,
                   early_stopping=early_stopping, eos_token_id=end_id, pad_token_id=end_id,
                   return_dict_in_generate=True, output_scores=True)
-    with torch.inference_mode():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(**kwargs)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(**kwargs)
+    with adapter_active(model, adapter):
+        out = model.generate(**kwargs)
     beams = []
     for sequence, score in zip(out.sequences, out.sequences_scores.tolist()):
         tokens = sequence[len(prompt):].tolist()
@@ -63,12 +58,7 @@ def searches(prompts: list[list[int]], model, adapters: list[str | None]) -> tup
     requests, expected = [], []
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
         width, length_penalty, early_stopping = SEARCHES[i % len(SEARCHES)]
-        if adapter is None:
-            with model.disable_adapter():
-                end_id = hf_greedy(model, prompt, 4)[3]
-        else:
-            model.set_adapter(adapter)
-            end_id = hf_greedy(model, prompt, 4)[3]
+        end_id = peft_greedy_alone(model, prompt, adapter, 4)[3]
         requests.append(dict(prompt=prompt, max_new_tokens=MAX_NEW, beam_width=width, num_return_sequences=width,
                              length_penalty=length_penalty, early_stopping=early_stopping, end_id=end_id,
                              lora=None if adapter is None else int(adapter[1:]) + 1))
@@ -100,10 +90,9 @@ def test_beams_with_and_without_adapters_in_one_batch_equal_transformers(tiny_mo
     requests, expected = searches(prompts, tiny_peft, adapters)
     engine = make_engine(tiny_model_dir, tiny_adapters[:2], kernel_backend)
     greedy = random_prompts([9], 512, seed=5)[0]
-    *finals, plain = run(engine, requests + [dict(prompt=greedy, max_new_tokens=MAX_NEW)])
+    *finals, plain = run(engine, requests + [dict(prompt=greedy, max_new_tokens=MAX_NEW, end_id=2)])
     assert_beams_equal(finals, expected)
-    with tiny_peft.disable_adapter():
-        assert plain == hf_greedy(tiny_peft, greedy, MAX_NEW)[:len(plain)] and len(plain) == MAX_NEW
+    assert plain == peft_greedy_alone(tiny_peft, greedy, None, MAX_NEW)
     assert engine.blocks.num_used_blocks == 0
 
 
