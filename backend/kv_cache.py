@@ -60,9 +60,11 @@ class BlockManager:
         num_tokens = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, keep_watermark: bool = False) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, keep_watermark: bool = False,
+                     num_more: int = 0) -> bool:
+        """num_new_tokens more fit, and num_more blocks besides (a beam search's first round: a last block a beam)."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks - reserve
+        return self.num_blocks_needed(seq, num_new_tokens) + num_more <= self.num_free_blocks - reserve
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table so that num_new_tokens more tokens fit."""

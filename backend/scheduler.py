@@ -163,12 +163,12 @@ class Scheduler:
         waiting_for_slot: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.beams is not None and not seq.output_ids and \
-                    len(self.running) + seq.params.beam_width > self.max_num_seqs:
+            others = seq.params.beam_width - 1 if seq.beams is not None and not seq.output_ids else 0
+            if len(self.running) + 1 + others > self.max_num_seqs:
                 break                                # a search's first sequence holds a seat for each of its beams
             num_reused = self.blocks.match_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_allocate(seq, num_new, keep_watermark=True):
+            if not self.blocks.can_allocate(seq, num_new, keep_watermark=True, num_more=others):
                 if num_reused:
                     self.blocks.free(seq)            # back to evictable, matched again next time
                 if not self.running and not items and self._reclaim_waiting_blocks(seq):
