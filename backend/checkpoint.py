@@ -9,6 +9,40 @@ from safetensors import safe_open
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}   # config -> ours
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def refuse_unread(hf: dict) -> None:
+    """Fields of config.json that change the model's math and that this server does not read: refused at start,
+    by name, rather than served as another model."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ValueError(f"quantization_config: quant_method {method!r} is not read; this server serves unquantized "
+                         "weights (bfloat16, float16, float32)")
+    if hf.get("attention_bias") and hf.get("architectures", ["?"])[0] != "Qwen2ForCausalLM":
+        raise ValueError("attention_bias: true (biases on q, k, v and o_proj) is not read; only Qwen2's q, k, v "
+                         "biases are")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias: true (biases on gate_proj, up_proj and down_proj) is not read")
+    for name in ("hidden_act", "hidden_activation"):
+        if hf.get(name) is not None and hf[name] not in ACTIVATIONS:
+            raise ValueError(f"{name} {hf[name]!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    unknown = set(hf.get("layer_types") or ()) - set(LAYER_TYPES)
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    if (hf.get("pretraining_tp") or 1) != 1:
+        raise ValueError(f"pretraining_tp {hf['pretraining_tp']} is not read (1 only)")
+
+
+def layer_windows(hf: dict, window: int | None) -> tuple | None:
+    """Each layer's sliding window where config.json's layer_types says which layers slide (Qwen2 and Qwen3 with
+    use_sliding_window: the layers from max_window_layers on); None where every layer has `window`."""
+    types = hf.get("layer_types")
+    if window is None or not types or len(set(types)) == 1:
+        return None
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +153,7 @@ class ModelConfig:
         arch = (hf.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        refuse_unread(hf)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             return gemma(cls, hf, rope)
@@ -157,6 +192,8 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             fused_projections=arch == "Phi3ForCausalLM",
             sliding_window=hf.get("sliding_window") if use_window else None,
+            layer_windows=layer_windows(hf, hf.get("sliding_window") if use_window else None),
+            hidden_act=ACTIVATIONS[hf.get("hidden_act") or "silu"],
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             rotary_dim=rotary_dim,
@@ -192,7 +229,7 @@ def gemma(cls, hf: dict, rope: dict) -> "ModelConfig":
                    layer_windows=tuple(hf.get("sliding_window") if kind == "sliding_attention" else None
                                        for kind in layer_types),
                    local_rope_theta=float(local.get("rope_theta", 10_000.0)) if local is not full else None,
-                   hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                   hidden_act=ACTIVATIONS[hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"],
                    embedding_scale=hf["hidden_size"] ** 0.5,
                    attention_scale=hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5,
                    attn_logit_softcap=hf.get("attn_logit_softcapping"),

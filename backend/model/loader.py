@@ -129,10 +129,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     model_dir = Path(model_dir)
     key_files = checkpoint_files(model_dir)
     shapes = expected_shapes(cfg)
+    table = translation_table(cfg)
+    refuse_unread_tensors(key_files, table, cfg, model_dir)
     handles = {}
     weights = {}
     try:
-        for name, source in translation_table(cfg).items():
+        for name, source in table.items():
             if name == "lm_head" and not lm_head:
                 continue
             parts = []
@@ -155,6 +157,19 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     finally:
         handles.clear()
     return weights
+
+
+def refuse_unread_tensors(key_files: dict, table: dict[str, Source], cfg: ModelConfig, model_dir: Path) -> None:
+    """Every checkpoint tensor is one we read (or a tied LM head's copy of the embeddings, or RoPE's cached
+    frequencies): a tensor we would leave out changes the model (a bias, a scale, a quantized weight's zeros)."""
+    read = {key for source in table.values() for key in source.keys}
+    if cfg.tie_word_embeddings:
+        read.add("lm_head.weight")
+    unread = sorted(key for key in key_files if key not in read and not key.endswith("rotary_emb.inv_freq"))
+    if unread:
+        more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+        raise ValueError(f"checkpoint in {model_dir} holds tensors this server does not read: "
+                         f"{', '.join(unread[:3])}{more} (a {cfg.architecture} reads none of them)")
 
 
 def reordered(cfg: ModelConfig, name: str, weight: torch.Tensor, tp_size: int) -> torch.Tensor:

@@ -119,3 +119,61 @@ def test_llama3_rope_scaling_matches_hf(tiny_model_dir, tmp_path):
     prompts = random_prompts([90, 12], engine.model_config.vocab_size, seed=11)
     eos = engine.model_config.eos_token_id
     assert engine.generate(prompts, max_new_tokens=8, end_id=eos) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def edited_model(tiny_model_dir, path, config: dict | None = None, tensors: dict | None = None):
+    """The tiny model with config.json fields set (None: removed) and checkpoint tensors added."""
+    copy_model(tiny_model_dir, path)
+    fields = json.loads((path / "config.json").read_text())
+    for name, value in (config or {}).items():
+        fields.pop(name, None) if value is None else fields.__setitem__(name, value)
+    (path / "config.json").write_text(json.dumps(fields))
+    if tensors:
+        weights = load_file(path / "model.safetensors")
+        save_file(weights | tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+# Fields and tensors that change the math and that the loader does not read: each refused at start, by name.
+UNREAD = {
+    "fp8 block scales": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                         {"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(1, 1)},
+                         "quantization_config: quant_method 'fp8' is not read"),
+    "attention_bias": ({"attention_bias": True}, {}, "attention_bias: true"),
+    "mlp_bias": ({"mlp_bias": True}, {}, "mlp_bias: true"),
+    "activation": ({"hidden_act": "relu"}, {}, "hidden_act 'relu' is not supported"),
+    "pretraining_tp": ({"pretraining_tp": 2}, {}, "pretraining_tp 2"),
+    "layer type": ({"layer_types": ["full_attention", "chunked_attention"]}, {}, "chunked_attention"),
+    "a bias tensor": ({}, {"model.layers.1.self_attn.o_proj.bias": torch.zeros(64)},
+                      "does not read: model.layers.1.self_attn.o_proj.bias"),
+    "GPTQ tensors": ({}, {f"model.layers.0.mlp.up_proj.{name}": torch.zeros(2, 2, dtype=torch.int32)
+                          for name in ("qweight", "qzeros", "scales", "g_idx")},
+                     "model.layers.0.mlp.up_proj.g_idx, model.layers.0.mlp.up_proj.qweight, "
+                     "model.layers.0.mlp.up_proj.qzeros and 1 more"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREAD))
+def test_a_field_or_tensor_the_loader_does_not_read_is_refused_by_name(tiny_model_dir, tmp_path, case):
+    config, tensors, message = UNREAD[case]
+    path = edited_model(tiny_model_dir, tmp_path / "edited", config, tensors)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        LLMEngine(path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),   # layer 1 slides only
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})])
+def test_fields_that_change_the_math_are_read_and_used(tmp_path, arch, config):
+    from transformers import AutoModelForCausalLM
+    from tests.helpers import build_tiny, hf_greedy
+    build_tiny(tmp_path, seed=5, architecture=arch, **config)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    engine = LLMEngine(tmp_path, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
+    if "max_window_layers" in config:
+        assert [engine.model_config.window(i) for i in range(2)] == [None, 8]
+    prompts = random_prompts([30, 12], engine.model_config.vocab_size, seed=12)
+    eos = engine.model_config.eos_token_id
+    assert engine.generate(prompts, max_new_tokens=8, end_id=eos) == [hf_greedy(hf, p, 8) for p in prompts]
