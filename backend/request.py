@@ -110,8 +110,9 @@ class SamplingParams:
     def reads_last_token(self) -> bool:
         """The next step's inputs depend on the last token: beams (chosen on the host), penalties, bad words, top-p
         decay."""
-        return (self.beam_width > 1 or self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
-                or bool(self.bad_words) or self.top_p_decay != 1.0 or self.top_p_reset_id is not None)
+        return (self.beam_width > 1 or self.repetition_penalty != 1.0
+                or bool(self.presence_penalty or self.frequency_penalty) or bool(self.bad_words)
+                or self.top_p_decay != 1.0 or self.top_p_reset_id is not None)
 
     def validate(self, vocab_size: int, limits: RequestLimits | None = None) -> None:
         for name, value in (("temperature", self.temperature), ("runtime_top_p", self.top_p),
@@ -167,7 +168,6 @@ class SamplingParams:
             for word in words:
                 if not word or any(not 0 <= t < vocab_size for t in word):
                     raise RequestError(name, f"word {word} is empty or has ids outside [0, {vocab_size})")
-
 
     def _validate_beams(self, vocab_size: int, limits: RequestLimits | None) -> None:
         max_width = limits.max_beam_width if limits is not None else MAX_RETURN_SEQUENCES

@@ -19,7 +19,8 @@ from backend.text import (IncrementalDetokenizer, decode_strings, embedding_bias
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # text model input -> core model input, passed through as they are
 TO_CORE = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
-           "length_penalty": "len_penalty", "early_stopping": "early_stopping", "repetition_penalty": "repetition_penalty",
+           "length_penalty": "len_penalty", "early_stopping": "early_stopping",
+           "repetition_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "min_length": "min_tokens",
            "random_seed": "seed", "beam_width": "beam_width", "stream": "streaming",
            "exclude_input_in_output": "exclude_input_in_output", "num_return_sequences": "num_return_sequences",
