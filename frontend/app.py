@@ -18,12 +18,12 @@ from backend.checkpoint import ModelConfig
 from backend.heartbeat import engine_health
 from frontend.adapters import AdapterStore
 from frontend.core import CoreClient
-from frontend.errors import OpenAIError
+from frontend.errors import OpenAIError, bad_request
 from frontend.generation import Generation
 from frontend.metrics import RequestCounter, core_metrics, exposition
 from frontend.middleware import BodyLimit, BodyTooLarge, CatchAll, error_response
 from frontend.prompts import chat_prompt, completion_prompts
-from frontend.responses import DONE, Responses, event
+from frontend.responses import DONE, MAX_RESPONSE_BYTES, Responses, estimated_bytes, event, json_pieces
 from frontend.sampling import ModelInfo, check_supported, core_arrays, log_probs_asked, max_tokens
 from frontend.schemas import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, SamplingRequest,
                               UnloadAdapterRequest)
@@ -185,6 +185,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         check_supported(req)
         asked = log_probs_asked(req, chat)
         budgets = [max_tokens(req, len(p), info, None if chat else COMPLETION_MAX_TOKENS) for p in prompts]
+        check_response_bytes(estimated_bytes(asked, prompts, req.n, budgets, chat), chat)
         arrays = [core_arrays(req, p, budget, info, asked) for p, budget in zip(prompts, budgets)]
         generation = Generation(state["core"], info.tokenizer, prompts, arrays, adapter, req.n, budgets, req.stop,
                                 () if req.ignore_eos else info.end_ids)
@@ -195,13 +196,24 @@ def create_app(config: FrontendConfig) -> FastAPI:
             parts = [[] for _ in generation.choices]
             async for delta in watch(request, deltas):
                 parts[delta.index].append(delta)
-            return responses.whole(parts, generation.usage, prefixes)
+            payload = await off_loop(responses.whole, parts, generation.usage, prefixes)
+            return StreamingResponse(json_pieces(payload), media_type="application/json")     # encoded off the loop
         first = await first_delta(request, deltas)               # errors before any token keep their status
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return EventStream(sse(first, deltas, responses, generation, include_usage, prefixes),
                            media_type="text/event-stream")
 
     return app
+
+
+def check_response_bytes(estimate: dict[str, int], chat: bool) -> None:
+    """Refuse, naming the field that asks for most of it, a response whose log probs would pass MAX_RESPONSE_BYTES."""
+    if sum(estimate.values()) > MAX_RESPONSE_BYTES:
+        name = max(estimate, key=estimate.get)
+        name = "top_logprobs" if chat and name == "logprobs" else name
+        raise bad_request(name, f"the log probs asked for would take ~{sum(estimate.values()) >> 20} MiB, past the "
+                                f"{MAX_RESPONSE_BYTES >> 20} MiB a response may hold: ask for fewer (k, n, max_tokens, "
+                                "or a shorter prompt)")
 
 
 async def sse(first, deltas, responses: Responses, generation: Generation, include_usage: bool,

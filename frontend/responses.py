@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from frontend.choice import Delta
 
+PROMPT_ENTRY_BYTES = 80                   # a prompt_logprobs entry's JSON ('"id":{"logprob","rank","decoded_token"}')
+TOKEN_ENTRY_BYTES = 60                    # a chosen token's or an alternative's, in logprobs
+MAX_RESPONSE_BYTES = 64 << 20             # a response's log probs past this are refused before any work
+
 
 @dataclass(frozen=True)
 class LogProbsAsked:
@@ -76,7 +80,8 @@ class Responses:
                                 "logprobs": logprobs, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-                               | self._prompt_logprobs(index))
+                               | (self._prompt_logprobs(index) if index % self.generation.n == 0 else
+                                  {"prompt_logprobs": None} if self.asked.prompt_top is not None else {}))
         extra = self._prompt_logprobs(0) if self.chat else {}      # vLLM's chat: one list for the request
         return self._object("chat.completion" if self.chat else "text_completion", choices, usage, **extra)
 
@@ -147,6 +152,35 @@ class Responses:
                                               "decoded_token": self.tokenizer.decode([prompt[i]])})
             out.append(entry)
         return {"prompt_logprobs": out}
+
+
+def estimated_bytes(asked: LogProbsAsked, prompts: list[list[int]], n: int, budgets: list[int], chat: bool) -> dict:
+    """What a response's log probs will take at most, by the field that asks for them (its JSON, ~per entry):
+    prompt_logprobs once per prompt, the chosen tokens' and their alternatives per choice (with echo, the prompt's
+    too)."""
+    out = {}
+    if asked.prompt_top is not None:
+        out["prompt_logprobs"] = sum(len(p) for p in prompts) * (asked.prompt_top + 1) * PROMPT_ENTRY_BYTES
+    if asked.chosen:
+        tokens = sum(budget + (len(p) if asked.echo and not chat else 0) for p, budget in zip(prompts, budgets))
+        out["logprobs"] = n * tokens * (asked.num_top + 1) * TOKEN_ENTRY_BYTES
+    return out
+
+
+def json_pieces(payload: dict, piece_bytes: int = 1 << 16):
+    """A response's JSON in pieces of about piece_bytes, encoded as they are taken (Python's incremental encoder: a
+    thread serializing a large answer gives the interpreter back between pieces, where the C encoder would hold it
+    for the whole answer)."""
+    encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    buffer, size = [], 0
+    for chunk in encoder.iterencode(payload):
+        buffer.append(chunk)
+        size += len(chunk)
+        if size >= piece_bytes:
+            yield "".join(buffer).encode()
+            buffer, size = [], 0
+    if buffer:
+        yield "".join(buffer).encode()
 
 
 def _none_if_nan(value: float) -> float | None:
