@@ -16,7 +16,7 @@ from pathlib import Path
 
 from render_repository import CORE, parse_bool, repository
 from server_process import (EXIT_TIMEOUT_S, FRONTEND_NICE, KILL_AFTER_EXIT_TIMEOUT_S, ROOT, engine_alive, is_ready,
-                            start_frontend, start_server)
+                            remove_dead_regions, start_frontend, start_server)
 from supervisor import Service, supervise
 
 
@@ -137,7 +137,9 @@ def main() -> None:
         env["LORA_LLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
     if args.lora_prefetch_dir:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(Path(args.lora_prefetch_dir).resolve())
-    sys.exit(supervise(services(args, env), restart=args.restart))
+    code = supervise(services(args, env), restart=args.restart)
+    remove_dead_regions(args.http_port)                # a stub killed on the way out leaves its regions
+    sys.exit(code)
 
 
 if __name__ == "__main__":

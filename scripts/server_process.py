@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
 from backend.heartbeat import die_with_parent, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
 
+SHM_DIR = Path("/dev/shm")
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
 QUICK_EXIT_TIMEOUT_S = 5               # a server stopped once its own streams have ended (benches, checks, tests)
 KILL_AFTER_EXIT_TIMEOUT_S = 5          # past tritonserver's exit timeout, before SIGKILL (see stop_server)
@@ -106,12 +107,38 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
            "--http-address", host, "--grpc-address", host, "--metrics-address", host,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
            "--exit-timeout-secs", str(exit_timeout_s),
-           "--grpc-infer-allocation-pool-size", str(GRPC_REQUEST_POOL_SIZE)]
+           "--grpc-infer-allocation-pool-size", str(GRPC_REQUEST_POOL_SIZE),
+           f"--backend-config=python,shm-region-prefix-name={shm_prefix(http_port)}"]
     if models:
         cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
+    remove_dead_regions(http_port)
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
     return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                             start_new_session=True, preexec_fn=die_with_parent if die_with_us else None)
+
+
+def shm_prefix(http_port: int) -> str:
+    """The prefix of the shared memory regions of the Python backend's stubs of the server on this port: one server
+    owns it while it holds the port, so that what a dead instance left can be removed (remove_dead_regions)."""
+    return f"lora_llm_{http_port}_"
+
+
+def shm_regions(http_port: int) -> list[Path]:
+    return sorted(SHM_DIR.glob(shm_prefix(http_port) + "*"))
+
+
+def remove_dead_regions(http_port: int) -> int:
+    """Remove the shared memory regions a server on this port left when its stubs or it died (a stub killed leaves
+    its regions: 64 MB and more each); none while the port is held (a server lives there). Returns how many."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", http_port))
+    except OSError:
+        return 0
+    regions = shm_regions(http_port)
+    for path in regions:
+        path.unlink(missing_ok=True)
+    return len(regions)
 
 
 def stop_server(process: subprocess.Popen, exit_timeout_s: int = EXIT_TIMEOUT_S) -> None:

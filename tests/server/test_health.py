@@ -12,6 +12,7 @@ import pytest
 from backend.heartbeat import STALE_S, engine_health
 from tests.helpers import random_prompts
 from tests.server.conftest import free_ports
+from server_process import shm_regions                       # (scripts/ on the path: tests/server/conftest.py)
 from tests.server.streams import run, send_lie, trtllm_inputs
 from tests.server.test_supervision import read_until, start_launcher
 
@@ -50,6 +51,7 @@ def test_a_shape_lie_is_seen_and_the_supervisor_brings_the_engine_back(tiny_mode
         read_until(launcher, "ready:", lines)
         prompt = random_prompts([9], 512, seed=61)[0]
         before = run(url, trtllm_inputs(prompt, 5, True))
+        regions = shm_regions(launcher.http_port)
         error = send_lie(url, *LIES[lie])
         assert error, "a lie is answered with an error"
         lied_at = time.monotonic()
@@ -58,9 +60,11 @@ def test_a_shape_lie_is_seen_and_the_supervisor_brings_the_engine_back(tiny_mode
         after = run(url, trtllm_inputs(prompt, 5, True))
         assert before.error is None and after.error is None and after.tokens == before.tokens
         assert time.monotonic() - lied_at < 60
+        assert len(regions) == 1 and len(shm_regions(launcher.http_port)) == 1, "the dead stub's region removed"
     finally:
         launcher.terminate()
         assert launcher.wait(timeout=60) == 0
+    assert not shm_regions(launcher.http_port)
 
 
 def test_the_openai_api_says_503_while_the_core_is_down_and_serves_after(tiny_chat_model_dir):
