@@ -132,7 +132,8 @@ def remove_dead_regions(http_port: int) -> int:
     its regions: 64 MB and more each); none while the port is held (a server lives there). Returns how many."""
     try:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", http_port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # (a dead server's connections in TIME_WAIT
+            s.bind(("127.0.0.1", http_port))                           # do not hold the port; a listener does)
     except OSError:
         return 0
     regions = shm_regions(http_port)
