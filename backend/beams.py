@@ -101,49 +101,34 @@ class BeamSearch:
                 blocks: BlockManager) -> tuple[list[tuple[int, int]], list[Sequence], bool]:
         """The live beams become `kept`: a beam continued by one of its continuations stays where it is (its first);
         each other continuation takes a sequence that no continuation keeps (or one not started), with its parent's
-        tokens and KV blocks (full ones shared, the partial last one copied). Returns the block copies to make
-        (source, destination), the sequences that start running, and whether any sequence took another's place."""
+        tokens and KV blocks (full ones shared, the partial last one copied). A parent always keeps its own sequence,
+        so no table another beam shares from is given back this round. Returns the block copies to make (source,
+        destination), the sequences that start running, and whether any sequence took another's place."""
         parents = [self.live[c.beam] for c in kept]
-        snapshot = {id(seq): (list(seq.output_ids), list(seq.output_log_probs), list(seq.block_table),
-                              list(seq.block_digests), seq.num_computed_tokens) for seq in set(parents)}
-        cums = [self.cum_log_probs[c.beam] + c.log_prob for c in kept]
+        length = len(parents[0].output_ids)                # every live beam's, before this round
         owner: list[Sequence | None] = [None] * len(kept)
         for i, parent in enumerate(parents):
             if parent not in owner:
                 owner[i] = parent
-        spare = [seq for seq in self.live if seq not in owner] + [seq for seq in self.seqs
-                                                                  if seq.status is Status.WAITING and not
-                                                                  seq.block_table and seq not in self.live]
-        started = []
-        moved = []
-        for i in range(len(kept)):
+        spare = [seq for seq in self.live if seq not in owner] + [
+            seq for seq in self.seqs if seq.status is Status.WAITING and not seq.block_table and seq not in self.live]
+        copies, started = [], []
+        for i, (c, parent) in enumerate(zip(kept, parents)):
             if owner[i] is None:
-                owner[i] = spare.pop(0)
-                moved.append(i)
-                if owner[i] not in self.live:
-                    started.append(owner[i])
-        for i in moved:                                   # every parent's blocks held before any is given back
-            table, num_computed = snapshot[id(parents[i])][2], snapshot[id(parents[i])][4]
-            blocks.hold(table[:num_computed // blocks.block_size])
-        for i in moved:
-            blocks.free(owner[i])
-        copies = []
-        for i, c in enumerate(kept):
-            seq = owner[i]
-            if i in moved:
-                out, log_probs, table, digests, num_computed = snapshot[id(parents[i])]
-                copy = blocks.adopt(seq, table, digests, num_computed)
+                seq = owner[i] = spare.pop(0)
+                if seq not in self.live:
+                    started.append(seq)
+                blocks.free(seq)
+                copy = blocks.adopt(seq, parent)
                 if copy is not None:
                     copies.append(copy)
-                seq.output_ids, seq.output_log_probs = list(out), list(log_probs)
-            seq.output_ids.append(c.token)
-            seq.output_log_probs.append(c.log_prob)
-        self.live, self.scores, self.cum_log_probs = owner, [c.score for c in kept], cums
-        return copies, started, bool(moved)
-
-    def leftover(self) -> list[Sequence]:
-        """The sequences not live (a search narrower than its width at the start, or a vocabulary too small)."""
-        return [seq for seq in self.seqs if seq not in self.live]
+                seq.output_ids, seq.output_log_probs = parent.output_ids[:length], parent.output_log_probs[:length]
+            owner[i].output_ids.append(c.token)
+            owner[i].output_log_probs.append(c.log_prob)
+        moved = owner != parents
+        self.cum_log_probs = [self.cum_log_probs[c.beam] + c.log_prob for c in kept]
+        self.live, self.scores = owner, [c.score for c in kept]
+        return copies, started, moved
 
     def running(self) -> list[Hypothesis]:
         """The live beams as they stand, best first (what a streaming response shows)."""

@@ -156,26 +156,23 @@ class BlockManager:
         seq.metrics.num_new_blocks += 1
         return source.block_table[num_shared], fresh
 
-    def hold(self, block_ids: list[int]) -> None:
-        """One more reference to each of these blocks (a beam about to share them)."""
-        for block_id in block_ids:
+    def adopt(self, seq: Sequence, source: Sequence) -> tuple[int, int] | None:
+        """Give `seq`, which holds no blocks, the cache of another beam's computed tokens: its full blocks shared, its
+        partial last one copied into a fresh block. Returns (source block, fresh block) for the caller to copy on the
+        device; None where there is nothing to copy, or no free block (seq then computes that block's tokens
+        again)."""
+        num_tokens, num_shared = source.num_computed_tokens, source.num_computed_tokens // self.block_size
+        shared = source.block_table[:num_shared]
+        for block_id in shared:
             self.ref_counts[block_id] += 1
-
-    def adopt(self, seq: Sequence, table: list[int], digests: list[bytes], num_tokens: int) -> tuple[int, int] | None:
-        """Give `seq`, which holds no blocks, the cache of another beam's first num_tokens tokens (`table`, whose full
-        blocks the caller holds for it): those blocks shared, the partial last one copied into a fresh block. Returns
-        (source block, fresh block) for the caller to copy on the device; None where there is nothing to copy, or no
-        free block (seq then computes that block's tokens again)."""
-        num_shared = num_tokens // self.block_size
-        seq.block_table = table[:num_shared]
-        seq.block_digests = digests[:num_shared]
+        seq.block_table, seq.block_digests = shared, source.block_digests[:num_shared]
         seq.num_computed_tokens = num_shared * self.block_size
         if num_tokens == seq.num_computed_tokens or not self.num_free_blocks:
             return None
         fresh = self._take()
-        seq.block_table = seq.block_table + [fresh]
+        seq.block_table = shared + [fresh]
         seq.num_computed_tokens = num_tokens
-        return table[num_shared], fresh
+        return source.block_table[num_shared], fresh
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
