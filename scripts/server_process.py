@@ -113,8 +113,11 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
         cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
     remove_dead_regions(http_port)
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
-    return subprocess.Popen(cmd, env=server_env(env), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                            start_new_session=True, preexec_fn=die_with_parent if die_with_us else None)
+    process = subprocess.Popen(cmd, env=server_env(env), stdout=log_file,
+                               stderr=subprocess.STDOUT if log_file else None, start_new_session=True,
+                               preexec_fn=die_with_parent if die_with_us else None)
+    process.http_port = http_port                  # (stop_server removes what its stubs leave)
+    return process
 
 
 def shm_prefix(http_port: int) -> str:
@@ -147,17 +150,18 @@ def stop_server(process: subprocess.Popen, exit_timeout_s: int = EXIT_TIMEOUT_S)
     KILL_AFTER_EXIT_TIMEOUT_S after its exit timeout. tritonserver 2.51 never unloads a model while its gRPC frontend
     holds a request of a stream the client cancelled after the final response (before the call's status came), and
     its exit past the timeout with the model still loaded can corrupt its heap and hang in its own abort handler."""
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    if process.poll() is None:
+        process.terminate()
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+            process.wait(timeout=exit_timeout_s + KILL_AFTER_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+    if hasattr(process, "http_port"):                 # (one start_server made): a stub killed leaves its regions
+        remove_dead_regions(process.http_port)
 
 
 def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300) -> None:
