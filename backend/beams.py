@@ -52,10 +52,6 @@ class BeamSearch:
         self.done = False
         self.offers: dict[Sequence, tuple[list[int], list[float]]] = {}
 
-    @property
-    def num_candidates(self) -> int:
-        return 2 * self.width
-
     def offer(self, seq: Sequence, ids: list[int], log_probs: list[float]) -> bool:
         """A live beam's most likely next tokens; True once every live beam has offered (`select` then)."""
         self.offers[seq] = (ids, log_probs)
@@ -93,9 +89,8 @@ class BeamSearch:
 
     def _hypothesis(self, c: Continuation, length: int) -> Hypothesis:
         seq = self.live[c.beam]
-        cum = self.cum_log_probs[c.beam] + c.log_prob
-        return Hypothesis(seq.output_ids + [c.token], seq.output_log_probs + [c.log_prob], cum,
-                          (self.scores[c.beam] + c.log_prob) / length ** self.length_penalty)
+        return Hypothesis(seq.output_ids + [c.token], seq.output_log_probs + [c.log_prob],
+                          self.cum_log_probs[c.beam] + c.log_prob, c.score / length ** self.length_penalty)
 
     def advance(self, kept: list[Continuation],
                 blocks: BlockManager) -> tuple[list[tuple[int, int]], list[Sequence], bool]:

@@ -219,7 +219,7 @@ class LLMEngine:
                 num_dropped += 1
                 continue
             if seq.beams is not None:
-                ids, log_probs = top_rows(r.top, launched.rows_of[seq], seq.beams.num_candidates)
+                ids, log_probs = top_rows(r.top, launched.rows_of[seq], seq.params.num_candidates)
                 if seq.beams.offer(seq, ids, log_probs):
                     entries.append(self._select(seq.beams))
                 continue
@@ -254,10 +254,7 @@ class LLMEngine:
             self.scheduler.decoding = None
             self.runner.kept.drop()
         for seq in search.live:
-            m = seq.metrics
-            m.last_token_time_ns = now
-            if not m.first_token_time_ns:
-                m.first_token_time_ns = now
+            seq.metrics.token_at(now)
         return StepOutput(first.request_id, [], metrics=first.metrics.copy(), beams=search.running())
 
     def _finish_search(self, search: BeamSearch) -> StepOutput:

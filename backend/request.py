@@ -235,6 +235,12 @@ class SeqMetrics:
     num_new_blocks: int = 0                   # taken from the free pool
     num_reused_blocks: int = 0                # found in the cache, shared with another sequence
 
+    def token_at(self, now: int) -> None:
+        """A token came at `now` (the first one's time kept)."""
+        self.last_token_time_ns = now
+        if not self.first_token_time_ns:
+            self.first_token_time_ns = now
+
     def copy(self) -> "SeqMetrics":
         """A copy (a step's output carries one; dataclasses.replace costs 4x as much, at every token)."""
         return SeqMetrics(self.arrival_time_ns, self.first_scheduled_time_ns, self.first_token_time_ns,
@@ -309,10 +315,8 @@ class Sequence:
     def accept(self, token: int, log_prob: float, now: int) -> None:
         """A new token: appended (its log prob where asked), its time, the next top_p and the grammar's state."""
         self.output_ids.append(token)
-        p, m = self.params, self.metrics
-        m.last_token_time_ns = now
-        if not m.first_token_time_ns:
-            m.first_token_time_ns = now
+        p = self.params
+        self.metrics.token_at(now)
         if p.return_log_probs:
             self.output_log_probs.append(log_prob)
         if p.top_p_decay != 1.0 or p.top_p_reset_id is not None:
