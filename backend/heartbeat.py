@@ -10,14 +10,19 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
-PERIOD_S = 0.5                                # how often a live engine says so
-STALE_S = 4.0                                 # a heartbeat older than this: the engine is gone or stuck
+PERIOD_S = 0.25                               # how often a live engine says so
+STALE_S = 1.0                                 # a heartbeat older than this: the engine or its stub is gone or stuck
+RESTART_STALE_S = 20.0                        # stale this long, tritonserver is restarted (the engine's process asks
+                                              # for a new stub at once when one dies; that takes seconds)
 MAX_STEP_S = 120.0                            # a step running longer than this is stuck (no heartbeat while it runs)
 HEARTBEAT = "lora_llm_engine_heartbeat_seconds"
+SUPERVISED_VAR = "LORA_LLM_SUPERVISED"        # set where a supervisor restarts tritonserver (scripts/launch_server.py)
 PR_SET_PDEATHSIG = 1
 ALIVE = "lora_llm_engine_alive"
 
@@ -100,3 +105,42 @@ def exit_with_parent(period_s: float = 1.0) -> threading.Thread:
     thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def engines_dir() -> Path:
+    """Where engine processes (backend/engine_process.py) listen and leave their pids: a directory only this user
+    can enter, since what connects there is trusted."""
+    folder = Path(tempfile.gettempdir()) / f"lora-llm-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} must belong to this user alone (mode 700)")
+    return folder
+
+
+def end_engines(http_port: int, timeout_s: float = 10.0) -> list[int]:
+    """End the engine processes of the tritonserver on this port, once it is stopped: each ends by itself when its
+    last stub says goodbye; those still there after `timeout_s` (their stubs were killed) get SIGKILL. Their pids."""
+    pids = {}
+    for pid_file in engines_dir().glob(f"engine-port{http_port}-*.pid"):
+        try:
+            pids[int(pid_file.read_text())] = pid_file
+        except (OSError, ValueError):
+            continue
+    deadline = time.monotonic() + timeout_s
+    while pids and time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+    for pid, pid_file in pids.items():
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+        pid_file.unlink(missing_ok=True)
+        pid_file.with_suffix(".sock").unlink(missing_ok=True)
+    return sorted(pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -102,6 +102,33 @@ def lora_info(engine) -> dict[str, str]:
             "waiting_lora_adapters": ",".join(sorted(cache.name(t) for t in waiting))}
 
 
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What the metrics learn from a step: its latency and kind (None: a change without a step), the engine's
+    generated tokens so far, and, at most every GAUGE_PERIOD_S while steps run, every gauge and the LoRA info."""
+    seconds: float | None
+    kind: str
+    num_generated_tokens: int
+    time: float
+    gauges: dict[tuple[str, tuple], float] | None = None
+    lora: dict[str, str] | None = None
+
+
+class StepReporter:
+    """Makes each step's StepReport where the engine runs (gauges read the engine's state)."""
+
+    def __init__(self):
+        self.gauges_at = 0.0
+
+    def report(self, engine, seconds: float | None, alive: bool) -> StepReport:
+        now = time.time()
+        due = seconds is None or not engine.has_unfinished or now - self.gauges_at >= GAUGE_PERIOD_S
+        if due:
+            self.gauges_at = now
+        return StepReport(seconds, engine.last_step_kind, engine.num_generated_tokens, now,
+                          gauges(engine, alive) if due else None, lora_info(engine) if due else None)
+
+
 class ServerMetrics:
     """Metric objects from `new_family(name, help, kind)` (each with .Metric(labels=..., buckets=...)), updated under
     one lock (concurrent updates crash tritonserver 2.51). Each update is a round trip to the server (~45 us on 2
@@ -120,7 +147,6 @@ class ServerMetrics:
         self.num_tokens_shown = 0
         self.lora_labels: dict[str, str] | None = None
         self.lora_shown_at = 0.0
-        self.gauges_at = 0.0
         for status in ("success", "failure", "cancelled"):
             self._metric("lora_llm_requests_total", (("status", status),))
         self._metric("lora_llm_generated_tokens_total", ())
@@ -142,31 +168,33 @@ class ServerMetrics:
             if self.families:
                 self._metric("lora_llm_time_to_first_token_seconds", (), LATENCY_BUCKETS).observe(seconds)
 
-    def on_step(self, engine, seconds: float | None, alive: bool = True) -> None:
-        """After a step, before its responses (seconds: its latency), or after a change without one (None)."""
-        tokens = engine.num_generated_tokens
-        now = time.time()
-        due = seconds is None or not engine.has_unfinished or now - self.gauges_at >= GAUGE_PERIOD_S
-        values = gauges(engine, alive) if due else {}
-        lora = lora_info(engine) if due else self.lora_labels
+    def show(self, report: "StepReport") -> None:
+        """A step's figures (or a change without a step), as the engine's process reported them."""
         with self.lock:
             if not self.families:
                 return
-            if seconds is not None:
-                self._metric("lora_llm_step_seconds", (("kind", engine.last_step_kind),), LATENCY_BUCKETS).observe(
-                    seconds)
-            if tokens > self.num_tokens_shown:
-                self._metric("lora_llm_generated_tokens_total", ()).increment(tokens - self.num_tokens_shown)
-                self.num_tokens_shown = tokens
-            if not due:
+            if report.seconds is not None:
+                self._metric("lora_llm_step_seconds", (("kind", report.kind),), LATENCY_BUCKETS).observe(
+                    report.seconds)
+            if report.num_generated_tokens > self.num_tokens_shown:
+                self._metric("lora_llm_generated_tokens_total", ()).increment(
+                    report.num_generated_tokens - self.num_tokens_shown)
+                self.num_tokens_shown = report.num_generated_tokens
+            if report.gauges is None:
                 return
-            self.gauges_at = now
-            for key, value in values.items():
+            for key, value in report.gauges.items():
                 if self.shown.get(key) != value:
                     self._metric(*key).set(value)
                     self.shown[key] = value
-            if lora != self.lora_labels or now - self.lora_shown_at >= LORA_INFO_REFRESH_S:
-                self._show_lora_info(lora, now)
+            if report.lora != self.lora_labels or report.time - self.lora_shown_at >= LORA_INFO_REFRESH_S:
+                self._show_lora_info(report.lora, report.time)
+
+    def show_broken(self) -> None:
+        """The engine can serve no more (its process is gone)."""
+        with self.lock:
+            if self.families:
+                self._metric("lora_llm_engine_alive", ()).set(0)
+                self.shown[("lora_llm_engine_alive", ())] = 0
 
     def beat(self, unix_time: float) -> None:
         with self.lock:

@@ -19,6 +19,8 @@ from server_process import (EXIT_TIMEOUT_S, FRONTEND_NICE, KILL_AFTER_EXIT_TIMEO
                             remove_dead_regions, start_frontend, start_server)
 from supervisor import Service, supervise
 
+from backend.heartbeat import SUPERVISED_VAR, end_engines  # noqa: E402  (scripts/server_process.py: the root on the path)
+
 
 def frontend_args(args, adapter_store: Path | None) -> list[str]:
     out = ["--core-model", args.tensorrt_llm_model_name, "--lora-separator", args.lora_separator,
@@ -137,8 +139,11 @@ def main() -> None:
         env["LORA_LLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
     if args.lora_prefetch_dir:
         env["LORA_LLM_LORA_PREFETCH_DIR"] = str(Path(args.lora_prefetch_dir).resolve())
+    if args.restart:
+        env[SUPERVISED_VAR] = "1"                       # a stub dead with requests in flight: restart tritonserver
     code = supervise(services(args, env), restart=args.restart)
-    remove_dead_regions(args.http_port)                # a stub killed on the way out leaves its regions
+    remove_dead_regions(args.http_port)                # a stub killed on the way out leaves its regions,
+    end_engines(args.http_port)                        # and its engines outlive it
     sys.exit(code)
 
 

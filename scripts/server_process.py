@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
-from backend.heartbeat import die_with_parent, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
+from backend.heartbeat import RESTART_STALE_S, die_with_parent, end_engines, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
 
 SHM_DIR = Path("/dev/shm")
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
@@ -147,7 +147,7 @@ def remove_dead_regions(http_port: int) -> int:
 
 def stop_server(process: subprocess.Popen, exit_timeout_s: int = EXIT_TIMEOUT_S) -> None:
     """SIGTERM to tritonserver; SIGKILL to its process group (its stubs with it) if it is still there
-    KILL_AFTER_EXIT_TIMEOUT_S after its exit timeout. tritonserver 2.51 never unloads a model while its gRPC frontend
+    KILL_AFTER_EXIT_TIMEOUT_S after its exit timeout; then its engine processes end (backend/heartbeat.end_engines). tritonserver 2.51 never unloads a model while its gRPC frontend
     holds a request of a stream the client cancelled after the final response (before the call's status came), and
     its exit past the timeout with the model still loaded can corrupt its heap and hang in its own abort handler."""
     if process.poll() is None:
@@ -160,8 +160,9 @@ def stop_server(process: subprocess.Popen, exit_timeout_s: int = EXIT_TIMEOUT_S)
             except ProcessLookupError:
                 pass
             process.wait()
-    if hasattr(process, "http_port"):                 # (one start_server made): a stub killed leaves its regions
-        remove_dead_regions(process.http_port)
+    if hasattr(process, "http_port"):                 # (one start_server made): a stub killed leaves its regions,
+        remove_dead_regions(process.http_port)        # and its engines outlive it
+        end_engines(process.http_port)
 
 
 def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float = 300) -> None:
@@ -186,15 +187,16 @@ def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
 
 
 def engine_alive(metrics_port: int) -> bool:
-    """False once a model's engine cannot serve: it says so (lora_llm_engine_alive 0: a tensor-parallel worker lost,
-    steps failing in a row), or its heartbeat went stale (its stub process died, its loop is stuck; see
-    backend/heartbeat.py). True while it serves, and when the metrics cannot be read (readiness covers that)."""
+    """False once a model's engine cannot serve: it says so (lora_llm_engine_alive 0: its process gone, a
+    tensor-parallel worker lost, steps failing in a row), or its heartbeat has been stale for RESTART_STALE_S (its
+    stub died and no new one came, its loop is stuck; see backend/heartbeat.py). True while it serves, and when the
+    metrics cannot be read (readiness covers that)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
             text = r.read().decode()
     except Exception:
         return True
-    return engine_health(text) is None
+    return engine_health(text, stale_s=RESTART_STALE_S) is None
 
 
 def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice: int = FRONTEND_NICE,

@@ -104,10 +104,10 @@ def run(url: str | Stream, arrays: dict, model: str = "lora_llm", request_id: st
         stream.close()
 
 
-def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = "lora_llm") -> str:
-    """A request whose input `name` declares `shape` but carries no data (a shape whose byte count wraps around 64
-    bits passes tritonserver's size check); the error it got (an error response, or the stream cut where
-    tritonserver itself went down: either way the client knows), or "" for a normal final response."""
+def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = "lora_llm", data: bytes = b"") -> str:
+    """A request whose input `name` declares `shape` but carries `data` (none by default: a shape whose byte count
+    wraps around 64 bits passes tritonserver's size check); the error it got (an error response, or the stream cut
+    where tritonserver itself went down: either way the client knows), or "" for a normal final response."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
@@ -121,7 +121,7 @@ def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = 
     tensor.datatype = datatype
     del tensor.shape[:]
     tensor.shape.extend(shape)
-    request.raw_input_contents[index] = b""
+    request.raw_input_contents[index] = data
     with grpc.insecure_channel(url) as channel:
         try:
             for response in service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]),

@@ -26,7 +26,7 @@ def start_launcher(model_dir, *args: str, settings: dict | None = None) -> tuple
     launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
                                  "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
                                  *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    launcher.http_port = http
+    launcher.http_port, launcher.metrics_port = http, metrics
     return launcher, grpc
 
 

@@ -1,7 +1,8 @@
 """Triton Python backend adapter for the engine: tensors in, backend requests out, responses back.
 
-No scheduling, model math or LoRA parsing here: `execute` parses and enqueues, then returns at once; the
-engine loop thread (backend/serving.py) steps the engine and answers through each request's sender.
+No scheduling, model math or LoRA parsing here: `execute` parses and sends each request to the engine's process
+(backend/engine_process.py, started by the instance's first stub and kept when a stub dies), then returns at once;
+its answers come back on the client's reader thread (backend/engine_client.py) through each request's sender.
 """
 import json
 import os
@@ -16,14 +17,14 @@ import triton_python_backend_utils as pb_utils
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from backend import LLMEngine, RequestError                    # noqa: E402
+from backend.engine_client import EngineClient                 # noqa: E402
+from backend.engine_process import RESTARTS_PARAMETER          # noqa: E402
 from backend.heartbeat import Heartbeat, watchdog               # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
 from backend.output_arrays import (beam_arrays, extra_arrays, first_arrays, generation_logits,   # noqa: E402
                                    merge_rows, output_arrays, top_arrays)
 from backend.protocol import check_declared, parse_request     # noqa: E402
-from backend.responder import STEPS_BEHIND                     # noqa: E402
-from backend.serving import EngineLoop                         # noqa: E402
+from backend.request import RequestError                       # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
@@ -43,7 +44,7 @@ def engine_kwargs(model_config: dict) -> dict:
     kwargs = {}
     for name, entry in model_config.get("parameters", {}).items():
         value = os.environ.get(f"LORA_LLM_{name.upper()}", entry["string_value"])
-        if value == "":
+        if value == "" or name == RESTARTS_PARAMETER:
             continue
         if name in INT_PARAMS and not (name in AUTO_PARAMS and value == "auto"):
             value = int(value)
@@ -197,21 +198,17 @@ def check_unary(rows) -> None:
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.watchdog = watchdog()                 # a killed tritonserver leaves no engine behind
+        self.watchdog = watchdog()                 # a killed tritonserver leaves no stub behind
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.metrics = ServerMetrics(metric_family, {"model": args["model_name"], "version": args["model_version"]})
         kwargs = engine_kwargs(config)
         check_period_ms = kwargs.pop("cancellation_check_period_ms", 100)
-        steps_behind = kwargs.pop("responder_steps_behind", STEPS_BEHIND)
-        self.engine = LLMEngine(**kwargs)
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, cancellation_check_period_s=check_period_ms / 1e3,
-                               max_steps_behind=steps_behind)
-        self._on_step(self.engine, None)
-        self.heartbeat = Heartbeat(self.metrics.beat, lambda: self.loop.alive, lambda: self.loop.step_started).start()
-
-    def _on_step(self, engine: LLMEngine, seconds: float | None) -> None:
-        self.metrics.on_step(engine, seconds, alive=getattr(self, "loop", None) is None or self.loop.alive)
+        steps_behind = kwargs.pop("responder_steps_behind", None)
+        self.engine = EngineClient(kwargs, args["model_name"], args["model_instance_name"],
+                                   check_period_s=check_period_ms / 1e3, steps_behind=steps_behind,
+                                   on_report=self.metrics.show, on_broken=self.metrics.show_broken)
+        self.heartbeat = Heartbeat(self.metrics.beat, lambda: self.engine.alive, lambda: None).start()
 
     def execute(self, requests):
         for request in requests:                   # every request is answered, whatever happens to the others
@@ -236,17 +233,16 @@ class TritonPythonModel:
         if rows[0].stop:
             self._stop(request.request_id(), stream)
         else:
-            self.loop.submit(stream, request.request_id())
+            self.engine.submit(stream, request.request_id())
 
     def _stop(self, name: str, stream: TritonStream) -> None:
         if not name:
             stream.fail("A request id must be provided for request cancellation")
             return
-        self.loop.cancel(name)
+        self.engine.cancel(name)
         stream.acknowledge()
 
     def finalize(self):
         self.heartbeat.stop()
-        self.loop.stop()
-        self.engine.close()                        # tensor-parallel workers end with the model, also on unload
+        self.engine.close()                        # the engine's process ends with its last stub (a model unload)
         self.metrics.close()

@@ -1,0 +1,220 @@
+"""A stub's side of its engine process (backend/engine_process.py): found or started, then requests out and their
+answers in.
+
+The engine of a model instance is found by a Unix socket named after tritonserver's HTTP port (one server holds it
+at a time), the instance and its engine parameters, in a directory only this user can enter: the first stub starts
+it, a stub started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread, which calls the server's streams (backend/serving.py's Stream);
+a second thread asks every `check_period_s` which clients cancelled and tells the engine.
+"""
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from backend.channel import Channel, ChannelClosed
+from backend.engine_process import alive, server_options
+from backend.heartbeat import PERIOD_S, engines_dir
+from backend.request import RequestLimits
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_SILENT_S = 3 * PERIOD_S + 2.0          # no heartbeat from the engine for this long: it is stuck or gone
+CONNECT_PERIOD_S = 0.05
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+def socket_path(server_pid: int, instance_name: str, kwargs: dict) -> Path:
+    """Where the engine of this instance, with these parameters, listens for the stubs of the tritonserver on this
+    HTTP port (or, serving no HTTP, of this tritonserver)."""
+    digest = hashlib.sha256(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
+    options = server_options(server_pid)
+    serves_http = options.get("allow-http", "true").lower() not in ("false", "0")
+    server = f"port{options.get('http-port', '8000')}" if serves_http else f"pid{server_pid}"
+    return engines_dir() / f"engine-{server}-{instance_name}-{digest}.sock"
+
+
+def python_executable() -> str:
+    """This environment's interpreter (inside a Python backend stub, sys.executable is the stub's binary)."""
+    if sys.executable and Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or "python3"
+
+
+def own_region() -> str:
+    """This stub's shared memory region with tritonserver (its command line's third word), or ''."""
+    try:
+        args = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return args[2].decode() if len(args) > 2 and "triton_python_backend_stub" in args[0].decode() else ""
+
+
+class EngineClient:
+    """The engine of one model instance, seen from its stub. `on_report(StepReport)` is called on the reader thread,
+    and `on_broken()` there once the engine's process is gone; streams (with `emit`, `fail`, `cancelled` and `is_cancelled`) get their answers there
+    too, and each ends with exactly one final answer, also when the engine dies (then an error)."""
+
+    def __init__(self, engine_kwargs: dict, model_name: str, instance_name: str, *, check_period_s: float = 0.1,
+                 steps_behind: int | None = None, on_report: Callable = lambda report: None,
+                 on_broken: Callable[[], None] = lambda: None, start_timeout_s: float = 3600.0):
+        self.on_report, self.on_broken = on_report, on_broken
+        self.check_period_s = check_period_s
+        self.streams: dict[int, object] = {}
+        self.cancel_sent: set[int] = set()
+        self.next_id = 0
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self.process: subprocess.Popen | None = None
+        server_pid = os.getppid()
+        path = socket_path(server_pid, instance_name, engine_kwargs)
+        sock = self._connect(path)
+        if sock is None:
+            self.process = self._start(path, model_name, engine_kwargs, check_period_s, steps_behind)
+            sock = self._wait_for(path, start_timeout_s)
+        self.channel = Channel(sock)
+        self.channel.send(("hello", os.getpid(), server_pid, own_region()))
+        reply = self.channel.recv()
+        if reply[0] != "ready":
+            raise EngineUnavailable(f"the engine process failed to start: {reply[1]}")
+        self.limits: RequestLimits = reply[1]
+        self.last_beat = time.monotonic()
+        self._stopped = threading.Event()
+        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self.reader.start()
+        self.asker = threading.Thread(target=self._ask_cancelled, name="cancel-check", daemon=True)
+        self.asker.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.broken is None and time.monotonic() - self.last_beat < ENGINE_SILENT_S
+
+    def submit(self, stream, name: str = "") -> None:
+        if self.broken is not None:
+            stream.fail(f"engine unavailable: {self.broken}")
+            return
+        with self.lock:
+            stream_id, self.next_id = self.next_id, self.next_id + 1
+            self.streams[stream_id] = stream
+        try:
+            self.channel.send(("submit", stream_id, stream.requests, name))
+        except ChannelClosed:
+            self._end(stream_id)
+            stream.fail(f"engine unavailable: {self.broken or 'its process is gone'}")
+
+    def cancel(self, name: str) -> None:
+        try:
+            self.channel.send(("stop", name))
+        except ChannelClosed:
+            pass
+
+    def close(self) -> None:
+        """The model's end: the engine ends once its last stub has said goodbye."""
+        self._stopped.set()
+        try:
+            self.channel.send(("goodbye",))
+        except ChannelClosed:
+            pass
+        self.reader.join(timeout=60)
+        self.channel.close()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _connect(self, path: Path) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError:
+            sock.close()
+            return None
+
+    def _start(self, path: Path, model_name: str, kwargs: dict, check_period_s: float,
+               steps_behind: int | None) -> subprocess.Popen:
+        """In a session of its own: tritonserver's end, and a signal to its process group, leave it running."""
+        cmd = [python_executable(), "-m", "backend.engine_process", "--socket", str(path),
+               "--model-name", model_name, "--engine-kwargs", json.dumps(kwargs),
+               "--cancellation-check-period-ms", str(check_period_s * 1e3)]
+        if steps_behind is not None:
+            cmd += ["--responder-steps-behind", str(steps_behind)]
+        return subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,    # its output: tritonserver's log
+                                start_new_session=True)
+
+    def _wait_for(self, path: Path, timeout_s: float) -> socket.socket:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (code := self.process.poll()) is not None:
+                raise EngineUnavailable(f"the engine process exited with code {code} before it listened")
+            if (sock := self._connect(path)) is not None:
+                return sock
+            time.sleep(CONNECT_PERIOD_S)
+        self.process.kill()
+        raise EngineUnavailable(f"the engine process did not listen within {timeout_s:.0f} s")
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._dispatch(self.channel.recv())
+        except ChannelClosed:
+            pass
+        if not self._stopped.is_set():
+            time.sleep(0.2)                                # (its exit code, where it was ours)
+            code = self.process.poll() if self.process is not None else None
+            self.broken = "the engine process ended" + (f" (exit code {code})" if code is not None else "")
+            self.on_broken()
+        with self.lock:
+            streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            stream.fail(f"engine unavailable: {self.broken or 'the model is unloading'}")
+
+    def _dispatch(self, message: tuple) -> None:
+        op = message[0]
+        if op == "beat":
+            self.last_beat = time.monotonic()
+        elif op == "report":
+            self.on_report(message[1])
+        elif op == "emit":
+            _, stream_id, out, batch_index, last = message
+            stream = self.streams.get(stream_id) if not last else self._end(stream_id)
+            if stream is not None:
+                stream.emit(out, batch_index, last)
+        elif op == "fail":
+            if (stream := self._end(message[1])) is not None:
+                stream.fail(message[2])
+        elif op == "cancelled":
+            if (stream := self._end(message[1])) is not None:
+                stream.cancelled()
+
+    def _end(self, stream_id: int):
+        with self.lock:
+            self.cancel_sent.discard(stream_id)
+            return self.streams.pop(stream_id, None)
+
+    def _ask_cancelled(self) -> None:
+        """Which clients cancelled (a round trip to tritonserver per stream, off the engine's process)."""
+        while not self._stopped.wait(self.check_period_s):
+            with self.lock:
+                streams = [(i, s) for i, s in self.streams.items() if i not in self.cancel_sent]
+            for stream_id, stream in streams:
+                try:
+                    cancelled = stream.is_cancelled()
+                except Exception:                         # its sender is gone: as good as cancelled
+                    cancelled = True
+                if cancelled:
+                    with self.lock:
+                        self.cancel_sent.add(stream_id)
+                    try:
+                        self.channel.send(("cancelled", stream_id))
+                    except ChannelClosed:
+                        return
