@@ -35,11 +35,11 @@ class EngineUnavailable(RuntimeError):
 def socket_path(server_pid: int, instance_name: str, kwargs: dict) -> Path:
     """Where the engine of this instance, with these parameters, listens for the stubs of the tritonserver on this
     HTTP port (or, serving no HTTP, of this tritonserver)."""
-    digest = hashlib.sha256(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps([instance_name, kwargs], sort_keys=True).encode()).hexdigest()[:12]
     options = server_options(server_pid)
     serves_http = options.get("allow-http", "true").lower() not in ("false", "0")
     server = f"port{options.get('http-port', '8000')}" if serves_http else f"pid{server_pid}"
-    return engines_dir() / f"engine-{server}-{instance_name}-{digest}.sock"
+    return engines_dir() / f"engine-{server}-{digest}.sock"
 
 
 def python_executable() -> str:

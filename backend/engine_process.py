@@ -8,9 +8,10 @@ this process, which the model's first stub starts and every later stub of that m
 loop frees their blocks and adapter pins) and the seconds tritonserver takes to start a new stub, which this process
 asks for at once (a reload of the model through tritonserver's HTTP repository API), while the caches stay warm.
 
-It outlives tritonserver too: a tritonserver that dies (or is restarted by the supervisor) finds its engine again,
-named by its HTTP port, and the caches warm. It ends when the last stub says goodbye (the model unloaded), or once no
-stub has been connected for `ORPHAN_S`.
+Under our supervisor it outlives tritonserver too: the tritonserver the supervisor starts after one died finds its
+engine again, named by its HTTP port, with the caches warm. It ends when the last stub says goodbye (the model
+unloaded), once tritonserver is gone with no supervisor to start another, once no stub has been connected for
+`ORPHAN_S`, or once its loop cannot serve (a tensor-parallel worker lost: the next stub starts a new engine).
 
 A stub that dies with requests in flight leaves their clients waiting forever in tritonserver 2.51 (it never ends
 them, and its exit waits for them). Under our supervisor (LORA_LLM_SUPERVISED), that tritonserver is killed instead,
@@ -71,6 +72,7 @@ class StubConnection:
         self.said_goodbye = False              # it ended on purpose (finalize)
         self.region = ""                       # its shared memory region, removed if it dies
         self.pid = self.server_pid = 0
+        self.supervisor_pid = 0                # what restarts its tritonserver, if anything does
 
     def send(self, message) -> None:
         if self.gone:
@@ -83,6 +85,7 @@ class StubConnection:
     def serve(self) -> None:
         try:
             _, self.pid, self.server_pid, self.region = self.channel.recv()
+            self.supervisor_pid = parent_of(self.server_pid) if os.environ.get(SUPERVISED_VAR) else 0
             self.send(("ready", self.host.loop.engine.limits))
             self.send(("report", self.host.reporter.report(self.host.loop.engine, None, self.host.loop.alive)))
             while True:
@@ -117,6 +120,7 @@ class EngineHost:
         self.loop, self.listener, self.path, self.model_name = loop, listener, path, model_name
         self.stubs: list[StubConnection] = []
         self.alone_since: float | None = time.monotonic()   # no stub connected since then
+        self.successor_expected = True         # False once tritonserver is gone with nothing to start another
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.num_reloads = 0
@@ -129,10 +133,15 @@ class EngineHost:
         self.heartbeat.start()
         threading.Thread(target=self._accept, name="accept", daemon=True).start()
         while not self.done.wait(1.0):
+            if not self.loop.alive:           # its stubs see it end; a new stub starts a new engine
+                log(f"the engine can serve no more ({self.loop.broken}); it ends")
+                return
             with self.lock:
-                alone = self.alone_since is not None and time.monotonic() - self.alone_since > ORPHAN_S
+                alone = self.alone_since is not None and (time.monotonic() - self.alone_since > ORPHAN_S or
+                                                          not self.successor_expected)
             if alone:
-                log(f"no stub for {ORPHAN_S:.0f} s; the engine ends")
+                log("tritonserver is gone and nothing starts another; the engine ends" if not self.successor_expected
+                    else f"no stub for {ORPHAN_S:.0f} s; the engine ends")
                 return
 
     def on_step(self, engine, seconds: float | None) -> None:
@@ -155,7 +164,9 @@ class EngineHost:
             return
         remove_region(stub.region)
         if not alive(stub.server_pid):
-            log(f"tritonserver (pid {stub.server_pid}) is gone; the engine waits for its successor")
+            self.successor_expected = stub.supervisor_pid > 0 and alive(stub.supervisor_pid)
+            if self.successor_expected:
+                log(f"tritonserver (pid {stub.server_pid}) is gone; the engine waits for its successor")
         elif stub.streams and os.environ.get(SUPERVISED_VAR):
             log(f"the stub (pid {stub.pid}) of model {self.model_name!r} died with {len(stub.streams)} requests in "
                 "flight, which tritonserver would never end: it is killed, for the supervisor to restart")
@@ -175,6 +186,7 @@ class EngineHost:
             with self.lock:
                 self.stubs.append(stub)
                 self.alone_since = None
+                self.successor_expected = True
             threading.Thread(target=stub.serve, name="stub", daemon=True).start()
 
     def _reload(self, server_pid: int) -> None:
@@ -201,6 +213,14 @@ def alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+def parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def remove_region(name: str) -> None:
@@ -274,6 +294,7 @@ def main() -> None:
         args.socket.with_suffix(".pid").unlink(missing_ok=True)
         raise
     host = EngineHost(loop, listener, args.socket, args.model_name)
+    signal.signal(signal.SIGTERM, lambda *_: host.done.set())    # (scripts/server_process.stop_server)
     try:
         host.serve()
     finally:

@@ -109,8 +109,10 @@ def exit_with_parent(period_s: float = 1.0) -> threading.Thread:
 
 def engines_dir() -> Path:
     """Where engine processes (backend/engine_process.py) listen and leave their pids: a directory only this user
-    can enter, since what connects there is trusted."""
-    folder = Path(tempfile.gettempdir()) / f"lora-llm-{os.getuid()}"
+    can enter, since what connects there is trusted; under /tmp where $TMPDIR is long (a Unix socket's path holds
+    at most 107 bytes)."""
+    base = tempfile.gettempdir()
+    folder = Path(base if len(base) <= 40 else "/tmp") / f"lora-llm-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)
     info = folder.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -119,17 +121,21 @@ def engines_dir() -> Path:
 
 
 def end_engines(http_port: int, timeout_s: float = 10.0) -> list[int]:
-    """End the engine processes of the tritonserver on this port, once it is stopped: each ends by itself when its
-    last stub says goodbye; those still there after `timeout_s` (their stubs were killed) get SIGKILL. Their pids."""
+    """End the engine processes of the tritonserver on this port once it is stopped (an engine outlives its
+    tritonserver, for a successor to find): SIGTERM, then SIGKILL to those still there after `timeout_s`. Their
+    pids."""
     pids = {}
     for pid_file in engines_dir().glob(f"engine-port{http_port}-*.pid"):
         try:
             pids[int(pid_file.read_text())] = pid_file
         except (OSError, ValueError):
             continue
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while pids and time.monotonic() < deadline and any(_running(pid) for pid in pids):
-        time.sleep(0.1)
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.05)
     for pid, pid_file in pids.items():
         if _running(pid):
             os.kill(pid, signal.SIGKILL)

@@ -63,6 +63,13 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
     assert not any(crash in text for crash in ("Segmentation fault", "Segfault encountered", "signal 11"))
 
 
+def engine_pid(http_port: int) -> int:
+    """The engine process of the tritonserver on this port (backend/engine_process.py)."""
+    from backend.heartbeat import engines_dir
+    [pid_file] = engines_dir().glob(f"engine-port{http_port}-*.pid")
+    return int(pid_file.read_text())
+
+
 TINY_ENV = {"LORA_LLM_DTYPE": "float32", "LORA_LLM_KERNEL_BACKEND": "torch", "LORA_LLM_KV_BLOCK_SIZE": "16",
             "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(4 << 20), "LORA_LLM_MAX_LORAS": "4", "LORA_LLM_MAX_NUM_SEQS": "32"}
 

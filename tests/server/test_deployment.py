@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from backend import LLMEngine
 from backend.checkpoint import ModelConfig
 from tests.helpers import ROOT
-from tests.server.conftest import run_frontend, run_server
+from tests.server.conftest import engine_pid, run_frontend, run_server
 from tests.server.streams import Stream, make_inputs, run, trtllm_inputs
 
 sys.path.append(str(ROOT / "scripts"))   # after the root: scripts/bench.py is not the bench package
@@ -246,8 +246,8 @@ def test_tritonserver_memory_follows_the_requests_in_flight_not_the_largest_ever
 
 def test_the_engines_process_gives_freed_adapter_memory_back_each_trim_period(tmp_path_factory, smollm2_dir):
     """Adapters of ~20 MB each (under glibc's largest mmap threshold, so they come from the heap once the threshold
-    has risen) churning through a host tier of two: the evicted ones' pages stay resident in the stub's heap until
-    its trimmer runs (backend/heap.py, every LORA_LLM_HEAP_TRIM_PERIOD_S), then its RssAnon falls."""
+    has risen) churning through a host tier of two: the evicted ones' pages stay resident in the engine process's heap
+    until its trimmer runs (backend/heap.py, every LORA_LLM_HEAP_TRIM_PERIOD_S), then its RssAnon falls."""
     from soak import make_adapter
     cfg = ModelConfig.from_dir(smollm2_dir)
     adapters = [make_adapter(cfg, 64, seed) for seed in range(6)]
@@ -259,14 +259,14 @@ def test_the_engines_process_gives_freed_adapter_memory_back_each_trim_period(tm
            "LORA_LLM_HEAP_TRIM_PERIOD_S": str(period)}
     server = next(fixture := run_server(tmp_path_factory, "trim", env, models=["lora_llm"]))
     try:
-        stub = next(pid for pid in stub_pids(server.process.pid) if "lora_llm" in open(f"/proc/{pid}/cmdline").read())
+        engine = engine_pid(server.http_port)
         for task, (weights, config) in enumerate(adapters, start=1):
             result = run(server.grpc_url, trtllm_inputs([5, 6, 7], 1, True, lora_task_id=np.array([[task]], np.uint64),
                                                         lora_weights=weights[None], lora_config=config[None]))
             assert result.error is None, result.error
-        after_uploads = anon_rss_mb(stub)
+        after_uploads = anon_rss_mb(engine)
         time.sleep(period + 2)
-        assert anon_rss_mb(stub) < after_uploads - 15, (after_uploads, anon_rss_mb(stub))
+        assert anon_rss_mb(engine) < after_uploads - 15, (after_uploads, anon_rss_mb(engine))
     finally:
         next(fixture, None)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from backend.heartbeat import STALE_S, engine_health, engines_dir
 from tests.helpers import random_prompts
-from tests.server.conftest import free_ports
+from tests.server.conftest import engine_pid, free_ports
 from server_process import shm_regions                       # (scripts/ on the path: tests/server/conftest.py)
 from tests.server.streams import Stream, run, send_lie, trtllm_inputs
 from tests.server.test_faults import lora_inputs
@@ -56,11 +56,6 @@ def test_a_live_engine_beats(tiny_server):
 
 def tritonserver_pid(lines: list[str]) -> int:
     return int([line for line in lines if "tritonserver pid" in line][-1].split("pid ")[1].split()[0])
-
-
-def engine_pid(http_port: int) -> int:
-    [pid_file] = engines_dir().glob(f"engine-port{http_port}-*.pid")
-    return int(pid_file.read_text())
 
 
 def rss_mb(pid: int) -> float:

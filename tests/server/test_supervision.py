@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.helpers import ROOT, random_prompts
-from tests.server.conftest import TINY_ENV, free_ports
+from tests.server.conftest import TINY_ENV, engine_pid, free_ports
 from tests.server.streams import Stream, run, trtllm_inputs
 
 
@@ -160,10 +160,11 @@ def is_running(pid: int) -> bool:
         return False
 
 
-def test_a_tritonserver_killed_mid_stream_leaves_no_process_behind_and_every_client_an_error(smollm2_dir,
-                                                                                              demo_adapters):
+def test_a_tritonserver_killed_mid_stream_leaves_no_stub_behind_every_client_an_error_and_its_engine(smollm2_dir,
+                                                                                                    demo_adapters):
     """Killed while its engine steps with an adapter, tritonserver used to leave the engine's stub running (reparented,
-    deaf to SIGTERM, its memory held) beside the restarted one."""
+    deaf to SIGTERM, its memory held) beside the restarted one. Its stubs end; its engine process serves the restarted
+    one (one engine, not two)."""
     launcher, grpc = start_launcher(smollm2_dir, "--no-openai", "--lora-prefetch-dir", str(demo_adapters),
                                     settings={"LORA_LLM_KV_CACHE_MEMORY_BYTES": str(256 << 20)})
     lines: list[str] = []
@@ -177,12 +178,14 @@ def test_a_tritonserver_killed_mid_stream_leaves_no_process_behind_and_every_cli
         for stream in streams:
             stream.wait_first()
         time.sleep(1)
-        old = descendants(pid)
+        engine = engine_pid(launcher.http_port)
+        old = sorted(set(descendants(pid)) - {engine} - set(descendants(engine)))     # (its grammar workers)
         assert old, "tritonserver runs its model in a stub process"
         os.kill(pid, signal.SIGKILL)
         results = [stream.collect(timeout_s=60) for stream in streams]
         read_until(launcher, "ready again after restart 1", lines)
         assert [p for p in old if is_running(p)] == [], "".join(lines)[-2000:]
+        assert engine_pid(launcher.http_port) == engine and is_running(engine)
         assert all(r.error is not None for r in results), [r.error for r in results]
         after = run(f"127.0.0.1:{grpc}", trtllm_inputs(prompts[0], 4, True))
         assert after.error is None and len(after.tokens) == 4
