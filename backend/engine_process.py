@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from backend.channel import Channel, ChannelClosed
-from backend.heartbeat import SUPERVISED_VAR, Heartbeat
+from backend.heartbeat import SUPERVISED_VAR, Heartbeat, core_key_headers
 from backend.metrics import StepReporter
 
 ORPHAN_S = 90.0                               # with no stub this long, the engine ends (the supervisor's longest
@@ -256,12 +256,14 @@ def reload_model(server_pid: int, model_name: str, generation: int) -> None:
     """Ask tritonserver for a new stub: a load of the model with its own config and one parameter changed (a load
     of an unchanged model does nothing). Needs model control mode explicit, as our launcher starts it."""
     base = f"http://{http_endpoint(server_pid)}/v2"
-    with urllib.request.urlopen(f"{base}/models/{model_name}/config", timeout=10) as response:
+    headers = core_key_headers()                         # where its ports ask for a key
+    request = urllib.request.Request(f"{base}/models/{model_name}/config", headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as response:
         config = json.loads(response.read())
     config.setdefault("parameters", {})[RESTARTS_PARAMETER] = {"string_value": str(generation)}
     body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
     request = urllib.request.Request(f"{base}/repository/models/{model_name}/load", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers | {"Content-Type": "application/json"})
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=600) as response:
         response.read()

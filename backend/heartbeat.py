@@ -23,6 +23,10 @@ RESTART_STALE_S = 20.0                        # stale this long, tritonserver is
 MAX_STEP_S = 120.0                            # a step running longer than this is stuck (no heartbeat while it runs)
 HEARTBEAT = "lora_llm_engine_heartbeat_seconds"
 SUPERVISED_VAR = "LORA_LLM_SUPERVISED"        # set where a supervisor restarts tritonserver (scripts/launch_server.py)
+CORE_KEY_VAR = "LORA_LLM_CORE_KEY"            # the key tritonserver's exposed ports ask for (launch_server --expose-core)
+CORE_KEY_HEADER = "lora-llm-key"              # the HTTP header that carries it (gRPC: GRPC_KEY_PREFIX + it)
+GRPC_KEY_PREFIX = "triton-grpc-protocol-"     # tritonserver's prefix to a restricted protocol's gRPC metadata key
+RESTRICTED = "inference,model-repository,model-config,shared-memory,statistics,trace,logging"   # health, metadata: open
 PR_SET_PDEATHSIG = 1
 ALIVE = "lora_llm_engine_alive"
 
@@ -150,3 +154,10 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def core_key_headers(protocol: str = "http") -> dict[str, str]:
+    """The header (HTTP) or metadata (gRPC) our own clients of tritonserver send where its ports ask for a key
+    ($LORA_LLM_CORE_KEY)."""
+    key = os.environ.get(CORE_KEY_VAR, "")
+    return {(GRPC_KEY_PREFIX if protocol == "grpc" else "") + CORE_KEY_HEADER: key} if key else {}

@@ -132,10 +132,9 @@ class StepReporter:
 class ServerMetrics:
     """Metric objects from `new_family(name, help, kind)` (each with .Metric(labels=..., buckets=...)), updated under
     one lock (concurrent updates crash tritonserver 2.51). Each update is a round trip to the server (~45 us on 2
-    busy cores), so a step sends its latency and generated tokens (the engine's count), and the gauges that changed,
-    at most every GAUGE_PERIOD_S while steps run. The hook's median time a step (W4, 128 requests, this 2-core
-    machine, three runs each): 0.27-0.34 ms with our families alone, 0.45-0.49 ms with TensorRT-LLM's sent every step,
-    0.35-0.43 ms with the period, against steps of 65-200 ms."""
+    busy cores), so a step's report (StepReport, made in the engine's process) brings its latency and generated
+    tokens (the engine's count), and the gauges at most every GAUGE_PERIOD_S while steps run; only those that changed
+    are sent."""
 
     def __init__(self, new_family: Callable[[str, str, str], object], labels: dict[str, str] | None = None):
         self.lock = threading.Lock()

@@ -9,6 +9,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
+from backend.heartbeat import core_key_headers
+
 NOT_FOUND = "not found in cache. Please send LoRA weights with request"
 DATATYPES = {np.bool_: "BOOL", np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16",
              np.object_: "BYTES"}
@@ -109,9 +111,10 @@ class LoraLLMClient:
     """Streams token ids from the server. Sends an adapter's weights only the first time in a session, and
     once more if the server answers that it does not have them (evicted, or restarted)."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "lora_llm"):
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "lora_llm", headers: dict[str, str] | None = None):
         self.client = grpcclient.InferenceServerClient(url)
         self.model = model
+        self.headers = core_key_headers("grpc") if headers is None else headers   # the key of an exposed server
         self.sent_task_ids: set[int] = set()
 
     def close(self) -> None:
@@ -137,7 +140,8 @@ class LoraLLMClient:
             from backend.lora.peft import load_lora_dir
             weights, config = load_lora_dir(lora_dir)
         responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                                 headers=self.headers or None)
         try:
             self.client.async_stream_infer(self.model, build_inputs(input_ids, max_tokens, stream, lora_task_id,
                                                                     weights, config, **scalars),

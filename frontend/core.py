@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
+from backend.heartbeat import core_key_headers
 from client.grpc_client import NOT_FOUND, call_ended, infer_request, infer_request_bytes
 from frontend.adapters import Adapter
 from frontend.errors import OpenAIError, from_core
@@ -54,6 +55,7 @@ class CoreClient:
     def __init__(self, url: str, model: str = "lora_llm"):
         self.url = url
         self.model = model
+        self.metadata = tuple(core_key_headers("grpc").items()) or None   # where tritonserver's ports ask for a key
         self.channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
         self.stream = self.channel.stream_stream(STREAM, response_deserializer=
                                                  service_pb2.ModelStreamInferResponse.FromString)
@@ -110,7 +112,7 @@ class CoreClient:
 
     async def _stream(self, request: bytes, adapter: Adapter | None,
                       upload: asyncio.Future | None) -> AsyncIterator[CoreChunk]:
-        call = self.stream()
+        call = self.stream(metadata=self.metadata)
         try:
             await call.write(request)
             await call.done_writing()

@@ -19,7 +19,9 @@ from server_process import (EXIT_TIMEOUT_S, FRONTEND_NICE, KILL_AFTER_EXIT_TIMEO
                             remove_dead_regions, start_frontend, start_server)
 from supervisor import Service, supervise
 
-from backend.heartbeat import SUPERVISED_VAR, end_engines  # noqa: E402  (scripts/server_process.py: the root on the path)
+from backend.heartbeat import CORE_KEY_HEADER, CORE_KEY_VAR, SUPERVISED_VAR, end_engines  # noqa: E402
+
+MIN_KEY_CHARS = 16
 
 
 def frontend_args(args, adapter_store: Path | None) -> list[str]:
@@ -93,8 +95,10 @@ def main() -> None:
                         help="the address the OpenAI API listens on (0.0.0.0 in a pod); tritonserver's ports stay on "
                              "127.0.0.1 unless --expose-core")
     parser.add_argument("--expose-core", action="store_true",
-                        help="tritonserver's gRPC, HTTP and metrics ports on --host too: TensorRT-LLM clients and "
-                             "perf_analyzer from other machines (those ports have no keys)")
+                        help="tritonserver's gRPC, HTTP and metrics ports on --host too, for TensorRT-LLM clients "
+                             "from other machines: every protocol but health and metadata then asks for the key of "
+                             f"${CORE_KEY_VAR} (or --core-key-file) in the {CORE_KEY_HEADER!r} header")
+    parser.add_argument("--core-key-file", help=f"a file holding the key of --expose-core (else ${CORE_KEY_VAR})")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -126,9 +130,13 @@ def main() -> None:
     parser.add_argument("--lora-roots", help="comma list of folders, besides the adapter store, that the OpenAI API "
                                              "may load adapters from")
     args = parser.parse_args()
-    if args.expose_core and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"[launch_server] WARNING: --expose-core: tritonserver's ports listen on {args.host} with no keys: "
-              "anyone who reaches them can run and upload adapters to the core model", flush=True)
+    if args.core_key_file:
+        os.environ[CORE_KEY_VAR] = Path(args.core_key_file).read_text().strip()    # for every child: the API too
+    if args.expose_core and len(os.environ.get(CORE_KEY_VAR, "")) < MIN_KEY_CHARS:
+        parser.error(f"--expose-core needs a key of at least {MIN_KEY_CHARS} characters in ${CORE_KEY_VAR} or "
+                     "--core-key-file: tritonserver's ports would take anyone's requests and adapter uploads")
+    if not args.expose_core:
+        os.environ.pop(CORE_KEY_VAR, None)             # on loopback, as before: no key asked
     if args.model_repository == ROOT / "model_repository":
         args.model_repository = repository(ROOT / ".run" / "model_repository", args.decoupled_mode,
                                            args.tensorrt_llm_model_name)

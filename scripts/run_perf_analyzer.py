@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from backend.heartbeat import core_key_headers  # noqa: E402
 
 
 def library_dir() -> Path:
@@ -78,6 +79,7 @@ def main() -> None:
            "--streaming", "--input-data", str(data_file), "--concurrency-range", str(args.concurrency),
            "--measurement-mode", "count_windows", "--measurement-request-count", str(args.requests),
            "--max-trials", "3", "--stability-percentage", "999"] + [a for a in extra if a != "--"]
+    cmd += [f"-H{name}:{value}" for name, value in core_key_headers("grpc").items()]     # (see the docstring)
     print(" ".join(cmd), flush=True)
     sys.exit(subprocess.call(cmd, env=env))
 

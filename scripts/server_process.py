@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
-from backend.heartbeat import RESTART_STALE_S, die_with_parent, end_engines, engine_health  # noqa: E402  (framework-free: imports nothing heavy)
+from backend.heartbeat import (CORE_KEY_HEADER, CORE_KEY_VAR, RESTART_STALE_S, RESTRICTED,  # noqa: E402 (imports
+                               die_with_parent, end_engines, engine_health)                # nothing heavy)
 
 SHM_DIR = Path("/dev/shm")
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
@@ -95,7 +96,8 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
                  log_file=None, models: list[str] | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S,
                  host: str = "127.0.0.1", die_with_us: bool = False) -> subprocess.Popen:
     """Start tritonserver in the background; `models` loads only those (all of the repository by default);
-    die_with_us: killed when this process dies (a supervisor's children).
+    die_with_us: killed when this process dies (a supervisor's children). With LORA_LLM_CORE_KEY in `env` (or this
+    environment), every protocol but health and metadata asks for it in the `lora-llm-key` header, on gRPC and HTTP.
     exit_timeout_s: how long a SIGTERM waits for in-flight requests (tritonserver's --exit-timeout-secs).
     The server is the one nvidia-pytriton bundles, or an installed one (an NGC tritonserver image's):
     LORA_LLM_TRITONSERVER names its binary and LORA_LLM_BACKEND_DIRECTORY its backends."""
@@ -109,8 +111,11 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
            "--exit-timeout-secs", str(exit_timeout_s),
            "--grpc-infer-allocation-pool-size", str(GRPC_REQUEST_POOL_SIZE),
            f"--backend-config=python,shm-region-prefix-name={shm_prefix(http_port)}"]
-    if models:
-        cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models]
+    if key := (env or {}).get(CORE_KEY_VAR) or os.environ.get(CORE_KEY_VAR):
+        cmd += [f"--grpc-restricted-protocol={RESTRICTED}:{CORE_KEY_HEADER}={key}",
+                f"--http-restricted-api={RESTRICTED}:{CORE_KEY_HEADER}={key}"]
+    # explicit control: the engine's process reloads the core model when a stub dies (backend/engine_process.py)
+    cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models or ["*"]]
     remove_dead_regions(http_port)
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
     process = subprocess.Popen(cmd, env=server_env(env), stdout=log_file,

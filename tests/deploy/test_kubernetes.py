@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from backend import LLMEngine
+from backend.heartbeat import CORE_KEY_VAR
 from backend.metrics import FAMILIES, LORA_INFO, gauges
 from tests.helpers import ROOT
 
@@ -67,8 +68,9 @@ def test_the_pool_is_ready_when_the_api_is_and_the_keys_are_required():
     c = container("lora-llm")
     probe = c["readinessProbe"]["httpGet"]
     assert (probe["path"], probe["port"]) == ("/health", "openai")      # the port the pool routes to
-    keys = [e for e in c["env"] if e["name"] in ("LORA_LLM_OPENAI_API_KEY", "LORA_LLM_OPENAI_ADMIN_KEY")]
-    assert len(keys) == 2 and not any(e["valueFrom"]["secretKeyRef"].get("optional") for e in keys)
+    keys = [e for e in c["env"] if e["name"] in ("LORA_LLM_OPENAI_API_KEY", "LORA_LLM_OPENAI_ADMIN_KEY",
+                                                 CORE_KEY_VAR)]                     # (--expose-core asks for it)
+    assert len(keys) == 3 and not any(e["valueFrom"]["secretKeyRef"].get("optional") for e in keys)
 
 
 def test_the_server_reads_its_paths_from_mounted_volumes():
@@ -81,12 +83,13 @@ def test_the_server_reads_its_paths_from_mounted_volumes():
     assert claims == {d["metadata"]["name"] for d in documents() if d["kind"] == "PersistentVolumeClaim"}
 
 
-def test_environment_variables_are_engine_parameters_or_the_api_keys():
+def test_environment_variables_are_engine_parameters_or_the_keys():
     parameters = set(re.findall(r'key: "(\w+)"', (ROOT / "model_repository/lora_llm/config.pbtxt").read_text()))
     frontend = (ROOT / "frontend/__main__.py").read_text()
     for env in container("lora-llm")["env"]:
         name = env["name"]
-        assert name.removeprefix("LORA_LLM_").lower() in parameters or f'"{name}"' in frontend, name
+        assert name.removeprefix("LORA_LLM_").lower() in parameters or f'"{name}"' in frontend or \
+            name == CORE_KEY_VAR, name
 
 
 def test_the_pool_targets_the_openai_port_and_its_picker():

@@ -41,12 +41,12 @@ class StreamResult:
 class Stream:
     """One gRPC stream carrying one request; collects every response until the final flag."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
         self.client = grpcclient.InferenceServerClient(url)
         self.responses: queue.Queue = queue.Queue()
         self.seen: list = []                                     # responses taken by wait_first, not yet collected
         self.final_at: float | None = None                       # time.monotonic() when the final response arrived
-        self.client.start_stream(callback=self._arrived)
+        self.client.start_stream(callback=self._arrived, headers=headers)
 
     def _arrived(self, result, error) -> None:
         if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
@@ -95,16 +95,17 @@ class Stream:
 
 
 def run(url: str | Stream, arrays: dict, model: str = "lora_llm", request_id: str = "",
-        output: str = "output_ids") -> StreamResult:
+        output: str = "output_ids", headers: dict[str, str] | None = None) -> StreamResult:
     """One request on a new stream (or on `url` when it is an open Stream), collected and closed."""
-    stream = (url if isinstance(url, Stream) else Stream(url)).send(arrays, model, request_id)
+    stream = (url if isinstance(url, Stream) else Stream(url, headers)).send(arrays, model, request_id)
     try:
         return stream.collect(output=output)
     finally:
         stream.close()
 
 
-def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = "lora_llm", data: bytes = b"") -> str:
+def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = "lora_llm", data: bytes = b"",
+             headers: dict[str, str] | None = None) -> str:
     """A request whose input `name` declares `shape` but carries `data` (none by default: a shape whose byte count
     wraps around 64 bits passes tritonserver's size check); the error it got (an error response, or the stream cut
     where tritonserver itself went down: either way the client knows), or "" for a normal final response."""
@@ -124,8 +125,8 @@ def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = 
     request.raw_input_contents[index] = data
     with grpc.insecure_channel(url) as channel:
         try:
-            for response in service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]),
-                                                                                                  timeout=60):
+            for response in service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                    iter([request]), timeout=60, metadata=tuple((headers or {}).items()) or None):
                 return response.error_message
         except grpc.RpcError as err:        # tritonserver 2.51 itself went down with the stub: the stream is cut
             if err.code() != grpc.StatusCode.UNAVAILABLE:

@@ -63,13 +63,14 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def served_again(url: str, arrays: dict, metrics_port: int, timeout_s: float = 60) -> tuple[float, bool, object]:
+def served_again(url: str, arrays: dict, metrics_port: int, timeout_s: float = 60,
+                 headers: dict[str, str] | None = None) -> tuple[float, bool, object]:
     """Requests until one is answered: seconds it took, whether the metrics said the engine could not serve
     meanwhile (polled between requests), and the answer."""
     start, red = time.monotonic(), False
     while time.monotonic() - start < timeout_s:
         red = red or engine_health(metrics_text(metrics_port)) is not None
-        result = run(url, arrays)
+        result = run(url, arrays, headers=headers)
         if result.error is None:
             return time.monotonic() - start, red, result
         time.sleep(0.05)

@@ -239,3 +239,55 @@ def test_a_killed_supervisor_leaves_no_process_holding_its_ports(tiny_chat_model
         launcher.kill()
         for pid in descendants(launcher.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def requests_answered(metrics_port: int) -> float:
+    """Every request model.py answered (lora_llm_requests_total over its outcomes)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lora_llm_requests_total{"))
+
+
+def test_exposed_ports_ask_for_the_key_and_our_own_clients_send_it(tiny_chat_model_dir, monkeypatch):
+    """--expose-core: without the key nothing reaches model.py (gRPC and HTTP inference, the repository API); with it
+    our client, perf_analyzer, the OpenAI API and the engine's own reload after a stub died all get through."""
+    from client.grpc_client import LoraLLMClient
+    from tests.server.test_health import LIES, served_again, status_of
+    from tests.server.streams import send_lie
+    key = "k3y-" + "x" * 28
+    [openai] = free_ports(1)
+    launcher, grpc = start_launcher(tiny_chat_model_dir, "--expose-core", "--openai-port", str(openai),
+                                    settings=TINY_ENV | {"LORA_LLM_CORE_KEY": key})
+    url, http, lines = f"127.0.0.1:{grpc}", launcher.http_port, []
+    try:
+        read_until(launcher, "openai ready", lines)
+        answered = requests_answered(launcher.metrics_port)
+        refused = run(url, trtllm_inputs([5, 6, 7], 4, True))
+        assert "restricted" in (refused.error or ""), refused.error
+        http_infer = {"inputs": [{"name": "input_ids", "shape": [1, 3], "datatype": "INT32", "data": [5, 6, 7]}]}
+        assert status_of(f"http://127.0.0.1:{http}/v2/models/lora_llm/infer", http_infer)[0] == 403
+        assert status_of(f"http://127.0.0.1:{http}/v2/repository/models/lora_llm/load", {})[0] == 403
+        assert requests_answered(launcher.metrics_port) == answered, "a request without the key reached model.py"
+        assert status_of(f"http://127.0.0.1:{http}/v2/health/ready")[0] == 200          # probes need no key
+
+        monkeypatch.setenv("LORA_LLM_CORE_KEY", key)
+        client = LoraLLMClient(url)
+        tokens = [t for chunk in client.generate([5, 6, 7], 4) for t in chunk]
+        client.close()
+        assert len(tokens) == 4
+        body = {"model": tiny_chat_model_dir.name, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+        assert status_of(f"http://127.0.0.1:{openai}/v1/completions", body)[0] == 200
+        pa = subprocess.run([sys.executable, ROOT / "scripts" / "run_perf_analyzer.py", "--url", url, "--requests", "4",
+                             "--concurrency", "1", "--vocab-size", "512", "--output-len", "4"],
+                            capture_output=True, text=True, timeout=300, env=os.environ | {"LORA_LLM_CORE_KEY": key})
+        assert pa.returncode == 0, pa.stdout[-2000:] + pa.stderr[-1000:]
+
+        metadata = {"triton-grpc-protocol-lora-llm-key": key}
+        name, datatype, shape, _ = LIES["input_ids INT32 [1, 2**62]"]
+        assert send_lie(url, name, datatype, shape, headers=metadata)
+        took, _, again = served_again(url, trtllm_inputs([5, 6, 7], 4, True), launcher.metrics_port,
+                                      headers=metadata)
+        assert again.tokens == tokens and not any("tritonserver died" in line for line in lines), took
+    finally:
+        launcher.terminate()
+        assert launcher.wait(timeout=60) == 0
