@@ -9,18 +9,16 @@ a second thread asks every `check_period_s` which clients cancelled and tells th
 import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from backend.channel import Channel, ChannelClosed
-from backend.engine_process import alive, server_options
-from backend.heartbeat import PERIOD_S, engines_dir
+from backend.engine_process import server_options
+from backend.heartbeat import PERIOD_S, engines_dir, python_executable
 from backend.request import RequestLimits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +38,6 @@ def socket_path(server_pid: int, instance_name: str, kwargs: dict) -> Path:
     serves_http = options.get("allow-http", "true").lower() not in ("false", "0")
     server = f"port{options.get('http-port', '8000')}" if serves_http else f"pid{server_pid}"
     return engines_dir() / f"engine-{server}-{digest}.sock"
-
-
-def python_executable() -> str:
-    """This environment's interpreter (inside a Python backend stub, sys.executable is the stub's binary)."""
-    if sys.executable and Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    return shutil.which("python3") or "python3"
 
 
 def own_region() -> str:
@@ -117,7 +108,8 @@ class EngineClient:
             pass
 
     def close(self) -> None:
-        """The model's end: the engine ends once its last stub has said goodbye."""
+        """The model's end: the engine ends by itself once its last stub has said goodbye (another stub may still
+        use it: a reload's new instance)."""
         self._stopped.set()
         try:
             self.channel.send(("goodbye",))
@@ -125,11 +117,6 @@ class EngineClient:
             pass
         self.reader.join(timeout=60)
         self.channel.close()
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
     def _connect(self, path: Path) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

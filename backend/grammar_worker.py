@@ -7,10 +7,10 @@ compiled grammar serialized, and is killed (its worker replaced) when it passes 
 (what the worker grew by: it starts at ~360 MB with its tokenizer) or its request's cancellation. Messages are a
 length, 8 bytes, then UTF-8 JSON.
 """
+import heapq
 import json
 import os
 import select
-import shutil
 import struct
 import subprocess
 import sys
@@ -19,18 +19,26 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from backend.heartbeat import exit_with_parent
+from backend.heartbeat import exit_with_parent, python_executable
 from backend.request import RequestError
 
 POLL_S = 0.02                                 # how often a waiting compile looks at its clock, memory and request
 START_LIMIT_S = 120.0                         # a worker's start (its tokenizer loaded), not counted in a compile's
 NICE = 10                                     # below the engine: a compile, and a worker's start, take no step's core
 CACHE_BYTES = 256 << 20                       # compiled grammars kept for reuse; the least recently used go first
+MAX_REFUSED = 4096                            # grammars refused for their cost, refused again at once when resent
+
+
+class TooCostly(RequestError):
+    """A grammar refused for what its compile took: time, memory, or the worker itself."""
 
 
 class GrammarWorkers:
     """compile(guide_type, guide, cancelled) -> xgrammar.CompiledGrammar, from up to `max_workers` processes at once;
-    a compile that finds none idle waits for one (only guided requests ever wait here)."""
+    a compile that finds none idle waits for one (only guided requests ever wait here), the shortest guide first, so
+    that a small grammar does not queue behind large ones that will run to the time limit. A grammar found before,
+    or refused before for its cost, is answered at once. A killed worker is replaced at once: its successor starts
+    while the next compile waits."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, tokenizer_info, time_limit_s: float = 5.0,
                  memory_limit_bytes: int = 512 << 20, max_workers: int = 2):
@@ -40,10 +48,14 @@ class GrammarWorkers:
         self.time_limit_s, self.memory_limit_bytes = time_limit_s, memory_limit_bytes
         self.idle: list[subprocess.Popen] = []
         self.started: set[int] = set()                        # pids of the workers that said they are ready
-        self.slots = threading.Semaphore(max_workers)
+        self.num_free = max_workers
+        self.waiting: list[tuple[int, int]] = []              # heap of (guide length, arrival) waiting for a worker
+        self.num_arrived = 0
         self.lock = threading.Lock()
+        self.freed = threading.Condition(self.lock)
         self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.cache_bytes = 0
+        self.refused: OrderedDict[tuple[str, str], str] = OrderedDict()     # grammar -> why
         self.idle.append(self._spawn())                       # warm: its start-up overlaps the engine's
 
     def compile(self, guide_type: str, guide: str, cancelled: Callable[[], bool] = lambda: False):
@@ -52,22 +64,56 @@ class GrammarWorkers:
             if key in self.cache:
                 self.cache.move_to_end(key)
                 return self.cache[key]
-        with self.slots:
+            if key in self.refused:
+                raise RequestError("guided_decoding_guide", self.refused[key])
+        self._take_worker(len(guide), cancelled)
+        try:
             with self.lock:
                 worker = self.idle.pop() if self.idle else None
             worker = worker if worker is not None and worker.poll() is None else self._spawn()
             try:
                 reply = self._ask(worker, guide_type, guide, cancelled)
-            except BaseException:
+            except BaseException as err:
                 self._kill(worker)
+                with self.lock:
+                    self.idle.append(self._spawn())            # its successor starts now, not in the next compile
+                    if isinstance(err, TooCostly):
+                        self._remember_refused(key, err.message)
                 raise
             with self.lock:
                 self.idle.append(worker)
+        finally:
+            with self.lock:
+                self.num_free += 1
+                self.freed.notify_all()
         if "error" in reply:
             raise RequestError("guided_decoding_guide", f"does not compile as {guide_type}: {reply['error']}")
         grammar = self.xgr.CompiledGrammar.deserialize_json(reply["grammar"], self.info)
         self._remember(key, grammar)
         return grammar
+
+    def _take_worker(self, guide_len: int, cancelled: Callable[[], bool]) -> None:
+        """Wait until a worker is free and no shorter guide waits for one."""
+        with self.lock:
+            ticket = (guide_len, self.num_arrived)
+            self.num_arrived += 1
+            heapq.heappush(self.waiting, ticket)
+            try:
+                while not (self.num_free and self.waiting[0] == ticket):
+                    self.freed.wait(POLL_S * 5)
+                    if cancelled():
+                        raise RequestError("guided_decoding_guide", "the request was cancelled while its grammar "
+                                                                    "waited to compile")
+            finally:
+                self.waiting.remove(ticket)
+                heapq.heapify(self.waiting)
+                self.freed.notify_all()
+            self.num_free -= 1
+
+    def _remember_refused(self, key: tuple[str, str], why: str) -> None:
+        self.refused[key] = why
+        if len(self.refused) > MAX_REFUSED:
+            self.refused.popitem(last=False)
 
     def close(self) -> None:
         with self.lock:
@@ -92,7 +138,7 @@ class GrammarWorkers:
                                                          f"{self.time_limit_s:g}: the grammar is refused")
         reply = read_message(worker.stdout)
         if reply is None:
-            raise RequestError("guided_decoding_guide", "its compile ended the worker: the grammar is refused")
+            raise TooCostly("guided_decoding_guide", "its compile ended the worker: the grammar is refused")
         return reply
 
     def _wait(self, worker: subprocess.Popen, limit_s: float, cancelled: Callable[[], bool], late: str,
@@ -102,13 +148,13 @@ class GrammarWorkers:
         started, fd, idle_bytes = time.monotonic(), worker.stdout.fileno(), resident_bytes(worker.pid)
         while not select.select([fd], [], [], POLL_S)[0]:
             if worker.poll() is not None:
-                raise RequestError("guided_decoding_guide", f"its compile ended the worker ({worker.returncode}): "
-                                                            "the grammar is refused")
+                raise (TooCostly if bounded else RequestError)(
+                    "guided_decoding_guide", f"its compile ended the worker ({worker.returncode}): the grammar is refused")
             if time.monotonic() - started > limit_s:
-                raise RequestError("guided_decoding_guide", late)
+                raise (TooCostly if bounded else RequestError)("guided_decoding_guide", late)
             if bounded and resident_bytes(worker.pid) - idle_bytes > self.memory_limit_bytes:
-                raise RequestError("guided_decoding_guide", f"its compile passed guided_decoding_compile_memory_bytes "
-                                                            f"{self.memory_limit_bytes}: the grammar is refused")
+                raise TooCostly("guided_decoding_guide", f"its compile passed guided_decoding_compile_memory_bytes "
+                                                         f"{self.memory_limit_bytes}: the grammar is refused")
             if cancelled():
                 raise RequestError("guided_decoding_guide", "the request was cancelled while its grammar compiled")
 
@@ -129,12 +175,6 @@ class GrammarWorkers:
             self.cache_bytes += size
             while self.cache_bytes > CACHE_BYTES:
                 self.cache_bytes -= self.cache.popitem(last=False)[1].memory_size_bytes
-
-
-def python_executable() -> str:
-    """This interpreter; inside tritonserver's stub (an embedded Python), the python3 on PATH (the venv's)."""
-    name = os.path.basename(sys.executable or "")
-    return sys.executable if name.startswith("python") else (shutil.which("python3") or "python3")
 
 
 def resident_bytes(pid: int) -> int:

@@ -8,8 +8,10 @@ model sees the request): only a value that must keep changing tells the truth. `
 a metrics page (the supervisor's health check, the OpenAI API's /health)."""
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -109,6 +111,12 @@ def exit_with_parent(period_s: float = 1.0) -> threading.Thread:
     thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def python_executable() -> str:
+    """This interpreter; inside tritonserver's stub (an embedded Python), the python3 on PATH (the venv's)."""
+    name = os.path.basename(sys.executable or "")
+    return sys.executable if name.startswith("python") else (shutil.which("python3") or "python3")
 
 
 def engines_dir() -> Path:

@@ -200,7 +200,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
             return StreamingResponse(json_pieces(payload), media_type="application/json")     # encoded off the loop
         first = await first_delta(request, deltas)               # errors before any token keep their status
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(sse(first, deltas, responses, generation, include_usage, prefixes),
+        return EventStream(sse(first, deltas, responses, generation, include_usage, prefixes, off_loop),
                            media_type="text/event-stream")
 
     return app
@@ -217,7 +217,9 @@ def check_response_bytes(estimate: dict[str, int], chat: bool) -> None:
 
 
 async def sse(first, deltas, responses: Responses, generation: Generation, include_usage: bool,
-              prefixes: list[str] | None):
+              prefixes: list[str] | None, off_loop):
+    """The chunks of a stream; a choice's first with its echoed prompt (megabytes of log probs for a long prompt
+    with alternatives) is built off the event loop."""
     started = set()
     try:
         delta = first
@@ -229,7 +231,7 @@ async def sse(first, deltas, responses: Responses, generation: Generation, inclu
                     yield responses.role_chunk(delta.index)
                 if prefixes:
                     delta.text, echo = prefixes[delta.index] + delta.text, True
-            yield responses.chunk(delta, echo=echo)
+            yield await off_loop(responses.chunk, delta, False, True) if echo else responses.chunk(delta)
             delta = await anext(deltas, None)
         if include_usage:
             yield responses.usage_chunk(generation.usage)

@@ -57,7 +57,7 @@ def test_a_deep_schema_delays_no_other_request_and_is_refused_at_the_time_limit(
 
 def test_a_stopped_request_stops_its_compile(smollm2_server):
     url = smollm2_server.grpc_url
-    stream = Stream(url).send(guided(nested_schema(400)), request_id="deep-stop")   # seconds, and memory slowly
+    stream = Stream(url).send(guided(nested_schema(405)), request_id="deep-stop")   # seconds, and memory slowly
     time.sleep(0.3)
     started = time.monotonic()
     stop = run(url, trtllm_inputs([0], 1, True, stop=np.array([[True]])), request_id="deep-stop")
@@ -65,3 +65,38 @@ def test_a_stopped_request_stops_its_compile(smollm2_server):
     stream.close()
     assert stop.error is None and result.error is None and result.num_final == 1
     assert time.monotonic() - started < 2.0
+
+
+def test_a_small_grammar_is_not_queued_behind_costly_ones_and_those_are_refused_again_at_once(smollm2_server):
+    """Four schemas that run to the time limit and a small one sent after them, on two workers: the small one
+    compiles as soon as a worker is free (the shortest guide first), before the two costly ones still waiting, and a
+    costly one sent again is refused at once."""
+    url = smollm2_server.grpc_url
+    results: dict[str, tuple] = {}
+
+    def send(name: str, schema: str) -> None:
+        started = time.monotonic()
+        result = run(url, guided(schema))
+        results[name] = (result, time.monotonic() - started, time.monotonic())
+
+    costly = {f"deep{depth}": nested_schema(depth) for depth in (401, 402, 403, 404)}
+    threads = [threading.Thread(target=send, args=item) for item in costly.items()]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    small = threading.Thread(target=send, args=("small", nested_schema(2).replace('"a"', '"small"')))
+    small.start()
+    for thread in threads + [small]:
+        thread.join(timeout=120)
+    result, seconds, small_done = results["small"]
+    assert result.error is None and len(result.tokens) == 4
+    assert seconds < TIMEOUT_S + WORKER_START_S, seconds
+    refused_at = sorted(done for name, (r, _, done) in results.items() if name != "small")
+    print(f"small: {seconds:.1f} s; costly refused after " + ", ".join(
+        f"{results[name][1]:.1f}" for name in sorted(costly, key=lambda name: results[name][2])) + " s")
+    assert all(results[name][0].error.startswith("guided_decoding_guide: its compile passed") for name in costly)
+    assert small_done < refused_at[2], "the small grammar waited behind costly ones that arrived before it"
+    started = time.monotonic()
+    again = run(url, guided(costly["deep401"]))
+    assert again.error == results["deep401"][0].error and time.monotonic() - started < 1.0

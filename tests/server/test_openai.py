@@ -432,10 +432,12 @@ def test_prompt_logprobs_come_once_per_prompt_and_an_answer_too_large_is_refused
     assert time.monotonic() - start < 1.0
 
 
-def test_a_large_answer_is_built_off_the_event_loop(client, frontend):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_large_answer_is_built_off_the_event_loop(client, frontend, stream):
     """Echo with 20 alternatives at each of 8 choices' 1,500 prompt tokens (~15 MB of JSON) beside /health polls:
     none waits on the answer's building or encoding (built on the loop: the slowest 1.4 s; off it 85 ms on this
-    2-core machine, where the API runs niced beside the engine computing the prompt, and /health asks tritonserver)."""
+    2-core machine, where the API runs niced beside the engine computing the prompt, and /health asks tritonserver);
+    streamed, each choice's first chunk (its echoed prompt) is built off the loop too."""
     import threading
     latencies, done = [], threading.Event()
 
@@ -451,10 +453,14 @@ def test_a_large_answer_is_built_off_the_event_loop(client, frontend):
     poller.start()
     try:
         response = client.completions.create(model=BASE, prompt=[300 + i % 1000 for i in range(1500)], n=8,
-                                             max_tokens=1, echo=True, logprobs=20, temperature=0)
+                                             max_tokens=1, echo=True, logprobs=20, temperature=0, stream=stream)
+        choices = [choice for chunk in response for choice in chunk.choices] if stream else response.choices
     finally:
         done.set()
         poller.join()
-    assert all(len(choice.logprobs.top_logprobs) == 1501 for choice in response.choices)
+    entries = {index: 0 for index in range(8)}
+    for choice in choices:
+        entries[choice.index] += len(choice.logprobs.top_logprobs) if choice.logprobs else 0
+    assert entries == {index: 1501 for index in range(8)}
     print(f"/health: {len(latencies)} polls, slowest {1e3 * max(latencies):.0f} ms")
     assert max(latencies) < 0.25
