@@ -3,8 +3,9 @@ answers in.
 
 The engine of a model instance is found by a Unix socket named after tritonserver's HTTP port (one server holds it
 at a time), the instance and its engine parameters, in a directory only this user can enter: the first stub starts
-it, a stub started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread, which calls the server's streams (backend/serving.py's Stream);
-a second thread asks every `check_period_s` which clients cancelled and tells the engine.
+it, a stub started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread,
+which calls the server's streams (backend/serving.py's Stream); a second thread asks every `check_period_s` which
+clients cancelled and tells the engine.
 """
 import hashlib
 import json
@@ -20,6 +21,7 @@ from backend.channel import Channel, ChannelClosed
 from backend.engine_process import server_options
 from backend.heartbeat import PERIOD_S, engines_dir, python_executable
 from backend.request import RequestLimits
+from backend.responder import quietly
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SILENT_S = 3 * PERIOD_S + 2.0          # no heartbeat from the engine for this long: it is stuck or gone
@@ -51,8 +53,9 @@ def own_region() -> str:
 
 class EngineClient:
     """The engine of one model instance, seen from its stub. `on_report(StepReport)` is called on the reader thread,
-    and `on_broken()` there once the engine's process is gone; streams (with `emit`, `fail`, `cancelled` and `is_cancelled`) get their answers there
-    too, and each ends with exactly one final answer, also when the engine dies (then an error)."""
+    and `on_broken()` there once the engine's process is gone; streams (with `emit`, `fail`, `cancelled` and
+    `is_cancelled`) get their answers there too, each exactly one final answer, also when the engine dies (an
+    error). A stream whose `emit` raises (its sender failed) is dropped and its rows stopped in the engine."""
 
     def __init__(self, engine_kwargs: dict, model_name: str, instance_name: str, *, check_period_s: float = 0.1,
                  steps_behind: int | None = None, on_report: Callable = lambda report: None,
@@ -95,26 +98,24 @@ class EngineClient:
         with self.lock:
             stream_id, self.next_id = self.next_id, self.next_id + 1
             self.streams[stream_id] = stream
-        try:
-            self.channel.send(("submit", stream_id, stream.requests, name))
-        except ChannelClosed:
-            self._end(stream_id)
+        if not self._send(("submit", stream_id, stream.requests, name)) and self._end(stream_id) is not None:
             stream.fail(f"engine unavailable: {self.broken or 'its process is gone'}")
 
     def cancel(self, name: str) -> None:
+        self._send(("stop", name))
+
+    def _send(self, message) -> bool:
         try:
-            self.channel.send(("stop", name))
-        except ChannelClosed:
-            pass
+            self.channel.send(message)
+            return True
+        except ChannelClosed:                                # the reader sees the end and answers every stream
+            return False
 
     def close(self) -> None:
         """The model's end: the engine ends by itself once its last stub has said goodbye (another stub may still
         use it: a reload's new instance)."""
         self._stopped.set()
-        try:
-            self.channel.send(("goodbye",))
-        except ChannelClosed:
-            pass
+        self._send(("goodbye",))
         self.reader.join(timeout=60)
         self.channel.close()
 
@@ -163,25 +164,26 @@ class EngineClient:
         with self.lock:
             streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
-            stream.fail(f"engine unavailable: {self.broken or 'the model is unloading'}")
+            quietly(stream.fail, f"engine unavailable: {self.broken or 'the model is unloading'}")
 
     def _dispatch(self, message: tuple) -> None:
         op = message[0]
         if op == "beat":
             self.last_beat = time.monotonic()
         elif op == "report":
-            self.on_report(message[1])
+            quietly(self.on_report, message[1])             # figures are not worth a request
         elif op == "emit":
             _, stream_id, out, batch_index, last = message
             stream = self.streams.get(stream_id) if not last else self._end(stream_id)
-            if stream is not None:
-                stream.emit(out, batch_index, last)
+            if stream is not None and not quietly(stream.emit, out, batch_index, last) and not last:
+                self._end(stream_id)                         # its sender failed: the engine stops its rows
+                self._send(("cancelled", stream_id))
         elif op == "fail":
             if (stream := self._end(message[1])) is not None:
-                stream.fail(message[2])
+                quietly(stream.fail, message[2])
         elif op == "cancelled":
             if (stream := self._end(message[1])) is not None:
-                stream.cancelled()
+                quietly(stream.cancelled)
 
     def _end(self, stream_id: int):
         with self.lock:
@@ -201,7 +203,5 @@ class EngineClient:
                 if cancelled:
                     with self.lock:
                         self.cancel_sent.add(stream_id)
-                    try:
-                        self.channel.send(("cancelled", stream_id))
-                    except ChannelClosed:
+                    if not self._send(("cancelled", stream_id)):
                         return

@@ -182,9 +182,10 @@ def client_cancelled(stream) -> bool:
         return True
 
 
-def quietly(send: Callable, *args) -> None:
-    """Answer a stream that may be broken itself: its failure must not reach the caller."""
+def quietly(send: Callable, *args) -> bool:
+    """Answer a stream that may be broken itself: its failure must not reach the caller. Whether it went through."""
     try:
         send(*args)
+        return True
     except Exception:
-        pass
+        return False
