@@ -1,5 +1,6 @@
 """Keeps a deployment's processes running: each one that dies is logged (exit code or signal) and started again on its
-own, while the others serve on: at once after a minute up, else with backoff (1, 2, 4 ... 30 s). One that runs but
+own, while the others serve on: at once after a minute ready, else with backoff (1, 2, 4 ... 30 s; a minute ready
+starts it over). One that runs but
 says it cannot serve (its `healthy` check fails twice in a row) is killed and started again the same way. A stop
 (SIGINT, SIGTERM) ends them all: each gets its grace period, then SIGKILL.
 
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_BACKOFF_S = 30.0
-STABLE_S = 60.0                               # up this long, a death restarts at once
+STABLE_S = 60.0                               # ready this long, a death restarts at once (the back-off starts over)
 GROUP_END_TIMEOUT_S = 30.0                    # a group's processes gone, and their device memory released
 
 
@@ -30,8 +31,8 @@ class Service:
     process: subprocess.Popen | None = None
     restarts: int = 0
     delay_s: float = 0.0
-    started_at: float = 0.0
     died_at: float | None = None                       # monotonic time of its last death, until it is ready again
+    ready_at: float | None = None                      # when the running instance became ready
     restart_at: float | None = None                    # monotonic time of the next start, while down
     is_ready: bool = False
     must_start: bool = True                            # False: a failure before the first ready ends it all
@@ -48,9 +49,9 @@ class Service:
             end_group(self.group, self.log)
         self.process = self.start()
         self.group = self.process.pid if own_group(self.process.pid) else None
-        self.started_at = time.monotonic()
         self.restart_at = None
         self.is_ready = False
+        self.ready_at = None
         self.log(f"{self.name} pid {self.process.pid} (restarts so far: {self.restarts})")
 
     def poll(self, now: float) -> str | None:
@@ -64,7 +65,7 @@ class Service:
             if self.is_ready:
                 self._check_health(now)
             elif self.ready(self.process):
-                self.is_ready = True
+                self.is_ready, self.ready_at = True, now
                 if self.died_at is not None:
                     self.log(f"{self.name} serving again {now - self.died_at:.1f} s after it died")
                     self.died_at = None
@@ -74,7 +75,7 @@ class Service:
             end_group(self.group, self.log)
         if self.restarts == 0 and not self.is_ready and self.must_start:
             return f"{self.name} exited with {describe_exit(code)} before it was ready"
-        stable = now - self.started_at > STABLE_S
+        stable = self.ready_at is not None and now - self.ready_at > STABLE_S
         self.delay_s = 0.0 if stable else min(MAX_BACKOFF_S, max(1.0, self.delay_s * 2))
         self.restarts += 1
         self.died_at = self.died_at or now

@@ -291,3 +291,35 @@ def test_exposed_ports_ask_for_the_key_and_our_own_clients_send_it(tiny_chat_mod
     finally:
         launcher.terminate()
         assert launcher.wait(timeout=60) == 0
+
+
+def test_the_back_off_grows_and_starts_over_after_a_minute_ready():
+    """The supervisor's restart delays: 1, 2, 4 s for deaths soon after each start, at once (and from 1 s again)
+    after a minute ready."""
+    from supervisor import STABLE_S, Service
+
+    class Process:
+        pid, code = 1 << 30, None                     # (no such process group)
+
+        def poll(self):
+            return self.code
+
+    started: list[Process] = []
+    service = Service("fake", start=lambda: started.append(Process()) or started[-1], ready=lambda p: True,
+                      on_ready=lambda restarts: None, log=lambda line: None)
+    service.launch()
+    now, delays = 0.0, []
+
+    def run_then_die(ready_for_s: float) -> None:
+        nonlocal now
+        service.poll(now)                             # ready
+        now += ready_for_s
+        started[-1].code = 1
+        service.poll(now)                             # dead: the next start is due after the delay
+        delays.append(service.restart_at - now)
+        now = service.restart_at
+        service.poll(now)                             # started again
+
+    for ready_for_s in (5, 5, 5, STABLE_S + 1, 5, 5):
+        run_then_die(ready_for_s)
+    assert delays == [1, 2, 4, 0, 1, 2] and len(started) == 7
