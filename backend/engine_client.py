@@ -4,12 +4,14 @@ answers in.
 The engine of a model instance is found by a Unix socket named after tritonserver's HTTP port (one server holds it
 at a time), the instance and its engine parameters, in a directory only this user can enter: the first stub starts
 it, a stub started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread,
-which calls the server's streams (backend/serving.py's Stream); a second thread asks every `check_period_s` which
-clients cancelled and tells the engine.
+which keeps the heartbeat and the step reports and queues each stream's answers for an answering thread, which calls
+the server's streams (backend/serving.py's Stream) in order: a send that blocks delays answers, not the heartbeat. A
+third thread asks every `check_period_s` which clients cancelled and tells the engine.
 """
 import hashlib
 import json
 import os
+import queue
 import socket
 import subprocess
 import threading
@@ -82,6 +84,9 @@ class EngineClient:
         self.limits: RequestLimits = reply[1]
         self.last_beat = time.monotonic()
         self._stopped = threading.Event()
+        self.answers: queue.Queue = queue.Queue()
+        self.answerer = threading.Thread(target=self._answer, name="answers", daemon=True)
+        self.answerer.start()
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self.reader.start()
         self.asker = threading.Thread(target=self._ask_cancelled, name="cancel-check", daemon=True)
@@ -117,6 +122,7 @@ class EngineClient:
         self._stopped.set()
         self._send(("goodbye",))
         self.reader.join(timeout=60)
+        self.answerer.join(timeout=60)
         self.channel.close()
 
     def _connect(self, path: Path) -> socket.socket | None:
@@ -153,7 +159,13 @@ class EngineClient:
     def _read(self) -> None:
         try:
             while True:
-                self._dispatch(self.channel.recv())
+                message = self.channel.recv()
+                if message[0] == "beat":
+                    self.last_beat = time.monotonic()
+                elif message[0] == "report":
+                    quietly(self.on_report, message[1])     # figures are not worth a request
+                else:
+                    self.answers.put(message)
         except ChannelClosed:
             pass
         if not self._stopped.is_set():
@@ -161,6 +173,11 @@ class EngineClient:
             code = self.process.poll() if self.process is not None else None
             self.broken = "the engine process ended" + (f" (exit code {code})" if code is not None else "")
             self.on_broken()
+        self.answers.put(None)
+
+    def _answer(self) -> None:
+        while (message := self.answers.get()) is not None:
+            self._dispatch(message)
         with self.lock:
             streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
@@ -168,11 +185,7 @@ class EngineClient:
 
     def _dispatch(self, message: tuple) -> None:
         op = message[0]
-        if op == "beat":
-            self.last_beat = time.monotonic()
-        elif op == "report":
-            quietly(self.on_report, message[1])             # figures are not worth a request
-        elif op == "emit":
+        if op == "emit":
             _, stream_id, out, batch_index, last = message
             stream = self.streams.get(stream_id) if not last else self._end(stream_id)
             if stream is not None and not quietly(stream.emit, out, batch_index, last) and not last:

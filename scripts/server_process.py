@@ -201,7 +201,10 @@ def engine_alive(metrics_port: int) -> bool:
             text = r.read().decode()
     except Exception:
         return True
-    return engine_health(text, stale_s=RESTART_STALE_S) is None
+    why = engine_health(text, stale_s=RESTART_STALE_S)
+    if why is not None:
+        print(f"[launch_server] health check: {why}", flush=True)
+    return why is None
 
 
 def start_frontend(model_dir: Path, grpc_port: int, port: int, *args: str, nice: int = FRONTEND_NICE,
