@@ -1,6 +1,7 @@
 """tritonserver under the supervisor (scripts/launch_server.py) killed with SIGKILL mid-stream, for
 scripts/server_check.py --crash: the client gets an error within its timeout, no stub of the old server lives on,
-the device memory is back before the new server loads, and the restarted server answers as the first one did."""
+the engine's process (backend/engine_process.py) serves the restarted server (no second model load: the device
+memory free while the first served is free after the restart), and the restarted server answers as the first did."""
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
         [server] = [pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
                     "tritonserver" in cmd and f"--http-port {http} " in cmd]
         servers.add(server)
+        engine, free_serving = engine_of(http), free_device_bytes(args.device)
         stubs = {pid for pid, (parent, cmd) in processes().items() if parent == server}
         prompt, want = base
         result = {}
@@ -49,23 +51,21 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
         report["client_error_after_s"] = time.monotonic() - killed
         if client.is_alive() or not result.get("error"):
             failures.append(f"the client got no error after the kill ({result})")
-        gone_at, free_between = None, None
+        gone_at = None
         while time.monotonic() < deadline and not is_ready(http):
-            now = processes()
-            if gone_at is None and not stubs & now.keys():
+            if gone_at is None and not stubs & processes().keys():
                 gone_at = time.monotonic() - killed
-            new_stubs = [pid for pid, (parent, cmd) in now.items() if "triton_python_backend_stub" in cmd
-                         and parent != server and pid not in stubs and parent in now and
-                         f"--http-port {http} " in now[parent][1]]
-            if gone_at is not None and not new_stubs and free0 is not None:
-                free_between = max(free_between or 0, free_device_bytes(args.device))
             time.sleep(0.05)
-        report.update(old_stubs_gone_after_s=gone_at, free_before_s=free0, free_between_servers=free_between)
+        free_after = free_device_bytes(args.device)
+        report.update(old_stubs_gone_after_s=gone_at, free_before_s=free0, free_serving=free_serving,
+                      free_after_restart=free_after, engine_kept=engine_of(http) == engine)
         if gone_at is None:
             failures.append(f"old stubs {sorted(stubs & processes().keys())} alive after the restart")
-        if free0 is not None and (free_between is None or free_between < free0 - (1 << 30)):
-            failures.append(f"device memory not back before the new server loaded: {free0 / 2**30:.2f} GiB free "
-                            f"before, at most {(free_between or 0) / 2**30:.2f} GiB between the servers")
+        if engine_of(http) != engine:
+            failures.append(f"the engine process {engine} did not serve the restarted server ({engine_of(http)})")
+        if free_serving is not None and free_after < free_serving - (1 << 30):
+            failures.append(f"a second model load: {free_serving / 2**30:.2f} GiB free while the first server "
+                            f"served, {free_after / 2**30:.2f} GiB after the restart")
         servers |= {pid for pid, (parent, cmd) in processes().items() if parent == launcher.pid and
                     "tritonserver" in cmd and f"--http-port {http} " in cmd}              # the restarted one
         chunks, error = stream(f"127.0.0.1:{grpc}", input_arrays(prompt, MAX_TOKENS, True, end_id=-1))
@@ -73,8 +73,9 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
         if error or got != want:
             failures.append(f"the restarted server answered {got} ({error}), want {want}")
         print(f"server_check: SIGKILL mid-stream: client error after {report['client_error_after_s']:.2f} s; old "
-              f"stubs gone after {gone_at} s; free device memory {free0} before, {free_between} between the servers; "
-              f"restarted server {'serves' if got == want else 'FAILED'}", flush=True)
+              f"stubs gone after {gone_at} s; the engine process kept: {report['engine_kept']}; free device memory "
+              f"{free_serving} serving, {free_after} after the restart; restarted server "
+              f"{'serves' if got == want else 'FAILED'}", flush=True)
     except Exception as err:
         failures.append(f"{type(err).__name__}: {err}")
     finally:
@@ -86,6 +87,13 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
     if failures:
         print(f"--- launcher log:\n{(args.work / 'launcher.log').read_text()[-3000:]}")
     return failures
+
+
+def engine_of(http_port: int) -> int | None:
+    """The pid of the engine process of the server on this port (its pid file)."""
+    from backend.heartbeat import engines_dir
+    files = sorted(engines_dir().glob(f"engine-port{http_port}-*.pid"))
+    return int(files[0].read_text()) if files else None
 
 
 def stubs_of(servers: set[int], wait_s: float = 10.0) -> list[int]:
