@@ -2,7 +2,7 @@
 
 No scheduling, model math or LoRA parsing here: `execute` parses and sends each request to the engine's process
 (backend/engine_process.py, started by the instance's first stub and kept when a stub dies), then returns at once;
-its answers come back on the client's reader thread (backend/engine_client.py) through each request's sender.
+its answers come back on the client's answering thread (backend/engine_client.py) through each request's sender.
 """
 import json
 import os
