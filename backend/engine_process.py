@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from backend.channel import Channel, ChannelClosed
-from backend.heartbeat import SUPERVISED_VAR, Heartbeat, core_key_headers
+from backend.heartbeat import SUPERVISED_VAR, Heartbeat, core_key_headers, parent_of
 from backend.metrics import StepReporter
 
 ORPHAN_S = 90.0                               # with no stub this long, the engine ends (the supervisor's longest
@@ -213,14 +213,6 @@ def alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
-
-
-def parent_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def remove_region(name: str) -> None:

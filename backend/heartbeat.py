@@ -132,36 +132,55 @@ def engines_dir() -> Path:
     return folder
 
 
-def end_engines(http_port: int, timeout_s: float = 10.0) -> list[int]:
-    """End the engine processes of the tritonserver on this port once it is stopped (an engine outlives its
-    tritonserver, for a successor to find): SIGTERM, then SIGKILL to those still there after `timeout_s`. Their
-    pids."""
+def engine_pids(http_port: int) -> dict[int, Path]:
+    """The engine processes of the tritonserver on this port, by their pid files (pid -> file)."""
     pids = {}
     for pid_file in engines_dir().glob(f"engine-port{http_port}-*.pid"):
         try:
             pids[int(pid_file.read_text())] = pid_file
         except (OSError, ValueError):
             continue
+    return pids
+
+
+def end_engines(http_port: int, timeout_s: float = 10.0) -> list[int]:
+    """End the engine processes of the tritonserver on this port once it is stopped (an engine outlives its
+    tritonserver, for a successor to find): SIGTERM, then SIGKILL to those still there after `timeout_s`. Their
+    pids."""
+    pids = engine_pids(http_port)
     for pid in pids:
-        if _running(pid):
+        if running(pid):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+    while time.monotonic() < deadline and any(running(pid) for pid in pids):
         time.sleep(0.05)
     for pid, pid_file in pids.items():
-        if _running(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
         pid_file.unlink(missing_ok=True)
         pid_file.with_suffix(".sock").unlink(missing_ok=True)
     return sorted(pids)
 
 
-def _running(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after "pid (comm)": state, parent pid, ...; None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def parent_of(pid: int) -> int:
+    """Its parent's pid (0 once it is gone)."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields else 0
 
 
 def core_key_headers(protocol: str = "http") -> dict[str, str]:

@@ -90,10 +90,9 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
 
 
 def engine_of(http_port: int) -> int | None:
-    """The pid of the engine process of the server on this port (its pid file)."""
-    from backend.heartbeat import engines_dir
-    files = sorted(engines_dir().glob(f"engine-port{http_port}-*.pid"))
-    return int(files[0].read_text()) if files else None
+    """The pid of the engine process of the server on this port."""
+    from backend.heartbeat import engine_pids
+    return min(engine_pids(http_port), default=None)
 
 
 def stubs_of(servers: set[int], wait_s: float = 10.0) -> list[int]:

@@ -111,14 +111,15 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
            "--exit-timeout-secs", str(exit_timeout_s),
            "--grpc-infer-allocation-pool-size", str(GRPC_REQUEST_POOL_SIZE),
            f"--backend-config=python,shm-region-prefix-name={shm_prefix(http_port)}"]
-    if key := (env or {}).get(CORE_KEY_VAR) or os.environ.get(CORE_KEY_VAR):
+    environment = server_env(env)
+    if key := environment.get(CORE_KEY_VAR):
         cmd += [f"--grpc-restricted-protocol={RESTRICTED}:{CORE_KEY_HEADER}={key}",
                 f"--http-restricted-api={RESTRICTED}:{CORE_KEY_HEADER}={key}"]
     # explicit control: the engine's process reloads the core model when a stub dies (backend/engine_process.py)
     cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models or ["*"]]
     remove_dead_regions(http_port)
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
-    process = subprocess.Popen(cmd, env=server_env(env), stdout=log_file,
+    process = subprocess.Popen(cmd, env=environment, stdout=log_file,
                                stderr=subprocess.STDOUT if log_file else None, start_new_session=True,
                                preexec_fn=die_with_parent if die_with_us else None)
     process.http_port = http_port                  # (stop_server removes what its stubs leave)
@@ -152,9 +153,10 @@ def remove_dead_regions(http_port: int) -> int:
 
 def stop_server(process: subprocess.Popen, exit_timeout_s: int = EXIT_TIMEOUT_S) -> None:
     """SIGTERM to tritonserver; SIGKILL to its process group (its stubs with it) if it is still there
-    KILL_AFTER_EXIT_TIMEOUT_S after its exit timeout; then its engine processes end (backend/heartbeat.end_engines). tritonserver 2.51 never unloads a model while its gRPC frontend
-    holds a request of a stream the client cancelled after the final response (before the call's status came), and
-    its exit past the timeout with the model still loaded can corrupt its heap and hang in its own abort handler."""
+    KILL_AFTER_EXIT_TIMEOUT_S after its exit timeout; then its engine processes end (backend/heartbeat.end_engines).
+    tritonserver 2.51 never unloads a model while its gRPC frontend holds a request of a stream the client cancelled
+    after the final response (before the call's status came), and its exit past the timeout with the model still
+    loaded can corrupt its heap and hang in its own abort handler."""
     if process.poll() is None:
         process.terminate()
         try:

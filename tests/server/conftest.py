@@ -65,9 +65,9 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
 
 def engine_pid(http_port: int) -> int:
     """The engine process of the tritonserver on this port (backend/engine_process.py)."""
-    from backend.heartbeat import engines_dir
-    [pid_file] = engines_dir().glob(f"engine-port{http_port}-*.pid")
-    return int(pid_file.read_text())
+    from backend.heartbeat import engine_pids
+    [pid] = engine_pids(http_port)
+    return pid
 
 
 TINY_ENV = {"LORA_LLM_DTYPE": "float32", "LORA_LLM_KERNEL_BACKEND": "torch", "LORA_LLM_KV_BLOCK_SIZE": "16",

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from backend.heartbeat import running
 from tests.helpers import ROOT, random_prompts
 from tests.server.conftest import TINY_ENV, engine_pid, free_ports
 from tests.server.streams import Stream, run, trtllm_inputs
@@ -96,9 +97,9 @@ def test_stop_server_kills_a_held_tritonserver_and_its_stubs_after_the_exit_time
         assert server.returncode == -signal.SIGKILL               # it would not have ended by itself
         assert time.monotonic() - start < 1 + 5 + 5
         deadline = time.monotonic() + 5
-        while any(map(is_running, below)) and time.monotonic() < deadline:
+        while any(map(running, below)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert below and not any(map(is_running, below))
+        assert below and not any(map(running, below))
     finally:
         if stream is not None:
             stream.close()
@@ -151,15 +152,6 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def is_running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_tritonserver_killed_mid_stream_leaves_no_stub_behind_every_client_an_error_and_its_engine(smollm2_dir,
                                                                                                     demo_adapters):
     """Killed while its engine steps with an adapter, tritonserver used to leave the engine's stub running (reparented,
@@ -184,8 +176,8 @@ def test_a_tritonserver_killed_mid_stream_leaves_no_stub_behind_every_client_an_
         os.kill(pid, signal.SIGKILL)
         results = [stream.collect(timeout_s=60) for stream in streams]
         read_until(launcher, "ready again after restart 1", lines)
-        assert [p for p in old if is_running(p)] == [], "".join(lines)[-2000:]
-        assert engine_pid(launcher.http_port) == engine and is_running(engine)
+        assert [p for p in old if running(p)] == [], "".join(lines)[-2000:]
+        assert engine_pid(launcher.http_port) == engine and running(engine)
         assert all(r.error is not None for r in results), [r.error for r in results]
         after = run(f"127.0.0.1:{grpc}", trtllm_inputs(prompts[0], 4, True))
         assert after.error is None and len(after.tokens) == 4
@@ -232,9 +224,9 @@ def test_a_killed_supervisor_leaves_no_process_holding_its_ports(tiny_chat_model
         while time.monotonic() < deadline and any(listening_addresses(p) for p in (http, grpc, metrics, openai)):
             time.sleep(0.2)
         assert not any(listening_addresses(p) for p in (http, grpc, metrics, openai))
-        while time.monotonic() < deadline and [p for p in children if is_running(p)]:
+        while time.monotonic() < deadline and [p for p in children if running(p)]:
             time.sleep(0.2)
-        assert [p for p in children if is_running(p)] == []
+        assert [p for p in children if running(p)] == []
     finally:
         launcher.kill()
         for pid in descendants(launcher.pid):
