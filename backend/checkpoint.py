@@ -8,9 +8,12 @@ from safetensors import safe_open
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}   # config -> ours
 LAYER_TYPES = ("full_attention", "sliding_attention")
+QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")       # biases on q, k and v (unless qkv_bias: false)
 
 
 def refuse_unread(hf: dict) -> None:
@@ -21,7 +24,7 @@ def refuse_unread(hf: dict) -> None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ValueError(f"quantization_config: quant_method {method!r} is not read; this server serves unquantized "
                          "weights (bfloat16, float16, float32)")
-    if hf.get("attention_bias") and hf.get("architectures", ["?"])[0] != "Qwen2ForCausalLM":
+    if hf.get("attention_bias") and hf.get("architectures", ["?"])[0] not in QKV_BIAS:
         raise ValueError("attention_bias: true (biases on q, k, v and o_proj) is not read; only Qwen2's q, k, v "
                          "biases are")
     if hf.get("mlp_bias"):
@@ -80,25 +83,46 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # the logits alike (Gemma 2)
     rotary_dim: int | None = None             # RoPE over this many of a head's channels where not all (Phi-4-mini:
                                               # partial_rotary_factor 0.75): see rotary_order
+    num_experts: int = 0                      # routed experts of a mixture-of-experts layer (0: a dense model)
+    num_experts_per_tok: int = 0              # experts each token is routed to (top k)
+    moe_intermediate_size: int = 0            # each expert's gated MLP width
+    norm_topk_prob: bool = False              # the top k routing weights renormalized to sum to 1 (Mixtral: always)
+    moe_layers: tuple[bool, ...] = ()         # which layers are mixtures of experts (the others: a dense MLP)
+    shared_expert: bool = False               # a dense MLP (intermediate_size) beside the experts, its output scaled
+                                              # by sigmoid(shared_expert_gate . x) (Qwen2-MoE)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_kv_heads}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
+                             f"{self.num_experts}]")
+
+    def is_moe(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def has_dense_mlp(self, layer: int) -> bool:
+        """Layer `layer` has a dense gated MLP (its own, or the shared expert beside its experts): the projections
+        gate_up and down that modules 5, 6 and 7 adapt."""
+        return not self.is_moe(layer) or self.shared_expert
 
     def shard(self, tp_size: int) -> "ModelConfig":
         """One tensor-parallel rank's share: its attention heads, KV heads and MLP columns (hidden and vocab whole).
         With fewer KV heads than ranks each KV head is replicated on tp_size / num_kv_heads ranks, as vLLM does."""
         if tp_size == 1:
             return self
-        for name, count in (("num_attention_heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
+        for name, count in (("num_attention_heads", self.num_heads), ("intermediate_size", self.intermediate_size),
+                            ("moe_intermediate_size", self.moe_intermediate_size)):
             if count % tp_size:
                 raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {name} {count}")
         if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
             raise ValueError(f"tensor_parallel_size {tp_size} and the model's num_key_value_heads "
                              f"{self.num_kv_heads}: neither divides the other")
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.kv_head_part(tp_size, 0)[2],
-                       intermediate_size=self.intermediate_size // tp_size)
+                       intermediate_size=self.intermediate_size // tp_size,
+                       moe_intermediate_size=self.moe_intermediate_size // tp_size)
 
     def kv_head_part(self, tp_size: int, rank: int) -> tuple[int, int, int]:
         """(parts, index, heads): the KV heads split into `parts` equal parts, of which `rank` holds part `index`
@@ -157,6 +181,8 @@ class ModelConfig:
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             return gemma(cls, hf, rope)
+        if arch in MOE_ARCHITECTURES:
+            return mixture_of_experts(cls, hf)
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first name for it
@@ -188,7 +214,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope | {"rope_type": rope_type} if rope_type != "default" else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qkv_bias=(arch in QKV_BIAS and hf.get("qkv_bias", True)) or bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             fused_projections=arch == "Phi3ForCausalLM",
             sliding_window=hf.get("sliding_window") if use_window else None,
@@ -234,6 +260,39 @@ def gemma(cls, hf: dict, rope: dict) -> "ModelConfig":
                    attention_scale=hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5,
                    attn_logit_softcap=hf.get("attn_logit_softcapping"),
                    final_logit_softcap=hf.get("final_logit_softcapping"))
+
+def mixture_of_experts(cls, hf: dict) -> "ModelConfig":
+    """Qwen3-MoE, Qwen2-MoE and Mixtral: Qwen3's, Qwen2's and Mistral's attention (from_hf) with a mixture of
+    experts for the MLP: a router (softmax over the experts in fp32, the top k kept), and the k experts' gated MLPs
+    summed by their weights. Qwen's layers are mixtures where `mlp_only_layers` and `decoder_sparse_step` say so,
+    the others dense; Qwen2-MoE adds a gated shared expert to each mixture. Mixtral renormalizes the top k weights
+    always, Qwen where norm_topk_prob says so."""
+    arch = hf["architectures"][0]
+    num_layers = hf["num_hidden_layers"]
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if arch == "MixtralForCausalLM":
+        moe_layers, expert_size, renormalize = (True,) * num_layers, hf["intermediate_size"], True
+    else:
+        dense, step = set(hf.get("mlp_only_layers") or ()), hf.get("decoder_sparse_step", 1)
+        moe_layers = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        expert_size, renormalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
+    shared = arch == "Qwen2MoeForCausalLM" and bool(hf.get("shared_expert_intermediate_size"))
+    dense_size = hf["intermediate_size"]
+    if shared:
+        if not all(moe_layers) and hf["shared_expert_intermediate_size"] != dense_size:
+            raise ValueError(f"Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step) of intermediate_size "
+                             f"{dense_size} beside shared experts of {hf['shared_expert_intermediate_size']} is not "
+                             "supported (one dense MLP width per model)")
+        dense_size = hf["shared_expert_intermediate_size"]
+    if not num_experts or not any(moe_layers):
+        raise ValueError(f"{arch} with no mixture-of-experts layer (num_experts {num_experts})")
+    like = {"Qwen3MoeForCausalLM": "Qwen3ForCausalLM", "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
+            "MixtralForCausalLM": "MistralForCausalLM"}[arch]
+    base = cls.from_hf(hf | {"architectures": [like], "intermediate_size": dense_size})
+    return replace(base, architecture=arch, num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                   moe_intermediate_size=expert_size, norm_topk_prob=renormalize, moe_layers=moe_layers,
+                   shared_expert=shared)
+
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file that holds it (single file or sharded with an index)."""

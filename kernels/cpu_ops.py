@@ -2,7 +2,8 @@
 (decode rows one by one, prompt rows in tiles), and the elementwise work of a layer fused into single passes, LoRA
 shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column panels
 (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter rows), other
-dtypes on weights prepacked for oneDNN."""
+dtypes on weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
+expert with tokens)."""
 import torch
 import torch.nn.functional as F
 
@@ -10,9 +11,10 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
+from kernels.reference import fused_moe
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-           "lora_apply", "linear_lora"]
+           "lora_apply", "linear_lora", "fused_moe"]
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear

@@ -86,6 +86,26 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each token through its k experts' gated MLPs, summed by its routing weights in fp32: the tokens grouped by
+    expert, one GEMM pair per expert with tokens (the ids read on the host: no CUDA graph records this one).
+    x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down [num_experts, hidden, inter];
+    topk_weights [num_tokens, k] fp32; topk_ids [num_tokens, k] -> [num_tokens, hidden] in x's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.flatten()                                                    # row t * k + j: token t's j-th
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    rows = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            ids = order[start:start + count]
+            rows[ids] = F.linear(silu_and_mul(F.linear(x[ids // top_k], w_gate_up[expert])), w_down[expert])
+            start += count
+    return (rows.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()).sum(1).to(x.dtype)
+
+
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[:, block_ids] as [num_kv_heads, *block_ids.shape, block_size, head_dim]; index_select over whole
     blocks copies ~3x faster than advanced indexing on CPU."""

@@ -53,10 +53,15 @@ def build_smollm2(out: Path) -> None:
     tmp.rename(out)
 
 
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)     # the tiny mixtures' experts
+
+
 def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> None:
     import torch
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                              LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -86,13 +91,23 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
                                                query_pre_attn_scalar=24, sliding_window=16, pad_token_id=0,
                                                layer_types=["sliding_attention", "full_attention"],
                                                attn_logit_softcapping=1.0, final_logit_softcapping=2.0))
+    elif architecture == "qwen3_moe":             # 8 experts, top 2, renormalized (as Qwen3-30B-A3B); layer 0 dense
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**({"head_dim": 32} | shape), rope_theta=10000.0, **MOE,
+                                                   norm_topk_prob=True, mlp_only_layers=[0]))
+    elif architecture == "qwen2_moe":             # a shared expert beside every mixture, its weights not renormalized
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, rope_theta=10000.0, **MOE, norm_topk_prob=False,
+                                                   shared_expert_intermediate_size=96))
+    elif architecture == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**(shape | {"intermediate_size": MOE["moe_intermediate_size"]}),
+                                                 num_local_experts=MOE["num_experts"],
+                                                 num_experts_per_tok=MOE["num_experts_per_tok"], rope_theta=10000.0))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
     with torch.no_grad():                     # random init is near-uniform; sharpen it so greedy is decisive
         for name, param in model.named_parameters():
-            if param.dim() == 2:                  # (Gemma's embeddings are scaled by sqrt(hidden), 8, and tied)
+            if param.dim() >= 2:                  # (Gemma's embeddings are scaled by sqrt(hidden), 8, and tied)
                 param.normal_(0, 0.01 if architecture.startswith("gemma") and "embed" in name else 0.08)
-            elif architecture == "qwen3" and name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif architecture.startswith("qwen3") and name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)          # not ones: a norm read from the wrong place changes the tokens
             elif architecture.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)         # (used as 1 + w)
@@ -104,7 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tiny", type=Path, metavar="OUT", help="write a small random Llama instead")
-    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3", "phi4", "gemma2", "gemma3"),
+    parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "phi3", "phi4", "gemma2", "gemma3", "qwen3_moe",
+                                           "qwen2_moe", "mixtral"),
                         default="llama",
                         help="with --tiny")
     parser.add_argument("--seed", type=int, default=0)

@@ -13,8 +13,10 @@ from safetensors import safe_open
 from backend.checkpoint import checkpoint_files
 
 PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_attn.k_proj",),
-             3: ("self_attn.v_proj",), 4: ("self_attn.o_proj",), 5: ("mlp.gate_proj", "mlp.gate_up_proj"),
-             6: ("mlp.down_proj",), 7: ("mlp.up_proj",)}                  # the first the checkpoint has (Phi-3 fuses)
+             3: ("self_attn.v_proj",), 4: ("self_attn.o_proj",),
+             5: ("mlp.gate_proj", "mlp.gate_up_proj", "mlp.shared_expert.gate_proj"),
+             6: ("mlp.down_proj", "mlp.shared_expert.down_proj"), 7: ("mlp.up_proj", "mlp.shared_expert.up_proj")}
+                                              # the first the checkpoint has (Phi-3 fuses; Qwen2-MoE's shared expert)
 BaseWeight = Callable[[int, int], torch.Tensor]            # (layer, module_id) -> W [out_dim, in_dim]
 
 

@@ -24,6 +24,15 @@ PROJ_OF_MODULE = {0: "qkv", 1: "qkv", 2: "qkv", 3: "qkv", 4: "o", 5: "gate_up", 
 FUSED_GATE_UP = 5                             # mlp_h_to_4h: gate and up at once where the checkpoint fuses them
 
 
+def unsupported_why(cfg: ModelConfig, module_id: int) -> str:
+    """Why a module of UNSUPPORTED_MODULES is refused on this model."""
+    if module_id < 13:
+        return "decoder-only models have no cross attention"
+    if cfg.num_experts:
+        return f"LoRA on a mixture's experts and router is not supported yet on {cfg.architecture}"
+    return f"{cfg.architecture} is not a mixture of experts"
+
+
 def module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
     """(in_dim, out_dim) of a module's base projection."""
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
@@ -262,13 +271,18 @@ def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int, row_
             raise RequestError("lora_config", f"row {i}: is_dora must be 0 or 1, got {dora}")
         if module_id in UNSUPPORTED_MODULES:
             raise RequestError("lora_config", f"row {i}: module {module_id} ({UNSUPPORTED_MODULES[module_id]}) "
-                                              "is unsupported for decoder-only models")
+                                              f"is unsupported: {unsupported_why(cfg, module_id)}")
         if module_id not in MODULE_NAMES:
             raise RequestError("lora_config", f"row {i}: unknown module id {module_id} (valid: 0-7)")
         if not 0 <= layer < cfg.num_layers:
             raise RequestError("lora_config", f"row {i}: layer {layer} out of range [0, {cfg.num_layers})")
         if not 1 <= rank <= max_rank:
             raise RequestError("lora_config", f"row {i}: rank {rank} must be in [1, max_lora_rank {max_rank}]")
+        if module_id in (5, 6, 7) and not cfg.has_dense_mlp(layer):
+            raise RequestError("lora_config", f"row {i}: module {module_id} ({MODULE_NAMES[module_id]}): layer "
+                                              f"{layer} of {cfg.architecture} is a mixture of experts with no dense "
+                                              "MLP or shared expert; LoRA on its experts (modules 13-15) is not "
+                                              "supported yet")
         if (layer, module_id) in seen:
             raise RequestError("lora_config", f"row {i}: duplicate module {module_id} for layer {layer}")
         if cfg.fused_projections and module_id in (1, 2, 3, 7):

@@ -14,8 +14,10 @@ from backend.lora.dora import BaseWeight, normalized_magnitude
 from backend.lora.files import read_adapter_files
 
 MODULE_IDS = {"qkv_proj": 0, "q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4,
-              "gate_proj": 5, "gate_up_proj": 5, "down_proj": 6, "up_proj": 7}    # (fused ones: Phi-3)
-KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+\.(?P<proj>\w+))"
+              "gate_proj": 5, "gate_up_proj": 5, "down_proj": 6, "up_proj": 7}    # (fused ones: Phi-3; and
+                                                                                   # Qwen2-MoE's shared expert's)
+EXPERT_KEY_RE = re.compile(r"\.(experts|block_sparse_moe|gate|shared_expert_gate)\.")   # a mixture's experts, router
+KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+(?:\.shared_expert)?\.(?P<proj>\w+))"
                     r"\.lora_(?:(?P<ab>[AB])\.weight|(?P<m>magnitude_vector)(?:\.weight)?)$")
 STORAGE_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -57,6 +59,10 @@ def peft_files_to_trtllm(files: dict[str, bytes], peft_dir: Path, storage_type: 
     for key, tensor in tensors.items():
         m = KEY_RE.match(key)
         if m is None or m["proj"] not in MODULE_IDS:
+            if EXPERT_KEY_RE.search(key):
+                raise ValueError(f"{peft_dir}: adapter tensor {key}: LoRA on a mixture's experts or router "
+                                 "(TensorRT-LLM modules 13-17) is not supported yet; attention and a dense MLP or "
+                                 "shared expert are")
             raise ValueError(f"{peft_dir}: unsupported adapter tensor {key}")
         pairs.setdefault(m["module"], {})["M" if m["m"] else m["ab"]] = tensor.float()
     rows, config = [], []

@@ -1,6 +1,7 @@
 """Llama-family transformer over packed tokens: GQA attention on a paged KV cache, a gated MLP, RMSNorm, RoPE; and
 what other families add to it: RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3), norms on the
-attention's and the MLP's outputs, per-layer windows and RoPE bases, GELU-tanh, scaled embeddings (Gemma 3)."""
+attention's and the MLP's outputs, per-layer windows and RoPE bases, GELU-tanh, scaled embeddings (Gemma 3); a
+mixture of experts in place of the MLP, with a shared expert beside it (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
 from dataclasses import replace
 
 import torch
@@ -11,6 +12,17 @@ from backend.model import rope
 from backend.model.context import StepContext
 from backend.model.layers import linear, linear_deferred
 from kernels import reference
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, rounded_to: torch.dtype | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top k experts by softmax(logits) in fp32, their weights renormalized to sum 1 where asked and
+    rounded to `rounded_to` where the model does (Qwen: to the logits' dtype): (weights fp32 [num_tokens, k],
+    expert ids [num_tokens, k])."""
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if rounded_to is None else weights.to(rounded_to).float()), ids
 
 
 class LlamaModel:
@@ -102,10 +114,10 @@ class LlamaModel:
         if cfg.sandwich_norms:
             h = self.norm(h, w[f"layers.{i}.attn_out_norm"])
         x, residual = ops.add_rms_norm(h, residual, w[f"layers.{i}.post_attn_norm"], cfg.rms_norm_eps, delta)
-        gate_up, delta = self.project(x, i, "gate_up", ctx, defer=True)
-        act = (ops.silu_and_mul(gate_up, delta) if cfg.hidden_act == "silu"
-               else reference.gelu_tanh_and_mul(gate_up, delta))
-        h, delta = self.project(act, i, "down", ctx, defer=into_stream and i < cfg.num_layers - 1)
+        if cfg.is_moe(i):
+            h, delta = self.mixture(i, x, ctx), None
+        else:
+            h, delta = self.mlp(i, x, ctx, defer=into_stream and i < cfg.num_layers - 1)
         if self.all_reduce is not None:
             self.all_reduce(h)
         if cfg.sandwich_norms:
@@ -113,6 +125,28 @@ class LlamaModel:
         if ctx.between_layers is not None:
             ctx.between_layers()
         return h, residual, delta
+
+    def mlp(self, i: int, x: torch.Tensor, ctx: StepContext, defer: bool) -> tuple[torch.Tensor, object | None]:
+        """Layer i's gated MLP (or shared expert) with adapters: gate_up, the activation, down (whose LoRA delta is
+        left for the next op where `defer`)."""
+        gate_up, delta = self.project(x, i, "gate_up", ctx, defer=True)
+        act = (self.ops.silu_and_mul(gate_up, delta) if self.cfg.hidden_act == "silu"
+               else reference.gelu_tanh_and_mul(gate_up, delta))
+        return self.project(act, i, "down", ctx, defer=defer)
+
+    def mixture(self, i: int, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Layer i's mixture of experts: the router's top k experts of each token, their gated MLPs summed by the
+        routing weights (ops.fused_moe), and the shared expert (with adapters) scaled by its sigmoid gate.
+        [num_tokens, hidden]"""
+        cfg, w = self.cfg, self.w
+        logits = self.ops.linear(x, w[f"layers.{i}.router"], None)                 # [num_tokens, num_experts]
+        weights, ids = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                             None if cfg.architecture == "MixtralForCausalLM" else logits.dtype)
+        h = self.ops.fused_moe(x, w[f"layers.{i}.experts_gate_up"], w[f"layers.{i}.experts_down"], weights, ids)
+        if cfg.shared_expert:
+            shared, _ = self.mlp(i, x, ctx, defer=False)
+            h = h + torch.sigmoid(F.linear(x, w[f"layers.{i}.shared_expert_gate"])) * shared
+        return h
 
     def project(self, x: torch.Tensor, i: int, proj: str, ctx: StepContext, defer: bool,
                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, object | None]:

@@ -1,4 +1,5 @@
-"""Hugging Face safetensors -> our weights: a translation table, fused projections, tensor-parallel slices."""
+"""Hugging Face safetensors -> our weights: a translation table, fused projections, experts stacked, tensor-parallel
+slices."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +15,16 @@ class Source:
     keys: tuple[str, ...]
     split: str = "none"                       # "column" (dim 0 of each part), "row" (dim 1), "none", or "qkv":
                                               # q by heads, k and v by KV heads (ModelConfig.kv_head_part); and
-                                              # "fused_qkv" / "fused_column": the same over one fused tensor
+                                              # "fused_qkv" / "fused_column": the same over one fused tensor;
+                                              # "experts_column" / "experts_row": one expert's (gate, up) pair, or
+                                              # its down, after another, stacked into [num_experts, ...] and each
+                                              # split as column / row; "fused_experts_column" / "fused_experts_row":
+                                              # the same from transformers' stacked [num_experts, ...] tensor
 
 
-def translation_table(cfg: ModelConfig) -> dict[str, Source]:
-    """Our parameter names -> checkpoint names, per architecture."""
+def translation_table(cfg: ModelConfig, keys=frozenset()) -> dict[str, Source]:
+    """Our parameter names -> checkpoint names, per architecture; `keys` (the checkpoint's) say in which form a
+    mixture's experts are stored."""
     table = {
         "embed_tokens": Source(("model.embed_tokens.weight",)),
         "norm": Source(("model.norm.weight",)),
@@ -46,6 +52,37 @@ def translation_table(cfg: ModelConfig) -> dict[str, Source]:
             table[f"layers.{i}.qkv_bias"] = Source(tuple(a + ".bias" for a in attn), "qkv")
         if cfg.qk_norm:                                        # [head_dim], the same for every head: every rank's
             table |= {f"layers.{i}.{x}_norm": Source((f"{p}.self_attn.{x}_norm.weight",)) for x in ("q", "k")}
+        if cfg.is_moe(i):
+            table = experts_table(cfg, table, i, keys)
+    return table
+
+
+def experts_table(cfg: ModelConfig, table: dict[str, Source], i: int, keys) -> dict[str, Source]:
+    """Layer i's mixture of experts in place of its MLP: the router [num_experts, hidden], the experts' gate and up
+    [num_experts, 2 x moe_intermediate, hidden] (gate rows first) and down [num_experts, hidden, moe_intermediate],
+    and Qwen2-MoE's shared expert as the layer's dense MLP (gate_up_proj, down_proj) with its gate [1, hidden].
+    The experts stored one by one (`experts.N.gate_proj`, Mixtral's `experts.N.w1` (gate), `w3` (up) and `w2`
+    (down)) or stacked as transformers 5 holds them (`experts.gate_up_proj`, `experts.down_proj`)."""
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    table = {name: source for name, source in table.items()
+             if name not in (f"layers.{i}.gate_up_proj", f"layers.{i}.down_proj")}
+    table[f"layers.{i}.router"] = Source((f"{p}.gate.weight",))
+    if f"{p}.experts.gate_up_proj" in keys:
+        table[f"layers.{i}.experts_gate_up"] = Source((f"{p}.experts.gate_up_proj",), "fused_experts_column")
+        table[f"layers.{i}.experts_down"] = Source((f"{p}.experts.down_proj",), "fused_experts_row")
+    else:
+        experts = range(cfg.num_experts)
+        table[f"layers.{i}.experts_gate_up"] = Source(tuple(f"{p}.experts.{e}.{name}.weight" for e in experts
+                                                            for name in (gate, up)), "experts_column")
+        table[f"layers.{i}.experts_down"] = Source(tuple(f"{p}.experts.{e}.{down}.weight" for e in experts),
+                                                   "experts_row")
+    if cfg.shared_expert:
+        table |= {f"layers.{i}.gate_up_proj": Source((f"{p}.shared_expert.gate_proj.weight",
+                                                      f"{p}.shared_expert.up_proj.weight"), "column"),
+                  f"layers.{i}.down_proj": Source((f"{p}.shared_expert.down_proj.weight",), "row"),
+                  f"layers.{i}.shared_expert_gate": Source((f"{p}.shared_expert_gate.weight",))}
     return table
 
 
@@ -68,6 +105,25 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"{p}.mlp.down_proj.weight": (h, inter),
             f"{p}.self_attn.qkv_proj.weight": (q + 2 * kv, h), f"{p}.mlp.gate_up_proj.weight": (2 * inter, h),
         }
+        if cfg.num_experts:
+            shapes |= experts_shapes(cfg, i)
+    return shapes
+
+
+def experts_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """The checkpoint shapes of layer i's mixture, in each form experts_table reads."""
+    h, inter, num = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    shapes = {}
+    for p, names in ((f"model.layers.{i}.mlp", ("gate_proj", "up_proj", "down_proj")),
+                     (f"model.layers.{i}.block_sparse_moe", ("w1", "w3", "w2"))):
+        shapes |= {f"{p}.gate.weight": (num, h), f"{p}.experts.gate_up_proj": (num, 2 * inter, h),
+                   f"{p}.experts.down_proj": (num, h, inter), f"{p}.shared_expert_gate.weight": (1, h),
+                   f"{p}.shared_expert.gate_proj.weight": (cfg.intermediate_size, h),
+                   f"{p}.shared_expert.up_proj.weight": (cfg.intermediate_size, h),
+                   f"{p}.shared_expert.down_proj.weight": (h, cfg.intermediate_size)}
+        for e in range(num):
+            shapes |= {f"{p}.experts.{e}.{names[0]}.weight": (inter, h), f"{p}.experts.{e}.{names[1]}.weight": (inter, h),
+                       f"{p}.experts.{e}.{names[2]}.weight": (h, inter)}
     return shapes
 
 
@@ -82,7 +138,10 @@ def _checked_slice(handle, key: str, shape: tuple[int, ...]):
 
 def _read_slice(handle, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
     """Part `index` of `parts` equal parts along `dim` (None: the whole tensor)."""
-    tensor = _checked_slice(handle, key, shape)
+    return _sliced(_checked_slice(handle, key, shape), shape, dim, parts, index, key)
+
+
+def _sliced(tensor, shape: tuple[int, ...], dim: int | None, parts: int, index: int, key: str = "") -> torch.Tensor:
     if dim is None or parts == 1:
         return tensor[:]
     if shape[dim] % parts:
@@ -98,6 +157,27 @@ def _part(cfg: ModelConfig, split: str, key: str, tp_size: int, tp_rank: int) ->
         parts, index, _ = cfg.kv_head_part(tp_size, tp_rank)
         return 0, parts, index
     return {"column": 0, "qkv": 0, "row": 1}.get(split), tp_size, tp_rank
+
+
+def _read_experts(read, key_shapes: list[tuple[str, tuple[int, ...]]], split: str, tp_size: int,
+                  tp_rank: int) -> torch.Tensor:
+    """This rank's share of every expert, stacked: [num_experts, 2 x inter, hidden] for gate and up (each's rows
+    split: this rank's gate rows, then its up rows) or [num_experts, hidden, inter] for down (its columns split).
+    read(key) -> the checkpoint tensor's unread slice."""
+    column = split.endswith("column")
+    if split.startswith("fused"):
+        [(key, shape)] = key_shapes
+        tensor = read(key)
+        if column:
+            inter = shape[1] // 2
+            size, lo = inter // tp_size, tp_rank * (inter // tp_size)
+            return torch.cat([tensor[:, lo:lo + size], tensor[:, inter + lo:inter + lo + size]], dim=1)
+        size = shape[2] // tp_size
+        return tensor[:, :, tp_rank * size:(tp_rank + 1) * size]
+    pieces = [_sliced(read(key), shape, 0 if column else 1, tp_size, tp_rank) for key, shape in key_shapes]
+    if column:                                                 # (gate, up) of each expert in turn
+        return torch.stack([torch.cat(pair) for pair in zip(pieces[::2], pieces[1::2])])
+    return torch.stack(pieces)
 
 
 def _read_fused(handle, key: str, shape: tuple[int, ...], cfg: ModelConfig, split: str, tp_size: int,
@@ -129,26 +209,36 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     model_dir = Path(model_dir)
     key_files = checkpoint_files(model_dir)
     shapes = expected_shapes(cfg)
-    table = translation_table(cfg)
+    table = translation_table(cfg, key_files.keys())
     refuse_unread_tensors(key_files, table, cfg, model_dir)
     handles = {}
     weights = {}
+
+    def handle(key: str, name: str):
+        if key not in key_files:
+            raise KeyError(f"checkpoint in {model_dir} has no tensor {key} (needed for {name})")
+        path = key_files[key]
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt")
+        return handles[path]
+
     try:
         for name, source in table.items():
             if name == "lm_head" and not lm_head:
                 continue
+            if "experts" in source.split:
+                read = lambda key: _checked_slice(handle(key, name), key, shapes[key])  # noqa: E731
+                experts = _read_experts(read, [(key, shapes[key]) for key in source.keys], source.split, tp_size,
+                                        tp_rank)
+                weights[name] = experts.to(device).to(dtype).contiguous()
+                continue
             parts = []
             for key in source.keys:
-                if key not in key_files:
-                    raise KeyError(f"checkpoint in {model_dir} has no tensor {key} (needed for {name})")
-                path = key_files[key]
-                if path not in handles:
-                    handles[path] = safe_open(path, framework="pt")
                 if source.split.startswith("fused"):
-                    part = _read_fused(handles[path], key, shapes[key], cfg, source.split, tp_size, tp_rank)
+                    part = _read_fused(handle(key, name), key, shapes[key], cfg, source.split, tp_size, tp_rank)
                 else:
-                    part = _read_slice(handles[path], key, shapes[key], *_part(cfg, source.split, key, tp_size,
-                                                                                tp_rank))
+                    part = _read_slice(handle(key, name), key, shapes[key], *_part(cfg, source.split, key, tp_size,
+                                                                                    tp_rank))
                 if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
                     part = part.float() + cfg.norm_offset
                 parts.append(part.to(device).to(dtype))
