@@ -92,7 +92,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, sorted_rows: torch.Tensor, bl
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Semantics (kernels.reference.fused_moe):
-        for t, j: e = topk_ids[t, j]; rows[t, j] = topk_weights[t, j] * silu_and_mul(x[t] @ w_gate_up[e].T) @ w_down[e].T
+        for t, j: e = topk_ids[t, j]
+            rows[t, j] = topk_weights[t, j] * silu_and_mul(x[t] @ w_gate_up[e].T) @ w_down[e].T
         return rows.sum(1) (in fp32, rounded to x's dtype)
     x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down [num_experts, hidden, inter];
     topk_weights [num_tokens, k] fp32, topk_ids [num_tokens, k]."""

@@ -1,6 +1,7 @@
 """The base models beyond Llama, each a tiny random config built with transformers' own classes, served token for
 token as transformers (the base) and PEFT (adapters of ranks 4-64 on every module, a DoRA one, base rows beside
 them) give it in fp32: on every CPU path, at two tensor-parallel ranks and through the decode graphs' padded steps.
+The mixtures of experts (8 experts, top 2): adapters on their attention, and on Qwen2-MoE's shared experts too.
 """
 import re
 
@@ -16,9 +17,13 @@ from scripts.prepare_model import build_tiny
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
-FAMILIES = ["qwen3", "phi3", "phi4", "gemma2", "gemma3"]           # phi4: Phi-3's kind with RoPE over 3/4 of a head
-PHI = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]         # every module it has
-MODULES = {"qwen3": ALL_MODULES, "phi3": PHI, "phi4": PHI, "gemma2": ALL_MODULES, "gemma3": ALL_MODULES}
+FAMILIES = ["qwen3", "phi3", "phi4", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]   # phi4: Phi-3's kind
+PHI = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]         # every module it has      # with RoPE over 3/4 of a
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]                                         # head
+MODULES = {"qwen3": ALL_MODULES, "phi3": PHI, "phi4": PHI, "gemma2": ALL_MODULES, "gemma3": ALL_MODULES,
+           "qwen3_moe": ATTENTION, "qwen2_moe": ALL_MODULES, "mixtral": ATTENTION}   # (PEFT puts gate, up and down
+                                                                  # on the experts of Qwen3-MoE, and Mixtral's w1-w3)
+NO_DORA = {"qwen2_moe": ("q_proj", "k_proj", "v_proj")}           # (biased: refused under DoRA)
 TASKS = [None, 1, 2, 3, 1, None, 3, 2]                 # request i's adapter (None: the base)
 LENGTHS = [5, 23, 9, 40, 3, 17, 30, 12]
 MAX_NEW = 8
@@ -31,7 +36,8 @@ PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the
 def specs(family: str) -> list[dict]:
     return [dict(r=4, lora_alpha=8, target_modules=MODULES[family]),
             dict(r=64, lora_alpha=32, use_rslora=True, target_modules=MODULES[family]),
-            dict(r=16, lora_alpha=16, use_dora=True, target_modules=MODULES[family])]
+            dict(r=16, lora_alpha=16, use_dora=True,
+                 target_modules=[m for m in MODULES[family] if m not in NO_DORA.get(family, ())])]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -146,3 +152,67 @@ def test_a_module_phi3_has_not_is_refused_by_name(tmp_path, module, says):
                                            + re.escape(says)) as err:
         parse_lora(weights, np.array([[module, 0, 4]], np.int32), cfg, torch.float32, 64, 1 << 30)
     assert err.value.field == "lora_config"
+
+
+def trtllm_rows(pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
+    """TensorRT-LLM lora_weights and lora_config from (module, layer, A [r, in], B [out, r]): A then B flattened,
+    rows padded to the widest."""
+    rows = [torch.cat([a.flatten(), b.flatten()]) for _, _, a, b in pieces]
+    weights = torch.zeros(len(rows), max(r.numel() for r in rows))
+    for i, row in enumerate(rows):
+        weights[i, :row.numel()] = row
+    return weights.numpy(), np.array([[m, layer, a.shape[0]] for m, layer, a, _ in pieces], np.int32)
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_qwen3_moes_dense_layer_takes_mlp_adapters_as_the_merged_model(tmp_path, kernel_backend):
+    """Modules 5-7 on Qwen3-MoE's dense layer (PEFT moves them onto the experts): tokens == transformers with
+    W + B A merged into that layer's gate, up and down."""
+    from transformers import AutoModelForCausalLM
+    build_tiny(tmp_path, seed=5, architecture="qwen3_moe")
+    cfg = ModelConfig.from_dir(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    pieces = [(module, 0, torch.randn(8, fan_in, generator=g) * 0.3, torch.randn(fan_out, 8, generator=g) * 0.3)
+              for module, fan_in, fan_out in ((5, h, inter), (7, h, inter), (6, inter, h))]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    mlp = hf.model.layers[0].mlp
+    with torch.no_grad():
+        for (module, _, a, b), proj in zip(pieces, (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            proj.weight += b @ a
+    prompts = random_prompts(LENGTHS[:4], 512, seed=61)
+    engine = make_engine(tmp_path, kernel_backend)
+    engine.add_lora(1, *trtllm_rows(pieces))
+    got = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=[1, None, 1, 1], end_id=EOS)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert got == [hf_greedy(hf if task else base, p, MAX_NEW) for p, task in zip(prompts, [1, None, 1, 1])]
+    assert got[0] != hf_greedy(base, prompts[0], MAX_NEW)                   # the adapter changes the tokens
+
+
+@pytest.mark.parametrize("architecture,row,says", [
+    ("qwen3_moe", [5, 1, 4], r"row 0: module 5 \(mlp_h_to_4h\): layer 1 of Qwen3MoeForCausalLM is a mixture of "
+                             "experts with no dense MLP or shared expert"),
+    ("mixtral", [6, 0, 4], "row 0: module 6 .*layer 0 of MixtralForCausalLM is a mixture of experts"),
+    ("qwen3_moe", [13, 1, 4], r"row 0: module 13 \(moe_h_to_4h\) is unsupported: LoRA on a mixture's experts and "
+                              "router is not supported yet"),
+    ("qwen3", [16, 0, 4], r"row 0: module 16 \(moe_router\) is unsupported: Qwen3ForCausalLM is not a mixture of "
+                          "experts")])
+def test_a_module_the_layer_has_not_is_refused_by_name(tmp_path, architecture, row, says):
+    build_tiny(tmp_path, seed=5, architecture=architecture)
+    cfg = ModelConfig.from_dir(tmp_path)
+    weights = np.full((1, 4 * (cfg.hidden_size + 2 * cfg.intermediate_size)), 0.01, np.float16)
+    with pytest.raises(RequestError, match=says) as err:
+        parse_lora(weights, np.array([row], np.int32), cfg, torch.float32, 64, 1 << 30)
+    assert err.value.field == "lora_config"
+
+
+def test_a_peft_adapter_on_experts_is_refused_by_name(tmp_path):
+    """PEFT's LoRA on Mixtral's experts (w1-w3 become the stacked experts' parameters)."""
+    from backend.lora.peft import load_lora_dir
+    build_tiny(tmp_path / "base", seed=5, architecture="mixtral")
+    [adapter] = make_peft_adapters(tmp_path / "base", tmp_path,
+                                   specs=[dict(r=4, target_modules=["q_proj", "w1", "w3"])])
+    with pytest.raises(ValueError, match=r"adapter tensor base_model\.model\.model\.layers\.\d\.mlp\.experts\S*: "
+                                         r"LoRA on a mixture's experts or router \(TensorRT-LLM modules 13-17\) is "
+                                         "not supported yet"):
+        load_lora_dir(adapter)
