@@ -98,6 +98,29 @@ def configurations():
     for softcap in (False, True):                  # Gemma 3 4B's and Gemma 2 9B's heads: 256 wide, 2 to a KV head
         yield from attention_configurations("bf16", 256, 16, 2, softcap=softcap)
     yield from lora_configurations()
+    yield from moe_configurations()
+
+
+MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}   # hidden, inter, experts, k
+
+
+def moe_configurations():
+    """The mixture's two grouped GEMMs (gate and up, then down with the routing weights) at Qwen3-30B-A3B's and
+    Mixtral-8x7B's shapes, for a decode step of 64 tokens and a prompt chunk of 2048, in every dtype."""
+    from kernels.moe import moe_config
+    for (name, (hidden, inter, experts, top_k)), dtype, tokens in itertools.product(MOE_SHAPES.items(), DTYPES,
+                                                                                    (64, 2048)):
+        p, rows = DTYPES[dtype], tokens * top_k
+        cfg = moe_config(rows, experts, 4 if dtype == "fp32" else 2)
+        tag = f"{dtype} {name} t{tokens}"
+        for launch, (n_dim, k_dim, rows_per_a, weights) in (("gate_up", (2 * inter, hidden, top_k, False)),
+                                                            ("down", (hidden, inter, 1, True))):
+            args = dict(a_ptr=p, b_ptr=p, c_ptr=p, sorted_rows_ptr="*i32", block_experts_ptr="*i32",
+                        weights_ptr="*fp32" if weights else p, num_rows=rows, n_dim=n_dim, k_dim=k_dim,
+                        rows_per_a=rows_per_a, stride_at=k_dim, stride_be=n_dim * k_dim, stride_bn=k_dim,
+                        stride_bk=1, stride_ct=n_dim)
+            yield (f"moe_{launch} {tag}", "kernels.moe", "_grouped_gemm_kernel", args,
+                   dict(cfg) | {"MUL_WEIGHTS": weights, "DOT_FP32": False})
 
 
 def lora_configurations():
@@ -134,7 +157,8 @@ def lora_configurations():
 
 
 HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "lora_expand_delta bf16",
-       "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128")   # an 8B decode step
+       "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128",   # an 8B decode
+       "moe_gate_up bf16", "moe_down bf16")                                                         # step; a mixture's
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}

@@ -15,6 +15,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
     lora_fold: the same through linear_lora_deferred, its delta added as the op after the GEMM adds it; where it
                fails, graphs merge each product after its GEMM
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
+    moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
+               and a prompt chunk's (16- and 64-row blocks), some experts idle
 """
 import logging
 from copy import copy
@@ -31,7 +33,7 @@ from kernels.compose import compose_linear_lora, in_place
 from kernels.metadata import AttentionMetadata
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (), "lora_fold": (),
-            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache")}
+            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe",)}
 SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
 log = logging.getLogger(__name__)
@@ -212,13 +214,35 @@ def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[
             compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
 
 
+def moe_checks(ops, cfg: ModelConfig, dtype, device) -> list[Check]:
+    """fused_moe at the served experts' shapes (this rank's share), none where the model has no mixture."""
+    if not cfg.num_experts:
+        return []
+    g = torch.Generator().manual_seed(3)
+    num, hidden, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    rand = lambda *shape: (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device, dtype)  # noqa: E731
+    w_gate_up, w_down = rand(num, 2 * inter, hidden), rand(num, hidden, inter)
+
+    def run(num_tokens: int):
+        x = rand(num_tokens, hidden) * hidden ** 0.5
+        scores = torch.randn(num_tokens, num, generator=g)
+        scores[:, num // 2:] -= 100.0                         # half the experts idle
+        weights, ids = torch.topk(scores.softmax(-1), min(top_k, num // 2 or 1), dim=-1)
+        weights, ids = weights.to(device), ids.to(device)
+        return [(ops.fused_moe(x, w_gate_up, w_down, weights, ids),
+                 reference.fused_moe(x.float(), w_gate_up.float(), w_down.float(), weights, ids))]
+
+    return [compare("moe", f"fused_moe {n} tokens, {num} experts, top {top_k}, hidden {hidden}, intermediate "
+                           f"{inter}, {dtype}", lambda n=n: run(n), dtype) for n in (8, 100)]
+
+
 def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int,
                   max_rank: int) -> list[Check]:
     """Every op family of the Triton kernels once, at the served shapes (cfg: this rank's share)."""
     with torch.inference_mode():
         return (attention_checks(ops, cfg, dtype, device, block_size) +
                 lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
-                fused_checks(ops, cfg, dtype, device, block_size))
+                fused_checks(ops, cfg, dtype, device, block_size) + moe_checks(ops, cfg, dtype, device))
 
 
 def apply_fallbacks(ops, families: set[str]) -> None:

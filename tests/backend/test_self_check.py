@@ -72,6 +72,22 @@ def test_a_broken_kernel_falls_back_and_the_tokens_stay_right(fault, tiny_model_
     assert engine.generate(PROMPTS, max_new_tokens=6) == [hf_greedy(hf_tiny, p, 6) for p in PROMPTS]
 
 
+def test_a_mixtures_experts_are_checked_and_a_broken_kernel_falls_back(tmp_path, monkeypatch):
+    """Qwen3-MoE: fused_moe passes at its shapes; broken (wrong values) it is served by the torch reference, the
+    tokens transformers'."""
+    from transformers import AutoModelForCausalLM
+    build_tiny(tmp_path, seed=5, architecture="qwen3_moe")
+    checks = check_kernels(load_ops("triton"), ModelConfig.from_dir(tmp_path), torch.float32, torch.float16,
+                           torch.device("cpu"), 16, 64)
+    assert [c.error for c in checks if c.family == "moe"] == [None, None]
+    monkeypatch.setattr(triton_ops, "fused_moe", wrong_values(triton_ops.fused_moe))
+    engine = LLMEngine(tmp_path, dtype="float32", kernel_backend="triton", kernel_self_check="true",
+                       kv_cache_memory_bytes=1 << 20)
+    assert set(engine.runner.kernel_fallbacks) == {"moe"}
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert engine.generate(PROMPTS, max_new_tokens=6) == [hf_greedy(hf, p, 6) for p in PROMPTS]
+
+
 def adapter_engine(model_dir, adapters, backend: str) -> LLMEngine:
     """The tiny model checked at start on `backend`, with two adapters as tasks 1 and 2."""
     engine = LLMEngine(model_dir, dtype="float32", kernel_backend=backend, kernel_self_check="true",

@@ -21,7 +21,8 @@ def test_every_kernel_configuration_compiles_for_a100_and_h100():
                   "sm_90 lora_shrink bf16 adapters bf16 8b qkv r64 t16",
                   "sm_80 lora_expand fp32 adapters fp16 8b down r64 t512",
                   "sm_90 lora_shrink bf16 adapters bf16 8b gate_up r64 t512",
-                  "sm_80 lora_expand bf16 adapters bf16 8b qkv r128 t16"):
+                  "sm_80 lora_expand bf16 adapters bf16 8b qkv r128 t16",
+                  "sm_90 moe_gate_up bf16 qwen3-30b-a3b t64", "sm_80 moe_down fp32 mixtral-8x7b t2048"):
         assert label in run.stdout
 
 
