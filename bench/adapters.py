@@ -17,7 +17,8 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 @lru_cache(maxsize=None)
 def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
     """One PEFT directory per rank in `ranks` (task id = position + 1), seeded: A ~ N(0, 1/rank), B ~ N(0, 0.02),
-    written directly (no model instance, so an 8B shape costs seconds); removed when the process exits."""
+    written directly (no model instance, so an 8B shape costs seconds); removed when the process exits. On every
+    module a layer has: a mixture's layers take attention (and a shared expert) only."""
     from safetensors.torch import save_file
     cfg = ModelConfig.from_dir(model_dir)
     root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
@@ -32,7 +33,9 @@ def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
         tensors = {}
         for layer in range(cfg.num_layers):
             for name, (in_dim, out_dim) in shapes.items():
-                part = "self_attn" if name in ATTENTION else "mlp"
+                if name not in ATTENTION and not cfg.has_dense_mlp(layer):      # a mixture: attention only
+                    continue
+                part = "self_attn" if name in ATTENTION else "mlp.shared_expert" if cfg.is_moe(layer) else "mlp"
                 key = f"base_model.model.model.layers.{layer}.{part}.{name}"
                 tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=g) / rank).to(torch.float16)
                 tensors[f"{key}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=g) * 0.02).to(torch.float16)

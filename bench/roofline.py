@@ -35,10 +35,13 @@ def cpu_name() -> str:
 
 
 def layer_params(cfg: ModelConfig) -> int:
-    """Weights one token touches in the decoder layers (projections and MLP, all layers)."""
-    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * per_layer
+    """Weights one token touches in the decoder layers (projections and MLP, all layers; of a mixture, the router and
+    the k experts the token is routed to)."""
+    h = cfg.hidden_size
+    attention = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    return sum(attention + 3 * h * cfg.intermediate_size * cfg.has_dense_mlp(i) + cfg.is_moe(i) * (
+        cfg.num_experts * h + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + cfg.shared_expert * h)
+        for i in range(cfg.num_layers))
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str) -> float:

@@ -8,7 +8,8 @@ and the adapter-count curve (bench/adapter_curve.py: 64 decoding sequences over 
 none). Prints one table, writes JSON.
 
     python scripts/gpu_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--requests N] [--baseline hf|none]
-    (also qwen3-8b-shape, gemma-3-4b-shape)
+    (also qwen3-8b-shape, gemma-3-4b-shape; the mixtures qwen3-30b-a3b-shape and mixtral-8x7b-shape, with
+    --baseline none [--num-layers N])
         [--hf-requests 16] [--out docs/bench/gpu.json] [--device cuda]
 With its defaults it runs both shapes within 10 minutes on one H100 or H200: the engine runs each workload whole,
 HF + PEFT 16 requests of each (two batches; W1's HF run took ~23 s a batch at the 8B shape, 128 requests ~6 min).
@@ -65,6 +66,19 @@ SHAPES = {
                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                 "rope_theta": 1_000_000.0},
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
+    # the mixtures (random weights: 61 and 93 GB in bf16; where the disk holds less, --num-layers cuts them)
+    "qwen3-30b-a3b-shape": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+                            "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 2048,
+                            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                            "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 48,
+                            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                            "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1_000_000.0,
+                            "max_position_embeddings": 40960},
+    "mixtral-8x7b-shape": LLAMA | dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+                                       intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                       vocab_size=32000, tie_word_embeddings=False, rope_theta=1_000_000.0,
+                                       max_position_embeddings=32768),
     "tiny-shape": LLAMA | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
                                rope_theta=10000.0, max_position_embeddings=1024),
@@ -136,7 +150,8 @@ def w3_on_its_own_engine(model_dir: str, cfg: ModelConfig, shape: str, args) -> 
 
 
 def bench_model(shape: str, args, bandwidth: float) -> dict:
-    model_dir = str(build_model(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")), args.device))
+    layers = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+    model_dir = str(build_model(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")), args.device, **layers))
     cfg = ModelConfig.from_dir(model_dir)
     results = {}
     started = time.perf_counter()
@@ -268,7 +283,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m-shape,llama-3.1-8b-shape")
     parser.add_argument("--requests", type=int, default=0, help="scale W1/W2 down to N requests (0: as specified)")
-    parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
+    parser.add_argument("--baseline", choices=("hf", "none"), default="hf",
+                        help="none for the mixtures: PEFT moves a dense module's LoRA onto Qwen3-MoE's experts")
+    parser.add_argument("--num-layers", type=int, default=0,
+                        help="every shape with this many layers (0: its own; the mixtures' checkpoints outgrow a "
+                             "64 GB disk)")
     parser.add_argument("--hf-requests", type=int, default=16,
                         help="the HF + PEFT baselines' share of each workload (batches of 8 at ~20 s each at the "
                              "8B shape: its tok/s is a batch's, whatever the count)")

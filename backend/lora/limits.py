@@ -15,11 +15,12 @@ HOST_FLOOR = 1 << 30                          # an auto tier's least, as the fix
 
 
 def max_adapter_bytes(model: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
-    """A DoRA adapter at max_rank on every module (q, k, v, o, gate, up, down) of every layer, stored in dtype: A, B
-    and the magnitude of each."""
-    shapes = [module_shape(model, module) for module in range(1, 8)]
-    return model.num_layers * sum(max_rank * (in_dim + out_dim) + out_dim for in_dim, out_dim in shapes) \
-        * dtype.itemsize
+    """A DoRA adapter at max_rank on every module (q, k, v, o, gate, up, down) of every layer that has it (a
+    mixture's layers: gate, up and down only for a shared expert), stored in dtype: A, B and the magnitude of each."""
+    sizes = {module: max_rank * sum(module_shape(model, module)) + module_shape(model, module)[1]
+             for module in range(1, 8)}
+    return sum(size for layer in range(model.num_layers) for module, size in sizes.items()
+               if module < 5 or model.has_dense_mlp(layer)) * dtype.itemsize
 
 
 def machine_memory_bytes() -> int:
