@@ -29,8 +29,9 @@ class AdapterLimits:
     def max_file_bytes(self) -> int:
         """The largest an adapter's files may be: every module of every layer at max_lora_rank in fp32 (PEFT's
         safetensors, or TensorRT-LLM rows padded to the widest), and 1 MiB for headers and JSON."""
-        from backend.lora.format import MODULE_NAMES, max_row_width
-        return len(MODULE_NAMES) * self.model.num_layers * max_row_width(self.model, self.max_lora_rank) * 4 + (1 << 20)
+        from backend.lora.format import EXPERT_MODULE_NAMES, MODULE_NAMES, max_row_width
+        modules = len(MODULE_NAMES) + (len(EXPERT_MODULE_NAMES) if self.model.num_experts else 0)
+        return modules * self.model.num_layers * max_row_width(self.model, self.max_lora_rank) * 4 + (1 << 20)
 
     @property
     def max_adapter_bytes(self) -> int:

@@ -11,10 +11,10 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
-from kernels.reference import fused_moe
+from kernels.reference import fused_moe, slot_lora
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-           "lora_apply", "linear_lora", "fused_moe"]
+           "lora_apply", "linear_lora", "fused_moe", "slot_lora"]
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear

@@ -8,7 +8,7 @@ from kernels.compose import compose_linear_lora, in_place
 from kernels.lora_family import LoraFamily
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-            "lora_apply", "linear_lora", "linear_lora_deferred", "fused_moe")
+            "lora_apply", "linear_lora", "linear_lora_deferred", "fused_moe", "slot_lora")
 # A test hook, off unless set: these Triton ops (a comma list) raise at every call, in every process that loads the
 # kernels (tensor-parallel workers included), as a kernel that cannot launch on a device would.
 BROKEN_OPS_VAR = "LORA_LLM_TEST_BROKEN_OPS"

@@ -1,4 +1,4 @@
-"""Per-step attention metadata shared by every attention implementation."""
+"""Per-step metadata shared by every implementation of an op: attention's, and a mixture's expert LoRA."""
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +18,26 @@ class AttentionMetadata:
     num_splits: int | None = None             # attention's context splits, fixed (CUDA graphs); None: per step
 
 
+@dataclass(slots=True)
+class ExpertLora:
+    """A step's LoRA on one mixture layer's experts, as backend/lora/expert_slots.py lays the slots out: group
+    g = slot * num_experts + expert holds that slot's expert's matrices, zero past each adapter's rank."""
+    row_slots: torch.Tensor                   # [num_tokens * k] int32: each (token, j-th expert) row's slot, -1: none
+    gate_up_a: torch.Tensor                   # [groups, 2 * max_rank, hidden]: gate's A, then up's
+    gate_up_b: torch.Tensor                   # [groups, 2 * inter, max_rank]: gate's B rows, then up's
+    down_a: torch.Tensor                      # [groups, max_rank, inter]
+    down_b: torch.Tensor                      # [groups, hidden, max_rank]
+    num_slots: int
+
+    @property
+    def max_rank(self) -> int:
+        return self.down_a.shape[1]
+
+
 # Integer kernel arguments that change from step to step (sequence counts, block-table widths, token counts in a
 # stride) or between projections (column blocks): Triton would otherwise compile a variant for each of "== 1",
 # "divisible by 16" and neither, on the engine thread, the first time a step happens to produce one
 # (tests/kernels/test_specializations.py).
 UNSPECIALIZED_ARGS = {"_attention_kernel": ("num_seqs", "stride_bt"),
                       "_shrink_kernel": ("split_k", "blocks_per_split", "stride_ps"),
-                      "_expand_kernel": (), "_merge_kernel": ()}
+                      "_expand_kernel": (), "_merge_kernel": (), "_grouped_gemm_kernel": ("num_rows",)}

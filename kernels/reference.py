@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, ExpertLora
 from kernels.reference_lora import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (lora_apply: an op)
 
 
@@ -87,23 +87,59 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Each token through its k experts' gated MLPs, summed by its routing weights in fp32: the tokens grouped by
-    expert, one GEMM pair per expert with tokens (the ids read on the host: no CUDA graph records this one).
-    x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down [num_experts, hidden, inter];
-    topk_weights [num_tokens, k] fp32; topk_ids [num_tokens, k] -> [num_tokens, hidden] in x's dtype."""
+              topk_ids: torch.Tensor, lora: ExpertLora | None = None) -> torch.Tensor:
+    """Each token through its k experts' gated MLPs (with each row's adapter on its expert: `lora`), summed by its
+    routing weights in fp32: the tokens grouped by expert, one GEMM pair per expert with tokens (the ids read on the
+    host: no CUDA graph records this one). x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden];
+    w_down [num_experts, hidden, inter]; topk_weights [num_tokens, k] fp32; topk_ids [num_tokens, k] ->
+    [num_tokens, hidden] in x's dtype."""
     num_tokens, top_k = topk_ids.shape
+    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
     flat = topk_ids.flatten()                                                    # row t * k + j: token t's j-th
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
-    rows = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
+    groups, start = [], 0                                                        # (expert, its rows)
+    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
         if count:
-            ids = order[start:start + count]
-            rows[ids] = F.linear(silu_and_mul(F.linear(x[ids // top_k], w_gate_up[expert])), w_down[expert])
-            start += count
-    return (rows.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()).sum(1).to(x.dtype)
+            groups.append((expert, order[start:start + count]))
+        start += count
+    gate_up = x.new_empty(num_tokens * top_k, 2 * inter)
+    for expert, ids in groups:
+        gate_up[ids] = F.linear(x[ids // top_k], w_gate_up[expert])
+    adapted = None if lora is None else (lora.row_slots >= 0).nonzero().flatten()
+    if adapted is not None:                                                      # rows with an adapter
+        pairs = (lora.row_slots[adapted].long() * num_experts + flat[adapted]).long()
+        h = _grouped_lora_shrink(x[adapted // top_k], lora.gate_up_a, pairs)     # [n, 2 * max_rank]
+        r = lora.max_rank
+        gate_up[adapted] += torch.cat([_grouped_lora_expand(h[:, :r], lora.gate_up_b[:, :inter], pairs),
+                                       _grouped_lora_expand(h[:, r:], lora.gate_up_b[:, inter:], pairs)], dim=1)
+    act = silu_and_mul(gate_up)
+    down = x.new_empty(num_tokens * top_k, x.shape[1])
+    for expert, ids in groups:
+        down[ids] = F.linear(act[ids], w_down[expert])
+    if adapted is not None:
+        down[adapted] += _grouped_lora_expand(_grouped_lora_shrink(act[adapted], lora.down_a, pairs), lora.down_b,
+                                              pairs)
+    return (down.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()).sum(1).to(x.dtype)
+
+
+def _grouped_lora_shrink(x: torch.Tensor, a: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """x[i] @ a[groups[i]].T: [n, in] -> [n, rank] in x's dtype (a [num_groups, rank, in])."""
+    return torch.bmm(a[groups].to(x.dtype), x[:, :, None])[..., 0]
+
+
+def _grouped_lora_expand(h: torch.Tensor, b: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """h[i] @ b[groups[i]].T: [n, rank] -> [n, out] (b [num_groups, out, rank])."""
+    return torch.bmm(b[groups].to(h.dtype), h[:, :, None])[..., 0]
+
+
+def slot_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+              out: torch.Tensor) -> None:
+    """out[t] += x[t] @ a[slot].T @ b[slot].T for each token t with an adapter (slot = token_slots[t] >= 0): the
+    LoRA of a projection kept whole per slot (a mixture's router, a shared expert's gate). a [num_slots, rank, in],
+    b [num_slots, out, rank]."""
+    rows = (token_slots >= 0).nonzero().flatten()
+    slots = token_slots[rows].long()
+    out[rows] += _grouped_lora_expand(_grouped_lora_shrink(x[rows], a, slots), b, slots).to(out.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -105,22 +105,42 @@ MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336
 
 
 def moe_configurations():
-    """The mixture's two grouped GEMMs (gate and up, then down with the routing weights) at Qwen3-30B-A3B's and
-    Mixtral-8x7B's shapes, for a decode step of 64 tokens and a prompt chunk of 2048, in every dtype."""
-    from kernels.moe import moe_config
+    """The mixture's grouped GEMMs at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, for a decode step of 64 tokens and
+    a prompt chunk of 2048, in every dtype: gate and up, then down with the routing weights; and with adapters on
+    the experts (8 slots, max_lora_rank 16 and 64), their shrinks (gate and up at once) and expands (into the
+    base's output, down's times the weights)."""
+    from kernels.moe import lora_config, moe_config
+
+    def args(p: str, a: str, b: str, n_dim: int, k_dim: int, rows: int, rows_per_a: int, weights: bool,
+             stride_at: int, stride_ct: int) -> dict:
+        return dict(a_ptr=a, b_ptr=b, c_ptr=p, sorted_rows_ptr="*i32", block_experts_ptr="*i32",
+                    weights_ptr="*fp32" if weights else p, num_rows=rows, n_dim=n_dim, k_dim=k_dim,
+                    rows_per_a=rows_per_a, stride_at=stride_at, stride_be=n_dim * k_dim, stride_bn=k_dim,
+                    stride_bk=1, stride_ct=stride_ct)
+
     for (name, (hidden, inter, experts, top_k)), dtype, tokens in itertools.product(MOE_SHAPES.items(), DTYPES,
                                                                                     (64, 2048)):
         p, rows = DTYPES[dtype], tokens * top_k
         cfg = moe_config(rows, experts, 4 if dtype == "fp32" else 2)
         tag = f"{dtype} {name} t{tokens}"
-        for launch, (n_dim, k_dim, rows_per_a, weights) in (("gate_up", (2 * inter, hidden, top_k, False)),
-                                                            ("down", (hidden, inter, 1, True))):
-            args = dict(a_ptr=p, b_ptr=p, c_ptr=p, sorted_rows_ptr="*i32", block_experts_ptr="*i32",
-                        weights_ptr="*fp32" if weights else p, num_rows=rows, n_dim=n_dim, k_dim=k_dim,
-                        rows_per_a=rows_per_a, stride_at=k_dim, stride_be=n_dim * k_dim, stride_bn=k_dim,
-                        stride_bk=1, stride_ct=n_dim)
-            yield (f"moe_{launch} {tag}", "kernels.moe", "_grouped_gemm_kernel", args,
-                   dict(cfg) | {"MUL_WEIGHTS": weights, "DOT_FP32": False})
+        for launch, n_dim, k_dim, rows_per_a, weights in (("gate_up", 2 * inter, hidden, top_k, False),
+                                                          ("down", hidden, inter, 1, True)):
+            yield (f"moe_{launch} {tag}", "kernels.moe", "_grouped_gemm_kernel",
+                   args(p, p, p, n_dim, k_dim, rows, rows_per_a, weights, k_dim, n_dim),
+                   dict(cfg) | {"MUL_WEIGHTS": weights, "ACCUMULATE": False, "DOT_FP32": False})
+        adapters = "*fp16" if dtype == "fp32" else p                  # (lora_dtype auto: fp16 beside fp32)
+        for rank in (16, 64):
+            lora_tag = f"{tag} r{rank}"
+            for launch, n_dim, k_dim, rows_per_a in (("shrink_gate_up", 2 * rank, hidden, top_k),
+                                                     ("shrink_down", rank, inter, 1)):
+                yield (f"moe_lora_{launch} {lora_tag}", "kernels.moe", "_grouped_gemm_kernel",
+                       args(p, p, adapters, n_dim, k_dim, rows, rows_per_a, False, k_dim, n_dim),
+                       dict(cfg) | {"MUL_WEIGHTS": False, "ACCUMULATE": False, "DOT_FP32": False})
+            for launch, n_dim, stride_at, stride_ct, weights in (("expand_gate_up", inter, 2 * rank, 2 * inter, False),
+                                                                 ("expand_down", hidden, rank, hidden, True)):
+                yield (f"moe_lora_{launch} {lora_tag}", "kernels.moe", "_grouped_gemm_kernel",
+                       args(p, p, adapters, n_dim, rank, rows, 1, weights, stride_at, stride_ct),
+                       lora_config(dict(cfg), rank) | {"MUL_WEIGHTS": weights, "ACCUMULATE": True, "DOT_FP32": False})
 
 
 def lora_configurations():
@@ -158,7 +178,8 @@ def lora_configurations():
 
 HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "lora_expand_delta bf16",
        "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128",   # an 8B decode
-       "moe_gate_up bf16", "moe_down bf16")                                                         # step; a mixture's
+       "moe_gate_up bf16", "moe_down bf16", "moe_lora_shrink_gate_up bf16", "moe_lora_shrink_down bf16",  # step;
+       "moe_lora_expand_gate_up bf16", "moe_lora_expand_down bf16")                            # a mixture's, adapted
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}

@@ -5,6 +5,9 @@ lora_config rows are [module_id, layer_idx, rank] or, as TensorRT-LLM's converte
 then B [out_dim, rank] flattened row-major, then for a DoRA row the magnitude [out_dim], normalized as
 TensorRT-LLM's normalize_weights.py does (m / ||W + s·B·A|| per output row), then zero padding. The scale is
 already folded into B. A DoRA module's whole output (base + LoRA) is scaled by its magnitude, per output feature.
+A mixture of experts' modules (13-15: each expert's gate, down and up; 16: the router; 17: a shared expert's gate)
+hold every expert's A [experts, rank, in_dim] then every expert's B [experts, out_dim, rank] in one row, rank per
+expert, as TensorRT-LLM's load_from_hf writes them.
 """
 import math
 from dataclasses import dataclass, field
@@ -17,20 +20,36 @@ from backend.request import RequestError
 
 MODULE_NAMES = {0: "attn_qkv", 1: "attn_q", 2: "attn_k", 3: "attn_v", 4: "attn_dense",
                 5: "mlp_h_to_4h", 6: "mlp_4h_to_h", 7: "mlp_gate"}
+EXPERT_MODULE_NAMES = {13: "moe_h_to_4h", 14: "moe_4h_to_h", 15: "moe_gate", 16: "moe_router", 17: "mlp_router"}
 UNSUPPORTED_MODULES = {8: "cross_attn_qkv", 9: "cross_attn_q", 10: "cross_attn_k", 11: "cross_attn_v",
-                       12: "cross_attn_dense", 13: "moe_h_to_4h", 14: "moe_4h_to_h", 15: "moe_gate",
-                       16: "moe_router", 17: "mlp_router"}
+                       12: "cross_attn_dense"}
 PROJ_OF_MODULE = {0: "qkv", 1: "qkv", 2: "qkv", 3: "qkv", 4: "o", 5: "gate_up", 6: "down", 7: "gate_up"}
 FUSED_GATE_UP = 5                             # mlp_h_to_4h: gate and up at once where the checkpoint fuses them
+EXPERTS = (13, 14, 15)                        # a mixture's experts (gate, down, up): a row holds every expert's
 
 
-def unsupported_why(cfg: ModelConfig, module_id: int) -> str:
-    """Why a module of UNSUPPORTED_MODULES is refused on this model."""
-    if module_id < 13:
-        return "decoder-only models have no cross attention"
-    if cfg.num_experts:
-        return f"LoRA on a mixture's experts and router is not supported yet on {cfg.architecture}"
-    return f"{cfg.architecture} is not a mixture of experts"
+def expert_module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int, int]:
+    """(experts, in_dim, out_dim) of an expert module (TensorRT-LLM's ids): each expert's gate (13, moe_h_to_4h),
+    down (14) or up (15, moe_gate), the router (16: hidden -> experts) and the shared expert's gate (17: hidden -> 1).
+    A lora_weights row of one holds A [experts, rank, in_dim] then B [experts, out_dim, rank]."""
+    h, inter, num = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    return {13: (num, h, inter), 14: (num, inter, h), 15: (num, h, inter), 16: (1, h, num), 17: (1, h, 1)}[module_id]
+
+
+def module_refusal(cfg: ModelConfig, module_id: int, layer: int) -> str | None:
+    """Why a module may not adapt this layer, or None."""
+    name = MODULE_NAMES.get(module_id) or EXPERT_MODULE_NAMES.get(module_id)
+    what = f"module {module_id} ({name}): layer {layer} of {cfg.architecture}"
+    if module_id in (5, 6, 7) and not cfg.has_dense_mlp(layer):
+        return f"{what} is a mixture of experts with no dense MLP or shared expert (its experts: modules 13-16)"
+    if module_id in EXPERT_MODULE_NAMES:
+        if not cfg.num_experts:
+            return f"module {module_id} ({name}): {cfg.architecture} is not a mixture of experts"
+        if not cfg.is_moe(layer):
+            return f"{what} is a dense MLP, no mixture of experts (modules 5-7 adapt it)"
+        if module_id == 17 and not cfg.shared_expert:
+            return f"{what} has no shared expert, whose gate module 17 adapts"
+    return None
 
 
 def module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int]:
@@ -166,10 +185,21 @@ def _as_tensor(name: str, value) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(value))
 
 
+def row_need(cfg: ModelConfig, module_id: int, rank: int, dora: bool = False) -> int:
+    """Values a lora_weights row of this module needs: A and B (every expert's, for an expert module), and a DoRA
+    magnitude."""
+    if module_id in EXPERT_MODULE_NAMES:
+        num, in_dim, out_dim = expert_module_shape(cfg, module_id)
+        return num * rank * (in_dim + out_dim)
+    in_dim, out_dim = row_shape(cfg, module_id)
+    return rank * (in_dim + out_dim) + (out_dim if dora else 0)
+
+
 def max_row_width(cfg: ModelConfig, max_rank: int) -> int:
     """The widest lora_weights row any valid config row needs: max_lora_rank x (in + out) of the widest module, and
-    its DoRA magnitude (out)."""
-    return max(max_rank * sum(row_shape(cfg, m)) + row_shape(cfg, m)[1] for m in MODULE_NAMES)
+    its DoRA magnitude (out); a mixture's expert modules (every expert's A and B) among them."""
+    modules = list(MODULE_NAMES) + (list(EXPERT_MODULE_NAMES) if cfg.num_experts else [])
+    return max(row_need(cfg, m, max_rank, m in MODULE_NAMES) for m in modules)
 
 
 Row = tuple[int, int, int, int, bool]          # (module_id, layer, rank, values its weights row needs, is_dora)
@@ -224,8 +254,14 @@ def parse_lora(weights, config, cfg: ModelConfig, dtype: torch.dtype, max_rank: 
 
 def _row_views(weights: torch.Tensor, rows: list[Row], cfg: ModelConfig):
     """((layer, module_id), A [rank, in_dim], B [out_dim, rank], magnitude [out_dim] or None) per checked row: views
-    of lora_weights; a fused gate_up row (row_shape) as gate (5) and up (7), sharing its A."""
+    of lora_weights; a fused gate_up row (row_shape) as gate (5) and up (7), sharing its A; an expert module's as
+    A [experts * rank, in_dim] and B [experts * out_dim, rank], expert e's rows e * rank.. and e * out_dim..."""
     for row, (module_id, layer, rank, need, dora) in zip(weights, rows):
+        if module_id in EXPERT_MODULE_NAMES:                  # A [experts * rank, in], B [experts * out, rank]
+            num, in_dim, out_dim = expert_module_shape(cfg, module_id)
+            yield (layer, module_id), row[:num * rank * in_dim].reshape(num * rank, in_dim), \
+                row[num * rank * in_dim:need].reshape(num * out_dim, rank), None
+            continue
         in_dim, out_dim = row_shape(cfg, module_id)
         a = row[:rank * in_dim].reshape(rank, in_dim)
         b = row[rank * in_dim:rank * (in_dim + out_dim)].reshape(out_dim, rank)
@@ -271,18 +307,19 @@ def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int, row_
             raise RequestError("lora_config", f"row {i}: is_dora must be 0 or 1, got {dora}")
         if module_id in UNSUPPORTED_MODULES:
             raise RequestError("lora_config", f"row {i}: module {module_id} ({UNSUPPORTED_MODULES[module_id]}) "
-                                              f"is unsupported: {unsupported_why(cfg, module_id)}")
-        if module_id not in MODULE_NAMES:
-            raise RequestError("lora_config", f"row {i}: unknown module id {module_id} (valid: 0-7)")
+                                              "is unsupported: decoder-only models have no cross attention")
+        if module_id not in MODULE_NAMES and module_id not in EXPERT_MODULE_NAMES:
+            raise RequestError("lora_config", f"row {i}: unknown module id {module_id} (valid: 0-7, 13-17)")
         if not 0 <= layer < cfg.num_layers:
             raise RequestError("lora_config", f"row {i}: layer {layer} out of range [0, {cfg.num_layers})")
         if not 1 <= rank <= max_rank:
             raise RequestError("lora_config", f"row {i}: rank {rank} must be in [1, max_lora_rank {max_rank}]")
-        if module_id in (5, 6, 7) and not cfg.has_dense_mlp(layer):
-            raise RequestError("lora_config", f"row {i}: module {module_id} ({MODULE_NAMES[module_id]}): layer "
-                                              f"{layer} of {cfg.architecture} is a mixture of experts with no dense "
-                                              "MLP or shared expert; LoRA on its experts (modules 13-15) is not "
-                                              "supported yet")
+        if (why := module_refusal(cfg, module_id, layer)) is not None:
+            raise RequestError("lora_config", f"row {i}: {why}")
+        if dora and module_id in EXPERT_MODULE_NAMES:
+            raise RequestError("lora_config", f"row {i}: DoRA on module {module_id} "
+                                              f"({EXPERT_MODULE_NAMES[module_id]}) is not supported (TensorRT-LLM "
+                                              "refuses DoRA on a mixture's modules too)")
         if (layer, module_id) in seen:
             raise RequestError("lora_config", f"row {i}: duplicate module {module_id} for layer {layer}")
         if cfg.fused_projections and module_id in (1, 2, 3, 7):
@@ -291,15 +328,18 @@ def _check_config(config: list[list[int]], cfg: ModelConfig, max_rank: int, row_
                                               f"{cfg.architecture} has no such module; its {parts} are one, module "
                                               f"{whole}")
         seen.add((layer, module_id))
-        in_dim, out_dim = row_shape(cfg, module_id)
         if dora and cfg.qkv_bias and module_id in (0, 1, 2, 3):
             raise RequestError("lora_config", f"row {i}: DoRA on module {module_id} ({MODULE_NAMES[module_id]}) of a "
                                               "projection with a bias (Qwen2's q, k, v) is not supported")
-        need = rank * in_dim + out_dim * rank + (out_dim if dora else 0)
+        need = row_need(cfg, module_id, rank, bool(dora))
         if row_width < need:
             what = " with its DoRA magnitude" if dora else ""
+            if module_id in EXPERT_MODULE_NAMES:
+                num, in_dim, out_dim = expert_module_shape(cfg, module_id)
+                what = f" on layer {layer} ({num} experts x rank {rank} x (in {in_dim} + out {out_dim}))"
+            name = MODULE_NAMES.get(module_id) or EXPERT_MODULE_NAMES[module_id]
             raise RequestError("lora_weights", f"row {i} has {row_width} values, module {module_id} "
-                                               f"({MODULE_NAMES[module_id]}) rank {rank}{what} needs {need}")
+                                               f"({name}) rank {rank}{what} needs {need}")
         rows.append((module_id, layer, rank, need, bool(dora)))
     for layer, module_id in seen:
         if module_id == 0 and any((layer, m) in seen for m in (1, 2, 3)):

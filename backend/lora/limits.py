@@ -8,19 +8,19 @@ import torch
 
 from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
-from backend.lora.format import module_shape
+from backend.lora.format import EXPERT_MODULE_NAMES, module_refusal, row_need
 
 HOST_SHARE = 0.25                             # of the machine's memory (or its cgroup's limit): an auto tier's most
 HOST_FLOOR = 1 << 30                          # an auto tier's least, as the fixed default was
 
 
 def max_adapter_bytes(model: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
-    """A DoRA adapter at max_rank on every module (q, k, v, o, gate, up, down) of every layer that has it (a
-    mixture's layers: gate, up and down only for a shared expert), stored in dtype: A, B and the magnitude of each."""
-    sizes = {module: max_rank * sum(module_shape(model, module)) + module_shape(model, module)[1]
-             for module in range(1, 8)}
-    return sum(size for layer in range(model.num_layers) for module, size in sizes.items()
-               if module < 5 or model.has_dense_mlp(layer)) * dtype.itemsize
+    """A DoRA adapter at max_rank on every module (q, k, v, o, gate, up, down) of every layer that has it, and on a
+    mixture's every expert, router and shared expert gate (modules 13-17, no DoRA there), stored in dtype: A, B and
+    the magnitude of each."""
+    modules = list(range(1, 8)) + (list(EXPERT_MODULE_NAMES) if model.num_experts else [])
+    return sum(row_need(model, module, max_rank, module < 8) for layer in range(model.num_layers)
+               for module in modules if module_refusal(model, module, layer) is None) * dtype.itemsize
 
 
 def machine_memory_bytes() -> int:

@@ -17,6 +17,12 @@ MODULE_IDS = {"qkv_proj": 0, "q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4,
               "gate_proj": 5, "gate_up_proj": 5, "down_proj": 6, "up_proj": 7}    # (fused ones: Phi-3; and
                                                                                    # Qwen2-MoE's shared expert's)
 EXPERT_KEY_RE = re.compile(r"\.(experts|block_sparse_moe|gate|shared_expert_gate)\.")   # a mixture's experts, router
+EXPERTS_RE = re.compile(                     # a mixture's LoRA: PEFT's stacked experts (target_parameters: gate_up
+    r"(?:.*\.)?model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."      # and down, nested as base_layer),
+    r"(?P<what>experts(?:\.base_layer)*|gate|shared_expert_gate|"               # the router, a shared expert's
+    r"experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2))"  # gate, or one expert's module
+    r"\.lora_(?P<ab>[AB])\.weight$")
+EXPERT_PROJ = {"gate_proj": 13, "w1": 13, "up_proj": 15, "w3": 15, "down_proj": 14, "w2": 14}
 KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+(?:\.shared_expert)?\.(?P<proj>\w+))"
                     r"\.lora_(?:(?P<ab>[AB])\.weight|(?P<m>magnitude_vector)(?:\.weight)?)$")
 STORAGE_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -56,13 +62,16 @@ def peft_files_to_trtllm(files: dict[str, bytes], peft_dir: Path, storage_type: 
                          "magnitudes (scripts/hf_lora_convert.py --base-model DIR)")
     tensors = load_safetensors(files["adapter_model.safetensors"])
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    experts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if (e := EXPERTS_RE.match(key)) is not None:
+            experts.setdefault((int(e["layer"]), e["what"]), {})[e["ab"]] = tensor.float()
+            continue
         m = KEY_RE.match(key)
         if m is None or m["proj"] not in MODULE_IDS:
             if EXPERT_KEY_RE.search(key):
-                raise ValueError(f"{peft_dir}: adapter tensor {key}: LoRA on a mixture's experts or router "
-                                 "(TensorRT-LLM modules 13-17) is not supported yet; attention and a dense MLP or "
-                                 "shared expert are")
+                raise ValueError(f"{peft_dir}: adapter tensor {key}: a mixture's LoRA this server does not read "
+                                 "(DoRA on experts, router or shared expert gate is not supported)")
             raise ValueError(f"{peft_dir}: unsupported adapter tensor {key}")
         pairs.setdefault(m["module"], {})["M" if m["m"] else m["ab"]] = tensor.float()
     rows, config = [], []
@@ -83,11 +92,73 @@ def peft_files_to_trtllm(files: dict[str, bytes], peft_dir: Path, storage_type: 
                                               f"{peft_dir.name}: {module}"))
         rows.append(torch.cat(parts))
         config.append([MODULE_IDS[proj], layer, rank] + ([1] if dora else []))
+    if experts:
+        if model is None or not model.num_experts:
+            raise ValueError(f"{peft_dir}: LoRA on a mixture's experts needs the base model's config (a mixture of "
+                             "experts; scripts/hf_lora_convert.py --base-model DIR)")
+        for module_id, layer, rank, row in expert_rows(experts, cfg, model, peft_dir):
+            rows.append(row)
+            config.append([module_id, layer, rank] + ([0] if dora else []))
     width = max(row.numel() for row in rows)
     weights = torch.zeros(len(rows), width)
     for i, row in enumerate(rows):
         weights[i, :row.numel()] = row
     return to_numpy(weights.to(STORAGE_TYPES[storage_type])), np.array(config, dtype=np.int32)
+
+
+def _scale(cfg: dict, name: str, rank: int) -> float:
+    """PEFT's LoRA scale for the module or parameter `name` of per-expert rank `rank`."""
+    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, name, cfg.get("lora_alpha", rank))
+    return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
+def expert_rows(experts: dict[tuple[int, str], dict[str, torch.Tensor]], cfg: dict, model, peft_dir: Path):
+    """(module_id, layer, rank, row) of TensorRT-LLM's expert modules from PEFT's tensors, scale folded into B: the
+    stacked form (A [experts * r, in], expert e's rows e * r..; B [out, experts * r], expert e's columns k * experts +
+    e; gate and up one parameter, sharing A: modules 13 and 15 get the same A), one expert's modules (zeros for
+    the experts an adapter leaves out), the router (16) and a shared expert's gate (17)."""
+    num, h, inter = model.num_experts, model.hidden_size, model.moe_intermediate_size
+    singles: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (layer, what), ab in sorted(experts.items()):
+        if "A" not in ab or "B" not in ab:
+            raise ValueError(f"{peft_dir}: layer {layer} {what} needs both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        name = f"model.layers.{layer}.mlp.{what}"
+        if what in ("gate", "shared_expert_gate"):                        # [r, hidden], [experts or 1, r]
+            module, out = (16, num) if what == "gate" else (17, 1)
+            if a.shape[1] != h or b.shape != (out, a.shape[0]):
+                raise ValueError(f"{peft_dir}: {name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
+                                 f"[r, {h}] and [{out}, r]")
+            yield module, layer, a.shape[0], torch.cat([a.flatten(), (b * _scale(cfg, name, a.shape[0])).flatten()])
+        elif what.startswith("experts.") and what.split(".")[1].isdigit():  # one expert's gate, up or down
+            _, expert, proj = what.split(".")
+            singles.setdefault((layer, EXPERT_PROJ[proj]), {})[int(expert)] = (a, b * _scale(cfg, name, a.shape[0]))
+        else:                                                              # every expert's, stacked
+            if a.shape[0] % num or b.shape[1] != a.shape[0]:
+                raise ValueError(f"{peft_dir}: {name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not "
+                                 f"{num} experts' [experts * r, in] and [out, experts * r] (the model's expert count)")
+            rank = a.shape[0] // num
+            kind = {(h, 2 * inter): "gate_up_proj", (inter, h): "down_proj"}.get((a.shape[1], b.shape[0]))
+            if kind is None:
+                raise ValueError(f"{peft_dir}: {name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} fit neither "
+                                 f"gate_up [{num} * r, {h}], [{2 * inter}, {num} * r] nor down [{num} * r, {inter}], "
+                                 f"[{h}, {num} * r]")
+            b = (b * _scale(cfg, f"model.layers.{layer}.mlp.experts.{kind}", rank)).reshape(-1, rank, num).permute(
+                2, 0, 1)                                                   # [experts, out, r]
+            parts = [(13, b[:, :inter]), (15, b[:, inter:])] if kind == "gate_up_proj" else [(14, b)]
+            for module, b_part in parts:
+                yield module, layer, rank, torch.cat([a.flatten(), b_part.flatten()])
+    for (layer, module), by_expert in sorted(singles.items()):
+        rank = next(iter(by_expert.values()))[0].shape[0]
+        in_dim, out_dim = (inter, h) if module == 14 else (h, inter)
+        a, b = torch.zeros(num, rank, in_dim), torch.zeros(num, out_dim, rank)
+        for expert, (a_e, b_e) in by_expert.items():
+            if expert >= num or a_e.shape != (rank, in_dim) or b_e.shape != (out_dim, rank):
+                raise ValueError(f"{peft_dir}: layer {layer} expert {expert}'s module {module}: lora_A "
+                                 f"{list(a_e.shape)} and lora_B {list(b_e.shape)} do not fit [{rank}, {in_dim}] and "
+                                 f"[{out_dim}, {rank}] of one of {num} experts")
+            a[expert], b[expert] = a_e, b_e
+        yield module, layer, rank, torch.cat([a.flatten(), b.flatten()])
 
 
 def check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, model=None) -> None:

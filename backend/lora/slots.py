@@ -13,6 +13,8 @@ rank-major or not, and a fused qkv module (TRT-LLM module 0) split into q, k and
 (`fused_a_once`) one band over every qkv column, its A stored (and read) once: each slot's band bounds are its own
 (`Projection.slot_bounds`), and the q band's B holds the k and v rows too.
 
+A mixture's expert modules (13-17) have slots of their own beside these (backend/lora/expert_slots.py).
+
 What each slot holds is recorded in host tensors (`host_ranks`, `host_dora`, `fused`): on CPU they are the very
 tensors the kernels read, on GPU the kernels read device copies written with each load.
 """
@@ -23,7 +25,8 @@ import torch
 
 from backend.checkpoint import ModelConfig
 from backend.device import SideCopies, on, pin
-from backend.lora.format import LoraAdapter, module_columns
+from backend.lora.expert_slots import ExpertSlots
+from backend.lora.format import EXPERT_MODULE_NAMES, LoraAdapter, module_columns
 from kernels.lora_family import LoraFamily
 
 PROJS = ("qkv", "o", "gate_up", "down")
@@ -136,6 +139,7 @@ class DeviceSlots:
             cfg.num_layers, num_slots, 1).to(device) for proj in PROJS}       # [num_layers, num_slots, bands + 1]
         self.projections: list[dict[str, Projection]] = [{proj: self._projection(layer, proj) for proj in PROJS}
                                                          for layer in range(cfg.num_layers)]
+        self.experts = ExpertSlots(cfg, num_slots, max_rank, dtype, device) if cfg.num_experts else None
 
     def _bounds(self, proj: str, fused: bool) -> list[int]:
         """A slot's band bounds: each band its module's columns, or (a fused qkv adapter) band 0 all of them."""
@@ -163,7 +167,8 @@ class DeviceSlots:
 
     @property
     def num_bytes_per_slot(self) -> int:
-        return sum(t[0].nbytes for layer in self.a + self.b for t in layer.values())
+        return sum(t[0].nbytes for layer in self.a + self.b for t in layer.values()) + (
+            self.experts.num_bytes_per_slot if self.experts is not None else 0)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into a slot, replacing whatever was there. A slot is zero wherever no adapter row lies,
@@ -176,6 +181,8 @@ class DeviceSlots:
         dora = [[[0] * MAX_BANDS for _ in PROJS] for _ in range(self.cfg.num_layers)]
         fused = [False] * self.cfg.num_layers
         for (layer, module_id), (a, b) in sorted(adapter.weights.items()):
+            if module_id in EXPERT_MODULE_NAMES:                           # (self.experts' own)
+                continue
             whole = module_id == FUSED_QKV and self.fused_a_once          # one band over every qkv column
             fused[layer] = fused[layer] or whole
             m = adapter.magnitudes.get((layer, module_id))
@@ -206,6 +213,8 @@ class DeviceSlots:
             if self.ranks is not self.host_ranks:
                 self.ranks[..., slot].copy_(pin(ranks, self.device), non_blocking=True)
                 self.dora[..., slot].copy_(pin(dora, self.device), non_blocking=True)
+            if self.experts is not None:
+                self.experts.load(slot, adapter)
         self.copies.done(slot)
 
     def _replace_magnitudes(self, slot: int, new_dora: torch.Tensor) -> None:

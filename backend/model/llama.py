@@ -136,16 +136,22 @@ class LlamaModel:
 
     def mixture(self, i: int, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Layer i's mixture of experts: the router's top k experts of each token, their gated MLPs summed by the
-        routing weights (ops.fused_moe), and the shared expert (with adapters) scaled by its sigmoid gate.
-        [num_tokens, hidden]"""
-        cfg, w = self.cfg, self.w
+        routing weights (ops.fused_moe), and the shared expert scaled by its sigmoid gate; each with adapters (the
+        router, every expert, the shared expert and its gate). [num_tokens, hidden]"""
+        cfg, w, lora = self.cfg, self.w, ctx.lora
         logits = self.ops.linear(x, w[f"layers.{i}.router"], None)                 # [num_tokens, num_experts]
+        if lora is not None:
+            lora.add_router(i, x, logits)
         weights, ids = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                              None if cfg.architecture == "MixtralForCausalLM" else logits.dtype)
-        h = self.ops.fused_moe(x, w[f"layers.{i}.experts_gate_up"], w[f"layers.{i}.experts_down"], weights, ids)
+        h = self.ops.fused_moe(x, w[f"layers.{i}.experts_gate_up"], w[f"layers.{i}.experts_down"], weights, ids,
+                               None if lora is None else lora.experts(i, x, cfg.num_experts_per_tok))
         if cfg.shared_expert:
             shared, _ = self.mlp(i, x, ctx, defer=False)
-            h = h + torch.sigmoid(F.linear(x, w[f"layers.{i}.shared_expert_gate"])) * shared
+            gate = F.linear(x, w[f"layers.{i}.shared_expert_gate"])                  # [num_tokens, 1]
+            if lora is not None:
+                lora.add_shared_gate(i, x, gate)
+            h = h + torch.sigmoid(gate) * shared
         return h
 
     def project(self, x: torch.Tensor, i: int, proj: str, ctx: StepContext, defer: bool,

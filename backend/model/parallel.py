@@ -36,9 +36,10 @@ class TensorParallelError(FatalEngineError):
 
 
 def message_capacity(max_tokens: int, max_seqs: int, max_blocks: int, num_layers: int) -> int:
-    """Ints in a message: a step's tensors at their largest, or an adapter layout (8 modules a layer), or KV pairs."""
+    """Ints in a message: a step's tensors at their largest, or an adapter layout (7 ints for each of up to 13 modules
+    a layer: 8 dense, 5 of a mixture), or KV pairs."""
     step = 5 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks
-    return HEADER + max(step, 5 * 8 * num_layers, 2 * max_seqs + 2)
+    return HEADER + max(step, 7 * 13 * num_layers, 2 * max_seqs + 2)
 
 
 def pack(command: int, tensors: dict[str, torch.Tensor], capacity: int) -> torch.Tensor:
@@ -129,7 +130,7 @@ class TensorParallelGroup:
     def load_adapter(self, slot: int, shares: list) -> None:
         """Worker r (1..) gets shares[r] (a packed LoraAdapter, backend/lora/shard.py) into `slot`: the shapes in a
         broadcast, the buffer point to point."""
-        layout = torch.tensor([[layer, module, *a_shape, b_shape[0], (layer, module) in shares[1].magnitudes]
+        layout = torch.tensor([[layer, module, *a_shape, *b_shape, (layer, module) in shares[1].magnitudes]
                                for (layer, module), (a_shape, b_shape) in shares[1].shapes.items()], dtype=torch.int32)
         self.send(LOAD, {"slot": torch.tensor([slot], dtype=torch.int32), "layout": layout})
         for rank in range(1, self.size):

@@ -16,7 +16,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
                fails, graphs merge each product after its GEMM
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
     moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
-               and a prompt chunk's (16- and 64-row blocks), some experts idle
+               and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
+               experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
 """
 import logging
 from copy import copy
@@ -30,10 +31,10 @@ from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
 from kernels import reference
 from kernels.compose import compose_linear_lora, in_place
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, ExpertLora
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (), "lora_fold": (),
-            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe",)}
+            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora")}
 SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
 log = logging.getLogger(__name__)
@@ -214,26 +215,43 @@ def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[
             compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
 
 
-def moe_checks(ops, cfg: ModelConfig, dtype, device) -> list[Check]:
-    """fused_moe at the served experts' shapes (this rank's share), none where the model has no mixture."""
+def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) -> list[Check]:
+    """fused_moe at the served experts' shapes (this rank's share), bare and with adapters on the experts (two slots
+    at max_lora_rank, base rows beside), and slot_lora (the router's LoRA); none where the model has no mixture."""
     if not cfg.num_experts:
         return []
     g = torch.Generator().manual_seed(3)
     num, hidden, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    rand = lambda *shape: (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device, dtype)  # noqa: E731
+    rand = lambda *shape, to=dtype: (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device, to)  # noqa: E731
     w_gate_up, w_down = rand(num, 2 * inter, hidden), rand(num, hidden, inter)
+    slots, r = 2, max_rank
+    lora_stacks = (rand(slots * num, 2 * r, hidden, to=lora_dtype), rand(slots * num, 2 * inter, r, to=lora_dtype),
+                   rand(slots * num, r, inter, to=lora_dtype), rand(slots * num, hidden, r, to=lora_dtype))
 
-    def run(num_tokens: int):
+    def run(num_tokens: int, adapted: bool):
         x = rand(num_tokens, hidden) * hidden ** 0.5
         scores = torch.randn(num_tokens, num, generator=g)
         scores[:, num // 2:] -= 100.0                         # half the experts idle
         weights, ids = torch.topk(scores.softmax(-1), min(top_k, num // 2 or 1), dim=-1)
         weights, ids = weights.to(device), ids.to(device)
-        return [(ops.fused_moe(x, w_gate_up, w_down, weights, ids),
-                 reference.fused_moe(x.float(), w_gate_up.float(), w_down.float(), weights, ids))]
+        token_slots = (torch.arange(num_tokens, dtype=torch.int32) % (slots + 1) - 1).to(device)   # -1, 0, 1, ...
+        lora = ExpertLora(token_slots.repeat_interleave(ids.shape[1]), *lora_stacks, slots) if adapted else None
+        float_lora = lora and ExpertLora(lora.row_slots, *(t.float() for t in lora_stacks), slots)
+        pairs = [(ops.fused_moe(x, w_gate_up, w_down, weights, ids, lora),
+                  reference.fused_moe(x.float(), w_gate_up.float(), w_down.float(), weights, ids, float_lora))]
+        if adapted:
+            a, b = rand(slots, r, hidden, to=lora_dtype), rand(slots, num, r, to=lora_dtype)   # a router's LoRA
+            out = rand(num_tokens, num)
+            want = out.float()
+            reference.slot_lora(x.float(), a.float(), b.float(), token_slots, want)
+            ops.slot_lora(x, a, b, token_slots, out)
+            pairs.append((out, want))
+        return pairs
 
-    return [compare("moe", f"fused_moe {n} tokens, {num} experts, top {top_k}, hidden {hidden}, intermediate "
-                           f"{inter}, {dtype}", lambda n=n: run(n), dtype) for n in (8, 100)]
+    tag = f"{num} experts, top {top_k}, hidden {hidden}, intermediate {inter}, {dtype}"
+    return [compare("moe", f"fused_moe {n} tokens{' with adapters' if adapted else ''}, {tag}",
+                    lambda n=n, adapted=adapted: run(n, adapted), dtype)
+            for n in (8, 100) for adapted in (False, True)]
 
 
 def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int,
@@ -242,7 +260,8 @@ def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: 
     with torch.inference_mode():
         return (attention_checks(ops, cfg, dtype, device, block_size) +
                 lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
-                fused_checks(ops, cfg, dtype, device, block_size) + moe_checks(ops, cfg, dtype, device))
+                fused_checks(ops, cfg, dtype, device, block_size) +
+                moe_checks(ops, cfg, dtype, lora_dtype, device, max_rank))
 
 
 def apply_fallbacks(ops, families: set[str]) -> None:

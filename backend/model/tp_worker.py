@@ -119,10 +119,9 @@ class Worker:
 
     def load(self, slot: int, layout: list[list[int]]) -> None:
         dtype = self.slots.a[0]["qkv"].dtype
-        shapes = {(layer, module): ((rank, in_dim), (out_dim, rank))
-                  for layer, module, rank, in_dim, out_dim, _ in layout}
+        shapes = {(layer, module): ((a0, a1), (b0, b1)) for layer, module, a0, a1, b0, b1, _ in layout}
         dora = {(layer, module) for layer, module, *_, is_dora in layout if is_dora}
-        numel = sum(rank * (in_dim + out_dim) + out_dim * is_dora for *_, rank, in_dim, out_dim, is_dora in layout)
+        numel = sum(a0 * a1 + b0 * b1 + b0 * is_dora for *_, a0, a1, b0, b1, is_dora in layout)
         data = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=self.message_device)
         dist.recv(data, src=0)
         flat = data.cpu().view(dtype)

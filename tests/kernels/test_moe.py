@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kernels import moe, reference
-from tests.helpers import KERNEL_DEVICES
+from kernels.metadata import ExpertLora
+from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, KERNEL_DEVICES
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -69,3 +70,82 @@ def test_fused_moe_reads_no_padding_row(device):
     want = moe.fused_moe(x[:4], w_gate_up, w_down, weights[:4], ids[:4])
     x[4:] = float("nan")
     torch.testing.assert_close(moe.fused_moe(x, w_gate_up, w_down, weights, ids)[:4], want)
+
+
+
+IMPLEMENTATIONS = [pytest.param(reference, "cpu", id="reference"),               # (the reference is a backend too)
+                   pytest.param(moe, "cpu", marks=INTERPRETER_MARK, id="triton-cpu"),
+                   pytest.param(moe, "cuda", marks=CUDA_MARKS, id="triton-cuda")]
+
+
+def expert_lora(num_slots: int, num_experts: int, rank: int, hidden: int, inter: int, row_slots: torch.Tensor,
+                dtype, device) -> ExpertLora:
+    """Random stacks, zero past each slot's own rank as the slots keep them; group slot * experts + expert."""
+    groups = num_slots * num_experts
+    ranks = torch.randint(1, rank + 1, (num_slots,)).repeat_interleave(num_experts)
+    mask = (torch.arange(rank)[None, :] < ranks[:, None]).float()               # [groups, rank]
+    gate_up_a = torch.randn(groups, 2 * rank, hidden) * 0.2 * mask.repeat(1, 2)[:, :, None]
+    gate_up_b = torch.randn(groups, 2 * inter, rank) * 0.2 * mask[:, None, :]
+    down_a = torch.randn(groups, rank, inter) * 0.2 * mask[:, :, None]
+    down_b = torch.randn(groups, hidden, rank) * 0.2 * mask[:, None, :]
+    return ExpertLora(row_slots.to(device), *(t.to(dtype).to(device) for t in (gate_up_a, gate_up_b, down_a,
+                                                                               down_b)), num_slots)
+
+
+def naive_moe(x, w_gate_up, w_down, weights, ids, lora) -> torch.Tensor:
+    """The definition, one (token, expert) row at a time, in fp64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    x, w_gate_up, w_down = x.double().cpu(), w_gate_up.double().cpu(), w_down.double().cpu()
+    inter, r = w_down.shape[2], lora.max_rank
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, s = int(ids[t, j]), int(lora.row_slots[t * ids.shape[1] + j])
+            gate_up = w_gate_up[e] @ x[t]
+            g = s * w_gate_up.shape[0] + e
+            if s >= 0:
+                h = lora.gate_up_a[g].double().cpu() @ x[t]
+                b = lora.gate_up_b[g].double().cpu()
+                gate_up += torch.cat([b[:inter] @ h[:r], b[inter:] @ h[r:]])
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            down = w_down[e] @ act
+            if s >= 0:
+                down += lora.down_b[g].double().cpu() @ (lora.down_a[g].double().cpu() @ act)
+            out[t] += float(weights[t, j]) * down
+    return out
+
+
+@pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype,lora_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                              (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,num_slots,rank", [(1, 8, 2, 2, 4), (9, 4, 2, 3, 16),
+                                                                         (70, 8, 2, 4, 8), (6, 16, 4, 2, 32)])
+def test_fused_moe_with_adapters_on_the_experts_matches_the_definition(ops, device, dtype, lora_dtype, num_tokens,
+                                                                       num_experts, top_k, num_slots, rank):
+    """Rows of several adapters and of none, ranks under the slots' max rank; fp16 adapters beside an fp32 model
+    (lora_dtype auto on the compiled CPU and Triton backends)."""
+    hidden, inter = 64, 48
+    x = torch.randn(num_tokens, hidden).to(dtype).to(device)
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden) / 8).to(dtype).to(device)
+    w_down = (torch.randn(num_experts, hidden, inter) / 7).to(dtype).to(device)
+    weights, ids = routed(num_tokens, num_experts, top_k, device)
+    token_slots = torch.randint(-1, num_slots, (num_tokens,), dtype=torch.int32)
+    lora = expert_lora(num_slots, num_experts, rank, hidden, inter, token_slots.repeat_interleave(top_k), lora_dtype,
+                       device)
+    got = ops.fused_moe(x, w_gate_up, w_down, weights, ids, lora)
+    tol = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 5e-2}[lora_dtype]
+    torch.testing.assert_close(got.double().cpu(), naive_moe(x, w_gate_up, w_down, weights, ids, lora), atol=tol,
+                               rtol=tol)
+
+
+@pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
+def test_slot_lora_adds_each_tokens_adapter(ops, device):
+    x = torch.randn(11, 64, device=device)
+    a, b = torch.randn(3, 8, 64, device=device), torch.randn(3, 5, 8, device=device)
+    token_slots = torch.tensor([0, -1, 2, 2, 1, -1, 0, 0, 1, 2, -1], dtype=torch.int32, device=device)
+    out = torch.randn(11, 5, device=device)
+    want = out.clone()
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            want[t] += b[s] @ (a[s] @ x[t])
+    ops.slot_lora(x, a, b, token_slots, out)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)

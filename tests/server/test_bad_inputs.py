@@ -84,8 +84,8 @@ CASES = {
     "lora_weights without task id": ({**lora([[1, 0, 4]]), "lora_task_id": DROP}, ["lora_task_id", "must be set"]),
     "lora_config module 42": (lora([[42, 0, 4]]), ["lora_config", "unknown module id 42"]),
     "lora_config cross attention": (lora([[9, 0, 4]]), ["lora_config", "module 9 (cross_attn_q) is unsupported"]),
-    "lora_config experts on a dense model": (lora([[13, 0, 4]]), ["lora_config", "module 13 (moe_h_to_4h) is "
-                                                                  "unsupported: LlamaForCausalLM is not a mixture"]),
+    "lora_config experts on a dense model": (lora([[13, 0, 4]]), ["lora_config", "module 13 (moe_h_to_4h): "
+                                                                  "LlamaForCausalLM is not a mixture of experts"]),
     "lora_config layer": (lora([[1, 5, 4]]), ["lora_config", "layer 5 out of range [0, 2)"]),
     "lora_config rank 0": (lora([[1, 0, 0]]), ["lora_config", "max_lora_rank 64"]),
     "lora_config rank 65": (lora([[1, 0, 65]]), ["lora_config", "rank 65 must be in [1, max_lora_rank 64]"]),

@@ -1,6 +1,7 @@
 """Each base model family beyond Llama served for real: a tiny random model of the family (fp32, SmolLM2's tokenizer
-beside it) in tritonserver (CPU), an adapter through the TensorRT-LLM contract and by name through the OpenAI API,
-each answering the in-process engine's tokens (which tests/backend/test_families.py holds against PEFT)."""
+beside it) in tritonserver (CPU), an adapter (on a mixture's experts and router too) through the TensorRT-LLM
+contract and by name through the OpenAI API, each answering the in-process engine's tokens (which
+tests/backend/test_families.py holds against PEFT)."""
 import shutil
 
 import numpy as np
@@ -8,9 +9,10 @@ import openai
 import pytest
 
 from backend import LLMEngine
+from backend.checkpoint import ModelConfig
 from backend.lora.peft import peft_to_trtllm
 from scripts.prepare_model import build_tiny
-from tests.backend.test_families import FAMILIES, MODULES
+from tests.backend.test_families import FAMILIES, MIXTURES, MODULES
 from tests.helpers import make_peft_adapters, random_prompts
 from tests.server.conftest import TINY_ENV, run_frontend, run_server
 from tests.server.streams import run, trtllm_inputs
@@ -27,8 +29,9 @@ def family(request, tmp_path_factory, smollm2_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, path / name)
     [adapter] = make_peft_adapters(path, tmp_path_factory.mktemp("adapter"), seed=13,
-                                   specs=[dict(r=16, lora_alpha=32, target_modules=MODULES[request.param])])
-    return path, adapter, peft_to_trtllm(adapter, "float16")
+                                   specs=[dict(r=16, lora_alpha=32, target_modules=MODULES[request.param])
+                                          | MIXTURES.get(request.param, [{}])[0]])
+    return path, adapter, peft_to_trtllm(adapter, "float16", model=ModelConfig.from_dir(path))
 
 
 @pytest.fixture(scope="module")
