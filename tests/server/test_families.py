@@ -81,3 +81,21 @@ def test_the_openai_api_serves_the_family_with_an_adapter_by_name(family, fronte
         response = client.completions.create(model=model, prompt=prompts, max_tokens=MAX_NEW, temperature=0)
         assert [choice.text for choice in response.choices] == [    # (a character cut at the end is held back)
             tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd") for tokens in want], model
+
+
+def test_a_mixtures_bad_expert_rows_are_refused_alone(family, server, expected):
+    """Expert rows of the wrong size (the row a smaller expert count would send), refused naming the module, its
+    layer and the size; the next request is served."""
+    path, _, _ = family
+    cfg = ModelConfig.from_dir(path)
+    if not cfg.num_experts:
+        pytest.skip("a dense family: tests/server/test_bad_inputs.py refuses expert modules on a dense model")
+    short = np.zeros((1, 1, 4 * (cfg.num_experts - 1) * (cfg.hidden_size + cfg.moe_intermediate_size)), np.float16)
+    prompts, _, base = expected
+    result = run(server.grpc_url, trtllm_inputs(prompts[0], MAX_NEW, True, end_id=np.array([[EOS]], np.int32),
+                                                lora_task_id=np.array([[77]], np.uint64), lora_weights=short,
+                                                lora_config=np.array([[[13, 1, 4]]], np.int32)))
+    assert result.error is not None and "lora_weights" in result.error
+    assert f"module 13 (moe_h_to_4h) rank 4 on layer 1 ({cfg.num_experts} experts x rank 4" in result.error
+    served = run(server.grpc_url, trtllm_inputs(prompts[0], MAX_NEW, True, end_id=np.array([[EOS]], np.int32)))
+    assert served.error is None and served.tokens == base[0]
