@@ -12,13 +12,14 @@ from backend.checkpoint import ModelConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @lru_cache(maxsize=None)
 def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
     """One PEFT directory per rank in `ranks` (task id = position + 1), seeded: A ~ N(0, 1/rank), B ~ N(0, 0.02),
     written directly (no model instance, so an 8B shape costs seconds); removed when the process exits. On every
-    module a layer has: a mixture's layers take attention (and a shared expert) only."""
+    module a layer has: a mixture's layers on attention, every expert (and a shared expert)."""
     from safetensors.torch import save_file
     cfg = ModelConfig.from_dir(model_dir)
     root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
@@ -39,13 +40,28 @@ def adapter_dirs(model_dir: str, ranks: tuple[int, ...]) -> tuple[Path, ...]:
                 key = f"base_model.model.model.layers.{layer}.{part}.{name}"
                 tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=g) / rank).to(torch.float16)
                 tensors[f"{key}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=g) * 0.02).to(torch.float16)
+            if cfg.is_moe(layer):                                             # every expert, as PEFT stacks them
+                tensors |= expert_tensors(cfg, layer, rank, g)
         path = root / f"t{i + 1}"
         path.mkdir()
         save_file(tensors, path / "adapter_model.safetensors")
         (path / "adapter_config.json").write_text(json.dumps({
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-            "target_modules": TARGETS, "bias": "none", "base_model_name_or_path": model_dir}))
+            "target_modules": TARGETS, "bias": "none", "base_model_name_or_path": model_dir}
+            | ({"target_parameters": EXPERTS} if cfg.num_experts else {})))
     return tuple(root / f"t{i + 1}" for i in range(len(ranks)))
+
+
+def expert_tensors(cfg: ModelConfig, layer: int, rank: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A mixture layer's LoRA on every expert in PEFT's stacked form (target_parameters: gate_up nested as
+    base_layer, then down): lora_A [experts * rank, in], lora_B [out, experts * rank]."""
+    num, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    key = f"base_model.model.model.layers.{layer}.mlp.experts"
+    tensors = {}
+    for name, (in_dim, out_dim) in ((f"{key}.base_layer", (h, 2 * inter)), (key, (inter, h))):
+        tensors[f"{name}.lora_A.weight"] = (torch.randn(num * rank, in_dim, generator=g) / rank).to(torch.float16)
+        tensors[f"{name}.lora_B.weight"] = (torch.randn(out_dim, num * rank, generator=g) * 0.02).to(torch.float16)
+    return tensors
 
 
 def register_adapters(engine, workload) -> None:

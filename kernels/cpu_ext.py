@@ -16,7 +16,7 @@ from kernels.reference_lora import add_lora_delta, add_qkv_delta
 
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp")]
+           for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp", "moe_lora.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -164,6 +164,14 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K), bias)   # fp32, x [M, K] -> [M, N]"""
     return load().panel_linear(x, panels, bias)
+
+
+def expert_lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
+                     ranks: torch.Tensor) -> torch.Tensor:
+    """Semantics: kernels.reference._lora_rows(x, a, bs, groups, ranks) in fp32 (row i: h = x[i] @ a[g].T cut into
+    len(bs) parts, part j times bs[j][g].T, concatenated; g = groups[i]), each row's matrices read in place up to
+    its group's rank (rounded up to 8). Widths (in, rank, every out) multiples of 8."""
+    return load().expert_lora_rows(x, a, bs, groups, ranks)
 
 
 def claim_order(costs: list[int], num_threads: int, turns: list[int]) -> list[int]:

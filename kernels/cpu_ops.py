@@ -3,7 +3,8 @@
 shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column panels
 (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter rows), other
 dtypes on weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
-expert with tokens)."""
+expert with tokens), a decode step's expert LoRA compiled (cpu_ext.expert_lora_rows: each row's matrices read in
+place)."""
 import torch
 import torch.nn.functional as F
 
@@ -11,7 +12,7 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
-from kernels.reference import fused_moe, slot_lora
+from kernels import reference
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
            "lora_apply", "linear_lora", "fused_moe", "slot_lora"]
@@ -66,3 +67,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     a decode row alone, a prompt chunk's rows in tiles of consecutive rows."""
     return cpu_ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_starts, scale,
                                    sliding_window, softcap)
+
+
+def _lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
+               ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: kernels.reference._lora_rows; a decode step's rows (up to GATHERED_ROWS, widths of 8s) by
+    cpu_ext.expert_lora_rows, each group's matrices read in place up to its rank, more by the reference's shrink
+    and expand per group."""
+    widths = [x.shape[1], a.shape[1], *(b.shape[1] for b in bs)]
+    if x.shape[0] > reference.GATHERED_ROWS or any(w % 8 for w in widths) or a.shape[1] % (8 * len(bs)):
+        return reference._lora_rows(x, a, bs, groups, ranks)
+    if ranks is None:
+        ranks = torch.full((a.shape[0],), a.shape[1] // len(bs), dtype=torch.long)
+    return cpu_ext.expert_lora_rows(x.contiguous(), a, bs, groups, ranks)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, lora=None) -> torch.Tensor:
+    """Semantics: kernels.reference.fused_moe."""
+    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora, _lora_rows)
+
+
+def slot_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor) -> None:
+    """Semantics: kernels.reference.slot_lora."""
+    reference.slot_lora(x, a, b, token_slots, out, _lora_rows)

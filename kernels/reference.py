@@ -87,59 +87,102 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, lora: ExpertLora | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, lora: ExpertLora | None = None, lora_rows=None) -> torch.Tensor:
     """Each token through its k experts' gated MLPs (with each row's adapter on its expert: `lora`), summed by its
-    routing weights in fp32: the tokens grouped by expert, one GEMM pair per expert with tokens (the ids read on the
-    host: no CUDA graph records this one). x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden];
-    w_down [num_experts, hidden, inter]; topk_weights [num_tokens, k] fp32; topk_ids [num_tokens, k] ->
-    [num_tokens, hidden] in x's dtype."""
+    routing weights in fp32: the rows grouped by expert, one GEMM pair per expert with rows (the ids read on the
+    host: no CUDA graph records this one), the adapted rows' LoRA by (slot, expert) pair (`lora_rows`, by default
+    `_lora_rows`; the compiled CPU backend passes its own).
+    x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down [num_experts, hidden, inter];
+    topk_weights [num_tokens, k] fp32; topk_ids [num_tokens, k] -> [num_tokens, hidden] in x's dtype."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
     flat = topk_ids.flatten()                                                    # row t * k + j: token t's j-th
-    order = torch.argsort(flat, stable=True)
-    groups, start = [], 0                                                        # (expert, its rows)
-    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
-        if count:
-            groups.append((expert, order[start:start + count]))
-        start += count
+    experts = _groups(flat, num_experts)
     gate_up = x.new_empty(num_tokens * top_k, 2 * inter)
-    for expert, ids in groups:
-        gate_up[ids] = F.linear(x[ids // top_k], w_gate_up[expert])
-    adapted = None if lora is None else (lora.row_slots >= 0).nonzero().flatten()
-    if adapted is not None:                                                      # rows with an adapter
-        pairs = (lora.row_slots[adapted].long() * num_experts + flat[adapted]).long()
-        h = _grouped_lora_shrink(x[adapted // top_k], lora.gate_up_a, pairs)     # [n, 2 * max_rank]
-        r = lora.max_rank
-        gate_up[adapted] += torch.cat([_grouped_lora_expand(h[:, :r], lora.gate_up_b[:, :inter], pairs),
-                                       _grouped_lora_expand(h[:, r:], lora.gate_up_b[:, inter:], pairs)], dim=1)
+    for expert, rows in experts:
+        gate_up[rows] = F.linear(x[rows // top_k], w_gate_up[expert])
+    lora_rows = lora_rows or _lora_rows
+    if lora is not None:
+        adapted = (lora.row_slots >= 0).nonzero().flatten()                      # their (slot, expert) pairs:
+        pairs = lora.row_slots[adapted].long() * num_experts + flat[adapted]
+        gate_up[adapted] += lora_rows(x[adapted // top_k], lora.gate_up_a,
+                                      [lora.gate_up_b[:, :inter], lora.gate_up_b[:, inter:]], pairs, lora.group_ranks)
     act = silu_and_mul(gate_up)
     down = x.new_empty(num_tokens * top_k, x.shape[1])
-    for expert, ids in groups:
-        down[ids] = F.linear(act[ids], w_down[expert])
-    if adapted is not None:
-        down[adapted] += _grouped_lora_expand(_grouped_lora_shrink(act[adapted], lora.down_a, pairs), lora.down_b,
-                                              pairs)
+    for expert, rows in experts:
+        down[rows] = F.linear(act[rows], w_down[expert])
+    if lora is not None:
+        down[adapted] += lora_rows(act[adapted], lora.down_a, [lora.down_b], pairs, lora.group_ranks)
     return (down.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()).sum(1).to(x.dtype)
 
 
-def _grouped_lora_shrink(x: torch.Tensor, a: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """x[i] @ a[groups[i]].T: [n, in] -> [n, rank] in x's dtype (a [num_groups, rank, in])."""
-    return torch.bmm(a[groups].to(x.dtype), x[:, :, None])[..., 0]
+GATHERED_ROWS = 128         # up to this many adapted rows (a decode step's), their matrices gathered: a few batched
+                            # matmuls instead of a shrink and an expand per group
+PADDED_WASTE = 2.0          # more rows (a prompt chunk's): laid out per group, padded to the longest group's while
+                            # that makes at most this many rows per row, else a shrink and an expand per group
 
 
-def _grouped_lora_expand(h: torch.Tensor, b: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """h[i] @ b[groups[i]].T: [n, rank] -> [n, out] (b [num_groups, out, rank])."""
-    return torch.bmm(b[groups].to(h.dtype), h[:, :, None])[..., 0]
+def _lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
+               ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i's LoRA through its group g = groups[i]: h = x[i] @ a[g].T, cut into len(bs) equal parts, part j
+    expanded by bs[j][g].T, concatenated. x [n, in], a [num_groups, rank, in], bs [num_groups, out_j, rank / parts]
+    -> [n, sum out_j] in x's dtype (or fp32). ranks (host, [num_groups]): each group's own rank, past which its
+    matrices are zero and a group's shrink and expand read nothing."""
+    if x.shape[0] <= GATHERED_ROWS:
+        h = torch.bmm(a[groups].to(x.dtype), x[:, :, None])[..., 0].chunk(len(bs), dim=1)
+        return torch.cat([torch.bmm(b[groups].to(x.dtype), part[:, :, None])[..., 0] for b, part in zip(bs, h)], 1)
+    counts = torch.bincount(groups, minlength=a.shape[0])
+    active = counts.nonzero().flatten()
+    longest = int(counts.max()) if groups.numel() else 0
+    if active.numel() * longest <= PADDED_WASTE * x.shape[0]:        # groups alike in size: padded, batched
+        return _padded_lora_rows(x, a, bs, groups, counts, active, longest)
+    out = x.new_zeros(x.shape[0], sum(b.shape[1] for b in bs))
+    part_rank = a.shape[1] // len(bs)
+    for group, rows in _groups(groups, a.shape[0]):
+        r = part_rank if ranks is None else int(ranks[group])
+        if r:
+            x_g = x[rows]
+            out[rows] = torch.cat([F.linear(F.linear(x_g, a[group, j * part_rank:j * part_rank + r].to(x.dtype)),
+                                            b[group, :, :r].to(x.dtype)) for j, b in enumerate(bs)], dim=1)
+    return out
+
+
+def _padded_lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
+                      counts: torch.Tensor, active: torch.Tensor, longest: int) -> torch.Tensor:
+    """_lora_rows with the rows laid out [active groups, longest, in], zero-padded: one batched shrink and one
+    batched expand per part."""
+    order = torch.argsort(groups, stable=True)
+    sorted_groups = groups[order]
+    slot_of = torch.empty(a.shape[0], dtype=torch.long, device=x.device)
+    slot_of[active] = torch.arange(active.numel(), device=x.device)
+    position = torch.arange(groups.numel(), device=x.device) - (counts.cumsum(0) - counts)[sorted_groups]
+    padded = x.new_zeros(active.numel(), longest, x.shape[1])
+    padded[slot_of[sorted_groups], position] = x[order]
+    h = torch.bmm(padded, a[active].to(x.dtype).transpose(1, 2)).chunk(len(bs), dim=2)   # [groups, longest, rank]
+    expanded = torch.cat([torch.bmm(part, b[active].to(x.dtype).transpose(1, 2)) for b, part in zip(bs, h)], dim=2)
+    out = torch.empty(x.shape[0], expanded.shape[2], dtype=x.dtype, device=x.device)
+    out[order] = expanded[slot_of[sorted_groups], position]
+    return out
+
+
+def _groups(keys: torch.Tensor, num_groups: int) -> list[tuple[int, torch.Tensor]]:
+    """(group, its positions in keys) for each group with any, in group order."""
+    order = torch.argsort(keys, stable=True)
+    groups, start = [], 0
+    for group, count in enumerate(torch.bincount(keys, minlength=num_groups).tolist()):
+        if count:
+            groups.append((group, order[start:start + count]))
+        start += count
+    return groups
 
 
 def slot_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
-              out: torch.Tensor) -> None:
+              out: torch.Tensor, lora_rows=None) -> None:
     """out[t] += x[t] @ a[slot].T @ b[slot].T for each token t with an adapter (slot = token_slots[t] >= 0): the
     LoRA of a projection kept whole per slot (a mixture's router, a shared expert's gate). a [num_slots, rank, in],
     b [num_slots, out, rank]."""
-    rows = (token_slots >= 0).nonzero().flatten()
-    slots = token_slots[rows].long()
-    out[rows] += _grouped_lora_expand(_grouped_lora_shrink(x[rows], a, slots), b, slots).to(out.dtype)
+    adapted = (token_slots >= 0).nonzero().flatten()
+    out[adapted] += (lora_rows or _lora_rows)(x[adapted], a, [b], token_slots[adapted].long()).to(out.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

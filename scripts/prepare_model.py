@@ -64,6 +64,7 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
+    moe = MOE | {name: shape_overrides.pop(name) for name in MOE if name in shape_overrides}
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2) | shape_overrides
@@ -92,15 +93,15 @@ def build_tiny(out: Path, seed: int, architecture: str, **shape_overrides) -> No
                                                layer_types=["sliding_attention", "full_attention"],
                                                attn_logit_softcapping=1.0, final_logit_softcapping=2.0))
     elif architecture == "qwen3_moe":             # 8 experts, top 2, renormalized (as Qwen3-30B-A3B); layer 0 dense
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**({"head_dim": 32} | shape), rope_theta=10000.0, **MOE,
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**({"head_dim": 32} | shape), rope_theta=10000.0, **moe,
                                                    norm_topk_prob=True, mlp_only_layers=[0]))
     elif architecture == "qwen2_moe":             # a shared expert beside every mixture, its weights not renormalized
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, rope_theta=10000.0, **MOE, norm_topk_prob=False,
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, rope_theta=10000.0, **moe, norm_topk_prob=False,
                                                    shared_expert_intermediate_size=96))
     elif architecture == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**(shape | {"intermediate_size": MOE["moe_intermediate_size"]}),
-                                                 num_local_experts=MOE["num_experts"],
-                                                 num_experts_per_tok=MOE["num_experts_per_tok"], rope_theta=10000.0))
+        model = MixtralForCausalLM(MixtralConfig(**(shape | {"intermediate_size": moe["moe_intermediate_size"]}),
+                                                 num_local_experts=moe["num_experts"],
+                                                 num_experts_per_tok=moe["num_experts_per_tok"], rope_theta=10000.0))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0))
     with torch.no_grad():                     # random init is near-uniform; sharpen it so greedy is decisive
@@ -124,9 +125,13 @@ def main() -> None:
                         default="llama",
                         help="with --tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", default="", metavar="NAME=INT,...",
+                        help="with --tiny: config fields changed, e.g. hidden_size=512,num_experts=8 (the CPU MoE "
+                             "bench's shape: docs/performance.md)")
     args = parser.parse_args()
     if args.tiny:
-        build_tiny(args.tiny, args.seed, args.arch)
+        fields = dict(item.split("=") for item in args.shape.split(",") if item)
+        build_tiny(args.tiny, args.seed, args.arch, **{name: int(value) for name, value in fields.items()})
         return
     if is_complete(args.out):
         phase(f"{args.out} is ready")

@@ -51,6 +51,8 @@ class ExpertSlots:
                                           zeros(num_slots, 1, r) if cfg.shared_expert else None)
                        for layer in range(cfg.num_layers) if cfg.is_moe(layer)}
         self.loaded = [False] * num_slots             # the slot holds expert modules (host)
+        self.ranks = {layer: torch.zeros(num_slots, dtype=torch.long) for layer in self.layers}  # (host) a slot's
+                                                                                   # largest expert rank, per layer
 
     @property
     def num_bytes_per_slot(self) -> int:
@@ -64,6 +66,9 @@ class ExpertSlots:
                     self._of_slot(t, slot).zero_()
         num, inter = self.cfg.num_experts, self.cfg.moe_intermediate_size
         modules = [(key, pair) for key, pair in adapter.weights.items() if key[1] in EXPERT_MODULE_NAMES]
+        for layer, ranks in self.ranks.items():
+            ranks[slot] = max((a.shape[0] // num for (at, module), (a, _) in modules
+                               if at == layer and module in (13, 14, 15)), default=0)
         for (layer, module), (a, b) in modules:
             stacks = self.layers[layer]
             if module in (16, 17):
@@ -90,3 +95,7 @@ class ExpertSlots:
         """A stack's rows of one slot: its experts' groups, or its own row."""
         per_slot = t.shape[0] // self.num_slots
         return t[slot * per_slot:(slot + 1) * per_slot]
+
+    def group_ranks(self, layer: int) -> torch.Tensor:
+        """[slots * experts] int64 (host): each (slot, expert) group's rank on the layer."""
+        return self.ranks[layer].repeat_interleave(self.cfg.num_experts)

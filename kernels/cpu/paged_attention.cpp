@@ -245,6 +245,8 @@ torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, std::optional<t
                           torch::Tensor slots);
 torch::Tensor pack_linear(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias);
+torch::Tensor expert_lora_rows(torch::Tensor x, torch::Tensor a, std::vector<torch::Tensor> bs, torch::Tensor groups,
+                               torch::Tensor ranks);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every op lets go of the GIL while it computes: a server's other Python threads (its request handler parsing an
@@ -258,6 +260,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_lora", &linear_lora, "panel_linear + LoRA, the adapter rows prefetched during the GEMM", no_gil);
   m.def("pack_linear", &pack_linear, "fp32 weight [N, K] into panels [N / 16, K, 16]", no_gil);
   m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) over a weight in panels", no_gil);
+  m.def("expert_lora_rows", &expert_lora_rows, "Each row's LoRA through its own group's A and B (a mixture's)",
+        no_gil);
   m.def("claim_order", [](const std::vector<int64_t>& costs, int num_threads, const std::vector<int>& turns) {
     Claims claims(costs, num_threads);
     std::vector<int64_t> items;

@@ -5,7 +5,7 @@ import torch
 
 from kernels import moe, reference
 from kernels.metadata import ExpertLora
-from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, KERNEL_DEVICES
+from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, KERNEL_DEVICES, cpu_kernels_build
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -74,8 +74,18 @@ def test_fused_moe_reads_no_padding_row(device):
 
 
 IMPLEMENTATIONS = [pytest.param(reference, "cpu", id="reference"),               # (the reference is a backend too)
+                   pytest.param("cpu_ops", "cpu", marks=pytest.mark.skipif(not cpu_kernels_build(), reason=(
+                       "the compiled CPU kernels do not build here")), id="compiled-cpu"),
                    pytest.param(moe, "cpu", marks=INTERPRETER_MARK, id="triton-cpu"),
                    pytest.param(moe, "cuda", marks=CUDA_MARKS, id="triton-cuda")]
+
+
+def loaded(ops):
+    """The compiled CPU ops, imported only where they build."""
+    if ops == "cpu_ops":
+        from kernels import cpu_ops
+        return cpu_ops
+    return ops
 
 
 def expert_lora(num_slots: int, num_experts: int, rank: int, hidden: int, inter: int, row_slots: torch.Tensor,
@@ -89,7 +99,7 @@ def expert_lora(num_slots: int, num_experts: int, rank: int, hidden: int, inter:
     down_a = torch.randn(groups, rank, inter) * 0.2 * mask[:, :, None]
     down_b = torch.randn(groups, hidden, rank) * 0.2 * mask[:, None, :]
     return ExpertLora(row_slots.to(device), *(t.to(dtype).to(device) for t in (gate_up_a, gate_up_b, down_a,
-                                                                               down_b)), num_slots)
+                                                                               down_b)), num_slots, ranks.long())
 
 
 def naive_moe(x, w_gate_up, w_down, weights, ids, lora) -> torch.Tensor:
@@ -122,7 +132,9 @@ def naive_moe(x, w_gate_up, w_down, weights, ids, lora) -> torch.Tensor:
 def test_fused_moe_with_adapters_on_the_experts_matches_the_definition(ops, device, dtype, lora_dtype, num_tokens,
                                                                        num_experts, top_k, num_slots, rank):
     """Rows of several adapters and of none, ranks under the slots' max rank; fp16 adapters beside an fp32 model
-    (lora_dtype auto on the compiled CPU and Triton backends)."""
+    (lora_dtype auto on the compiled CPU and Triton backends); a decode step's rows and more (the compiled CPU
+    backend's two ways: 70 tokens are 140 rows)."""
+    ops = loaded(ops)
     hidden, inter = 64, 48
     x = torch.randn(num_tokens, hidden).to(dtype).to(device)
     w_gate_up = (torch.randn(num_experts, 2 * inter, hidden) / 8).to(dtype).to(device)
@@ -139,6 +151,7 @@ def test_fused_moe_with_adapters_on_the_experts_matches_the_definition(ops, devi
 
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
 def test_slot_lora_adds_each_tokens_adapter(ops, device):
+    ops = loaded(ops)
     x = torch.randn(11, 64, device=device)
     a, b = torch.randn(3, 8, 64, device=device), torch.randn(3, 5, 8, device=device)
     token_slots = torch.tensor([0, -1, 2, 2, 1, -1, 0, 0, 1, 2, -1], dtype=torch.int32, device=device)
