@@ -1,10 +1,9 @@
 """A step's adapters as the model's projections take them: the device slots and the step's segments."""
 import torch
 
-from kernels.metadata import ExpertLora
-
 from backend.lora.slots import DeviceSlots
 from kernels.lora_segments import LoraSegments
+from kernels.metadata import ExpertLora
 
 
 class LoraBatch:

@@ -21,6 +21,7 @@ from backend.lora.format import EXPERT_MODULE_NAMES, LoraAdapter
 
 @dataclass(slots=True)
 class ExpertLayer:
+    """One mixture layer's stacks (the module docstring's layout); a Qwen2-MoE's shared gate ones, or None."""
     gate_up_a: torch.Tensor
     gate_up_b: torch.Tensor
     down_a: torch.Tensor
