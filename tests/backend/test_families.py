@@ -1,7 +1,9 @@
 """The base models beyond Llama, each a tiny random config built with transformers' own classes, served token for
 token as transformers (the base) and PEFT (adapters of ranks 4-64 on every module, a DoRA one, base rows beside
-them) give it in fp32: on every CPU path, at two tensor-parallel ranks and through the decode graphs' padded steps.
-The mixtures of experts (8 experts, top 2): adapters on their attention, and on Qwen2-MoE's shared experts too.
+them) give it in fp32: on every CPU path, at two tensor-parallel ranks, with steps one ahead and through the decode
+graphs' padded steps.
+The mixtures of experts (8 experts, top 2): adapters on attention, every expert, the router and (Qwen2-MoE) the
+shared expert and its gate, in PEFT's two ways onto experts; the same adapter in every form it arrives in.
 """
 import re
 
@@ -124,6 +126,14 @@ def test_two_ranks_match_peft(family, family_dir, family_adapters, prompts, expe
         assert serve(engine, family_adapters, prompts) == expected
     finally:
         engine.close()
+
+
+def test_steps_one_ahead_match_peft(family, family_dir, family_adapters, prompts, expected):
+    """overlap_steps: each step launched before the last one's tokens reach the host (a mixture's routing and its
+    adapters' rows from the device's ids)."""
+    engine = make_engine(family_dir, "torch", overlap_steps="true", lora_dtype=LORA_DTYPE.get(family, "auto"))
+    assert engine.overlap
+    assert serve(engine, family_adapters, prompts) == expected
 
 
 @INTERPRETER_MARK
