@@ -69,6 +69,8 @@ class StubConnection:
         self.host, self.channel = host, channel
         self.streams: dict[int, RemoteStream] = {}
         self.gone = False                      # the channel closed (the stub ended or died)
+        self.streams_at_loss = 0               # its requests in flight when the engine first found it gone (the
+                                               # loop may end them before the reader acts on the loss)
         self.said_goodbye = False              # it ended on purpose (finalize)
         self.region = ""                       # its shared memory region, removed if it dies
         self.pid = self.server_pid = 0
@@ -80,6 +82,12 @@ class StubConnection:
         try:
             self.channel.send(message)
         except ChannelClosed:                  # the reader sees the end too, and acts on it
+            self.lose()
+
+    def lose(self) -> None:
+        """The channel is found closed: from now on every stream of this stub reads as cancelled."""
+        if not self.gone:
+            self.streams_at_loss = len(self.streams)
             self.gone = True
 
     def serve(self) -> None:
@@ -93,7 +101,7 @@ class StubConnection:
         except ChannelClosed:
             pass
         finally:
-            self.gone = True
+            self.lose()
             self.channel.close()
             self.host.disconnected(self)
 
@@ -167,13 +175,13 @@ class EngineHost:
             self.successor_expected = stub.supervisor_pid > 0 and alive(stub.supervisor_pid)
             if self.successor_expected:
                 log(f"tritonserver (pid {stub.server_pid}) is gone; the engine waits for its successor")
-        elif stub.streams and os.environ.get(SUPERVISED_VAR):
-            log(f"the stub (pid {stub.pid}) of model {self.model_name!r} died with {len(stub.streams)} requests in "
-                "flight, which tritonserver would never end: it is killed, for the supervisor to restart")
+        elif stub.streams_at_loss and os.environ.get(SUPERVISED_VAR):
+            log(f"the stub (pid {stub.pid}) of model {self.model_name!r} died with {stub.streams_at_loss} requests "
+                "in flight, which tritonserver would never end: it is killed, for the supervisor to restart")
             os.kill(stub.server_pid, signal.SIGKILL)
         else:
-            log(f"the stub (pid {stub.pid}) of model {self.model_name!r} died with {len(stub.streams)} requests in "
-                "flight; they are cancelled and the model is reloaded")
+            log(f"the stub (pid {stub.pid}) of model {self.model_name!r} died with {stub.streams_at_loss} requests "
+                "in flight; they are cancelled and the model is reloaded")
             threading.Thread(target=self._reload, args=(stub.server_pid,), name="reload", daemon=True).start()
 
     def _accept(self) -> None:
