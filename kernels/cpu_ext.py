@@ -166,12 +166,13 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return load().panel_linear(x, panels, bias)
 
 
-def expert_lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
-                     ranks: torch.Tensor) -> torch.Tensor:
-    """Semantics: kernels.reference._lora_rows(x, a, bs, groups, ranks) in fp32 (row i: h = x[i] @ a[g].T cut into
-    len(bs) parts, part j times bs[j][g].T, concatenated; g = groups[i]), each row's matrices read in place up to
-    its group's rank (rounded up to 8). Widths (in, rank, every out) multiples of 8."""
-    return load().expert_lora_rows(x, a, bs, groups, ranks)
+def expert_lora_add(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,
+                    row_experts: torch.Tensor, num_experts: int, a: torch.Tensor, bs: list[torch.Tensor],
+                    slot_ranks: torch.Tensor) -> None:
+    """Semantics: kernels.reference.add_group_lora(out, x, rows_per_x, row_slots, row_experts, num_experts, a, bs,
+    slot_ranks), each adapted row's matrices read in place up to its slot's rank (rounded up to 8), the sums in fp32
+    rounded once into out. Widths (in, rank, every out) multiples of 8."""
+    load().expert_lora_add(x, rows_per_x, row_slots, row_experts, num_experts, a, bs, slot_ranks, out)
 
 
 def claim_order(costs: list[int], num_threads: int, turns: list[int]) -> list[int]:

@@ -3,7 +3,7 @@
 shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column panels
 (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter rows), other
 dtypes on weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
-expert with tokens), a decode step's expert LoRA compiled (cpu_ext.expert_lora_rows: each row's matrices read in
+expert with tokens), a decode step's expert LoRA compiled (cpu_ext.expert_lora_add: each row's matrices read in
 place)."""
 import torch
 import torch.nn.functional as F
@@ -69,25 +69,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                    sliding_window, softcap)
 
 
-def _lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
-               ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: kernels.reference._lora_rows; a decode step's rows (up to GATHERED_ROWS, widths of 8s) by
-    cpu_ext.expert_lora_rows, each group's matrices read in place up to its rank, more by the reference's shrink
-    and expand per group."""
+def add_group_lora(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,
+                   row_experts: torch.Tensor, num_experts: int, a: torch.Tensor, bs: list[torch.Tensor],
+                   slot_ranks: torch.Tensor | None = None) -> None:
+    """Semantics: kernels.reference.add_group_lora; a decode step's rows (up to GATHERED_ROWS, widths of 8s) by
+    cpu_ext.expert_lora_add (in place, each row's matrices read up to its slot's rank), more by the reference."""
     widths = [x.shape[1], a.shape[1], *(b.shape[1] for b in bs)]
-    if x.shape[0] > reference.GATHERED_ROWS or any(w % 8 for w in widths) or a.shape[1] % (8 * len(bs)):
-        return reference._lora_rows(x, a, bs, groups, ranks)
-    if ranks is None:
-        ranks = torch.full((a.shape[0],), a.shape[1] // len(bs), dtype=torch.long)
-    return cpu_ext.expert_lora_rows(x.contiguous(), a, bs, groups, ranks)
+    if row_slots.numel() > reference.GATHERED_ROWS or any(w % 8 for w in widths) or a.shape[1] % (8 * len(bs)):
+        reference.add_group_lora(out, x, rows_per_x, row_slots, row_experts, num_experts, a, bs, slot_ranks)
+        return
+    if slot_ranks is None:
+        slot_ranks = torch.full((a.shape[0] // num_experts,), a.shape[1] // len(bs), dtype=torch.long)
+    cpu_ext.expert_lora_add(out, x.contiguous(), rows_per_x, row_slots.int().contiguous(),
+                            row_experts.long().contiguous(), num_experts, a, bs, slot_ranks.contiguous())
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, lora=None) -> torch.Tensor:
     """Semantics: kernels.reference.fused_moe."""
-    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora, _lora_rows)
+    return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora, add_group_lora)
 
 
 def slot_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor) -> None:
     """Semantics: kernels.reference.slot_lora."""
-    reference.slot_lora(x, a, b, token_slots, out, _lora_rows)
+    reference.slot_lora(x, a, b, token_slots, out, add_group_lora)

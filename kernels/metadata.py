@@ -28,8 +28,8 @@ class ExpertLora:
     down_a: torch.Tensor                      # [groups, max_rank, inter]
     down_b: torch.Tensor                      # [groups, hidden, max_rank]
     num_slots: int
-    group_ranks: torch.Tensor | None = None   # [groups] int64 on the host: each group's rank (its slot's largest
-                                              # on the layer), where the CPU paths read no more than it
+    slot_ranks: torch.Tensor | None = None    # [num_slots] int64 on the host: each slot's largest expert rank on
+                                              # the layer, where the CPU paths read no more than it
 
     @property
     def max_rank(self) -> int:

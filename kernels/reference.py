@@ -87,33 +87,44 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, lora: ExpertLora | None = None, lora_rows=None) -> torch.Tensor:
+              topk_ids: torch.Tensor, lora: ExpertLora | None = None, add_lora=None) -> torch.Tensor:
     """Each token through its k experts' gated MLPs (with each row's adapter on its expert: `lora`), summed by its
     routing weights in fp32: the rows grouped by expert, one GEMM pair per expert with rows (the ids read on the
-    host: no CUDA graph records this one), the adapted rows' LoRA by (slot, expert) pair (`lora_rows`, by default
-    `_lora_rows`; the compiled CPU backend passes its own).
+    host: no CUDA graph records this one), the adapted rows' LoRA by (slot, expert) group (`add_lora`, by default
+    `add_group_lora`; the compiled CPU backend passes its own).
     x [num_tokens, hidden]; w_gate_up [num_experts, 2 * inter, hidden]; w_down [num_experts, hidden, inter];
     topk_weights [num_tokens, k] fp32; topk_ids [num_tokens, k] -> [num_tokens, hidden] in x's dtype."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
+    add_lora = add_lora or add_group_lora
     flat = topk_ids.flatten()                                                    # row t * k + j: token t's j-th
     experts = _groups(flat, num_experts)
     gate_up = x.new_empty(num_tokens * top_k, 2 * inter)
     for expert, rows in experts:
         gate_up[rows] = F.linear(x[rows // top_k], w_gate_up[expert])
-    lora_rows = lora_rows or _lora_rows
     if lora is not None:
-        adapted = (lora.row_slots >= 0).nonzero().flatten()                      # their (slot, expert) pairs:
-        pairs = lora.row_slots[adapted].long() * num_experts + flat[adapted]
-        gate_up[adapted] += lora_rows(x[adapted // top_k], lora.gate_up_a,
-                                      [lora.gate_up_b[:, :inter], lora.gate_up_b[:, inter:]], pairs, lora.group_ranks)
+        add_lora(gate_up, x, top_k, lora.row_slots, flat, num_experts, lora.gate_up_a,
+                 [lora.gate_up_b[:, :inter], lora.gate_up_b[:, inter:]], lora.slot_ranks)
     act = silu_and_mul(gate_up)
     down = x.new_empty(num_tokens * top_k, x.shape[1])
     for expert, rows in experts:
         down[rows] = F.linear(act[rows], w_down[expert])
     if lora is not None:
-        down[adapted] += lora_rows(act[adapted], lora.down_a, [lora.down_b], pairs, lora.group_ranks)
+        add_lora(down, act, 1, lora.row_slots, flat, num_experts, lora.down_a, [lora.down_b], lora.slot_ranks)
     return (down.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()).sum(1).to(x.dtype)
+
+
+def add_group_lora(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,
+                   row_experts: torch.Tensor, num_experts: int, a: torch.Tensor, bs: list[torch.Tensor],
+                   slot_ranks: torch.Tensor | None = None) -> None:
+    """out[i] += row i's LoRA through its group g = row_slots[i] * num_experts + row_experts[i] (rows of slot -1:
+    none): h = x[i // rows_per_x] @ a[g].T, cut into len(bs) equal parts, part j expanded by bs[j][g].T into its own
+    columns. a [groups, rank, in], bs [groups, out_j, rank / parts]; slot_ranks (host, [slots]): each slot's rank,
+    past which its matrices are zero."""
+    adapted = (row_slots >= 0).nonzero().flatten()
+    groups = row_slots[adapted].long() * num_experts + row_experts[adapted].long()
+    ranks = None if slot_ranks is None else slot_ranks.repeat_interleave(num_experts)
+    out[adapted] += _lora_rows(x[adapted // rows_per_x], a, bs, groups, ranks).to(out.dtype)
 
 
 GATHERED_ROWS = 128         # up to this many adapted rows (a decode step's), their matrices gathered: a few batched
@@ -124,10 +135,7 @@ PADDED_WASTE = 2.0          # more rows (a prompt chunk's): laid out per group, 
 
 def _lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups: torch.Tensor,
                ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """Row i's LoRA through its group g = groups[i]: h = x[i] @ a[g].T, cut into len(bs) equal parts, part j
-    expanded by bs[j][g].T, concatenated. x [n, in], a [num_groups, rank, in], bs [num_groups, out_j, rank / parts]
-    -> [n, sum out_j] in x's dtype (or fp32). ranks (host, [num_groups]): each group's own rank, past which its
-    matrices are zero and a group's shrink and expand read nothing."""
+    """Row i's LoRA through group groups[i] (add_group_lora's), [n, sum out_j] in x's dtype; ranks: each group's."""
     if x.shape[0] <= GATHERED_ROWS:
         h = torch.bmm(a[groups].to(x.dtype), x[:, :, None])[..., 0].chunk(len(bs), dim=1)
         return torch.cat([torch.bmm(b[groups].to(x.dtype), part[:, :, None])[..., 0] for b, part in zip(bs, h)], 1)
@@ -177,12 +185,11 @@ def _groups(keys: torch.Tensor, num_groups: int) -> list[tuple[int, torch.Tensor
 
 
 def slot_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
-              out: torch.Tensor, lora_rows=None) -> None:
+              out: torch.Tensor, add_lora=None) -> None:
     """out[t] += x[t] @ a[slot].T @ b[slot].T for each token t with an adapter (slot = token_slots[t] >= 0): the
-    LoRA of a projection kept whole per slot (a mixture's router, a shared expert's gate). a [num_slots, rank, in],
-    b [num_slots, out, rank]."""
-    adapted = (token_slots >= 0).nonzero().flatten()
-    out[adapted] += (lora_rows or _lora_rows)(x[adapted], a, [b], token_slots[adapted].long()).to(out.dtype)
+    LoRA of a projection kept whole per slot (a mixture's router, a shared expert's gate), add_group_lora over groups
+    that are slots. a [num_slots, rank, in], b [num_slots, out, rank]."""
+    (add_lora or add_group_lora)(out, x, 1, token_slots, torch.zeros_like(token_slots, dtype=torch.long), 1, a, [b])
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

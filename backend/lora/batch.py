@@ -51,7 +51,7 @@ class LoraBatch:
         stacks = self.slots.experts.layers[layer]
         row_slots = self.token_slots(x.shape[0]).repeat_interleave(top_k)     # [num_tokens * k]
         return ExpertLora(row_slots, stacks.gate_up_a, stacks.gate_up_b, stacks.down_a, stacks.down_b,
-                          self.slots.num_slots, self.slots.experts.group_ranks(layer))
+                          self.slots.num_slots, self.slots.experts.ranks[layer])
 
     def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
         """The router's LoRA (module 16) added into its logits [num_tokens, experts]."""

@@ -96,7 +96,3 @@ class ExpertSlots:
         """A stack's rows of one slot: its experts' groups, or its own row."""
         per_slot = t.shape[0] // self.num_slots
         return t[slot * per_slot:(slot + 1) * per_slot]
-
-    def group_ranks(self, layer: int) -> torch.Tensor:
-        """[slots * experts] int64 (host): each (slot, expert) group's rank on the layer."""
-        return self.ranks[layer].repeat_interleave(self.cfg.num_experts)

@@ -99,7 +99,8 @@ def expert_lora(num_slots: int, num_experts: int, rank: int, hidden: int, inter:
     down_a = torch.randn(groups, rank, inter) * 0.2 * mask[:, :, None]
     down_b = torch.randn(groups, hidden, rank) * 0.2 * mask[:, None, :]
     return ExpertLora(row_slots.to(device), *(t.to(dtype).to(device) for t in (gate_up_a, gate_up_b, down_a,
-                                                                               down_b)), num_slots, ranks.long())
+                                                                               down_b)), num_slots,
+                      ranks[::num_experts].long())
 
 
 def naive_moe(x, w_gate_up, w_down, weights, ids, lora) -> torch.Tensor:
