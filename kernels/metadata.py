@@ -24,7 +24,7 @@ class ExpertLora:
     g = slot * num_experts + expert holds that slot's expert's matrices, zero past each adapter's rank."""
     row_slots: torch.Tensor                   # [num_tokens * k] int32: each (token, j-th expert) row's slot, -1: none
     gate_up_a: torch.Tensor                   # [groups, 2 * max_rank, hidden]: gate's A, then up's
-    gate_up_b: torch.Tensor                   # [groups, 2 * inter, max_rank]: gate's B rows, then up's
+    gate_up_b: torch.Tensor                   # [2, groups, inter, max_rank]: gate's B, then up's
     down_a: torch.Tensor                      # [groups, max_rank, inter]
     down_b: torch.Tensor                      # [groups, hidden, max_rank]
     num_slots: int

@@ -142,7 +142,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         expand = lora_config(cfg, r)
         h = grouped_gemm(x, lora.gate_up_a, lora_rows, lora_blocks, num_rows, top_k, cfg)    # [num_rows, 2 * r]
         for part in (0, 1):                                                                 # gate, up
-            grouped_gemm(h[:, part * r:(part + 1) * r], lora.gate_up_b[:, part * inter:(part + 1) * inter],
+            grouped_gemm(h[:, part * r:(part + 1) * r], lora.gate_up_b[part],
                          lora_rows, lora_blocks, num_rows, 1, expand, out=gate_up[:, part * inter:(part + 1) * inter])
     act = silu_and_mul(gate_up)                                                             # [num_rows, inter]
     down = grouped_gemm(act, w_down, sorted_rows, block_experts, num_rows, 1, cfg, weights)  # [num_rows, hidden]

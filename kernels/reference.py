@@ -104,7 +104,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         gate_up[rows] = F.linear(x[rows // top_k], w_gate_up[expert])
     if lora is not None:
         add_lora(gate_up, x, top_k, lora.row_slots, flat, num_experts, lora.gate_up_a,
-                 [lora.gate_up_b[:, :inter], lora.gate_up_b[:, inter:]], lora.slot_ranks)
+                 [lora.gate_up_b[0], lora.gate_up_b[1]], lora.slot_ranks)
     act = silu_and_mul(gate_up)
     down = x.new_empty(num_tokens * top_k, x.shape[1])
     for expert, rows in experts:
@@ -141,6 +141,8 @@ def _lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], groups:
         return torch.cat([torch.bmm(b[groups].to(x.dtype), part[:, :, None])[..., 0] for b, part in zip(bs, h)], 1)
     counts = torch.bincount(groups, minlength=a.shape[0])
     active = counts.nonzero().flatten()
+    if 2 * active.numel() >= a.shape[0]:                             # most groups: all of them, the stacks as they are
+        active = torch.arange(a.shape[0], device=x.device)
     longest = int(counts.max()) if groups.numel() else 0
     if active.numel() * longest <= PADDED_WASTE * x.shape[0]:        # groups alike in size: padded, batched
         return _padded_lora_rows(x, a, bs, groups, counts, active, longest)
@@ -166,10 +168,17 @@ def _padded_lora_rows(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], 
     position = torch.arange(groups.numel(), device=x.device) - (counts.cumsum(0) - counts)[sorted_groups]
     padded = x.new_zeros(active.numel(), longest, x.shape[1])
     padded[slot_of[sorted_groups], position] = x[order]
-    h = torch.bmm(padded, a[active].to(x.dtype).transpose(1, 2)).chunk(len(bs), dim=2)   # [groups, longest, rank]
-    expanded = torch.cat([torch.bmm(part, b[active].to(x.dtype).transpose(1, 2)) for b, part in zip(bs, h)], dim=2)
-    out = torch.empty(x.shape[0], expanded.shape[2], dtype=x.dtype, device=x.device)
-    out[order] = expanded[slot_of[sorted_groups], position]
+    whole = active.numel() == a.shape[0]
+
+    def stack(t: torch.Tensor) -> torch.Tensor:
+        return (t if whole else t[active]).to(x.dtype).transpose(1, 2)
+
+    h = torch.bmm(padded, stack(a)).chunk(len(bs), dim=2)                           # [groups, longest, rank]
+    out = torch.empty(x.shape[0], sum(b.shape[1] for b in bs), dtype=x.dtype, device=x.device)
+    column, where = 0, slot_of[sorted_groups]
+    for b, part in zip(bs, h):                                                     # each part into its columns
+        out[order, column:column + b.shape[1]] = torch.bmm(part, stack(b))[where, position]
+        column += b.shape[1]
     return out
 
 

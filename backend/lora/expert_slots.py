@@ -4,7 +4,7 @@ shared expert gate, per mixture layer, stacked so that one grouped GEMM reads an
 
 Per mixture layer, for num_slots slots of max_rank rank rows each (group g = slot * experts + expert):
     gate_up_a [groups, 2 max_rank, hidden]   gate's A (13) in rows [0, r), up's A (15) in [max_rank, max_rank + r)
-    gate_up_b [groups, 2 inter, max_rank]    gate's B in rows [0, inter), up's in [inter, 2 inter)
+    gate_up_b [2, groups, inter, max_rank]   gate's B, then up's (each contiguous: a batched expand reads it whole)
     down_a [groups, max_rank, inter], down_b [groups, hidden, max_rank]                      (14)
     router_a [slots, max_rank, hidden], router_b [slots, experts, max_rank]                  (16)
     shared_gate_a [slots, max_rank, hidden], shared_gate_b [slots, 1, max_rank]              (17, Qwen2-MoE)
@@ -32,7 +32,7 @@ class ExpertLayer:
     shared_gate_b: torch.Tensor | None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b, self.router_a, self.router_b,
+        return [t for t in (self.gate_up_a, *self.gate_up_b, self.down_a, self.down_b, self.router_a, self.router_b,
                             self.shared_gate_a, self.shared_gate_b) if t is not None]
 
 
@@ -46,7 +46,7 @@ class ExpertSlots:
         def zeros(*shape):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        self.layers = {layer: ExpertLayer(zeros(groups, 2 * r, h), zeros(groups, 2 * inter, r), zeros(groups, r, inter),
+        self.layers = {layer: ExpertLayer(zeros(groups, 2 * r, h), zeros(2, groups, inter, r), zeros(groups, r, inter),
                                           zeros(groups, h, r), zeros(num_slots, r, h), zeros(num_slots, num, r),
                                           zeros(num_slots, r, h) if cfg.shared_expert else None,
                                           zeros(num_slots, 1, r) if cfg.shared_expert else None)
@@ -65,7 +65,7 @@ class ExpertSlots:
             for layer in self.layers.values():
                 for t in layer.tensors():
                     self._of_slot(t, slot).zero_()
-        num, inter = self.cfg.num_experts, self.cfg.moe_intermediate_size
+        num = self.cfg.num_experts
         modules = [(key, pair) for key, pair in adapter.weights.items() if key[1] in EXPERT_MODULE_NAMES]
         for layer, ranks in self.ranks.items():
             ranks[slot] = max((a.shape[0] // num for (at, module), (a, _) in modules
@@ -88,8 +88,7 @@ class ExpertSlots:
                 part = 0 if module == 13 else 1                            # gate, up
                 rows = slice(part * self.max_rank, part * self.max_rank + r)
                 self._of_slot(stacks.gate_up_a, slot)[:, rows].copy_(a, non_blocking=True)
-                self._of_slot(stacks.gate_up_b, slot)[:, part * inter:(part + 1) * inter, :r].copy_(
-                    b, non_blocking=True)
+                self._of_slot(stacks.gate_up_b[part], slot)[:, :, :r].copy_(b, non_blocking=True)
         self.loaded[slot] = bool(modules)
 
     def _of_slot(self, t: torch.Tensor, slot: int) -> torch.Tensor:

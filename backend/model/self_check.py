@@ -225,7 +225,7 @@ def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) 
     rand = lambda *shape, to=dtype: (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device, to)  # noqa: E731
     w_gate_up, w_down = rand(num, 2 * inter, hidden), rand(num, hidden, inter)
     slots, r = 2, max_rank
-    lora_stacks = (rand(slots * num, 2 * r, hidden, to=lora_dtype), rand(slots * num, 2 * inter, r, to=lora_dtype),
+    lora_stacks = (rand(slots * num, 2 * r, hidden, to=lora_dtype), rand(2, slots * num, inter, r, to=lora_dtype),
                    rand(slots * num, r, inter, to=lora_dtype), rand(slots * num, hidden, r, to=lora_dtype))
 
     def run(num_tokens: int, adapted: bool):

@@ -95,7 +95,7 @@ def expert_lora(num_slots: int, num_experts: int, rank: int, hidden: int, inter:
     ranks = torch.randint(1, rank + 1, (num_slots,)).repeat_interleave(num_experts)
     mask = (torch.arange(rank)[None, :] < ranks[:, None]).float()               # [groups, rank]
     gate_up_a = torch.randn(groups, 2 * rank, hidden) * 0.2 * mask.repeat(1, 2)[:, :, None]
-    gate_up_b = torch.randn(groups, 2 * inter, rank) * 0.2 * mask[:, None, :]
+    gate_up_b = torch.randn(2, groups, inter, rank) * 0.2 * mask[None, :, None, :]
     down_a = torch.randn(groups, rank, inter) * 0.2 * mask[:, :, None]
     down_b = torch.randn(groups, hidden, rank) * 0.2 * mask[:, None, :]
     return ExpertLora(row_slots.to(device), *(t.to(dtype).to(device) for t in (gate_up_a, gate_up_b, down_a,
@@ -115,8 +115,8 @@ def naive_moe(x, w_gate_up, w_down, weights, ids, lora) -> torch.Tensor:
             g = s * w_gate_up.shape[0] + e
             if s >= 0:
                 h = lora.gate_up_a[g].double().cpu() @ x[t]
-                b = lora.gate_up_b[g].double().cpu()
-                gate_up += torch.cat([b[:inter] @ h[:r], b[inter:] @ h[r:]])
+                gate_b, up_b = lora.gate_up_b[0, g].double().cpu(), lora.gate_up_b[1, g].double().cpu()
+                gate_up += torch.cat([gate_b @ h[:r], up_b @ h[r:]])
             act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
             down = w_down[e] @ act
             if s >= 0:
