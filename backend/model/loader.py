@@ -122,8 +122,9 @@ def experts_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
                    f"{p}.shared_expert.up_proj.weight": (cfg.intermediate_size, h),
                    f"{p}.shared_expert.down_proj.weight": (h, cfg.intermediate_size)}
         for e in range(num):
-            shapes |= {f"{p}.experts.{e}.{names[0]}.weight": (inter, h),
-                       f"{p}.experts.{e}.{names[1]}.weight": (inter, h), f"{p}.experts.{e}.{names[2]}.weight": (h, inter)}
+            expert = f"{p}.experts.{e}"
+            shapes |= {f"{expert}.{names[0]}.weight": (inter, h), f"{expert}.{names[1]}.weight": (inter, h),
+                       f"{expert}.{names[2]}.weight": (h, inter)}
     return shapes
 
 

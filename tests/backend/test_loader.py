@@ -177,3 +177,30 @@ def test_fields_that_change_the_math_are_read_and_used(tmp_path, arch, config):
     prompts = random_prompts([30, 12], engine.model_config.vocab_size, seed=12)
     eos = engine.model_config.eos_token_id
     assert engine.generate(prompts, max_new_tokens=8, end_id=eos) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("tp_size,tp_rank", [(1, 0), (2, 1)])
+def test_a_mixtures_stacked_experts_load_as_its_experts_one_by_one(tmp_path, tp_size, tp_rank):
+    """transformers 5's stacked form (mlp.experts.gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]),
+    written here from the per-expert checkpoint save_pretrained writes: the same weights, whole and on a rank."""
+    from scripts.prepare_model import build_tiny
+    build_tiny(tmp_path / "per_expert", seed=5, architecture="qwen3_moe")
+    cfg = ModelConfig.from_dir(tmp_path / "per_expert")
+    tensors = load_file(tmp_path / "per_expert" / "model.safetensors")
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.0.gate_proj.weight" in tensors:
+            experts = range(cfg.num_experts)
+            stacked[f"{p}.gate_up_proj"] = torch.stack([
+                torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]]) for e in experts])
+            stacked[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in experts])
+    (tmp_path / "stacked").mkdir()
+    shutil.copy(tmp_path / "per_expert" / "config.json", tmp_path / "stacked")
+    save_file(stacked, tmp_path / "stacked" / "model.safetensors")
+    one_by_one = load_weights(tmp_path / "per_expert", cfg, torch.float32, tp_size=tp_size, tp_rank=tp_rank)
+    from_stacked = load_weights(tmp_path / "stacked", cfg, torch.float32, tp_size=tp_size, tp_rank=tp_rank)
+    assert one_by_one.keys() == from_stacked.keys() and "layers.1.experts_gate_up" in one_by_one
+    assert all(torch.equal(one_by_one[k], from_stacked[k]) for k in one_by_one)
+    assert one_by_one["layers.1.experts_gate_up"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size // tp_size,
+                                                            cfg.hidden_size)
