@@ -55,8 +55,17 @@ class Stream:
 
     def send(self, arrays: dict, model: str = "lora_llm", request_id: str = "",
              parameters: dict | None = None) -> "Stream":
-        self.client.async_stream_infer(model, make_inputs(**arrays), request_id=request_id,
-                                       enable_empty_final_response=True, parameters=parameters)
+        """The request on the stream. A stream the server ended before the request went out (refused at once: a
+        missing key, a model with no healthy stub) raises here in tritonclient instead of answering through the
+        callback, depending on which comes first; either way the error is the stream's answer."""
+        try:
+            self.client.async_stream_infer(model, make_inputs(**arrays), request_id=request_id,
+                                           enable_empty_final_response=True, parameters=parameters)
+        except grpcclient.InferenceServerException as err:
+            try:                                                 # the server's own error, through the callback
+                self.seen.append(self.responses.get(timeout=5))
+            except queue.Empty:
+                self.seen.append((None, err))
         return self
 
     def collect(self, timeout_s: float = 120, output: str = "output_ids") -> StreamResult:
