@@ -25,7 +25,6 @@ UNSUPPORTED_MODULES = {8: "cross_attn_qkv", 9: "cross_attn_q", 10: "cross_attn_k
                        12: "cross_attn_dense"}
 PROJ_OF_MODULE = {0: "qkv", 1: "qkv", 2: "qkv", 3: "qkv", 4: "o", 5: "gate_up", 6: "down", 7: "gate_up"}
 FUSED_GATE_UP = 5                             # mlp_h_to_4h: gate and up at once where the checkpoint fuses them
-EXPERTS = (13, 14, 15)                        # a mixture's experts (gate, down, up): a row holds every expert's
 
 
 def expert_module_shape(cfg: ModelConfig, module_id: int) -> tuple[int, int, int]:
