@@ -81,8 +81,7 @@ def peft_files_to_trtllm(files: dict[str, bytes], peft_dir: Path, storage_type: 
         a, b = ab["A"], ab["B"]                               # [r, in], [out, r]
         check_shapes(module, a, b, model)
         rank = a.shape[0]
-        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank))
-        scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+        scale = _scale(cfg, module, rank)
         layer, proj = int(module.split(".")[2]), module.rsplit(".", 1)[1]
         parts = [a.flatten(), (b * scale).flatten()]
         if dora:

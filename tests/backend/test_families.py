@@ -181,11 +181,16 @@ def test_a_module_phi3_has_not_is_refused_by_name(tmp_path, module, says):
 def trtllm_rows(pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
     """TensorRT-LLM lora_weights and lora_config from (module, layer, A [r, in], B [out, r]): A then B flattened,
     rows padded to the widest."""
-    rows = [torch.cat([a.flatten(), b.flatten()]) for _, _, a, b in pieces]
-    weights = torch.zeros(len(rows), max(r.numel() for r in rows))
+    return padded([torch.cat([a.flatten(), b.flatten()]) for _, _, a, b in pieces]), \
+        np.array([[m, layer, a.shape[0]] for m, layer, a, _ in pieces], np.int32)
+
+
+def padded(rows: list[torch.Tensor]) -> np.ndarray:
+    """lora_weights: the rows one under another, zero-padded to the widest."""
+    weights = torch.zeros(len(rows), max(row.numel() for row in rows))
     for i, row in enumerate(rows):
         weights[i, :row.numel()] = row
-    return weights.numpy(), np.array([[m, layer, a.shape[0]] for m, layer, a, _ in pieces], np.int32)
+    return weights.numpy()
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
@@ -274,10 +279,7 @@ def trtllm_from_peft(adapter_dir, cfg: ModelConfig) -> tuple[np.ndarray, np.ndar
             for module, b_part in parts:
                 rows.append(torch.cat([a.flatten(), b_part.flatten()]))
                 config.append([module, layer, r])
-    weights = torch.zeros(len(rows), max(row.numel() for row in rows))
-    for i, row in enumerate(rows):
-        weights[i, :row.numel()] = row
-    return weights.numpy(), np.array(config, np.int32)
+    return padded(rows), np.array(config, np.int32)
 
 
 def per_expert_peft(adapter_dir, out, cfg: ModelConfig):
