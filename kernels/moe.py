@@ -7,16 +7,13 @@ Adapters on the experts use the same kernel: the rows with an adapter sorted aga
 pair's A and B one group of the slots' stacks (kernels/metadata.ExpertLora), a shrink and an expand that adds into
 the base GEMM's output (down's times the routing weights too). A router's or shared expert gate's LoRA (one matrix
 pair per slot) is the same over groups that are slots (`slot_lora`)."""
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.fused import silu_and_mul
 from kernels.metadata import UNSPECIALIZED_ARGS, ExpertLora
-
-DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
+from kernels.paged_attention import DOT_FP32
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_grouped_gemm_kernel"])
