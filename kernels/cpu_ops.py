@@ -3,8 +3,8 @@
 shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column panels
 (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter rows), other
 dtypes on weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
-expert with tokens), a decode step's expert LoRA compiled (cpu_ext.expert_lora_add: each row's matrices read in
-place)."""
+expert with tokens), its expert LoRA compiled (cpu_ext.expert_lora_add: the rows group by group, each row's
+matrices read in place)."""
 import torch
 import torch.nn.functional as F
 
@@ -72,10 +72,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def add_group_lora(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,
                    row_experts: torch.Tensor, num_experts: int, a: torch.Tensor, bs: list[torch.Tensor],
                    slot_ranks: torch.Tensor | None = None) -> None:
-    """Semantics: kernels.reference.add_group_lora; a decode step's rows (up to GATHERED_ROWS, widths of 8s) by
-    cpu_ext.expert_lora_add (in place, each row's matrices read up to its slot's rank), more by the reference."""
+    """Semantics: kernels.reference.add_group_lora; with widths of 8s by cpu_ext.expert_lora_add (in place, group
+    by group, each row's matrices read up to its slot's rank), others by the reference."""
     widths = [x.shape[1], a.shape[1], *(b.shape[1] for b in bs)]
-    if row_slots.numel() > reference.GATHERED_ROWS or any(w % 8 for w in widths) or a.shape[1] % (8 * len(bs)):
+    if any(w % 8 for w in widths) or a.shape[1] % (8 * len(bs)):
         reference.add_group_lora(out, x, rows_per_x, row_slots, row_experts, num_experts, a, bs, slot_ranks)
         return
     if slot_ranks is None:

@@ -133,8 +133,8 @@ def naive_moe(x, w_gate_up, w_down, weights, ids, lora) -> torch.Tensor:
 def test_fused_moe_with_adapters_on_the_experts_matches_the_definition(ops, device, dtype, lora_dtype, num_tokens,
                                                                        num_experts, top_k, num_slots, rank):
     """Rows of several adapters and of none, ranks under the slots' max rank; fp16 adapters beside an fp32 model
-    (lora_dtype auto on the compiled CPU and Triton backends); a decode step's rows and more (the compiled CPU
-    backend's two ways: 70 tokens are 140 rows)."""
+    (lora_dtype auto on the compiled CPU and Triton backends); a decode step's rows and more (the torch backend's
+    three ways: 70 tokens are 140 rows)."""
     ops = loaded(ops)
     hidden, inter = 64, 48
     x = torch.randn(num_tokens, hidden).to(dtype).to(device)
