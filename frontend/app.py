@@ -20,7 +20,7 @@ from frontend.adapters import AdapterStore
 from frontend.core import CoreClient
 from frontend.errors import OpenAIError, bad_request
 from frontend.generation import Generation
-from frontend.metrics import RequestCounter, core_metrics, exposition
+from frontend.metrics import CoreMetrics, RequestCounter
 from frontend.middleware import BodyLimit, BodyTooLarge, CatchAll, error_response
 from frontend.prompts import chat_prompt, completion_prompts
 from frontend.responses import DONE, MAX_RESPONSE_BYTES, Responses, estimated_bytes, event, json_pieces
@@ -98,10 +98,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         state["core"] = CoreClient(config.grpc_url, config.core_model)
+        state["core_metrics"] = CoreMetrics(config.core_metrics_url)
         for line in await asyncio.to_thread(store.prepare):  # the store's adapters ready to send, budget allowing
             log.warning(line)
         yield
         await state["core"].close()
+        await state["core_metrics"].close()
         text_threads.shutdown(cancel_futures=True)
 
     async def off_loop(fn, *args):
@@ -137,13 +139,13 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def health():
         if not await state["core"].ready():
             return PlainTextResponse("core model not ready", status_code=503)
-        text = await core_metrics(config.core_metrics_url)
+        text = await state["core_metrics"].text()
         why = engine_health(text) if text is not None else None
         return PlainTextResponse(why or "", status_code=503 if why else 200)
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(await exposition(config.core_metrics_url),
+        return PlainTextResponse(await state["core_metrics"].exposition(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=[inference])

@@ -435,10 +435,10 @@ def test_prompt_logprobs_come_once_per_prompt_and_an_answer_too_large_is_refused
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_large_answer_is_built_off_the_event_loop(client, frontend, stream):
     """Echo with 20 alternatives at each of 8 choices' 1,500 prompt tokens (~15 MB of JSON) beside /health polls:
-    none waits on the answer's building or encoding (built on the loop: the slowest 1.4 s; off it 85-177 ms alone on
-    this 2-core machine, up to 277 ms beside another test module, where the API runs niced beside the engine computing
-    the prompt and /health asks tritonserver twice); streamed, each choice's first chunk (its echoed prompt) is built
-    off the loop too."""
+    none waits on the answer's building or encoding (built on the loop: the slowest 1.4 s; off it, with the GIL handed
+    over every 1 ms and one client for the core's metrics, 15-53 ms alone on this 2-core machine, once 124 ms, where
+    the API runs niced beside the engine computing the prompt and /health asks tritonserver twice); streamed, each
+    choice's first chunk (its echoed prompt) is built off the loop too."""
     import threading
     latencies, done = [], threading.Event()
 
