@@ -108,6 +108,12 @@ class ModelConfig:
         gate_up and down that modules 5, 6 and 7 adapt."""
         return not self.is_moe(layer) or self.shared_expert
 
+    @property
+    def any_dense_mlp(self) -> bool:
+        """Some layer has a dense gated MLP (has_dense_mlp): without one (Mixtral, Qwen3-30B-A3B) modules 5-7 adapt
+        nothing and no slot holds them."""
+        return not self.moe_layers or not all(self.moe_layers) or self.shared_expert
+
     def shard(self, tp_size: int) -> "ModelConfig":
         """One tensor-parallel rank's share: its attention heads, KV heads and MLP columns (hidden and vocab whole).
         With fewer KV heads than ranks each KV head is replicated on tp_size / num_kv_heads ranks, as vLLM does."""

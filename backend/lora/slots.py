@@ -13,7 +13,9 @@ rank-major or not, and a fused qkv module (TRT-LLM module 0) split into q, k and
 (`fused_a_once`) one band over every qkv column, its A stored (and read) once: each slot's band bounds are its own
 (`Projection.slot_bounds`), and the q band's B holds the k and v rows too.
 
-A mixture's expert modules (13-17) have slots of their own beside these (backend/lora/expert_slots.py).
+A mixture's expert modules (13-17) have slots of their own beside these (backend/lora/expert_slots.py); a mixture
+with no dense MLP on any layer (Mixtral, Qwen3-30B-A3B) gives gate_up and down no rank rows (`adapts`): 0.34 GB
+a slot at rank 64 on Mixtral-8x7B that no adapter could fill (modules 5-7 are refused there).
 
 What each slot holds is recorded in host tensors (`host_ranks`, `host_dora`, `fused`): on CPU they are the very
 tensors the kernels read, on GPU the kernels read device copies written with each load.
@@ -116,11 +118,12 @@ class DeviceSlots:
         self.band_columns = {proj: [module_columns(cfg, module) for module in BANDS[proj]] for proj in PROJS}
         self.num_slots = num_slots
         self.max_rank = max_rank
+        self.adapts = tuple(proj for proj in PROJS if proj in ("qkv", "o") or cfg.any_dense_mlp)
         self.a_stacks: dict[str, torch.Tensor] = {}                # [num_layers, num_slots, cap, in_dim]
         self.b_stacks: dict[str, torch.Tensor] = {}                # [num_layers, num_slots, out_dim, cap]
         for proj in PROJS:
             in_dim, out_dim = proj_shape(cfg, proj)
-            cap = len(BANDS[proj]) * max_rank
+            cap = len(BANDS[proj]) * max_rank if proj in self.adapts else 0
             self.a_stacks[proj] = _zeros(cfg.num_layers, num_slots, cap, in_dim, dtype, device,
                                          self.family.rank_major_a)
             self.b_stacks[proj] = _zeros(cfg.num_layers, num_slots, out_dim, cap, dtype, device,

@@ -28,7 +28,7 @@ import torch
 from backend.checkpoint import ModelConfig
 from backend.device import on
 from backend.lora.format import LoraAdapter, module_shape
-from backend.lora.slots import PROJS, DeviceSlots, proj_shape
+from backend.lora.slots import DeviceSlots, proj_shape
 from kernels import reference
 from kernels.compose import compose_linear_lora, in_place
 from kernels.metadata import AttentionMetadata, ExpertLora
@@ -107,10 +107,10 @@ def attention_inputs(cfg: ModelConfig, dtype, device, block_size: int, seq_lens:
 
 def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator, fused_qkv: bool = False,
                    dora: bool = False) -> LoraAdapter:
-    """Layer 0 of an adapter on every module: q, k, v apart, or (fused_qkv) one attn_qkv module; with DoRA
-    magnitudes (0.5-1.5) when asked."""
+    """Layer 0 of an adapter on every module the model has: q, k, v apart, or (fused_qkv) one attn_qkv module;
+    with DoRA magnitudes (0.5-1.5) when asked."""
     weights, magnitudes = {}, {}
-    for module_id in ((0,) if fused_qkv else (1, 2, 3)) + (4, 5, 6, 7):
+    for module_id in ((0,) if fused_qkv else (1, 2, 3)) + ((4, 5, 6, 7) if cfg.any_dense_mlp else (4,)):
         in_dim, out_dim = module_shape(cfg, module_id)
         weights[(0, module_id)] = ((torch.randn(rank, in_dim, generator=g) * in_dim ** -0.5).to(dtype),
                                    (torch.randn(out_dim, rank, generator=g) * rank ** -0.5).to(dtype))
@@ -120,8 +120,8 @@ def random_adapter(cfg: ModelConfig, rank: int, dtype, g: torch.Generator, fused
 
 
 def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) -> list[Check]:
-    """Every projection with three adapters (max_lora_rank; a quarter of it, DoRA; half of it with a fused qkv module)
-    beside base rows, for a decode step and a prompt chunk."""
+    """Every projection adapters reach, with three adapters (max_lora_rank; a quarter of it, DoRA; half of it with a
+    fused qkv module) beside base rows, for a decode step and a prompt chunk."""
     g = torch.Generator().manual_seed(1)
     slots = DeviceSlots(replace(cfg, num_layers=1), 3, max_rank, lora_dtype, device, ops.lora)
     ranks = [max_rank, max(1, max_rank // 4), max(1, max_rank // 2)]
@@ -132,7 +132,7 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
     for token_slots in ([-1, -1, 0, 0, 0, 1, 1, 2], [-1] * 10 + [0] * 40 + [1] * 30 + [2] * 20):
         segments = ops.lora.segments(token_slots, dtype)
         segments.use({name: t.to(device) for name, t in segments.tensors.items()})
-        for proj in PROJS:
+        for proj in slots.adapts:
             in_dim, out_dim = proj_shape(cfg, proj)
             x = torch.randn(len(token_slots), in_dim, generator=g).to(device, dtype)
             base = torch.randn(len(token_slots), out_dim, generator=g).to(device, dtype)

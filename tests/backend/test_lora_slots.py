@@ -1,5 +1,7 @@
 """The device tier's slots: a loaded adapter lies where the LoRA ops read it, an adapter loaded over another leaves
 the slot as if it had been loaded alone, and a packed adapter goes in with one copy per module."""
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -119,3 +121,26 @@ def test_a_packed_adapter_goes_in_with_one_copy_per_module_whatever_the_number_o
     with CountCopies() as counted:
         slots.load(0, every_module)
     assert counted.num_copies == 2 * 7 + 3               # A and B per module, then its ranks, DoRA and fused flags
+
+
+@pytest.mark.parametrize("moe_layers,shared_expert,mlp_rows", [((True, True), False, False),
+                                                                ((False, True), False, True),
+                                                                ((True, True), True, True)],
+                         ids=["every layer a mixture", "a dense layer", "a shared expert"])
+def test_a_mixture_with_no_dense_mlp_keeps_no_mlp_rows(model_cfg, moe_layers, shared_expert, mlp_rows):
+    """Mixtral's and Qwen3-30B-A3B's slots hold no gate_up and down rank rows (modules 5-7 are refused there); a
+    dense layer or a shared expert keeps them. Attention adapters load as before."""
+    cfg = replace(model_cfg, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=moe_layers,
+                  shared_expert=shared_expert)
+    slots, dense = DeviceSlots(cfg, 2, MAX_RANK, torch.float32), DeviceSlots(model_cfg, 2, MAX_RANK, torch.float32)
+    mlp_bytes = sum(dense.a_stacks[proj][:, 0].nbytes + dense.b_stacks[proj][:, 0].nbytes for proj in ("gate_up",
+                                                                                                       "down"))
+    assert slots.num_bytes_per_slot == (dense.num_bytes_per_slot - (0 if mlp_rows else mlp_bytes)
+                                        + slots.experts.num_bytes_per_slot)
+    assert slots.adapts == (("qkv", "o", "gate_up", "down") if mlp_rows else ("qkv", "o"))
+    attention = adapter(model_cfg, 8, 3, (1, 2, 3, 4))
+    slots.load(1, attention)
+    dense.load(1, attention)
+    for proj in ("qkv", "o"):
+        assert torch.equal(slots.a_stacks[proj], dense.a_stacks[proj])
+        assert torch.equal(slots.b_stacks[proj], dense.b_stacks[proj])
