@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
+WEIGHT_DTYPES = ("auto", "int8")           # int8: weight-only, quantized at load (kernels/quant.py)
+UNBUILT_WEIGHT_DTYPES = ("fp8", "int4")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -32,6 +34,8 @@ class LoraCacheConfig:
 class EngineConfig:
     model_dir: str
     dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32
+    weight_dtype: str = "auto"                # the projections' weights: as the checkpoint has them (auto), or
+                                              # int8 weight-only (one scale per output channel), quantized at load
     max_num_seqs: int = 64                    # sequences in one step
     max_num_batched_tokens: int = 2048        # tokens (prefill chunks + decodes) in one step
     kv_block_size: int = 16
@@ -68,6 +72,13 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_dtype in UNBUILT_WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype {self.weight_dtype} is not built yet; built: {', '.join(WEIGHT_DTYPES)}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        if self.weight_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"weight_dtype {self.weight_dtype} with tensor_parallel_size "
+                             f"{self.tensor_parallel_size}: quantized weights are served on one rank only")
         if self.guided_decoding_backend not in ("", "xgrammar"):
             raise ValueError(f"guided_decoding_backend must be xgrammar (or empty: off), got "
                              f"{self.guided_decoding_backend!r}")

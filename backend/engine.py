@@ -94,7 +94,8 @@ class LLMEngine:
         """Cache an adapter from an HF PEFT or TensorRT-LLM directory (a PEFT DoRA one's magnitudes normalized against
         the served base weights, on the engine's device)."""
         weights, config = load_lora_dir(path, checkpoint_weights(self.config.model_dir, self.runner.dtype,
-                                                                 self.runner.device), self.model_config)
+                                                                 self.runner.device, self.config.weight_dtype),
+                                        self.model_config)
         self.add_lora(task_id, weights, config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,

@@ -34,19 +34,22 @@ def cpu_name() -> str:
         return "cpu"
 
 
-def layer_params(cfg: ModelConfig) -> int:
+def layer_params(cfg: ModelConfig, dense_only: bool = False) -> int:
     """Weights one token touches in the decoder layers (projections and MLP, all layers; of a mixture, the router and
-    the k experts the token is routed to)."""
+    the k experts the token is routed to); dense_only: the dense projections alone (what weight_dtype quantizes)."""
     h = cfg.hidden_size
     attention = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
-    return sum(attention + 3 * h * cfg.intermediate_size * cfg.has_dense_mlp(i) + cfg.is_moe(i) * (
+    return sum(attention + 3 * h * cfg.intermediate_size * cfg.has_dense_mlp(i) + (not dense_only) * cfg.is_moe(i) * (
         cfg.num_experts * h + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + cfg.shared_expert * h)
         for i in range(cfg.num_layers))
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str) -> float:
-    """Bytes one decode step reads at least: every layer weight and the lm_head."""
-    return (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * torch.finfo(getattr(torch, dtype)).bits / 8
+def weight_bytes(cfg: ModelConfig, dtype: str, weight_dtype: str = "auto") -> float:
+    """Bytes one decode step reads at least: every layer weight and the lm_head (weight_dtype int8: the dense
+    projections a byte each, their scales aside)."""
+    width = torch.finfo(getattr(torch, dtype)).bits / 8
+    total = (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * width
+    return total - layer_params(cfg, dense_only=True) * (width - 1) if weight_dtype == "int8" else total
 
 
 def request_flops(cfg: ModelConfig, prompt_len: int, output_len: int) -> float:

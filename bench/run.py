@@ -46,7 +46,8 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
                   kernel_backend=args.kernel_backend)
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
-                             kernel_backend=args.kernel_backend, tensor_parallel_size=args.tensor_parallel_size)
+                             kernel_backend=args.kernel_backend, tensor_parallel_size=args.tensor_parallel_size,
+                             weight_dtype=args.weight_dtype)
         freeze_heap()                                    # as a server's engine loop does
         res = run_engine(engine, requests, name)
         if sweep and name in ("W1", "W2"):
@@ -59,7 +60,8 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     res["requests"] = len(requests)
     res["roofline_frac"] = workload_flops(cfg, requests) / res["seconds"] / 1e9 / roofline["roofline_gflops"]
     if name == "W3":
-        res["bandwidth_bound_tok_s"] = roofline["memory_gbps"] * 1e9 / weight_bytes(cfg, args.dtype)
+        res["bandwidth_bound_tok_s"] = (roofline["memory_gbps"] * 1e9
+                                        / weight_bytes(cfg, args.dtype, args.weight_dtype))
         res["bandwidth_frac"] = res["tok_s"] / res["bandwidth_bound_tok_s"]
     label = name if kv_reuse is not False else f"{name} without KV reuse"
     print(f"{label}: {res['tok_s']:.1f} tok/s ({res['output_tokens']} tokens in {res['seconds']:.1f} s), "
@@ -103,6 +105,8 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="the engine workloads over N ranks (processes; on one CPU a functional figure only)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
+    parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8"),
+                        help="the engine's weight_dtype (int8: weight-only, quantized at load)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
                              "even ones the baselines first, then ours in reverse order); report each one's median "
@@ -145,7 +149,8 @@ def main(doc: str = __doc__) -> None:
                      **roofline,
                      "model": Path(args.model_dir).name, "quick": args.quick}
     print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
-          f"{roofline['memory_gbps']:.1f} GB/s; model weights {weight_bytes(cfg, args.dtype) / 1e6:.0f} MB", flush=True)
+          f"{roofline['memory_gbps']:.1f} GB/s; model weights "
+          f"{weight_bytes(cfg, args.dtype, args.weight_dtype) / 1e6:.0f} MB", flush=True)
     samples: dict = {}
     rounds = []
     for i in range(args.repeat):

@@ -53,6 +53,9 @@ def main() -> None:
                         help="comma list of folders, besides the adapter store, that adapters may be loaded from")
     parser.add_argument("--max-lora-rank", type=int, default=int(os.environ.get("LORA_LLM_MAX_LORA_RANK", 64)),
                         help="the engine's max_lora_rank: loaded adapters are checked against it")
+    parser.add_argument("--weight-dtype", default=os.environ.get("LORA_LLM_WEIGHT_DTYPE", "auto"),
+                        help="the engine's weight_dtype: a PEFT DoRA adapter's magnitudes are normalized against the "
+                             "weights it serves")
     args = parser.parse_args()
 
     import uvicorn
@@ -66,7 +69,7 @@ def main() -> None:
                                 adapter_cache_bytes=args.adapter_cache_bytes, core_metrics_url=args.core_metrics_url,
                                 allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                                 lora_roots=tuple(r for r in args.lora_roots.split(",") if r),
-                                max_lora_rank=args.max_lora_rank, host=args.host)
+                                max_lora_rank=args.max_lora_rank, weight_dtype=args.weight_dtype, host=args.host)
     except ValueError as err:
         sys.exit(f"[frontend] refusing to start: {err}")
     sys.setswitchinterval(SWITCH_INTERVAL_S)

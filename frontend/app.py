@@ -53,6 +53,7 @@ class FrontendConfig:
     allow_runtime_lora_updating: bool = False # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     lora_roots: tuple[str, ...] = ()          # folders (besides the store) adapters may be loaded from
     max_lora_rank: int = 64                   # the engine's: adapters are checked against it when loaded
+    weight_dtype: str = "auto"                # the engine's: DoRA magnitudes normalize against the weights it serves
     host: str = "127.0.0.1"                   # where the API listens: keys are required off loopback
     warnings: list[str] = field(default_factory=list)
 
@@ -87,7 +88,8 @@ def is_loopback(host: str) -> bool:
 
 def create_app(config: FrontendConfig) -> FastAPI:
     info = ModelInfo.from_dir(config.model_dir, config.served_model_name)
-    limits = AdapterLimits(ModelConfig.from_dir(config.model_dir), config.max_lora_rank, config.model_dir)
+    limits = AdapterLimits(ModelConfig.from_dir(config.model_dir), config.max_lora_rank, config.model_dir,
+                           config.weight_dtype)
     store = AdapterStore(Path(config.adapter_store) if config.adapter_store else None, info.name,
                          config.lora_separator, config.adapter_cache_bytes, limits, config.lora_roots)
     text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="text")

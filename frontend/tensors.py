@@ -24,6 +24,7 @@ class AdapterLimits:
     model: object                             # backend.checkpoint.ModelConfig
     max_lora_rank: int = 64
     model_dir: str | None = None
+    weight_dtype: str = "auto"                # the engine's (backend/config.py)
 
     @property
     def max_file_bytes(self) -> int:
@@ -67,7 +68,8 @@ def read_tensors(path: Path, limits: AdapterLimits | None = None) -> tuple[np.nd
         raise AdapterInvalid(str(err)) from None
     if "adapter_config.json" in read.files:
         guarded("adapter_config.json", lambda: json.loads(read.files["adapter_config.json"]))
-        base = checkpoint_weights(limits.model_dir) if limits is not None and limits.model_dir else None
+        base = (checkpoint_weights(limits.model_dir, weight_dtype=limits.weight_dtype)
+                if limits is not None and limits.model_dir else None)
         model = limits.model if limits is not None else None
         weights, config = guarded("adapter_model.safetensors",
                                   lambda: peft_files_to_trtllm(read.files, path, "float16", base, model), path)

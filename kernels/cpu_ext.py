@@ -166,6 +166,13 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return load().panel_linear(x, panels, bias)
 
 
+def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K).float() * scale[:, None], bias)
+    # x fp32 [M, K], panels int8 [N / 16, K, 16], scale fp32 [N] -> fp32 [M, N]"""
+    return load().int8_panel_linear(x, panels, scale, bias)
+
+
 def expert_lora_add(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,
                     row_experts: torch.Tensor, num_experts: int, a: torch.Tensor, bs: list[torch.Tensor],
                     slot_ranks: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
 from kernels.compose import compose_linear_lora
 from kernels.metadata import AttentionMetadata
+from kernels.quant import Int8Weight
 from kernels import reference
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
@@ -31,10 +32,13 @@ def _packable(dtype: torch.dtype) -> bool:
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The projections and lm_head in the layout their GEMM reads fastest: fp32 in column panels (whose kernel
     prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
-    ~10%), bf16 in oneDNN's blocked layout where the CPU has bf16. Embeddings, norms and biases stay as they are."""
-    def prepared(name: str, w: torch.Tensor) -> torch.Tensor:
+    ~10%), bf16 in oneDNN's blocked layout where the CPU has bf16, INT8 in column panels too. Embeddings, norms and
+    biases stay as they are."""
+    def prepared(name: str, w: torch.Tensor | Int8Weight) -> torch.Tensor | Int8Weight:
         if not (name.endswith("_proj") or name == "lm_head"):
             return w
+        if isinstance(w, Int8Weight):
+            return w.panels() if w.shape[0] % PANEL == 0 else w
         if w.dtype == torch.float32 and w.shape[0] % PANEL == 0:
             return cpu_ext.pack_linear(w)
         return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
@@ -42,7 +46,13 @@ def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weights left it."""
+    """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weights left it (INT8: its values
+    times its scales, converted as the GEMM reads them)."""
+    if isinstance(weight, Int8Weight):
+        if weight.data.dim() == 2:
+            return reference.linear(x, weight, bias)
+        y = cpu_ext.int8_panel_linear(x.float(), weight.data, weight.scale, None if bias is None else bias.float())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     if weight.dim() == 3:
         return cpu_ext.panel_linear(x, weight, bias)
     if weight.is_mkldnn:
@@ -56,7 +66,7 @@ _linear_then_lora = compose_linear_lora(linear, lora_apply)
 def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
     """Semantics: out = linear(x, weight, bias); lora_apply(x, proj, segments, out); return out. Over fp32 panels one
     compiled call, whose GEMM pulls the adapter rows a decode step's LoRA reads into the cache as it computes."""
-    if weight.dim() == 3:
+    if not isinstance(weight, Int8Weight) and weight.dim() == 3:
         return cpu_ext.linear_lora(x, weight, bias, proj, segments)
     return _linear_then_lora(x, weight, bias, proj, segments)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata, ExpertLora
+from kernels.quant import Int8Weight
 from kernels.reference_lora import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (lora_apply: an op)
 
 
@@ -21,8 +22,10 @@ def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return weights
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias); weight: [out_dim, in_dim]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias); weight: [out_dim, in_dim], or INT8 dequantized into x's dtype for this call."""
+    if isinstance(weight, Int8Weight):
+        return F.linear(x, weight.dequantize(x.dtype), bias)
     return F.linear(x, weight, bias)
 
 

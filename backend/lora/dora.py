@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from backend.checkpoint import checkpoint_files
+from kernels.quant import quantize_int8
 
 PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_attn.k_proj",),
              3: ("self_attn.v_proj",), 4: ("self_attn.o_proj",),
@@ -20,8 +21,11 @@ PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_att
 BaseWeight = Callable[[int, int], torch.Tensor]            # (layer, module_id) -> W [out_dim, in_dim]
 
 
-def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, device="cpu") -> BaseWeight:
-    """A base model's module weights as they are served: read from its safetensors (one at a time), in dtype."""
+def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, device="cpu",
+                       weight_dtype: str = "auto") -> BaseWeight:
+    """A base model's module weights as they are served: read from its safetensors (one at a time), in dtype; with
+    weight_dtype int8, quantized and dequantized as the served weight is (each output row on its own scale, so a
+    module alone rounds as it does inside a fused projection)."""
     files = checkpoint_files(Path(model_dir))
 
     def weight(layer: int, module_id: int) -> torch.Tensor:
@@ -29,6 +33,8 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, 
         key = next((key for key in keys if key in files), keys[0])
         with safe_open(files[key], framework="pt", device=str(device)) as f:
             w = f.get_tensor(key)
+        if weight_dtype == "int8":
+            w = quantize_int8(w.to(dtype or w.dtype)).dequantize(dtype or w.dtype)
         return w if dtype is None else w.to(dtype)
     return weight
 

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from backend.checkpoint import ModelConfig, checkpoint_files
+from kernels.quant import Int8Weight, quantize_int8
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,10 +202,13 @@ def _read_fused(handle, key: str, shape: tuple[int, ...], cfg: ModelConfig, spli
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
-                 tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True) -> dict[str, torch.Tensor]:
+                 tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True, weight_dtype: str = "auto",
+                 ) -> dict[str, torch.Tensor | Int8Weight]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
-    LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16)."""
+    LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
+    weight_dtype int8: each dense projection (q/k/v, o, gate/up, down; not the experts, router, embeddings or LM
+    head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     model_dir = Path(model_dir)
@@ -243,11 +247,18 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
                     part = part.float() + cfg.norm_offset
                 parts.append(part.to(device).to(dtype))
-            weights[name] = reordered(cfg, name, torch.cat(parts, dim=0) if len(parts) > 1 else parts[0],
-                                      tp_size).contiguous()
+            weights[name] = served_weight(name, reordered(cfg, name, torch.cat(parts, dim=0) if len(parts) > 1
+                                                          else parts[0], tp_size).contiguous(), weight_dtype)
     finally:
         handles.clear()
     return weights
+
+
+def served_weight(name: str, weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | Int8Weight:
+    """A dense projection's weight as weight_dtype serves it (int8: quantize_int8); any other as it is."""
+    if weight_dtype == "int8" and name.endswith("_proj"):
+        return quantize_int8(weight)
+    return weight
 
 
 def refuse_unread_tensors(key_files: dict, table: dict[str, Source], cfg: ModelConfig, model_dir: Path) -> None:

@@ -27,6 +27,7 @@ from backend.openmp import TeamSizer
 from backend.request import SamplingParams, Sequence
 from backend.scheduler import Batch, ScheduledSeq
 from kernels.dispatch import load_ops, resolve_backend
+from kernels.quant import Int8Weight
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -49,12 +50,14 @@ class ModelRunner:
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)     # model's shapes
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
-            weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size))
+            weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size,
+                                                            weight_dtype=config.weight_dtype))
             self.model = LlamaModel(self.shard_config, weights, self.ops,
                                     all_reduce=self.tp.all_reduce if self.tp else None)
         except BaseException:
             self.close()                                         # no workers or process group left behind
             raise
+        self.weight_bytes = sum(weight_bytes(w) for w in weights.values())     # this rank's, as served
         self.staging = StepStaging(self.device)
         self.kept = KeptBatch(config.max_num_seqs)              # the last step's batch, kept as arrays
         self.num_blocks = 0
@@ -166,7 +169,7 @@ class ModelRunner:
         """Memory the runtime holds, as TensorRT-LLM reports it: on the GPU, and on the host (pinned, else cpu):
         weights, KV cache and the adapters' device tier on the engine's device, the host tier beside it."""
         if self.device_bytes is None:                            # fixed once the KV cache is there
-            self.device_bytes = sum(t.nelement() * t.element_size() for t in self.model.w.values())
+            self.device_bytes = self.weight_bytes
             self.device_bytes += sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
             self.device_bytes += lora_cache.slots.num_bytes_per_slot * lora_cache.slots.num_slots
         device, host = self.device_bytes, lora_cache.stats.host_bytes
@@ -280,3 +283,8 @@ class ModelRunner:
             keep_chunk(batch.items[index].seq.context_logits, first, context[offset:offset + num_rows])
             offset += num_rows
         return logits[:plan.num_rows]
+
+
+def weight_bytes(weight: torch.Tensor | Int8Weight) -> int:
+    """Bytes a served weight holds (an INT8 one's values and scales; a oneDNN-packed one's elements)."""
+    return weight.nbytes if isinstance(weight, Int8Weight) else weight.nelement() * weight.element_size()

@@ -1,5 +1,7 @@
-// fp32 projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
-// one 64-byte line. A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
+// Projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
+// one 64-byte line in fp32 (a quarter line in INT8, whose panels are converted as they load and whose columns are
+// scaled once at the end: weight-only INT8, one scale per output channel). A 6 x 16 output tile lives in 12
+// registers, fed per k by that line and 6 broadcasts of x.
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
@@ -21,16 +23,29 @@ constexpr int64_t kTileRows = 6;     // 12 accumulators + 2 panel vectors + 1 br
 constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in turn; with the next one, in L2
 constexpr int64_t kSideEvery = 8;            // k values between the points where a tile issues side prefetches
 
-// y[0:R, 0:16] = x[0:R] @ panel (+ bias), x rows K apart, y rows N apart; meanwhile pulls num_lines lines from
-// prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
-template <int R>
-void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+// A panel's 16 values at one k as two 8-float vectors.
+inline void load_panel(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+
+inline void load_panel(const int8_t* p, __m256& w0, __m256& w1) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+}
+
+// y[0:R, 0:16] = (x[0:R] @ panel) * scale (where given) + bias, x rows K apart, y rows N apart; meanwhile pulls
+// num_lines lines from prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
+template <int R, typename W>
+void tile(const float* x, int64_t K, const W* panel, const float* scale, const float* bias, float* y, int64_t N,
           const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   auto step = [&](int64_t k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 w0, w1;
+    load_panel(panel + k * kPanel, w0, w1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * K + k);
@@ -59,16 +74,66 @@ void tile(const float* x, int64_t K, const float* panel, const float* bias, floa
   for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + vec::kLineBytes * num_issued, _MM_HINT_T0);
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  const __m256 s0 = scale ? _mm256_loadu_ps(scale) : _mm256_set1_ps(1.0f);
+  const __m256 s1 = scale ? _mm256_loadu_ps(scale + 8) : _mm256_set1_ps(1.0f);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r][0], b0));
-    _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(acc[r][1], b1));
+    _mm256_storeu_ps(y + r * N, _mm256_fmadd_ps(acc[r][0], s0, b0));
+    _mm256_storeu_ps(y + r * N + 8, _mm256_fmadd_ps(acc[r][1], s1, b1));
   }
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const char*, int64_t,
-                     vec::LineCursor&, int64_t);
-constexpr Tile kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+template <typename W>
+using Tile = void (*)(const float*, int64_t, const W*, const float*, const float*, float*, int64_t, const char*,
+                      int64_t, vec::LineCursor&, int64_t);
+template <typename W>
+constexpr Tile<W> kTiles[kTileRows + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>, tile<4, W>, tile<5, W>,
+                                           tile<6, W>};
+
+// y [M, N] = (x @ W^T) * scale (where given) + bias over panels of W's type; side: see panel_linear.
+template <typename W>
+void panel_gemm(const float* xp, int64_t M, int64_t K, const W* wp, int64_t num_panels, const float* sp,
+                const float* bp, float* yp, const std::vector<vec::Span>& side) {
+  const int64_t N = num_panels * kPanel;
+  constexpr int64_t kPanelRowBytes = kPanel * sizeof(W);          // one k of a panel
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanelRowBytes));
+  const int64_t num_groups = (num_panels + group - 1) / group;
+  const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t num_side_lines = vec::num_lines(side);
+  std::vector<int64_t> costs(num_groups);
+  for (int64_t g = 0; g < num_groups; ++g) costs[g] = std::min(group, num_panels - g * group);
+  const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
+  Claims claims(costs, num_threads);
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int thread = omp_get_thread_num();
+    for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
+      const int64_t first = g * group, last = std::min(num_panels, first + group);
+      const char* next = reinterpret_cast<const char*>(wp + last * K * kPanel);   // the next group, contiguous
+      const int64_t num_next_lines = claims.is_next(thread, g + 1) ?
+          (costs[g + 1] * K * kPanelRowBytes + vec::kLineBytes - 1) / vec::kLineBytes : 0;
+      const int64_t side_line = num_side_lines * g / num_groups;
+      const int64_t side_share = num_side_lines * (g + 1) / num_groups - side_line;
+      const int64_t num_calls = num_row_tiles * (last - first);
+      const int64_t lines_per_call = (num_next_lines + num_calls - 1) / num_calls;
+      const int64_t side_per_call = (side_share + num_calls - 1) / num_calls;
+      vec::LineCursor cursor(side, side_line);
+      int64_t call = 0, side_left = side_share;
+      for (int64_t m = 0; m < M; m += kTileRows) {
+        const int64_t rows = std::min(kTileRows, M - m);
+        for (int64_t p = first; p < last; ++p, ++call) {
+          const int64_t line = std::min(num_next_lines, call * lines_per_call);
+          const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
+          const int64_t num_side = std::min(side_left, side_per_call);
+          side_left -= num_side;
+          kTiles<W>[rows](xp + m * K, K, wp + p * K * kPanel, sp ? sp + p * kPanel : nullptr,
+                          bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N, next + vec::kLineBytes * line,
+                          num_lines, cursor, num_side);
+        }
+      }
+    }
+  }
+}
 
 }  // namespace
 
@@ -91,45 +156,25 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || num_panels == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanel * sizeof(float)));
-  const int64_t num_groups = (num_panels + group - 1) / group;
-  const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t num_side_lines = vec::num_lines(side);
-  std::vector<int64_t> costs(num_groups);
-  for (int64_t g = 0; g < num_groups; ++g) costs[g] = std::min(group, num_panels - g * group);
-  const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
-  Claims claims(costs, num_threads);
-#pragma omp parallel num_threads(num_threads)
-  {
-    const int thread = omp_get_thread_num();
-    for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
-      const int64_t first = g * group, last = std::min(num_panels, first + group);
-      const char* next = reinterpret_cast<const char*>(wp + last * K * kPanel);   // the next group, contiguous
-      const int64_t num_next_lines = claims.is_next(thread, g + 1) ? costs[g + 1] * K : 0;
-      const int64_t side_line = num_side_lines * g / num_groups;
-      const int64_t side_share = num_side_lines * (g + 1) / num_groups - side_line;
-      const int64_t num_calls = num_row_tiles * (last - first);
-      const int64_t lines_per_call = (num_next_lines + num_calls - 1) / num_calls;
-      const int64_t side_per_call = (side_share + num_calls - 1) / num_calls;
-      vec::LineCursor cursor(side, side_line);
-      int64_t call = 0, side_left = side_share;
-      for (int64_t m = 0; m < M; m += kTileRows) {
-        const int64_t rows = std::min(kTileRows, M - m);
-        for (int64_t p = first; p < last; ++p, ++call) {
-          const int64_t line = std::min(num_next_lines, call * lines_per_call);
-          const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
-          const int64_t num_side = std::min(side_left, side_per_call);
-          side_left -= num_side;
-          kTiles[rows](xp + m * K, K, wp + p * K * kPanel, bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N,
-                       next + vec::kLineBytes * line, num_lines, cursor, num_side);
-        }
-      }
-    }
-  }
+  panel_gemm<float>(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), num_panels, nullptr,
+                    bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), side);
+  return y;
+}
+
+// Weight-only INT8: y = (x @ panels^T) * scale + bias, x fp32 [M, K], panels int8 [N / 16, K, 16], scale [N] fp32.
+torch::Tensor int8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale,
+                                std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kChar, "x float32, panels int8");
+  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+  TORCH_CHECK(scale.numel() == N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || num_panels == 0) return y;
+  panel_gemm<int8_t>(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), num_panels, scale.data_ptr<float>(),
+                     bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
   return y;
 }
 

@@ -1,0 +1,48 @@
+"""Weight-only INT8 weights, as the GEMMs read them: each output channel's values rounded to int8 against one fp32
+scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only, vLLM's W8A16 by
+channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads."""
+from dataclasses import dataclass
+
+import torch
+
+PANEL = 16                  # output columns per panel of the compiled CPU GEMM (kernels/cpu/linear.cpp)
+
+
+@dataclass
+class Int8Weight:
+    data: torch.Tensor      # [out, in] int8, or panels [out / PANEL, in, PANEL] (prepared for the compiled CPU GEMM)
+    scale: torch.Tensor     # [out] fp32: w[n, k] ~= data[n, k] * scale[n]
+
+    @property
+    def shape(self) -> torch.Size:
+        if self.data.dim() == 3:
+            return torch.Size((self.data.shape[0] * PANEL, self.data.shape[1]))
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in dtype."""
+        data = self.data if self.data.dim() == 2 else self.data.transpose(1, 2).reshape(self.shape)
+        return (data.float() * self.scale[:, None]).to(dtype)
+
+    def panels(self) -> "Int8Weight":
+        """The same weight in column panels: data.view(out / 16, 16, in).transpose(1, 2)."""
+        out_dim, in_dim = self.shape
+        return Int8Weight(self.data.view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2).contiguous(), self.scale)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Semantics: scale = |weight|.amax(dim=1) / 127 (rows of zeros: scale 1); data = round(weight / scale) in int8,
+    computed in fp32. weight [out, in] -> Int8Weight."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(data, scale)

@@ -1,0 +1,113 @@
+"""Weight-only INT8 weights (weight_dtype int8): the engine's greedy tokens equal transformers' on the model those
+weights encode, dequantized here by the test's own lines from the format's definition; adapters, DoRA among them,
+equal PEFT on that model."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend import LLMEngine
+from backend.config import EngineConfig
+from kernels.quant import Int8Weight
+from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
+from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters, peft_greedy,
+                           peft_greedy_alone, peft_model_with, random_prompts)
+
+PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the Triton kernels: the interpreter
+
+
+def dequantized_copy(model_dir: Path, out: Path) -> Path:
+    """The model int8 weight-only encodes: every row of every projection rounded to a step of its own max |w| / 127
+    (an all-zero row stays zero), saved in fp32."""
+    shutil.copytree(model_dir, out)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for key, w in tensors.items():
+            if key.endswith(tuple(f"{name}.weight" for name in ALL_MODULES)):
+                w = w.float()
+                step = w.abs().amax(dim=1, keepdim=True) / 127
+                step[step == 0] = 1.0
+                tensors[key] = (w / step).round().clamp(-127, 127) * step
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def int8_dir(tiny_model_dir, tmp_path_factory):
+    return dequantized_copy(Path(tiny_model_dir), tmp_path_factory.mktemp("int8") / "model")
+
+
+def int8_engine(model_dir, kernel_backend: str) -> LLMEngine:
+    return LLMEngine(model_dir, dtype="float32", weight_dtype="int8", kernel_backend=kernel_backend,
+                     kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=24)
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_int8_weights_match_transformers_on_the_model_they_encode(tiny_model_dir, int8_dir, kernel_backend):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(int8_dir, dtype=torch.float32).eval()
+    engine = int8_engine(tiny_model_dir, kernel_backend)
+    full = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20)
+    assert all(isinstance(engine.runner.model.w[f"layers.{i}.{proj}_proj"], Int8Weight)
+               for i in range(engine.model_config.num_layers) for proj in ("qkv", "o", "gate_up", "down"))
+    shapes = [w.shape for name, w in engine.runner.model.w.items() if name.endswith("_proj")]
+    saved = sum(4 * n * k - (n * k + 4 * n) for n, k in shapes)
+    assert engine.runner.weight_bytes == full.runner.weight_bytes - saved          # int8 values, fp32 scales
+    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    assert greedy(engine, prompts) == expected
+    assert greedy(full, prompts) != expected, "the rounding changes some token here: the check can tell"
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], lora: int | None = None) -> list[list[int]]:
+    """Every prompt at once, to its end."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, request_id=i, lora=lora, max_new_tokens=MAX_NEW,
+                           end_id=engine.model_config.eos_token_id)
+    outputs = {i: [] for i in range(len(prompts))}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.error is None
+            outputs[out.request_id] += out.new_token_ids
+    return [outputs[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_adapters_over_int8_weights_match_peft_on_the_model_they_encode(tiny_model_dir, int8_dir, tiny_adapters,
+                                                                        kernel_backend):
+    """Four adapters (ranks 4-64, one on attention only) and base rows mixed in one batch, requests joining as
+    others decode."""
+    peft = peft_model_with(int8_dir, tiny_adapters)
+    prompts = random_prompts(LENGTHS, 512, seed=21)
+    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
+                for p, t in zip(prompts, TASKS)]
+    engine = int8_engine(tiny_model_dir, kernel_backend)
+    for task_id, path in enumerate(tiny_adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    assert run_mixed(engine, prompts, end_id=2) == expected
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_a_dora_adapter_normalizes_against_the_served_int8_weights(tiny_model_dir, int8_dir, tmp_path,
+                                                                   kernel_backend):
+    """Its magnitudes divide by ||W + s B A|| of the dequantized W, as PEFT on the model the weights encode takes
+    them."""
+    [path] = make_peft_adapters(tiny_model_dir, tmp_path, [dict(r=8, lora_alpha=16, use_dora=True,
+                                                                target_modules=ALL_MODULES)], seed=7)
+    peft = peft_model_with(int8_dir, [path])
+    prompts = random_prompts([6, 19, 12], 512, seed=8)
+    engine = int8_engine(tiny_model_dir, kernel_backend)
+    engine.add_lora_dir(1, path)
+    assert greedy(engine, prompts, lora=1) == [peft_greedy_alone(peft, p, "a0", MAX_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("settings,says", [
+    (dict(weight_dtype="fp8"), "weight_dtype fp8 is not built yet; built: auto, int8"),
+    (dict(weight_dtype="int3"), "weight_dtype must be one of"),
+    (dict(weight_dtype="int8", tensor_parallel_size=2), "weight_dtype int8 with tensor_parallel_size 2"),
+])
+def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(model_dir="unused", **settings)

@@ -1,0 +1,60 @@
+"""Weight-only INT8 weights (kernels/quant.py): the quantization against its definition, and every backend's
+linear over them against F.linear over the dequantized weight."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.quant import Int8Weight, quantize_int8
+from tests.helpers import CPU_BACKENDS
+
+
+def ops_of(backend: str):
+    if backend == "cpu":
+        from kernels import cpu_ops
+        return cpu_ops
+    return reference
+
+
+def test_quantize_int8_rounds_each_row_against_its_largest_value():
+    """Its own few lines of the definition: scale = max |w| / 127 per row, values round(w / scale); a zero row
+    keeps scale 1. Every value within half a step of the weight."""
+    w = torch.randn(48, 80) * torch.linspace(0.01, 3.0, 48)[:, None]
+    w[5] = 0.0
+    q = quantize_int8(w)
+    scale = w.abs().amax(dim=1) / 127
+    scale[5] = 1.0
+    assert q.data.dtype == torch.int8 and q.scale.dtype == torch.float32
+    torch.testing.assert_close(q.scale, scale)
+    assert torch.equal(q.data, torch.round(w / scale[:, None]).to(torch.int8))
+    assert int(q.data.abs().max()) == 127
+    assert bool(((q.dequantize(torch.float32) - w).abs() <= scale[:, None] / 2 + 1e-7).all())
+    assert q.nbytes == 48 * 80 + 48 * 4
+
+
+def test_panels_hold_the_same_weight():
+    q = quantize_int8(torch.randn(32, 24))
+    panels = q.panels()
+    assert panels.data.shape == (2, 24, 16) and panels.shape == (32, 24)
+    assert torch.equal(panels.dequantize(torch.float32), q.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (7, 48, 40), (33, 160, 576), (5, 24, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_over_int8_weights_matches_the_dequantized_weight(backend, dtype, num_rows, out_dim, in_dim,
+                                                                 with_bias):
+    """Decode rows and more, out dims of 16s (panels on the compiled backend) and not (24: the reference's way),
+    fp32 and bf16 activations."""
+    ops = ops_of(backend)
+    weight = quantize_int8(torch.randn(out_dim, in_dim) / in_dim ** 0.5)
+    bias = torch.randn(out_dim).to(dtype) if with_bias else None
+    x = torch.randn(num_rows, in_dim).to(dtype)
+    served = ops.prepare_weights({"layers.0.o_proj": weight})["layers.0.o_proj"]
+    assert isinstance(served, Int8Weight)
+    got = ops.linear(x, served, bias)
+    want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
+    assert got.dtype == dtype and got.shape == (num_rows, out_dim)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
