@@ -41,12 +41,13 @@ def test_panels_hold_the_same_weight():
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (7, 48, 40), (33, 160, 576), (5, 24, 64)])
+@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (7, 48, 40), (33, 160, 576), (5, 24, 64),
+                                                     (300, 32, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_over_int8_weights_matches_the_dequantized_weight(backend, dtype, num_rows, out_dim, in_dim,
                                                                  with_bias):
     """Decode rows and more, out dims of 16s (panels on the compiled backend) and not (24: the reference's way),
-    fp32 and bf16 activations."""
+    fp32 and bf16 activations; 300 rows of bf16: the compiled backend's dequantized call (DEQUANTIZED_ROWS)."""
     ops = ops_of(backend)
     weight = quantize_int8(torch.randn(out_dim, in_dim) / in_dim ** 0.5)
     bias = torch.randn(out_dim).to(dtype) if with_bias else None
