@@ -20,10 +20,6 @@ class Int8Weight:
         return self.data.shape
 
     @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
 
