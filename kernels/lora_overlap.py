@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.gemm import linear
 from kernels.lora import lora_apply, lora_expand, lora_merge, lora_shrink, step_of
-from kernels.reference import linear
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,7 @@ def configurations():
         yield from attention_configurations("bf16", 256, 16, 2, softcap=softcap)
     yield from lora_configurations()
     yield from moe_configurations()
+    yield from int8_configurations()
 
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}   # hidden, inter, experts, k
@@ -143,6 +144,21 @@ def moe_configurations():
                        lora_config(dict(cfg), rank) | {"MUL_WEIGHTS": weights, "ACCUMULATE": True, "DOT_FP32": False})
 
 
+INT8_SHAPES = {"8b qkv": (4096, 6144), "8b o": (4096, 4096), "8b gate_up": (4096, 28672), "8b down": (14336, 4096)}
+
+
+def int8_configurations():
+    """The INT8 weight-only GEMM over each projection of Llama-3.1-8B, for a decode step of 16 rows and a prompt
+    chunk of 2048, with fp16, bf16 and fp32 activations (and a bias: Qwen2's qkv)."""
+    from kernels.gemm import int8_config
+    for (shape, (k_dim, n_dim)), dtype, rows in itertools.product(INT8_SHAPES.items(), DTYPES, (16, 2048)):
+        p = DTYPES[dtype]
+        args = dict(x_ptr=p, w_ptr="*i8", scale_ptr="*fp32", bias_ptr=p, y_ptr=p, num_rows=rows, n_dim=n_dim,
+                    k_dim=k_dim, stride_xm=k_dim, stride_wn=k_dim, stride_ym=n_dim)
+        yield (f"int8_gemm {dtype} {shape} t{rows}", "kernels.gemm", "_int8_gemm_kernel", args,
+               int8_config(rows, 4 if dtype == "fp32" else 2) | {"HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
+
+
 def lora_configurations():
     """Each projection of Llama-3.1-8B (and SmolLM2's qkv) as the launchers plan it for a decode step (16 rows) and
     a prompt chunk (512: 64-row items), max_lora_rank 64 and 16 (and 128 at 8B decode), in every dtype pairing; and
@@ -179,7 +195,8 @@ def lora_configurations():
 HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf16", "lora_expand_delta bf16",
        "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128",   # an 8B decode
        "moe_gate_up bf16", "moe_down bf16", "moe_lora_shrink_gate_up bf16", "moe_lora_shrink_down bf16",  # step;
-       "moe_lora_expand_gate_up bf16", "moe_lora_expand_down bf16")                            # a mixture's, adapted
+       "moe_lora_expand_gate_up bf16", "moe_lora_expand_down bf16",                            # a mixture's, adapted
+       "int8_gemm bf16")                                                                       # INT8 weights
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}

@@ -135,7 +135,8 @@ def figures(run: dict) -> dict:
 def w3_on_its_own_engine(model_dir: str, cfg: ModelConfig, shape: str, args) -> dict:
     """W3 on an engine set up as W3 asks (max_num_seqs 1, no adapters): BENCHMARKS.md's single stream, where the
     main run's W3 shares W1's engine (128 rows of graphs, 16 adapters resident)."""
-    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W3"], args.device, cuda_graph_mode=args.cuda_graphs == "on")
+    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W3"], args.device, cuda_graph_mode=args.cuda_graphs == "on",
+                         weight_dtype=args.weight_dtype)
     freeze_heap()
     try:
         requests = make_requests(WORKLOADS["W3"], cfg.vocab_size)
@@ -155,7 +156,8 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
     cfg = ModelConfig.from_dir(model_dir)
     results = {}
     started = time.perf_counter()
-    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device, cuda_graph_mode=args.cuda_graphs == "on")
+    engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device, cuda_graph_mode=args.cuda_graphs == "on",
+                         weight_dtype=args.weight_dtype)
     results["time_to_ready_s"] = time.perf_counter() - started          # weights, self-check, graph capture
     results["kernel_fallbacks"] = dict(engine.runner.kernel_fallbacks)    # overlap_steps among them if it failed
     freeze_heap()                                                       # as a server's engine loop does
@@ -225,7 +227,7 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         free_memory(args.device)
     context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * 2
-    bound = bandwidth / (weight_bytes(cfg, "bfloat16") + kv_bytes)
+    bound = bandwidth / (weight_bytes(cfg, "bfloat16", args.weight_dtype) + kv_bytes)
     for name in ("W3", "W3_own_engine"):
         results[name] |= {"bandwidth_bound_tok_s": bound, "bandwidth_frac": results[name]["tok_s"] / bound}
     if args.baseline == "hf":
@@ -292,6 +294,8 @@ def main() -> None:
                         help="the HF + PEFT baselines' share of each workload (batches of 8 at ~20 s each at the "
                              "8B shape: its tok/s is a batch's, whatever the count)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8"),
+                        help="the engine's weight_dtype (int8: weight-only; the HBM bound counts a byte a weight)")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                         help="off: every step eager (before/after)")
     parser.add_argument("--curve-seqs", type=int, default=64,

@@ -18,6 +18,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
     moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
                and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
                experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
+    gemm:      with weight_dtype int8, the INT8 GEMM (linear) at every dense projection's shape, for 16 rows and 100;
+               where it fails, the torch reference dequantizes each weight per GEMM and LoRA runs after it
 """
 import logging
 from copy import copy
@@ -32,9 +34,11 @@ from backend.lora.slots import DeviceSlots, proj_shape
 from kernels import reference
 from kernels.compose import compose_linear_lora, in_place
 from kernels.metadata import AttentionMetadata, ExpertLora
+from kernels.quant import Int8Weight, quantize_int8
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (), "lora_fold": (),
-            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora")}
+            "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora"),
+            "gemm": ("linear",)}
 SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}   # of |error| / (1 + |reference|)
 log = logging.getLogger(__name__)
@@ -254,14 +258,34 @@ def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) 
             for n in (8, 100) for adapted in (False, True)]
 
 
+def gemm_checks(ops, cfg: ModelConfig, dtype, device) -> list[Check]:
+    """The INT8 weight-only GEMM (ops.linear over kernels.quant.Int8Weight) at each dense projection's shape, for a
+    decode step's 16 rows and a prompt chunk's 100."""
+    g = torch.Generator().manual_seed(3)
+    checks = []
+    for proj in ("qkv", "o", "gate_up", "down") if cfg.any_dense_mlp else ("qkv", "o"):
+        in_dim, out_dim = proj_shape(cfg, proj)
+        weight = quantize_int8(torch.randn(out_dim, in_dim, generator=g) * in_dim ** -0.5)
+        weight = Int8Weight(weight.data.to(device), weight.scale.to(device))
+        for num_rows in (16, 100):
+            x = torch.randn(num_rows, in_dim, generator=g).to(device, dtype)
+
+            def run(x=x, weight=weight):
+                return [(ops.linear(x, weight, None), reference.linear(x.float(), weight, None))]
+            checks.append(compare("gemm", f"int8 {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}", run,
+                                  dtype))
+    return checks
+
+
 def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int,
-                  max_rank: int) -> list[Check]:
+                  max_rank: int, weight_dtype: str = "auto") -> list[Check]:
     """Every op family of the Triton kernels once, at the served shapes (cfg: this rank's share)."""
     with torch.inference_mode():
         return (attention_checks(ops, cfg, dtype, device, block_size) +
                 lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
                 fused_checks(ops, cfg, dtype, device, block_size) +
-                moe_checks(ops, cfg, dtype, lora_dtype, device, max_rank))
+                moe_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
+                (gemm_checks(ops, cfg, dtype, device) if weight_dtype == "int8" else []))
 
 
 def apply_fallbacks(ops, families: set[str]) -> None:
@@ -269,13 +293,13 @@ def apply_fallbacks(ops, families: set[str]) -> None:
     for family in families:
         for name in FAMILIES[family]:
             setattr(ops, name, getattr(reference, name))
-    if "lora" in families:
+    if families & {"lora", "gemm"}:                    # (the overlapped and folded paths run the kernels' GEMM)
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
-    if families & {"lora", "lora_fold"}:
+    if families & {"lora", "lora_fold", "gemm"}:
         ops.linear_lora_deferred = in_place(ops.linear_lora)
     if "lora_fold" in families:
         ops.lora = ops.lora.merged()
-    if families & {"lora", "lora_overlap"}:
+    if families & {"lora", "lora_overlap", "gemm"}:
         ops.lora = ops.lora.in_turn()
 
 
@@ -284,7 +308,7 @@ def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
     now on (strict: refuses to start). Returns the families that fell back, with why."""
     with on(runner.device):
         checks = check_kernels(runner.ops, runner.shard_config, runner.dtype, runner.lora_dtype, runner.device,
-                               runner.block_size, config.lora.max_lora_rank)
+                               runner.block_size, config.lora.max_lora_rank, config.weight_dtype)
     fallbacks: dict[str, str] = {}
     for check in checks:
         if check.error is None:

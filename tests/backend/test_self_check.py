@@ -305,3 +305,20 @@ def test_lora_widths_that_are_no_multiple_of_16_are_served_by_the_triton_kernels
     served = engine("triton")
     assert not served.runner.kernel_fallbacks
     assert served.generate(PROMPTS, max_new_tokens=4, lora_task_ids=[1, None, 1]) == want
+
+
+def test_int8_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, tmp_path, monkeypatch):
+    """weight_dtype int8: the INT8 GEMM passes at every projection's shape; broken (wrong values) it is served by the
+    torch reference, the tokens those of the model the int8 weights encode."""
+    from transformers import AutoModelForCausalLM
+    from tests.backend.test_quantized import dequantized_copy
+    checks = check_kernels(load_ops("triton"), ModelConfig.from_dir(tiny_model_dir), torch.float32, torch.float16,
+                           torch.device("cpu"), 16, 64, weight_dtype="int8")
+    assert [c.error for c in checks if c.family == "gemm"] == [None] * 8
+    monkeypatch.setattr(triton_ops, "linear", wrong_values(triton_ops.linear))
+    engine = LLMEngine(tiny_model_dir, dtype="float32", weight_dtype="int8", kernel_backend="triton",
+                       kernel_self_check="true", kv_cache_memory_bytes=1 << 20)
+    assert set(engine.runner.kernel_fallbacks) == {"gemm"}
+    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(tiny_model_dir, tmp_path / "int8"),
+                                              dtype=torch.float32).eval()
+    assert engine.generate(PROMPTS, max_new_tokens=6) == [hf_greedy(hf, p, 6) for p in PROMPTS]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from kernels import reference
 from kernels.quant import Int8Weight, quantize_int8
-from tests.helpers import CPU_BACKENDS
+from tests.helpers import CPU_BACKENDS, KERNEL_DEVICES
 
 
 def ops_of(backend: str):
@@ -58,4 +58,22 @@ def test_linear_over_int8_weights_matches_the_dequantized_weight(backend, dtype,
     want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
     assert got.dtype == dtype and got.shape == (num_rows, out_dim)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (13, 40, 200), (70, 96, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_triton_int8_gemm_matches_the_dequantized_weight(device, dtype, num_rows, out_dim, in_dim, with_bias):
+    """A decode step's tile (16 rows) and a prompt chunk's (64), K and N not multiples of the tiles."""
+    from kernels import gemm
+    weight = quantize_int8(torch.randn(out_dim, in_dim) / in_dim ** 0.5)
+    weight = Int8Weight(weight.data.to(device), weight.scale.to(device))
+    bias = torch.randn(out_dim).to(device, dtype) if with_bias else None
+    x = torch.randn(num_rows, in_dim).to(device, dtype)
+    got = gemm.linear(x, weight, bias)
+    want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
+    assert got.dtype == dtype and got.shape == (num_rows, out_dim)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

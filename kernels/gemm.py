@@ -1,0 +1,78 @@
+"""The Triton path's GEMMs: torch's over full-precision weights, ours over weight-only INT8 weights
+(kernels/quant.Int8Weight): each [BLOCK_K, BLOCK_N] tile of the weight loaded as int8 (a quarter of fp32's bytes,
+half of bf16's) and converted to the activations' dtype in registers (exact: |q| <= 127), tensor-core dots
+accumulated in fp32, the output channels' scales and the bias applied once at the store."""
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference
+from kernels.metadata import UNSPECIALIZED_ARGS
+from kernels.paged_attention import DOT_FP32
+from kernels.quant import Int8Weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: kernels.reference.linear; an INT8 weight by int8_linear."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
+    return reference.linear(x, weight, bias)
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_int8_gemm_kernel"])
+def _int8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, num_rows, n_dim, k_dim, stride_xm, stride_wn,
+                      stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """y[rows, cols] = (x[rows] @ w[cols].T) * scale[cols] (+ bias[cols]) for this program's BLOCK_M rows and
+    BLOCK_N output columns."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < num_rows, offs_n < n_dim
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_mask = k0 + offs_k < k_dim
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + (k0 + offs_k).to(tl.int64)[:, None], mask=k_mask[:, None] & n_mask[None, :],
+                    other=0)                                                      # [BLOCK_K, BLOCK_N] int8
+        if DOT_FP32:                                     # (the interpreter: no int8 -> bf16 cast of its own)
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        acc += tl.dot(x, w, input_precision="ieee")
+    acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def int8_config(num_rows: int, itemsize: int) -> dict:
+    """Tiles: 16 rows for a decode step (its columns in 32-wide programs, so an 8B projection's 4096 columns make
+    128 programs to stream the weight), 64 rows for prompt chunks; K steps of 128 and 64. In fp32 (ieee dots, no
+    tensor cores) half of each, and prompt tiles 32 wide: 64-wide ones spilled 848 B on sm_90
+    (scripts/compile_kernels.py --only int8_ --resources)."""
+    wide = itemsize != 4
+    if num_rows <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128 if wide else 64, "num_warps": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 64 if wide else 32, "BLOCK_K": 64 if wide else 32, "num_warps": 4}
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x, weight.data.float() * weight.scale[:, None], bias) in fp32, rounded once to x's
+    dtype. x [num_rows, in_dim]; weight.data [out_dim, in_dim] int8 -> [num_rows, out_dim]."""
+    x = x.contiguous()
+    num_rows, k_dim = x.shape
+    n_dim = weight.data.shape[0]
+    y = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return y
+    cfg = int8_config(num_rows, x.element_size())
+    grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), triton.cdiv(n_dim, cfg["BLOCK_N"]))
+    _int8_gemm_kernel[grid](x, weight.data, weight.scale, bias if bias is not None else weight.scale, y, num_rows,
+                            n_dim, k_dim, x.stride(0), weight.data.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                            DOT_FP32=DOT_FP32, **cfg)
+    return y
