@@ -4,6 +4,7 @@ equal PEFT on that model."""
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -111,3 +112,20 @@ def test_a_dora_adapter_normalizes_against_the_served_int8_weights(tiny_model_di
 def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
     with pytest.raises(ValueError, match=says):
         EngineConfig(model_dir="unused", **settings)
+
+
+def test_the_openai_api_normalizes_a_dora_adapter_against_the_served_int8_weights(tiny_model_dir, tmp_path):
+    """The API's reader (frontend/tensors.read_tensors, --weight-dtype int8) sends the magnitudes the engine would
+    take from the same PEFT directory, not those of the checkpoint's own weights."""
+    from backend.checkpoint import ModelConfig
+    from backend.lora.dora import checkpoint_weights
+    from backend.lora.peft import peft_to_trtllm
+    from frontend.tensors import AdapterLimits, read_tensors
+    [path] = make_peft_adapters(tiny_model_dir, tmp_path, [dict(r=8, lora_alpha=16, use_dora=True,
+                                                                target_modules=ALL_MODULES)], seed=9)
+    model = ModelConfig.from_dir(tiny_model_dir)
+    sent = {dtype: read_tensors(path, AdapterLimits(model, 64, str(tiny_model_dir), dtype))[0]
+            for dtype in ("auto", "int8")}
+    engine_takes, _ = peft_to_trtllm(path, "float16", checkpoint_weights(tiny_model_dir, weight_dtype="int8"))
+    assert np.array_equal(sent["int8"], engine_takes)
+    assert not np.array_equal(sent["auto"], engine_takes)
