@@ -309,7 +309,7 @@ def start_engine(args):
     from backend.serving import EngineLoop
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in args.engine_kwargs.items()}
     engine = LLMEngine(**kwargs)
-    log(f"weights {engine.runner.weight_bytes / 2**20:.0f} MiB ({engine.config.weight_dtype}, "
+    log(f"weights {engine.runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}, "
         f"{str(engine.runner.dtype).removeprefix('torch.')} activations), kernels {engine.runner.kernel_backend} on "
         f"{engine.runner.device}")
     return EngineLoop(engine, cancellation_check_period_s=args.cancellation_check_period_ms / 1e3,
