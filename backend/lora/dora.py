@@ -33,9 +33,8 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, 
         key = next((key for key in keys if key in files), keys[0])
         with safe_open(files[key], framework="pt", device=str(device)) as f:
             w = f.get_tensor(key)
-        if weight_dtype == "int8":
-            w = quantize_int8(w.to(dtype or w.dtype)).dequantize(dtype or w.dtype)
-        return w if dtype is None else w.to(dtype)
+        w = w if dtype is None else w.to(dtype)
+        return quantize_int8(w).dequantize(w.dtype) if weight_dtype == "int8" else w
     return weight
 
 

@@ -58,21 +58,10 @@ def test_int8_weights_match_transformers_on_the_model_they_encode(tiny_model_dir
     assert engine.runner.weight_bytes == full.runner.weight_bytes - saved          # int8 values, fp32 scales
     prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    assert greedy(engine, prompts) == expected
-    assert greedy(full, prompts) != expected, "the rounding changes some token here: the check can tell"
-
-
-def greedy(engine: LLMEngine, prompts: list[list[int]], lora: int | None = None) -> list[list[int]]:
-    """Every prompt at once, to its end."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, request_id=i, lora=lora, max_new_tokens=MAX_NEW,
-                           end_id=engine.model_config.eos_token_id)
-    outputs = {i: [] for i in range(len(prompts))}
-    while engine.has_unfinished:
-        for out in engine.step():
-            assert out.error is None
-            outputs[out.request_id] += out.new_token_ids
-    return [outputs[i] for i in range(len(prompts))]
+    eos = engine.model_config.eos_token_id
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
+    assert full.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
+        "the rounding changes some token here: the check can tell"
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
@@ -101,7 +90,9 @@ def test_a_dora_adapter_normalizes_against_the_served_int8_weights(tiny_model_di
     prompts = random_prompts([6, 19, 12], 512, seed=8)
     engine = int8_engine(tiny_model_dir, kernel_backend)
     engine.add_lora_dir(1, path)
-    assert greedy(engine, prompts, lora=1) == [peft_greedy_alone(peft, p, "a0", MAX_NEW) for p in prompts]
+    expected = [peft_greedy_alone(peft, p, "a0", MAX_NEW) for p in prompts]
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=[1] * len(prompts),
+                           end_id=engine.model_config.eos_token_id) == expected
 
 
 @pytest.mark.parametrize("settings,says", [
