@@ -7,8 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.metadata import UNSPECIALIZED_ARGS
-from kernels.paged_attention import DOT_FP32
+from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS
 from kernels.quant import Int8Weight
 
 

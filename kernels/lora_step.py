@@ -1,13 +1,11 @@
 """A step's LoRA state for the Triton kernels (kernels/lora.py): each projection kind's launches, planned once
 (kernels/lora_launch.py), and the intermediates they share."""
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from kernels.lora_launch import LoraLaunch, plan_launch
-
-DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"       # see kernels/paged_attention.py
+from kernels.metadata import DOT_FP32
 
 
 @dataclass(slots=True)

@@ -1,7 +1,12 @@
-"""Per-step metadata shared by every implementation of an op: attention's, and a mixture's expert LoRA."""
+"""Per-step metadata shared by every implementation of an op: attention's, and a mixture's expert LoRA; and what
+the Triton kernels' launches share (their unspecialized ints, DOT_FP32)."""
+import os
 from dataclasses import dataclass
 
 import torch
+
+# triton 3.7's interpreter computes garbage for bf16 tl.dot: there (only) the dots run in fp32
+DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(slots=True)

@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused import silu_and_mul
-from kernels.metadata import UNSPECIALIZED_ARGS, ExpertLora
-from kernels.paged_attention import DOT_FP32
+from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS, ExpertLora
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_grouped_gemm_kernel"])

@@ -8,16 +8,13 @@ the GPU's SMs, the context is split over NUM_SPLITS programs and a reduce kernel
 Loads past a sequence's length return 0 and never touch its unused block-table entries; cache offsets are int64.
 """
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import UNSPECIALIZED_ARGS, AttentionMetadata
+from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS, AttentionMetadata
 
-# triton 3.7's interpreter computes garbage for bf16 tl.dot: there (only) the dots run in fp32
-DOT_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 TILE_N = 64                                       # keys per tile
 MAX_SPLITS = 16
 MAX_IDLE = 0.25                               # of a step's SM slots; a model, not yet tuned on a GPU
