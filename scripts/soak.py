@@ -217,7 +217,8 @@ def main() -> None:
                   "requests_answered": sum(n for k, n in soak.outcomes.items() if k != "unanswered"),
                   "outcomes": dict(soak.outcomes), "tokens_per_s": soak.num_tokens / elapsed,
                   "server_rss_start_mb": start_rss / 2**20, "server_rss_end_mb": server.rss_bytes() / 2**20,
-                  "restarts": server.restarts(), "server_rss_mb_samples": samples,
+                  "restarts": server.restarts(), "upstream_aborts": server.upstream_aborts(),
+                  "server_rss_mb_samples": samples,
                   "rss_growth_second_half": second_half_growth(samples, args.duration), **end}
     print(json.dumps(report, indent=1))
     if args.out:

@@ -13,6 +13,8 @@ from pathlib import Path
 from server_process import QUICK_EXIT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM_ABORTS = ("proto_buffer_writer.h:65 ASSERTION FAILED", "sync.cc:105 ASSERTION FAILED: prior > 0",
+                   "GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")    # tritonserver 2.51's own gRPC aborts (docs/reliability.md)
 
 
 class SoakServer:
@@ -68,6 +70,10 @@ class SoakServer:
 
     def restarts(self) -> int:
         return sum("tritonserver died" in line for line in self.lines)
+
+    def upstream_aborts(self) -> list[str]:
+        """tritonserver's log lines that say it aborted in its own gRPC code, a known 2.51 race."""
+        return [line.strip() for line in self.lines if any(abort in line for abort in UPSTREAM_ABORTS)]
 
     def server_pid(self) -> int:
         line = next(line for line in reversed(self.lines) if "tritonserver pid" in line)

@@ -51,6 +51,12 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
+def nested_schema(depth: int) -> str:
+    """Objects nested `depth` deep around a string (written out: json.dumps recurses past Python's limit)."""
+    head = '{"type": "object", "required": ["a"], "properties": {"a": '
+    return head * depth + '{"type": "string"}' + "}}" * depth
+
+
 def kv_bytes_for_blocks(num_blocks: int, block_size: int, model_config, dtype_bytes: int = 4) -> int:
     c = model_config
     return num_blocks * 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype_bytes

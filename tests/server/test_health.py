@@ -11,13 +11,13 @@ import pytest
 
 import numpy as np
 
-from backend.heartbeat import STALE_S, engine_health, engines_dir
+from backend.heartbeat import STALE_S, engine_health, engines_dir, running
 from tests.helpers import random_prompts
 from tests.server.conftest import engine_pid, free_ports
 from server_process import shm_regions                       # (scripts/ on the path: tests/server/conftest.py)
 from tests.server.streams import Stream, run, send_lie, trtllm_inputs
 from tests.server.test_faults import lora_inputs
-from tests.server.test_supervision import read_until, start_launcher
+from tests.server.test_supervision import read_until, start_launcher, stderr_tail
 
 # Each kills the Python backend's stub in tritonserver 2.51 before model.py sees the request: (input, datatype, shape,
 # data). Zero-size inputs with a huge other dim, negative dims whose product matches the bytes sent, shapes that wrap.
@@ -104,6 +104,7 @@ def test_lies_that_kill_the_stub_cost_seconds_and_no_state(tiny_model_dir, tiny_
             assert again.tokens == base.tokens
             seconds.append(took)
             reds.append(red or took < STALE_S + 0.5)        # (a new stub within a second: nothing to say)
+            assert running(server_pid), f"tritonserver died at lie {i} ({name}):\n{stderr_tail(launcher)}"
             memory.append(rss_mb(server_pid) + rss_mb(engine))
         cached = run(url, trtllm_inputs(prompt, 5, True, lora_task_id=np.array([[7]], np.uint64)))
         assert cached.error is None and cached.tokens == adapter.tokens, "the engine's adapter cache survived"

@@ -12,12 +12,21 @@ from tests.helpers import ROOT
 
 
 def soak(model_dir, out, duration_s: int) -> dict:
-    run = subprocess.run([sys.executable, ROOT / "scripts" / "soak.py", "--streams", "12", "--duration",
-                          str(duration_s), "--adapters", "16", "--max-loras", "3", "--kv-blocks", "12", "--max-prompt",
-                          "60", "--max-output", "24", "--model-dir", model_dir, "--out", out],
-                         capture_output=True, text=True, timeout=600 + duration_s)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-16000:]     # (the server's last lines, then why)
-    return json.loads(out.read_text())
+    """The soak's report. One that tritonserver 2.51 ended by aborting in its own gRPC code (a known race between a
+    client's cancel and its stream's final response, docs/reliability.md: every restart came with that abort's
+    line) soaks once more: what this module measures is our leaks, not that race."""
+    for attempt in (1, 2):
+        out.unlink(missing_ok=True)
+        run = subprocess.run([sys.executable, ROOT / "scripts" / "soak.py", "--streams", "12", "--duration",
+                              str(duration_s), "--adapters", "16", "--max-loras", "3", "--kv-blocks", "12",
+                              "--max-prompt", "60", "--max-output", "24", "--model-dir", model_dir, "--out", out],
+                             capture_output=True, text=True, timeout=600 + duration_s)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        if attempt == 1 and 0 < report.get("restarts", 0) <= len(report.get("upstream_aborts", [])):
+            print(f"tritonserver 2.51 aborted in the soak ({report['upstream_aborts'][0]}): soaking again")
+            continue
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-16000:]  # (the server's last lines, then why)
+        return report
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -24,11 +25,18 @@ def start_launcher(model_dir, *args: str, settings: dict | None = None) -> tuple
     gRPC port."""
     http, grpc, metrics = free_ports(3)
     env = os.environ | (TINY_ENV if settings is None else settings) | {"LORA_LLM_MODEL_DIR": str(model_dir)}
+    log = tempfile.TemporaryFile()                          # (gone when closed)
     launcher = subprocess.Popen([sys.executable, "-u", ROOT / "scripts" / "launch_server.py", "--http-port", str(http),
                                  "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--models", "lora_llm",
-                                 *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    launcher.http_port, launcher.metrics_port = http, metrics
+                                 *args], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    launcher.http_port, launcher.metrics_port, launcher.stderr_log = http, metrics, log
     return launcher, grpc
+
+
+def stderr_tail(launcher: subprocess.Popen, num_chars: int = 4000) -> str:
+    """The end of what the launcher and its servers wrote to stderr (tritonserver's log: why it died)."""
+    launcher.stderr_log.seek(0)
+    return launcher.stderr_log.read().decode(errors="replace")[-num_chars:]
 
 
 
