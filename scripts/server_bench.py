@@ -101,6 +101,8 @@ def bench_shape(shape: str, args, results: dict, save) -> None:
                                  f"{want}")
             results["W4"][c] = run
             save()
+        stop_started = time.perf_counter()                  # the server idle: its stop (tritonserver's exit)
+    results["server_stop_s"] = time.perf_counter() - stop_started
     for c, served in results["W4"].items():
         local = results["W1"][c]
         served["vs_W1"] = served["tok_s"] / local["tok_s"]
@@ -111,7 +113,8 @@ def bench_shape(shape: str, args, results: dict, save) -> None:
               f"{served['itl_p50_s'] * 1e3:.2f}/{served['itl_p99_s'] * 1e3:.2f} ms (in process "
               f"{local['itl_p50_s'] * 1e3:.2f}/{local['itl_p99_s'] * 1e3:.2f})", flush=True)
     gpu = results["server_gpu_bytes"]
-    print(f"  {shape} server ready in {results['server_ready_s']:.1f} s; GPU memory it took "
+    print(f"  {shape} server ready in {results['server_ready_s']:.1f} s, stopped idle in "
+          f"{results['server_stop_s']:.1f} s; GPU memory it took "
           f"{'-' if gpu is None else f'{gpu / 2**30:.1f} GiB'}; KV cache {results['kv_cache']['tokens']} tokens "
           f"({results['kv_cache']['bytes'] / 2**30:.2f} GiB)", flush=True)
     save()

@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from backend.contract import TEXT_UNSUPPORTED, check_unsupported          # noqa: E402
+from backend.heartbeat import end_stub                                  # noqa: E402
 from backend.request import RequestError                                # noqa: E402
 from backend.text import (IncrementalDetokenizer, decode_strings, embedding_bias, load_tokenizer,   # noqa: E402
                           tokenizer_dir)
@@ -165,6 +166,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.watcher.stop()
+        end_stub()
 
     def _core_inputs(self, inputs: dict) -> list:
         check_unsupported(inputs, TEXT_UNSUPPORTED)

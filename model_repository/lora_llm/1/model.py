@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from backend.engine_client import EngineClient                 # noqa: E402
 from backend.engine_process import RESTARTS_PARAMETER          # noqa: E402
-from backend.heartbeat import Heartbeat, watchdog               # noqa: E402
+from backend.heartbeat import Heartbeat, end_stub, watchdog     # noqa: E402
 from backend.metrics import ServerMetrics                       # noqa: E402
 from backend.output_arrays import (beam_arrays, extra_arrays, first_arrays, generation_logits,   # noqa: E402
                                    merge_rows, output_arrays, top_arrays)
@@ -246,3 +246,4 @@ class TritonPythonModel:
         self.heartbeat.stop()
         self.engine.close()                        # the engine's process ends with its last stub (a model unload)
         self.metrics.close()
+        end_stub()

@@ -7,6 +7,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from backend.heartbeat import end_stub   # noqa: E402
 from backend.text import load_tokenizer   # noqa: E402
 
 
@@ -25,3 +26,6 @@ class TritonPythonModel:
                       for k in range(tokens.shape[1])] for b in range(tokens.shape[0])]
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))]))
         return responses
+
+    def finalize(self):
+        end_stub()

@@ -8,6 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from backend.heartbeat import end_stub   # noqa: E402
 from backend.text import decode_strings, load_tokenizer, words_list   # noqa: E402
 
 
@@ -54,3 +55,6 @@ class TritonPythonModel:
             "OUT_PAD_ID": np.array(pad_ids, np.int32).reshape(batch, 1),
         }
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+
+    def finalize(self):
+        end_stub()
