@@ -16,14 +16,64 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")       # biases on q, k and v (unless qkv_bias: false)
 
 
+READ_QUANTIZATION = ("fp8 (e4m3, weight_block_size or per-tensor scales, weight_scale_inv)",
+                     "compressed-tensors float-quantized (8-bit float weights: tensor, channel or block scales)")
+
+
+@dataclass(frozen=True, slots=True)
+class FP8Storage:
+    """How an FP8 checkpoint stores each quantized linear weight: `X.weight` in float8_e4m3fn beside a float32
+    scale, `X.weight_scale_inv` (quant_method fp8, DeepSeek-V3 and Qwen3-FP8's layout) or `X.weight_scale`
+    (compressed-tensors), of shape [] or [1] (per tensor), [rows, 1] (per channel) or [ceil(rows / block[0]),
+    ceil(cols / block[1])] (per block); the weight is fp8 x scale. A weight stored in another dtype is read as it
+    is (the modules a checkpoint leaves unquantized). `X.input_scale` (a static activation scale) is read and not
+    applied: activations stay in the served dtype (weight-only, as vLLM serves FP8 where a GPU has no FP8 math)."""
+    scale_suffix: str                         # "weight_scale_inv" or "weight_scale"
+    block: tuple[int, int] | None             # the block shape, where scales are per block
+
+
+def fp8_storage(hf: dict) -> FP8Storage | None:
+    """config.json's quantization_config as FP8Storage: None for an unquantized checkpoint; a ValueError naming
+    what is not read (its quant_method, format or scheme) and what is."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    if method == "fp8":
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config: fmt {quant['fmt']!r} is not read (e4m3 only)")
+        block = quant.get("weight_block_size")
+        return FP8Storage("weight_scale_inv", tuple(block) if block else None)
+    if method == "compressed-tensors":
+        for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+            if quant.get(name):
+                raise ValueError(f"quantization_config: compressed-tensors {name} is not read")
+        if quant.get("format") != "float-quantized":
+            raise ValueError(f"quantization_config: compressed-tensors format {quant.get('format')!r} is not read; "
+                             f"read: {'; '.join(READ_QUANTIZATION)}")
+        blocks = set()
+        for name, group in (quant.get("config_groups") or {}).items():
+            weights = group.get("weights") or {}
+            scheme = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+            if scheme[:2] != ("float", 8) or scheme[2] not in ("tensor", "channel", "block") \
+                    or not weights.get("symmetric", True):
+                raise ValueError(f"quantization_config: config_groups.{name}.weights {scheme} is not read (8-bit "
+                                 "float, symmetric, per tensor, channel or block)")
+            if weights.get("dynamic"):
+                raise ValueError(f"quantization_config: config_groups.{name}.weights dynamic is not read")
+            blocks.add(tuple(weights["block_structure"]) if scheme[2] == "block" else None)
+        if len(blocks) > 1:
+            raise ValueError(f"quantization_config: config_groups of different block shapes {sorted(map(str, blocks))}"
+                             " are not read")
+        return FP8Storage("weight_scale", blocks.pop() if blocks else None)
+    raise ValueError(f"quantization_config: quant_method {method!r} is not read; read: {'; '.join(READ_QUANTIZATION)}"
+                     "; else unquantized weights (bfloat16, float16, float32)")
+
+
 def refuse_unread(hf: dict) -> None:
     """Fields of config.json that change the model's math and that this server does not read: refused at start,
     by name, rather than served as another model."""
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ValueError(f"quantization_config: quant_method {method!r} is not read; this server serves unquantized "
-                         "weights (bfloat16, float16, float32)")
+    fp8_storage(hf)
     if hf.get("attention_bias") and hf.get("architectures", ["?"])[0] not in QKV_BIAS:
         raise ValueError("attention_bias: true (biases on q, k, v and o_proj) is not read; only Qwen2's q, k, v "
                          "biases are")
@@ -314,3 +364,69 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         with safe_open(path, framework="pt") as f:
             key_files |= {key: path for key in f.keys()}
     return key_files
+
+
+class CheckpointReader:
+    """A model directory's tensors by name, over its safetensors files (each opened once), as safetensors slices
+    (get_shape, and indexing that reads only what it selects); an FP8 checkpoint's quantized weight (FP8Storage)
+    as a DequantizedSlice of the fp32 values it encodes."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.key_files = checkpoint_files(self.model_dir)
+        config = self.model_dir / "config.json"
+        self.storage = fp8_storage(json.loads(config.read_text())) if config.is_file() else None
+        self.handles: dict[Path, object] = {}
+
+    def get_slice(self, key: str):
+        raw = self._file(key).get_slice(key)
+        if not raw.get_dtype().startswith("F8"):
+            return raw
+        if self.storage is None or raw.get_dtype() != "F8_E4M3":
+            raise ValueError(f"checkpoint tensor {key} is {raw.get_dtype()} without a quantization_config that "
+                             "says how to read it")
+        scale_key = key.removesuffix("weight") + self.storage.scale_suffix
+        scale = self._file(scale_key).get_tensor(scale_key)
+        return DequantizedSlice(raw, scale, self.storage.block, key)
+
+    def read_keys(self, keys) -> set[str]:
+        """The checkpoint keys read with these: an FP8 weight's scale and static input scale besides."""
+        keys = set(keys)
+        if self.storage is None:
+            return keys
+        scales = {key.removesuffix("weight") + suffix for key in keys if key.endswith(".weight")
+                  and key in self.key_files and self._file(key).get_slice(key).get_dtype().startswith("F8")
+                  for suffix in (self.storage.scale_suffix, "input_scale")}
+        return keys | (scales & self.key_files.keys())
+
+    def close(self) -> None:
+        self.handles.clear()
+
+    def _file(self, key: str):
+        if key not in self.key_files:
+            raise KeyError(f"checkpoint in {self.model_dir} has no tensor {key}")
+        path = self.key_files[key]
+        if path not in self.handles:
+            self.handles[path] = safe_open(path, framework="pt")
+        return self.handles[path]
+
+
+class DequantizedSlice:
+    """An FP8 weight read as a safetensors slice is: get_shape() and indexing, over its dequantized fp32 values
+    (kernels/quant.dequantize_fp8), computed once, when first indexed."""
+
+    def __init__(self, raw, scale, block: tuple[int, int] | None, key: str):
+        self.raw, self.scale, self.block, self.key = raw, scale, block, key
+        self.values = None
+
+    def get_shape(self) -> list[int]:
+        return self.raw.get_shape()
+
+    def __getitem__(self, index):
+        if self.values is None:
+            from kernels.quant import dequantize_fp8
+            try:
+                self.values = dequantize_fp8(self.raw[:], self.scale, self.block)
+            except ValueError as err:
+                raise ValueError(f"checkpoint tensor {self.key}: {err}") from None
+        return self.values[index]

@@ -1,6 +1,7 @@
 """Weight-only INT8 weights, as the GEMMs read them: each output channel's values rounded to int8 against one fp32
 scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only, vLLM's W8A16 by
-channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads."""
+channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads. And the values an
+FP8 checkpoint's weights encode (dequantize_fp8)."""
 from dataclasses import dataclass
 
 import torch
@@ -42,3 +43,21 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(data, scale)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Semantics: weight.float() * scale, the scale one for the tensor ([] or [1]), one a row ([rows, 1]), or one a
+    block of block[0] x block[1] ([ceil(rows / block[0]), ceil(cols / block[1])], the last ones partial): an FP8
+    checkpoint's weight [rows, cols] (float8_e4m3fn) as the fp32 values it encodes."""
+    if weight.dim() != 2:
+        raise ValueError(f"a weight of shape {list(weight.shape)}: 2-D FP8 weights only")
+    w, scale = weight.float(), scale.float()
+    rows, cols = w.shape
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if tuple(scale.shape) == (rows, 1):
+        return w * scale
+    if block is not None and tuple(scale.shape) == (-(-rows // block[0]), -(-cols // block[1])):
+        return w * scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    raise ValueError(f"a scale of shape {list(scale.shape)} for a weight of shape {[rows, cols]}"
+                     + (f" in blocks of {list(block)}" if block else "") + " (one per tensor, row or block)")

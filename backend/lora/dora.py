@@ -8,9 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from backend.checkpoint import checkpoint_files
+from backend.checkpoint import CheckpointReader
 from kernels.quant import quantize_int8
 
 PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_attn.k_proj",),
@@ -23,16 +22,19 @@ BaseWeight = Callable[[int, int], torch.Tensor]            # (layer, module_id) 
 
 def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, device="cpu",
                        weight_dtype: str = "auto") -> BaseWeight:
-    """A base model's module weights as they are served: read from its safetensors (one at a time), in dtype; with
-    weight_dtype int8, quantized and dequantized as the served weight is (each output row on its own scale, so a
-    module alone rounds as it does inside a fused projection)."""
-    files = checkpoint_files(Path(model_dir))
+    """A base model's module weights as they are served: read from its safetensors (one at a time, its file closed
+    after; an FP8 checkpoint's dequantized), in dtype; with weight_dtype int8, quantized and dequantized as the
+    served weight is (each output row on its own scale, so a module alone rounds as it does inside a fused
+    projection)."""
+    reader = CheckpointReader(model_dir)
 
     def weight(layer: int, module_id: int) -> torch.Tensor:
         keys = [f"model.layers.{layer}.{name}.weight" for name in PEFT_PROJ[module_id]]
-        key = next((key for key in keys if key in files), keys[0])
-        with safe_open(files[key], framework="pt", device=str(device)) as f:
-            w = f.get_tensor(key)
+        key = next((key for key in keys if key in reader.key_files), keys[0])
+        try:
+            w = reader.get_slice(key)[:].to(device)
+        finally:
+            reader.close()
         w = w if dtype is None else w.to(dtype)
         return quantize_int8(w).dequantize(w.dtype) if weight_dtype == "int8" else w
     return weight

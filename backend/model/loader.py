@@ -4,9 +4,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from backend.checkpoint import ModelConfig, checkpoint_files
+from backend.checkpoint import CheckpointReader, ModelConfig
 from kernels.quant import Int8Weight, quantize_int8
 
 
@@ -129,18 +128,18 @@ def experts_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _checked_slice(handle, key: str, shape: tuple[int, ...]):
-    """The checkpoint tensor `key`, unread (safetensors' slice), once its shape is the expected one."""
-    tensor = handle.get_slice(key)
+def _checked_slice(reader: CheckpointReader, key: str, shape: tuple[int, ...]):
+    """The checkpoint tensor `key`, unread (a safetensors slice), once its shape is the expected one."""
+    tensor = reader.get_slice(key)
     actual = tuple(tensor.get_shape())
     if actual != shape:
         raise ValueError(f"checkpoint tensor {key} has shape {list(actual)}, expected {list(shape)}")
     return tensor
 
 
-def _read_slice(handle, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
+def _read_slice(reader: CheckpointReader, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
     """Part `index` of `parts` equal parts along `dim` (None: the whole tensor)."""
-    return _sliced(_checked_slice(handle, key, shape), shape, dim, parts, index, key)
+    return _sliced(_checked_slice(reader, key, shape), shape, dim, parts, index, key)
 
 
 def _sliced(tensor, shape: tuple[int, ...], dim: int | None, parts: int, index: int, key: str = "") -> torch.Tensor:
@@ -182,11 +181,11 @@ def _read_experts(read, key_shapes: list[tuple[str, tuple[int, ...]]], split: st
     return torch.stack(pieces)
 
 
-def _read_fused(handle, key: str, shape: tuple[int, ...], cfg: ModelConfig, split: str, tp_size: int,
+def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg: ModelConfig, split: str, tp_size: int,
                 tp_rank: int) -> torch.Tensor:
     """This rank's rows of a fused checkpoint tensor: of q, k and v each (fused_qkv: q by heads, k and v by KV
     heads), or of gate and up each (fused_column), in that order."""
-    tensor = _checked_slice(handle, key, shape)               # read piece by piece: each rank its own rows only
+    tensor = _checked_slice(reader, key, shape)               # read piece by piece: each rank its own rows only
     if split == "fused_qkv":
         q, kv = cfg.q_size, cfg.kv_size
         kv_parts, kv_index, _ = cfg.kv_head_part(tp_size, tp_rank)
@@ -211,28 +210,17 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-    model_dir = Path(model_dir)
-    key_files = checkpoint_files(model_dir)
+    reader = CheckpointReader(model_dir)
     shapes = expected_shapes(cfg)
-    table = translation_table(cfg, key_files.keys())
-    refuse_unread_tensors(key_files, table, cfg, model_dir)
-    handles = {}
+    table = translation_table(cfg, reader.key_files.keys())
+    refuse_unread_tensors(reader, table, cfg)
     weights = {}
-
-    def handle(key: str, name: str):
-        if key not in key_files:
-            raise KeyError(f"checkpoint in {model_dir} has no tensor {key} (needed for {name})")
-        path = key_files[key]
-        if path not in handles:
-            handles[path] = safe_open(path, framework="pt")
-        return handles[path]
-
     try:
         for name, source in table.items():
             if name == "lm_head" and not lm_head:
                 continue
             if "experts" in source.split:
-                read = lambda key: _checked_slice(handle(key, name), key, shapes[key])  # noqa: E731
+                read = lambda key: _checked_slice(reader, key, shapes[key])  # noqa: E731
                 experts = _read_experts(read, [(key, shapes[key]) for key in source.keys], source.split, tp_size,
                                         tp_rank)
                 weights[name] = experts.to(device).to(dtype).contiguous()
@@ -240,17 +228,16 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
             parts = []
             for key in source.keys:
                 if source.split.startswith("fused"):
-                    part = _read_fused(handle(key, name), key, shapes[key], cfg, source.split, tp_size, tp_rank)
+                    part = _read_fused(reader, key, shapes[key], cfg, source.split, tp_size, tp_rank)
                 else:
-                    part = _read_slice(handle(key, name), key, shapes[key], *_part(cfg, source.split, key, tp_size,
-                                                                                    tp_rank))
+                    part = _read_slice(reader, key, shapes[key], *_part(cfg, source.split, key, tp_size, tp_rank))
                 if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
                     part = part.float() + cfg.norm_offset
                 parts.append(part.to(device).to(dtype))
             weights[name] = served_weight(name, reordered(cfg, name, torch.cat(parts, dim=0) if len(parts) > 1
                                                           else parts[0], tp_size).contiguous(), weight_dtype)
     finally:
-        handles.clear()
+        reader.close()
     return weights
 
 
@@ -261,16 +248,16 @@ def served_weight(name: str, weight: torch.Tensor, weight_dtype: str) -> torch.T
     return weight
 
 
-def refuse_unread_tensors(key_files: dict, table: dict[str, Source], cfg: ModelConfig, model_dir: Path) -> None:
+def refuse_unread_tensors(reader: CheckpointReader, table: dict[str, Source], cfg: ModelConfig) -> None:
     """Every checkpoint tensor is one we read (or a tied LM head's copy of the embeddings, or RoPE's cached
     frequencies): a tensor we would leave out changes the model (a bias, a scale, a quantized weight's zeros)."""
-    read = {key for source in table.values() for key in source.keys}
+    read = reader.read_keys(key for source in table.values() for key in source.keys)
     if cfg.tie_word_embeddings:
         read.add("lm_head.weight")
-    unread = sorted(key for key in key_files if key not in read and not key.endswith("rotary_emb.inv_freq"))
+    unread = sorted(key for key in reader.key_files if key not in read and not key.endswith("rotary_emb.inv_freq"))
     if unread:
         more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
-        raise ValueError(f"checkpoint in {model_dir} holds tensors this server does not read: "
+        raise ValueError(f"checkpoint in {reader.model_dir} holds tensors this server does not read: "
                          f"{', '.join(unread[:3])}{more} (a {cfg.architecture} reads none of them)")
 
 

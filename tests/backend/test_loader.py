@@ -136,9 +136,12 @@ def edited_model(tiny_model_dir, path, config: dict | None = None, tensors: dict
 
 # Fields and tensors that change the math and that the loader does not read: each refused at start, by name.
 UNREAD = {
-    "fp8 block scales": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-                         {"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(1, 1)},
-                         "quantization_config: quant_method 'fp8' is not read"),
+    "gptq": ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}, {},
+             "quantization_config: quant_method 'gptq' is not read; read: fp8"),
+    "a scale beside an unquantized weight": (
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+        {"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(1, 1)},
+        "does not read: model.layers.0.mlp.down_proj.weight_scale_inv"),
     "attention_bias": ({"attention_bias": True}, {}, "attention_bias: true"),
     "mlp_bias": ({"mlp_bias": True}, {}, "mlp_bias: true"),
     "activation": ({"hidden_act": "relu"}, {}, "hidden_act 'relu' is not supported"),

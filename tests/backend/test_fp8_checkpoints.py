@@ -1,0 +1,221 @@
+"""FP8 checkpoints as published (quant_method fp8 with block scales, compressed-tensors float-quantized with channel or
+tensor scales): the engine's greedy tokens equal transformers' on the model the checkpoint encodes, dequantized
+here by the test's own lines from the format's definition; adapters equal PEFT on that model; int8 serving of an
+FP8 checkpoint equals its int8 rounding; what is not read is refused by name."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend import LLMEngine
+from backend.lora.dora import checkpoint_weights
+from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
+from tests.backend.test_quantized import PATHS, dequantized_copy
+from tests.helpers import ALL_MODULES, hf_greedy, peft_greedy, peft_model_with, random_prompts
+
+FP8_MAX = 448.0                                            # e4m3's largest finite value
+BLOCK = (32, 48)                                           # rows x cols: 48 leaves partial blocks of 64 and 128 cols
+LAYOUTS = {
+    "fp8 blocks": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": list(BLOCK)},
+    "compressed-tensors channel": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                        "dynamic": False}}}},
+    "compressed-tensors tensor": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}}}},
+}
+
+
+def scale_groups(rows: int, cols: int, layout: str) -> list[tuple[slice, slice]]:
+    """The (rows, cols) ranges that share one scale."""
+    if layout == "fp8 blocks":
+        return [(slice(r, r + BLOCK[0]), slice(c, c + BLOCK[1])) for r in range(0, rows, BLOCK[0])
+                for c in range(0, cols, BLOCK[1])]
+    if layout.endswith("channel"):
+        return [(slice(r, r + 1), slice(0, cols)) for r in range(rows)]
+    return [(slice(0, rows), slice(0, cols))]
+
+
+def fp8_checkpoint(model_dir: Path, out: Path, layout: str) -> Path:
+    """The model written in an FP8 layout by the test's own packer: each projection's groups scaled to e4m3's range
+    (scale = max |w| / 448), the scale stored as the format names it; embeddings, norms and LM head as they are."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": LAYOUTS[layout]}))
+    suffix = "weight_scale_inv" if layout == "fp8 blocks" else "weight_scale"
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for key in [k for k in tensors if k.endswith(tuple(f"{m}.weight" for m in ALL_MODULES))]:
+            w = tensors[key].float()
+            groups = scale_groups(*w.shape, layout)
+            scales = torch.tensor([max(w[g].abs().max().item(), 1e-12) / FP8_MAX for g in groups])
+            q = torch.empty_like(w)
+            for g, scale in zip(groups, scales):
+                q[g] = w[g] / scale
+            tensors[key] = q.to(torch.float8_e4m3fn)
+            rows, cols = w.shape
+            shape = {"fp8 blocks": (-(-rows // BLOCK[0]), -(-cols // BLOCK[1])),
+                     "compressed-tensors channel": (rows, 1), "compressed-tensors tensor": (1,)}[layout]
+            tensors[key.removesuffix("weight") + suffix] = scales.reshape(shape)
+            if layout.endswith("channel"):
+                tensors[key.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+def dequantized(fp8_dir: Path, out: Path, layout: str) -> Path:
+    """The fp32 model an FP8 checkpoint encodes: every e4m3 value times the scale of its group."""
+    shutil.copytree(fp8_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for key in [k for k in tensors if tensors[k].dtype == torch.float8_e4m3fn]:
+            q = tensors.pop(key).float()
+            scales = tensors.pop(key.removesuffix("weight") + ("weight_scale_inv" if layout == "fp8 blocks"
+                                                               else "weight_scale")).flatten()
+            tensors.pop(key.removesuffix("weight") + "input_scale", None)
+            w = torch.empty_like(q)
+            for g, scale in zip(scale_groups(*q.shape, layout), scales):
+                w[g] = q[g] * scale
+            tensors[key] = w
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """layout -> (the FP8 checkpoint, the fp32 model it encodes)"""
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for i, layout in enumerate(LAYOUTS):
+        fp8 = fp8_checkpoint(Path(tiny_model_dir), root / f"fp8-{i}", layout)
+        out[layout] = fp8, dequantized(fp8, root / f"fp32-{i}", layout)
+    return out
+
+
+def engine_for(model_dir, kernel_backend: str, **settings) -> LLMEngine:
+    return LLMEngine(model_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20,
+                     max_num_batched_tokens=24, **settings)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_an_fp8_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_model_dir, checkpoints, layout,
+                                                                        kernel_backend):
+    from transformers import AutoModelForCausalLM
+    fp8_dir, fp32_dir = checkpoints[layout]
+    hf = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.float32).eval()
+    engine = engine_for(fp8_dir, kernel_backend)
+    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    eos = engine.model_config.eos_token_id
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
+    original = engine_for(tiny_model_dir, kernel_backend)
+    assert original.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
+        "the FP8 rounding changes some token here: the check can tell"
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_adapters_over_an_fp8_checkpoint_match_peft_on_the_model_it_encodes(checkpoints, tiny_adapters,
+                                                                            kernel_backend):
+    fp8_dir, fp32_dir = checkpoints["fp8 blocks"]
+    peft = peft_model_with(fp32_dir, tiny_adapters)
+    prompts = random_prompts(LENGTHS, 512, seed=21)
+    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
+                for p, t in zip(prompts, TASKS)]
+    engine = engine_for(fp8_dir, kernel_backend)
+    for task_id, path in enumerate(tiny_adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    assert run_mixed(engine, prompts, end_id=2) == expected
+
+
+def test_int8_serving_of_an_fp8_checkpoint_is_its_int8_rounding(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+    fp8_dir, fp32_dir = checkpoints["compressed-tensors channel"]
+    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(fp32_dir, tmp_path / "int8"), dtype=torch.float32)
+    engine = engine_for(fp8_dir, "torch", weight_dtype="int8")
+    prompts = random_prompts([7, 26, 11], engine.model_config.vocab_size, seed=6)
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id) == \
+        [hf_greedy(hf.eval(), p, MAX_NEW) for p in prompts]
+
+
+def test_a_checkpoint_compressed_tensors_writes_is_read_as_the_model_it_encodes(tiny_model_dir, tmp_path):
+    """The layout written by the library vLLM's FP8 checkpoints come from (its FP8_DYNAMIC scheme: per-channel
+    weight scales, activations per token, which a weight-only reader leaves in the served dtype)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                                        format="float-quantized"))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.detach()
+            module.weight_scale.data.copy_(calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
+                                                             scheme.weights)[0])
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path / "fp8")
+    compressor.update_config(tmp_path / "fp8")
+    hf = AutoModelForCausalLM.from_pretrained(
+        dequantized(tmp_path / "fp8", tmp_path / "fp32", "compressed-tensors channel"), dtype=torch.float32).eval()
+    engine = engine_for(tmp_path / "fp8", "torch")
+    prompts = random_prompts([5, 21, 9], engine.model_config.vocab_size, seed=15)
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id) == \
+        [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def test_dora_reads_the_weights_an_fp8_checkpoint_encodes(checkpoints):
+    fp8_dir, fp32_dir = checkpoints["fp8 blocks"]
+    served, encoded = checkpoint_weights(fp8_dir), checkpoint_weights(fp32_dir)
+    for layer, module_id in ((0, 1), (1, 6), (1, 7)):
+        assert torch.equal(served(layer, module_id), encoded(layer, module_id))
+
+
+def edited(fp8_dir: Path, out: Path, quantization: dict | None = None, tensors: dict | None = None) -> Path:
+    """The checkpoint with another quantization_config (None: as it is; {}: none, and the scales gone too) and
+    tensors replaced."""
+    shutil.copytree(fp8_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    path = out / "model.safetensors"
+    weights = load_file(path) | (tensors or {})
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    if quantization == {}:
+        weights = {key: w for key, w in weights.items() if not key.endswith("weight_scale_inv")}
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("case,quantization,tensors,says", [
+    ("e5m2", LAYOUTS["fp8 blocks"] | {"fmt": "e5m2"}, None, "quantization_config: fmt 'e5m2' is not read"),
+    ("kv cache scheme", LAYOUTS["compressed-tensors tensor"] | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+     None, "compressed-tensors kv_cache_scheme is not read"),
+    ("int4 packed", LAYOUTS["compressed-tensors tensor"] | {"format": "pack-quantized"}, None,
+     "compressed-tensors format 'pack-quantized' is not read; read: fp8"),
+    ("int weights", {**LAYOUTS["compressed-tensors tensor"], "config_groups": {"group_0": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel"}}}}, None,
+     r"config_groups.group_0.weights \('int', 8, 'channel'\) is not read"),
+    ("no quantization_config", {}, None, "model.layers.0.self_attn.q_proj.weight is F8_E4M3 without a "
+                                         "quantization_config"),
+    ("a scale of the wrong shape", None, {"model.layers.1.mlp.up_proj.weight_scale_inv": torch.ones(3, 3)},
+     r"model.layers.1.mlp.up_proj.weight: a scale of shape \[3, 3\] for a weight of shape \[128, 64\] in blocks"),
+])
+def test_what_an_fp8_checkpoint_holds_that_is_not_read_is_refused_by_name(checkpoints, tmp_path, case, quantization,
+                                                                         tensors, says):
+    path = edited(checkpoints["fp8 blocks"][0], tmp_path / "edited", quantization, tensors)
+    with pytest.raises(ValueError, match=says):
+        engine_for(path, "torch")
