@@ -14,7 +14,8 @@ from backend import LLMEngine
 from backend.lora.dora import checkpoint_weights
 from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
 from tests.backend.test_quantized import PATHS, dequantized_copy
-from tests.helpers import ALL_MODULES, hf_greedy, peft_greedy, peft_model_with, random_prompts
+from tests.helpers import (ALL_MODULES, CPU_BACKENDS, build_tiny, hf_greedy, peft_greedy, peft_model_with,
+                           random_prompts)
 
 FP8_MAX = 448.0                                            # e4m3's largest finite value
 BLOCK = (32, 48)                                           # rows x cols: 48 leaves partial blocks of 64 and 128 cols
@@ -123,6 +124,20 @@ def test_an_fp8_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_mod
     original = engine_for(tiny_model_dir, kernel_backend)
     assert original.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
         "the FP8 rounding changes some token here: the check can tell"
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_an_fp8_mixture_of_experts_matches_transformers_on_the_model_it_encodes(tmp_path, kernel_backend):
+    """Each expert's projections in FP8 blocks (the router unquantized, as published checkpoints leave it)."""
+    from transformers import AutoModelForCausalLM
+    build_tiny(tmp_path / "moe", seed=3, architecture="qwen3_moe")
+    fp8_dir = fp8_checkpoint(tmp_path / "moe", tmp_path / "fp8", "fp8 blocks")
+    hf = AutoModelForCausalLM.from_pretrained(dequantized(fp8_dir, tmp_path / "fp32", "fp8 blocks"),
+                                              dtype=torch.float32).eval()
+    engine = engine_for(fp8_dir, kernel_backend)
+    prompts = random_prompts([5, 21, 9], engine.model_config.vocab_size, seed=5)
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id) == \
+        [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
