@@ -75,6 +75,7 @@ class StubConnection:
         self.region = ""                       # its shared memory region, removed if it dies
         self.pid = self.server_pid = 0
         self.supervisor_pid = 0                # what restarts its tritonserver, if anything does
+        self.greeted = False                   # its hello answered: broadcasts (beats, reports) may follow
 
     def send(self, message) -> None:
         if self.gone:
@@ -96,6 +97,7 @@ class StubConnection:
             self.supervisor_pid = parent_of(self.server_pid) if os.environ.get(SUPERVISED_VAR) else 0
             self.send(("ready", self.host.loop.engine.limits))
             self.send(("report", self.host.reporter.report(self.host.loop.engine, None, self.host.loop.alive)))
+            self.greeted = True
             while True:
                 self._handle(self.channel.recv())
         except ChannelClosed:
@@ -156,8 +158,9 @@ class EngineHost:
         self.broadcast(("report", self.reporter.report(engine, seconds, self.loop.alive)))
 
     def broadcast(self, message) -> None:
+        """To every stub whose hello is answered: a beat sent before its "ready" read as a failed start."""
         with self.lock:
-            stubs = list(self.stubs)
+            stubs = [stub for stub in self.stubs if stub.greeted]
         for stub in stubs:
             stub.send(message)
 

@@ -3,10 +3,12 @@ again on its own, and serves as before; stopped, it ends tritonserver even where
 itself."""
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -41,12 +43,31 @@ def stderr_tail(launcher: subprocess.Popen, num_chars: int = 4000) -> str:
 
 
 
-def read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> str:
+def pump_lines(process: subprocess.Popen) -> None:
     for line in process.stdout:
+        process.stdout_lines.put(line)
+    process.stdout_lines.put("")                             # its end
+
+
+def read_until(process: subprocess.Popen, marker: str, lines: list[str], timeout_s: float = 300) -> str:
+    """The process's stdout lines (each kept in `lines`, read on a thread of its own) until one holds `marker`; an
+    AssertionError with what it printed, and its stderr's end where kept, if it ends or timeout_s passes first."""
+    if not hasattr(process, "stdout_lines"):
+        process.stdout_lines = queue.Queue()
+        threading.Thread(target=pump_lines, args=(process,), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = process.stdout_lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if not line:
+            break
         lines.append(line)
         if marker in line:
             return line
-    raise AssertionError(f"launcher ended before {marker!r}:\n{''.join(lines)[-3000:]}")
+    stderr = f"\nits stderr ends:\n{stderr_tail(process)}" if hasattr(process, "stderr_log") else ""
+    raise AssertionError(f"no {marker!r} from the launcher:\n{''.join(lines)[-3000:]}{stderr}")
 
 
 def test_a_killed_tritonserver_is_restarted_and_serves_the_same_tokens(tiny_model_dir):
@@ -78,7 +99,7 @@ def test_a_stop_ends_tritonserver_even_while_a_client_holds_its_stream_open(tiny
         assert len(stream.collect().tokens) == 3                  # answered; the stream stays open
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=30)                                 # 2 s exit timeout + 5 s, then killed
-        assert "killing it" in launcher.stdout.read()
+        read_until(launcher, "killing it", lines)
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     finally:
