@@ -3,6 +3,7 @@ file holds each weight. The model (backend/model/) and the adapters (backend/lor
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from safetensors import safe_open
 
@@ -17,23 +18,37 @@ QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")       # biases on q, k an
 
 
 READ_QUANTIZATION = ("fp8 (e4m3, weight_block_size or per-tensor scales, weight_scale_inv)",
-                     "compressed-tensors float-quantized (8-bit float weights: tensor, channel or block scales)")
+                     "compressed-tensors float-quantized (8-bit float weights: tensor, channel or block scales)",
+                     "gptq (2, 4 or 8 bits, any group size, act order, formats gptq and gptq_v2)",
+                     "awq (4 bits, version gemm, zero point)")
 
 
 @dataclass(frozen=True, slots=True)
-class FP8Storage:
-    """How an FP8 checkpoint stores each quantized linear weight: `X.weight` in float8_e4m3fn beside a float32
-    scale, `X.weight_scale_inv` (quant_method fp8, DeepSeek-V3 and Qwen3-FP8's layout) or `X.weight_scale`
-    (compressed-tensors), of shape [] or [1] (per tensor), [rows, 1] (per channel) or [ceil(rows / block[0]),
-    ceil(cols / block[1])] (per block); the weight is fp8 x scale. A weight stored in another dtype is read as it
-    is (the modules a checkpoint leaves unquantized). `X.input_scale` (a static activation scale) is read and not
-    applied: activations stay in the served dtype (weight-only, as vLLM serves FP8 where a GPU has no FP8 math)."""
-    scale_suffix: str                         # "weight_scale_inv" or "weight_scale"
-    block: tuple[int, int] | None             # the block shape, where scales are per block
+class WeightStorage:
+    """How a quantized checkpoint stores each quantized linear weight X (a weight stored as `X.weight` in a float
+    dtype is read as it is: the modules a checkpoint leaves unquantized):
+    - "fp8": `X.weight` in float8_e4m3fn beside a float32 scale, `X.weight_scale_inv` (quant_method fp8, DeepSeek-V3
+      and Qwen3-FP8's layout) or `X.weight_scale` (compressed-tensors), of shape [] or [1] (per tensor), [rows, 1]
+      (per channel) or [ceil(rows / block[0]), ceil(cols / block[1])] (per block); the weight is fp8 x scale.
+      `X.input_scale` (a static activation scale) is read and not applied: activations stay in the served dtype
+      (weight-only, as vLLM serves FP8 where a GPU has no FP8 math).
+    - "gptq" / "awq": `X.qweight`, `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`), no `X.weight`: integers packed in
+      int32 with a scale and a zero point per group of input channels (kernels/quant.dequantize_gptq, _awq)."""
+    method: str                               # "fp8", "gptq" or "awq"
+    scale_suffix: str = ""                    # fp8: "weight_scale_inv" or "weight_scale"
+    block: tuple[int, int] | None = None      # fp8: the block shape, where scales are per block
+    bits: int = 0                             # gptq, awq: bits a value
+    group_size: int = 0                       # gptq, awq: input channels a group (-1: one group; GPTQ's g_idx,
+                                              # where it has one, says each channel's)
+    zero_offset: int = 0                      # gptq: 1 in its first format, which stores each zero point - 1
+
+    @property
+    def packed(self) -> bool:
+        return self.method in ("gptq", "awq")
 
 
-def fp8_storage(hf: dict) -> FP8Storage | None:
-    """config.json's quantization_config as FP8Storage: None for an unquantized checkpoint; a ValueError naming
+def weight_storage(hf: dict) -> WeightStorage | None:
+    """config.json's quantization_config as WeightStorage: None for an unquantized checkpoint; a ValueError naming
     what is not read (its quant_method, format or scheme) and what is."""
     quant = hf.get("quantization_config")
     if not quant:
@@ -43,37 +58,58 @@ def fp8_storage(hf: dict) -> FP8Storage | None:
         if quant.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config: fmt {quant['fmt']!r} is not read (e4m3 only)")
         block = quant.get("weight_block_size")
-        return FP8Storage("weight_scale_inv", tuple(block) if block else None)
+        return WeightStorage("fp8", "weight_scale_inv", tuple(block) if block else None)
     if method == "compressed-tensors":
-        for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-            if quant.get(name):
-                raise ValueError(f"quantization_config: compressed-tensors {name} is not read")
-        if quant.get("format") != "float-quantized":
-            raise ValueError(f"quantization_config: compressed-tensors format {quant.get('format')!r} is not read; "
-                             f"read: {'; '.join(READ_QUANTIZATION)}")
-        blocks = set()
-        for name, group in (quant.get("config_groups") or {}).items():
-            weights = group.get("weights") or {}
-            scheme = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
-            if scheme[:2] != ("float", 8) or scheme[2] not in ("tensor", "channel", "block") \
-                    or not weights.get("symmetric", True):
-                raise ValueError(f"quantization_config: config_groups.{name}.weights {scheme} is not read (8-bit "
-                                 "float, symmetric, per tensor, channel or block)")
-            if weights.get("dynamic"):
-                raise ValueError(f"quantization_config: config_groups.{name}.weights dynamic is not read")
-            blocks.add(tuple(weights["block_structure"]) if scheme[2] == "block" else None)
-        if len(blocks) > 1:
-            raise ValueError(f"quantization_config: config_groups of different block shapes {sorted(map(str, blocks))}"
-                             " are not read")
-        return FP8Storage("weight_scale", blocks.pop() if blocks else None)
+        return compressed_tensors_storage(quant)
+    if method == "gptq":
+        if quant.get("bits") not in (2, 4, 8):
+            raise ValueError(f"quantization_config: gptq bits {quant.get('bits')} is not read (2, 4 or 8)")
+        checkpoint_format = quant.get("checkpoint_format", "gptq")
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(f"quantization_config: gptq checkpoint_format {checkpoint_format!r} is not read "
+                             "(gptq, gptq_v2)")
+        return WeightStorage("gptq", bits=quant["bits"], group_size=quant.get("group_size", 128),
+                             zero_offset=int(checkpoint_format == "gptq"))
+    if method == "awq":
+        scheme = (quant.get("bits", quant.get("w_bit")), quant.get("version", "gemm").lower(),
+                  quant.get("zero_point", True))
+        if scheme != (4, "gemm", True):
+            raise ValueError(f"quantization_config: awq bits, version, zero_point {scheme} is not read "
+                             "(4, gemm, true)")
+        return WeightStorage("awq", bits=4, group_size=quant.get("group_size", quant.get("q_group_size", 128)))
     raise ValueError(f"quantization_config: quant_method {method!r} is not read; read: {'; '.join(READ_QUANTIZATION)}"
                      "; else unquantized weights (bfloat16, float16, float32)")
+
+
+def compressed_tensors_storage(quant: dict) -> WeightStorage:
+    """compressed-tensors' float-quantized format: 8-bit float weights, symmetric, static, one block shape."""
+    for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if quant.get(name):
+            raise ValueError(f"quantization_config: compressed-tensors {name} is not read")
+    if quant.get("format") != "float-quantized":
+        raise ValueError(f"quantization_config: compressed-tensors format {quant.get('format')!r} is not read; "
+                         f"read: {'; '.join(READ_QUANTIZATION)}")
+    blocks = set()
+    for name, group in (quant.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        scheme = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+        if scheme[:2] != ("float", 8) or scheme[2] not in ("tensor", "channel", "block") \
+                or not weights.get("symmetric", True):
+            raise ValueError(f"quantization_config: config_groups.{name}.weights {scheme} is not read (8-bit "
+                             "float, symmetric, per tensor, channel or block)")
+        if weights.get("dynamic"):
+            raise ValueError(f"quantization_config: config_groups.{name}.weights dynamic is not read")
+        blocks.add(tuple(weights["block_structure"]) if scheme[2] == "block" else None)
+    if len(blocks) > 1:
+        raise ValueError(f"quantization_config: config_groups of different block shapes {sorted(map(str, blocks))}"
+                         " are not read")
+    return WeightStorage("fp8", "weight_scale", blocks.pop() if blocks else None)
 
 
 def refuse_unread(hf: dict) -> None:
     """Fields of config.json that change the model's math and that this server does not read: refused at start,
     by name, rather than served as another model."""
-    fp8_storage(hf)
+    weight_storage(hf)
     if hf.get("attention_bias") and hf.get("architectures", ["?"])[0] not in QKV_BIAS:
         raise ValueError("attention_bias: true (biases on q, k, v and o_proj) is not read; only Qwen2's q, k, v "
                          "biases are")
@@ -368,39 +404,78 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 class CheckpointReader:
     """A model directory's tensors by name, over its safetensors files (each opened once), as safetensors slices
-    (get_shape, and indexing that reads only what it selects); an FP8 checkpoint's quantized weight (FP8Storage)
-    as a DequantizedSlice of the fp32 values it encodes."""
+    (get_shape, and indexing that reads only what it selects); a quantized checkpoint's weight (WeightStorage) as a
+    DequantizedSlice of the fp32 values it encodes."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self.key_files = checkpoint_files(self.model_dir)
         config = self.model_dir / "config.json"
-        self.storage = fp8_storage(json.loads(config.read_text())) if config.is_file() else None
+        self.storage = weight_storage(json.loads(config.read_text())) if config.is_file() else None
         self.handles: dict[Path, object] = {}
 
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_files or self._is_packed(key)
+
     def get_slice(self, key: str):
+        if self._is_packed(key):
+            return self._packed(key)
         raw = self._file(key).get_slice(key)
         if not raw.get_dtype().startswith("F8"):
             return raw
-        if self.storage is None or raw.get_dtype() != "F8_E4M3":
+        if self.storage is None or self.storage.method != "fp8" or raw.get_dtype() != "F8_E4M3":
             raise ValueError(f"checkpoint tensor {key} is {raw.get_dtype()} without a quantization_config that "
                              "says how to read it")
-        scale_key = key.removesuffix("weight") + self.storage.scale_suffix
-        scale = self._file(scale_key).get_tensor(scale_key)
-        return DequantizedSlice(raw, scale, self.storage.block, key)
+        from kernels.quant import dequantize_fp8            # (torch when first needed: the OpenAI API's process
+        scale = self._tensor(key.removesuffix("weight") + self.storage.scale_suffix)     # reads configs only)
+        return DequantizedSlice(key, raw.get_shape(), lambda: dequantize_fp8(raw[:], scale, self.storage.block))
 
     def read_keys(self, keys) -> set[str]:
-        """The checkpoint keys read with these: an FP8 weight's scale and static input scale besides."""
+        """The checkpoint keys read with these: a quantized weight's scales, zeros, groups (and an FP8 weight's static
+        input scale) besides."""
         keys = set(keys)
         if self.storage is None:
             return keys
-        scales = {key.removesuffix("weight") + suffix for key in keys if key.endswith(".weight")
-                  and key in self.key_files and self._file(key).get_slice(key).get_dtype().startswith("F8")
-                  for suffix in (self.storage.scale_suffix, "input_scale")}
-        return keys | (scales & self.key_files.keys())
+        parts = ("qweight", "qzeros", "scales", "g_idx") if self.storage.packed else (self.storage.scale_suffix,
+                                                                                        "input_scale")
+        quantized = [key for key in keys if key.endswith(".weight") and key in self and (
+            self.storage.packed or self._file(key).get_slice(key).get_dtype().startswith("F8"))]
+        return keys | ({key.removesuffix("weight") + part for key in quantized for part in parts} & self.key_files.keys())
 
     def close(self) -> None:
         self.handles.clear()
+
+    def _is_packed(self, key: str) -> bool:
+        """Whether GPTQ's or AWQ's packed weight stands in place of `key` (X.weight)."""
+        return (self.storage is not None and self.storage.packed and key.endswith(".weight")
+                and key not in self.key_files and key.removesuffix("weight") + "qweight" in self.key_files)
+
+    def _packed(self, key: str) -> "DequantizedSlice":
+        base = key.removesuffix("weight")
+        import torch
+
+        from kernels.quant import dequantize_awq, dequantize_gptq
+        storage = self.storage
+        qweight, scales = self._file(base + "qweight").get_slice(base + "qweight"), self._tensor(base + "scales")
+        in_dim, out_dim = qweight.get_shape()
+        if storage.method == "gptq":
+            in_dim = in_dim * 32 // storage.bits
+            g_idx = self._tensor(base + "g_idx") if base + "g_idx" in self.key_files else \
+                torch.arange(in_dim) // (storage.group_size if storage.group_size > 0 else in_dim)
+
+            def values():
+                return dequantize_gptq(qweight[:], self._tensor(base + "qzeros"), scales, g_idx, storage.bits,
+                                       storage.zero_offset)
+        else:
+            out_dim = out_dim * 32 // storage.bits
+
+            def values():
+                return dequantize_awq(qweight[:], self._tensor(base + "qzeros"), scales,
+                                      storage.group_size if storage.group_size > 0 else in_dim)
+        return DequantizedSlice(key, [out_dim, in_dim], values)
+
+    def _tensor(self, key: str):
+        return self._file(key).get_tensor(key)
 
     def _file(self, key: str):
         if key not in self.key_files:
@@ -412,21 +487,20 @@ class CheckpointReader:
 
 
 class DequantizedSlice:
-    """An FP8 weight read as a safetensors slice is: get_shape() and indexing, over its dequantized fp32 values
-    (kernels/quant.dequantize_fp8), computed once, when first indexed."""
+    """A quantized weight read as a safetensors slice is: get_shape() and indexing, over the fp32 values it encodes
+    (`values()`: kernels/quant's dequantize_*), computed once, when first indexed."""
 
-    def __init__(self, raw, scale, block: tuple[int, int] | None, key: str):
-        self.raw, self.scale, self.block, self.key = raw, scale, block, key
-        self.values = None
+    def __init__(self, key: str, shape: list[int], values: Callable[[], object]):
+        self.key, self.shape, self.values = key, shape, values
+        self.dequantized = None
 
     def get_shape(self) -> list[int]:
-        return self.raw.get_shape()
+        return self.shape
 
     def __getitem__(self, index):
-        if self.values is None:
-            from kernels.quant import dequantize_fp8
+        if self.dequantized is None:
             try:
-                self.values = dequantize_fp8(self.raw[:], self.scale, self.block)
+                self.dequantized = self.values()
             except ValueError as err:
                 raise ValueError(f"checkpoint tensor {self.key}: {err}") from None
-        return self.values[index]
+        return self.dequantized[index]

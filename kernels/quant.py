@@ -1,7 +1,7 @@
 """Weight-only INT8 weights, as the GEMMs read them: each output channel's values rounded to int8 against one fp32
 scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only, vLLM's W8A16 by
-channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads. And the values an
-FP8 checkpoint's weights encode (dequantize_fp8)."""
+channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads. And the values that
+FP8, GPTQ and AWQ checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq)."""
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +61,40 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
         return w * scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     raise ValueError(f"a scale of shape {list(scale.shape)} for a weight of shape {[rows, cols]}"
                      + (f" in blocks of {list(block)}" if block else "") + " (one per tensor, row or block)")
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # AutoAWQ's order of the 8 nibbles of an int32 (nibble i: column
+                                              # 8m + AWQ_ORDER[i])
+
+
+def unpack_int(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Semantics: each int32 of packed [..., M] holds 32 / bits unsigned values, value i in bits [bits * i,
+    bits * (i + 1)), for position order[i] of its run (default i): -> [..., M * 32 / bits] int32."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)     # [..., M, per_word]
+    if order is not None:
+        values = values[..., torch.tensor(order).argsort()]
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+
+
+def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                    bits: int, zero_offset: int) -> torch.Tensor:
+    """Semantics: q = qweight's values along its rows ([in / (32 / bits), out] -> [in, out]), zeros = qzeros'
+    along its columns + zero_offset (1 in GPTQ's first format, which stores zero - 1); w[n, k] =
+    scales[g_idx[k], n] * (q[k, n] - zeros[g_idx[k], n]): a GPTQ checkpoint's weight [out, in] in fp32 (g_idx:
+    each input channel's group, in act order or not)."""
+    q = unpack_int(qweight.T.contiguous(), bits).T                              # [in, out]
+    zeros = unpack_int(qzeros, bits) + zero_offset                              # [groups, out]
+    g = g_idx.long()
+    return (scales.float()[g] * (q - zeros[g]).float()).T.contiguous()
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """Semantics: q = qweight's values along its columns in AWQ_ORDER ([in, out / 8] -> [in, out]), zeros the
+    same of qzeros [groups, out / 8]; w[n, k] = scales[k // group_size, n] * (q[k, n] - zeros[k // group_size, n]):
+    an AWQ (GEMM layout) checkpoint's weight [out, in] in fp32."""
+    q, zeros = unpack_int(qweight, 4, AWQ_ORDER), unpack_int(qzeros, 4, AWQ_ORDER)
+    g = torch.arange(q.shape[0]) // group_size
+    return (scales.float()[g] * (q - zeros[g]).float()).T.contiguous()

@@ -30,7 +30,7 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, 
 
     def weight(layer: int, module_id: int) -> torch.Tensor:
         keys = [f"model.layers.{layer}.{name}.weight" for name in PEFT_PROJ[module_id]]
-        key = next((key for key in keys if key in reader.key_files), keys[0])
+        key = next((key for key in keys if key in reader), keys[0])
         try:
             w = reader.get_slice(key)[:].to(device)
         finally:

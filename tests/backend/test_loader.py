@@ -136,8 +136,8 @@ def edited_model(tiny_model_dir, path, config: dict | None = None, tensors: dict
 
 # Fields and tensors that change the math and that the loader does not read: each refused at start, by name.
 UNREAD = {
-    "gptq": ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}, {},
-             "quantization_config: quant_method 'gptq' is not read; read: fp8"),
+    "bitsandbytes": ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, {},
+                     "quantization_config: quant_method 'bitsandbytes' is not read; read: fp8"),
     "a scale beside an unquantized weight": (
         {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
         {"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(1, 1)},

@@ -1,0 +1,150 @@
+"""GPTQ and AWQ checkpoints (integers packed in int32, a scale and a zero point per group of input channels): the
+engine's greedy tokens equal transformers' on the model the checkpoint encodes, dequantized here from the test's
+own integers (before its own packer packed them); adapters equal PEFT on that model; what is not read is refused by
+name."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend import LLMEngine
+from tests.backend.test_fp8_checkpoints import engine_for
+from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
+from tests.backend.test_quantized import PATHS
+from tests.helpers import ALL_MODULES, hf_greedy, peft_greedy, peft_model_with, random_prompts
+
+AWQ_NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)          # AutoAWQ: nibble i of a word holds column 8m + AWQ_NIBBLES[i]
+LAYOUTS = {                                      # name -> (quantization_config, group size, symmetric, act order)
+    "gptq act order": ({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False,
+                        "checkpoint_format": "gptq"}, 16, False, True),
+    "gptq_v2 8-bit": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": True,
+                       "checkpoint_format": "gptq_v2"}, 32, True, False),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}, 16, False,
+            False),
+}
+
+
+def pack(values: np.ndarray, bits: int, nibble_order=None) -> torch.Tensor:
+    """[rows, cols] unsigned values -> [rows, cols * bits / 32] int32, value i of each word in bits [bits * i, ...)
+    (column nibble_order[i] of its run of 8 where given)."""
+    per_word = 32 // bits
+    runs = values.reshape(values.shape[0], -1, per_word).astype(np.uint64)
+    if nibble_order is not None:
+        runs = runs[:, :, list(nibble_order)]
+    words = sum(runs[:, :, i] << np.uint64(bits * i) for i in range(per_word))
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32))
+
+
+def quantized(w: torch.Tensor, groups: torch.Tensor, bits: int, symmetric: bool):
+    """w [out, in] -> (q [in, out], zeros [num_groups, out], scales [num_groups, out] fp16): each group of input
+    channels (groups[k]) on a scale and zero point per output channel."""
+    maxq, num_groups = 2 ** bits - 1, int(groups.max()) + 1
+    q = np.zeros((w.shape[1], w.shape[0]), np.int64)
+    zeros = np.zeros((num_groups, w.shape[0]), np.int64)
+    scales = torch.zeros(num_groups, w.shape[0], dtype=torch.float16)
+    for g in range(num_groups):
+        cols = (groups == g).nonzero().flatten()
+        part = w[:, cols].double()
+        lo, hi = part.min(1).values.clamp(max=0), part.max(1).values.clamp(min=0)
+        if symmetric:
+            scale, zero = (2 * torch.maximum(-lo, hi) / maxq), torch.full_like(lo, (maxq + 1) // 2)
+        else:
+            scale = (hi - lo) / maxq
+            zero = (-lo / torch.where(scale > 0, scale, 1)).round()
+        scale = torch.where(scale > 0, scale, 1).half()
+        scales[g] = scale
+        q[cols.numpy()] = (part / scale.double()[:, None] + zero[:, None]).round().clamp(0, maxq).T.long().numpy()
+        zeros[g] = zero.long().numpy()
+    return q, zeros, scales
+
+
+def int_checkpoint(model_dir: Path, out: Path, fp32_out: Path, layout: str) -> tuple[Path, Path]:
+    """The model written in a GPTQ or AWQ layout by the test's own packer, and the fp32 model it encodes (each
+    weight scales[group] * (q - zero), from the same integers)."""
+    config, group_size, symmetric, act_order = LAYOUTS[layout]
+    bits, method = config["bits"], config["quant_method"]
+    for path in (out, fp32_out):
+        shutil.copytree(model_dir, path)
+    hf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(hf | {"quantization_config": config}))
+    generator = torch.Generator().manual_seed(3)
+    for path in out.glob("*.safetensors"):
+        tensors, encoded = load_file(path), load_file(fp32_out / path.name)
+        for key in [k for k in tensors if k.endswith(tuple(f"{m}.weight" for m in ALL_MODULES))]:
+            w, base = tensors.pop(key).float(), key.removesuffix("weight")
+            in_dim = w.shape[1]
+            order = torch.randperm(in_dim, generator=generator) if act_order else torch.arange(in_dim)
+            groups = torch.empty(in_dim, dtype=torch.long)
+            groups[order] = torch.arange(in_dim) // group_size              # act order: groups by a permutation
+            q, zeros, scales = quantized(w, groups, bits, symmetric)
+            offset = int(config.get("checkpoint_format") == "gptq")         # GPTQ's first format stores zero - 1,
+            stored = (zeros - offset) & (2 ** bits - 1)                     # so a zero of 0 reads as 2 ** bits,
+            zeros = stored + offset                                          # as its own kernels read it
+            encoded[key] = (scales.float()[groups] * torch.from_numpy(q - zeros[groups.numpy()]).float()).T.contiguous()
+            if method == "gptq":
+                tensors |= {base + "qweight": pack(q.T, bits).T.contiguous(), base + "qzeros": pack(stored, bits),
+                            base + "scales": scales, base + "g_idx": groups.int()}
+            else:
+                tensors |= {base + "qweight": pack(q, 4, AWQ_NIBBLES), base + "qzeros": pack(zeros, 4, AWQ_NIBBLES),
+                            base + "scales": scales}
+        save_file(tensors, path, metadata={"format": "pt"})
+        save_file(encoded, fp32_out / path.name, metadata={"format": "pt"})
+    return out, fp32_out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("int")
+    return {layout: int_checkpoint(Path(tiny_model_dir), root / f"q{i}", root / f"fp32-{i}", layout)
+            for i, layout in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_a_gptq_or_awq_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_model_dir, checkpoints, layout,
+                                                                               kernel_backend):
+    from transformers import AutoModelForCausalLM
+    packed_dir, fp32_dir = checkpoints[layout]
+    hf = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.float32).eval()
+    engine = engine_for(packed_dir, kernel_backend)
+    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    eos = engine.model_config.eos_token_id
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
+    if LAYOUTS[layout][0]["bits"] == 4:                                # (8-bit rounding changes none here)
+        original = engine_for(tiny_model_dir, kernel_backend)
+        assert original.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
+            "the rounding changes some token here: the check can tell"
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_adapters_over_a_gptq_checkpoint_match_peft_on_the_model_it_encodes(checkpoints, tiny_adapters,
+                                                                            kernel_backend):
+    packed_dir, fp32_dir = checkpoints["gptq act order"]
+    peft = peft_model_with(fp32_dir, tiny_adapters)
+    prompts = random_prompts(LENGTHS, 512, seed=21)
+    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
+                for p, t in zip(prompts, TASKS)]
+    engine = engine_for(packed_dir, kernel_backend)
+    for task_id, path in enumerate(tiny_adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    assert run_mixed(engine, prompts, end_id=2) == expected
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"bits": 3}, "gptq bits 3 is not read"),
+    ({"checkpoint_format": "marlin"}, "gptq checkpoint_format 'marlin' is not read"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"awq bits, version, zero_point \(4, 'gemv', True\)"),
+])
+def test_a_packed_layout_not_read_is_refused_by_name(checkpoints, tmp_path, change, says):
+    packed_dir, _ = checkpoints["gptq act order"]
+    shutil.copytree(packed_dir, tmp_path / "edited")
+    hf = json.loads((tmp_path / "edited" / "config.json").read_text())
+    hf["quantization_config"] |= change
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=says):
+        LLMEngine(tmp_path / "edited", dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20)
