@@ -26,6 +26,7 @@ EXPERT_PROJ = {"gate_proj": 13, "w1": 13, "up_proj": 15, "w3": 15, "down_proj": 
 KEY_RE = re.compile(r"(?:.*\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.\w+(?:\.shared_expert)?\.(?P<proj>\w+))"
                     r"\.lora_(?:(?P<ab>[AB])\.weight|(?P<m>magnitude_vector)(?:\.weight)?)$")
 STORAGE_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+ADAPTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -61,6 +62,10 @@ def peft_files_to_trtllm(files: dict[str, bytes], peft_dir: Path, storage_type: 
         raise ValueError(f"{peft_dir}: a DoRA adapter (use_dora) needs the base model's weights to normalize its "
                          "magnitudes (scripts/hf_lora_convert.py --base-model DIR)")
     tensors = load_safetensors(files["adapter_model.safetensors"])
+    for key, tensor in tensors.items():
+        if tensor.dtype not in ADAPTER_DTYPES:
+            raise ValueError(f"{peft_dir}: adapter tensor {key} is {str(tensor.dtype).removeprefix('torch.')}; "
+                             "adapters are read in float16, bfloat16 or float32 (a quantized adapter is not)")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():

@@ -1,8 +1,13 @@
 """Every malformed adapter is refused with an error naming what is wrong; the next valid request succeeds."""
+import shutil
+
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine, LoraRequest, RequestError
+from backend.lora.peft import peft_to_trtllm
 from tests.backend.test_lora_cache import make_adapter
 
 
@@ -143,3 +148,15 @@ def test_a_task_id_given_as_a_numpy_integer_names_the_same_adapter(engine):
     assert [seq.lora_task_id for seq in engine.seqs.get(request_id)] == [41]
     while engine.has_unfinished:
         assert all(out.error is None for out in engine.step())
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_a_quantized_peft_adapter_is_refused_naming_its_tensor_and_the_dtypes_read(tiny_adapters, tmp_path, dtype):
+    shutil.copytree(tiny_adapters[0], tmp_path / "quantized")
+    path = tmp_path / "quantized" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    key = sorted(tensors)[0]
+    save_file(tensors | {key: tensors[key].to(getattr(torch, dtype))}, path)
+    with pytest.raises(ValueError, match=f"adapter tensor {key} is {dtype}; adapters are read in float16, bfloat16 or "
+                                         "float32"):
+        peft_to_trtllm(tmp_path / "quantized")
