@@ -64,10 +64,18 @@ class EngineConfig:
     overlap_steps: str = field(default_factory=lambda: os.environ.get("LORA_LLM_OVERLAP_STEPS", "auto"))
                                               # launch the next step before the last one's tokens land: true,
                                               # false; auto: on CUDA (one device)
+    lora_overlap: bool = field(default_factory=lambda: os.environ.get("LORA_LLM_LORA_OVERLAP", "1") != "0")
+                                              # CUDA graph steps run LoRA beside the base GEMMs on a side stream
+                                              # (Triton kernels); False: after each GEMM
+    lora_fold: bool = field(default_factory=lambda: os.environ.get("LORA_LLM_LORA_FOLD", "1") != "0")
+                                              # and leave each product for the op after its GEMM to add; False:
+                                              # merged after each GEMM
     tensor_parallel_size: int = 1             # ranks the model is split over: this process and N-1 workers
     tensor_parallel_timeout_s: float = 60.0   # a collective that takes longer: a worker hangs, the engine is broken
     lora: LoraCacheConfig = field(default_factory=LoraCacheConfig)
     inject_fault_steps: tuple[int, ...] = ()  # test hook: these steps (counted from 1) fail as a broken forward would
+    inject_broken_ops: tuple[str, ...] = ()   # test hook: these Triton ops raise at every call, in every process
+                                              # (tensor-parallel workers too), as a kernel that cannot launch would
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

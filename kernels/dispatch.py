@@ -9,9 +9,6 @@ from kernels.lora_family import LoraFamily
 
 OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
             "lora_apply", "linear_lora", "linear_lora_deferred", "fused_moe", "slot_lora")
-# A test hook, off unless set: these Triton ops (a comma list) raise at every call, in every process that loads the
-# kernels (tensor-parallel workers included), as a kernel that cannot launch on a device would.
-BROKEN_OPS_VAR = "LORA_LLM_TEST_BROKEN_OPS"
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
@@ -33,9 +30,11 @@ def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
     return name
 
 
-def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
+def load_ops(name: str, device: torch.device | str = "cpu", lora_overlap: bool = True, lora_fold: bool = True,
+             broken_ops: tuple[str, ...] = ()) -> SimpleNamespace:
     """The kernel functions of one backend for tensors on `device`, by the names in OP_NAMES, and what the rest of
-    the server asks of the family: `lora` (its LoRA layout and per-step metadata, kernels/lora_family.py),
+    the server asks of the family: `lora` (its LoRA layout and per-step metadata, kernels/lora_family.py, with
+    the engine config's lora_overlap and lora_fold),
     `checked` (its op families are checked on the device at start and may fall back to the torch reference) and
     `graphs` (it takes CUDA graphs' padded steps)."""
     backend = resolve_backend(name, device)
@@ -47,19 +46,19 @@ def load_ops(name: str, device: torch.device | str = "cpu") -> SimpleNamespace:
         from kernels import triton_ops as module
     ops = SimpleNamespace(**{op: getattr(module, op) for op in OP_NAMES if hasattr(module, op)})
     if backend == "triton":
-        for op in filter(None, os.environ.get(BROKEN_OPS_VAR, "").split(",")):
+        for op in broken_ops:                                  # (the engine config's inject_broken_ops: a test hook)
             setattr(ops, op, broken(op))
     if not hasattr(ops, "linear_lora"):
         ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
     if not hasattr(ops, "linear_lora_deferred"):
         ops.linear_lora_deferred = in_place(ops.linear_lora)
     ops.name = backend
-    ops.lora = LoraFamily.of(backend, device)
+    ops.lora = LoraFamily.of(backend, device, lora_overlap, lora_fold)
     ops.checked = ops.graphs = backend == "triton"
     return ops
 
 
 def broken(op: str):
     def launch(*args, **kwargs):
-        raise RuntimeError(f"{op}: too many resources requested for launch ({BROKEN_OPS_VAR})")
+        raise RuntimeError(f"{op}: too many resources requested for launch (inject_broken_ops)")
     return launch

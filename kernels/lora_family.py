@@ -1,7 +1,6 @@
 """The one owner of a kernel family's LoRA choices: how adapters lie in the device slots (backend/lora/slots.py),
 which dtype they are kept in, and what each step's metadata holds (the padded grid, or the Triton work list, for
 eager and graph steps alike). backend/ asks it and never branches on the family."""
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -10,8 +9,6 @@ from kernels.lora_launch import block_m_for, max_work_items
 from kernels.lora_segments import LoraSegments
 
 GRAPH_BLOCK_M = 16                            # the shortest work item: a graph's work list is sized for it
-OVERLAP_VAR = "LORA_LLM_LORA_OVERLAP"         # "0": graphs run LoRA after each base GEMM, not beside it
-FOLD_VAR = "LORA_LLM_LORA_FOLD"               # "0": LoRA beside the GEMMs merged after each one, not by the next op
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,13 +27,13 @@ class LoraFamily:
                                               # add (add + RMSNorm, SiLU-and-mul, RoPE): no merge launch
 
     @classmethod
-    def of(cls, backend: str, device: torch.device | str) -> "LoraFamily":
-        """The choices of a resolved kernel backend ("torch", "cpu", "triton") on `device`."""
+    def of(cls, backend: str, device: torch.device | str, overlap: bool = True, fold: bool = True) -> "LoraFamily":
+        """The choices of a resolved kernel backend ("torch", "cpu", "triton") on `device`; overlap and fold as
+        the engine's config asks (the Triton family's only)."""
         triton = backend == "triton"
-        overlap = triton and os.environ.get(OVERLAP_VAR, "1") != "0"
         return cls(rank_major_a=torch.device(device).type == "cpu" and backend != "cpu", fused_a_once=triton,
-                   work_list=triton, reads_narrow=backend in ("cpu", "triton"), overlap=overlap,
-                   fold=overlap and os.environ.get(FOLD_VAR, "1") != "0")
+                   work_list=triton, reads_narrow=backend in ("cpu", "triton"), overlap=triton and overlap,
+                   fold=triton and overlap and fold)
 
     def in_turn(self) -> "LoraFamily":
         """The same family with graph steps' LoRA after each base GEMM (no overlap, nothing folded)."""

@@ -39,7 +39,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-        self.ops = load_ops(self.kernel_backend, self.device)
+        self.ops = load_ops(self.kernel_backend, self.device, config.lora_overlap, config.lora_fold,
+                            config.inject_broken_ops)
         self.lora_dtype = self.ops.lora.adapter_dtype(config.lora.dtype, self.dtype)
         self.rope_rows = partial(rope.rows, cfg) if rope.long_rope_original(cfg) is not None else None
         tp_size = config.tensor_parallel_size
@@ -156,6 +157,8 @@ class ModelRunner:
                 "max_lora_rank": config.lora.max_lora_rank,
                 "threads": max(1, torch.get_num_threads() // size),
                 "kernel_fallbacks": ",".join(self.kernel_fallbacks) or "none",     # rank 0's self-check holds
+                "lora_overlap": int(config.lora_overlap), "lora_fold": int(config.lora_fold),
+                "broken_ops": ",".join(config.inject_broken_ops) or "none",
                 "max_num_seqs": config.max_num_seqs}
         return TensorParallelGroup(size, args, self.device, capacity, config.tensor_parallel_timeout_s)
 

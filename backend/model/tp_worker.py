@@ -55,7 +55,8 @@ class Worker:
         self.dtype = getattr(torch, args.dtype)
         full = ModelConfig.from_dir(args.model_dir)
         self.cfg = full.shard(args.size)
-        self.ops = load_ops(args.kernel_backend, self.device)
+        self.ops = load_ops(args.kernel_backend, self.device, bool(args.lora_overlap), bool(args.lora_fold),
+                            tuple(set(args.broken_ops.split(",")) - {"none"}))
         apply_fallbacks(self.ops, set(args.kernel_fallbacks.split(",")) - {"none"})
         weights = self.ops.prepare_weights(load_weights(args.model_dir, full, self.dtype, self.device, args.size,
                                                         args.rank, lm_head=False))          # rank 0's logits
@@ -140,7 +141,8 @@ def main() -> None:
     for name, kind in (("rank", int), ("size", int), ("port", int), ("capacity", int), ("timeout-s", float),
                        ("model_dir", str), ("dtype", str), ("lora_dtype", str), ("kernel_backend", str),
                        ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
-                       ("threads", int), ("kernel_fallbacks", str),
+                       ("threads", int), ("kernel_fallbacks", str), ("lora_overlap", int), ("lora_fold", int),
+                       ("broken_ops", str),
                        ("max_num_seqs", int)):
         parser.add_argument(f"--{name}", type=kind, required=True)
     args = parser.parse_args()

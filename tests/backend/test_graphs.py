@@ -9,7 +9,6 @@ import torch
 from backend import LLMEngine
 from backend.model import graphs as graphs_module
 from backend.model.graphs import DecodeGraphs, bucket_sizes
-from kernels.lora_family import FOLD_VAR
 from tests.helpers import INTERPRETER_MARK, needs_cuda, random_prompts
 
 TASKS = [1, None, 2, 1, None]
@@ -95,16 +94,14 @@ def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_ad
 @INTERPRETER_MARK
 @pytest.mark.parametrize("with_adapters,graph,fold", [(False, False, True), (True, False, True), (True, True, False),
                                                       (True, True, True)])
-def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters, graph, fold,
-                                                          monkeypatch):
+def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_adapters, with_adapters, graph, fold):
     """Per layer: two add + RMSNorm, RoPE with the cache write, attention, SiLU-and-mul and, with adapters, one
     shrink and one expand per projection (4 x 2). A graph step runs LoRA beside the GEMMs, into a delta: merged
     after each GEMM (4 x 3), or (fold) added by the op after each GEMM as it loads its output (4 x 2): only the
     last layer's down is merged (its output goes to the final norm of a few rows). Then the final norm. GEMMs are
     torch's (not counted)."""
     from triton.runtime.interpreter import GridExecutor
-    monkeypatch.setenv(FOLD_VAR, "1" if fold else "0")
-    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu", lora_fold=fold)
     num_layers = engine.model_config.num_layers
     if graph:
         runner = engine.runner
@@ -135,7 +132,7 @@ def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_a
 def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters):
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
-    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False)
     assert not engine.runner.kernel_fallbacks and engine.runner.ops.lora.overlap     # LoRA beside the GEMMs
     graphs = engine.runner.graphs              # each bucket and context class, with and without adapters
     assert len(graphs.graphs) == 2 * len(bucket_sizes(6)) * len(graphs.contexts)
@@ -149,15 +146,14 @@ def test_graphs_whose_overlapped_lora_fails_are_captured_again_without_it(tiny_m
                                                                           monkeypatch):
     """LoRA beside the GEMMs that loses its delta inside a capture only (the eager self-check passes): the graph
     check sees the graphed step differ, the graphs are captured again with LoRA after each GEMM, and serve. (Every
-    product merged: LORA_LLM_LORA_FOLD=0.)"""
+    product merged: lora_fold false.)"""
     from kernels import lora_overlap
-    monkeypatch.setenv(FOLD_VAR, "0")
     merge = lora_overlap.lora_merge
     monkeypatch.setattr(lora_overlap, "lora_merge", lambda proj, step, out: None if torch.cuda.is_current_stream_capturing()
                         else merge(proj, step, out))
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=53)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
-    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False)
     assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"}, engine.runner.kernel_fallbacks
     assert engine.runner.graphs is not None and not engine.runner.ops.lora.overlap
     buckets = count_graph_steps(engine.runner.graphs)
@@ -178,7 +174,7 @@ def test_graphs_whose_folded_lora_fails_are_captured_again_merging(tiny_model_di
     monkeypatch.setattr(triton_ops, "linear_lora_deferred", lost_in_capture)
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=54)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
-    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda")
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False)
     assert set(engine.runner.kernel_fallbacks) == {"lora_fold"}, engine.runner.kernel_fallbacks
     lora = engine.runner.ops.lora
     assert engine.runner.graphs is not None and lora.overlap and not lora.fold

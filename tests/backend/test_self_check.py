@@ -16,7 +16,7 @@ from backend.model.graphs import DecodeGraphs
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.self_check import check_kernels
 from kernels.compose import compose_linear_lora, in_place
-from kernels.dispatch import BROKEN_OPS_VAR, load_ops
+from kernels.dispatch import load_ops
 from tests.helpers import INTERPRETER_MARK, build_tiny, hf_greedy, random_prompts
 
 pytestmark = INTERPRETER_MARK
@@ -275,13 +275,12 @@ def test_bf16_rounding_beyond_the_fixed_tolerance_is_not_a_defect(tmp_path):
     assert graph_check.TOLERANCE[torch.bfloat16] < error <= graph_check.NOISE_FACTOR * noise, seen
 
 
-def test_tensor_parallel_workers_take_rank_0s_verdict(tiny_model_dir, hf_tiny, monkeypatch):
+def test_tensor_parallel_workers_take_rank_0s_verdict(tiny_model_dir, hf_tiny):
     """The check runs on rank 0's device before the workers start; they serve the same families by the reference.
-    The kernel is broken in every process (the workers load theirs from the environment's test hook), so a worker
-    that kept its own Triton attention would fail the step."""
-    monkeypatch.setenv(BROKEN_OPS_VAR, "paged_attention")
+    The kernel is broken in every process (the workers take the config's test hook too), so a worker that kept its
+    own Triton attention would fail the step."""
     engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kernel_self_check="true",
-                       kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2)
+                       kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2, inject_broken_ops=("paged_attention",))
     try:
         assert set(engine.runner.kernel_fallbacks) == {"attention"}
         assert engine.generate(PROMPTS, max_new_tokens=4) == [hf_greedy(hf_tiny, p, 4) for p in PROMPTS]

@@ -34,7 +34,7 @@ INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num
               "max_log_probs_per_request", "max_beam_width")
 AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")    # or "auto"
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
-BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode")
+BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode", "lora_overlap", "lora_fold")
 INT_LIST_PARAMS = ("inject_fault_steps",)
 PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir")
 
