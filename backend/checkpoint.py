@@ -440,7 +440,8 @@ class CheckpointReader:
                                                                                         "input_scale")
         quantized = [key for key in keys if key.endswith(".weight") and key in self and (
             self.storage.packed or self._file(key).get_slice(key).get_dtype().startswith("F8"))]
-        return keys | ({key.removesuffix("weight") + part for key in quantized for part in parts} & self.key_files.keys())
+        besides = {key.removesuffix("weight") + part for key in quantized for part in parts}
+        return keys | (besides & self.key_files.keys())
 
     def close(self) -> None:
         self.handles.clear()

@@ -137,7 +137,8 @@ def _checked_slice(reader: CheckpointReader, key: str, shape: tuple[int, ...]):
     return tensor
 
 
-def _read_slice(reader: CheckpointReader, key: str, shape: tuple[int, ...], dim: int | None, parts: int, index: int) -> torch.Tensor:
+def _read_slice(reader: CheckpointReader, key: str, shape: tuple[int, ...], dim: int | None, parts: int,
+                index: int) -> torch.Tensor:
     """Part `index` of `parts` equal parts along `dim` (None: the whole tensor)."""
     return _sliced(_checked_slice(reader, key, shape), shape, dim, parts, index, key)
 
@@ -181,8 +182,8 @@ def _read_experts(read, key_shapes: list[tuple[str, tuple[int, ...]]], split: st
     return torch.stack(pieces)
 
 
-def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg: ModelConfig, split: str, tp_size: int,
-                tp_rank: int) -> torch.Tensor:
+def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg: ModelConfig, split: str,
+                tp_size: int, tp_rank: int) -> torch.Tensor:
     """This rank's rows of a fused checkpoint tensor: of q, k and v each (fused_qkv: q by heads, k and v by KV
     heads), or of gate and up each (fused_column), in that order."""
     tensor = _checked_slice(reader, key, shape)               # read piece by piece: each rank its own rows only
