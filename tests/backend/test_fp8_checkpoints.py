@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
 from backend.lora.dora import checkpoint_weights
-from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
-from tests.backend.test_quantized import PATHS, dequantized_copy
-from tests.helpers import (ALL_MODULES, CPU_BACKENDS, build_tiny, hf_greedy, peft_greedy, peft_model_with,
-                           random_prompts)
+from tests.backend.test_lora_peft import MAX_NEW
+from tests.backend.test_quantized import (PATHS, assert_adapters_match_peft, assert_tokens_match_transformers,
+                                          dequantized_copy)
+from tests.helpers import ALL_MODULES, CPU_BACKENDS, build_tiny, hf_greedy, random_prompts
 
 FP8_MAX = 448.0                                            # e4m3's largest finite value
 BLOCK = (32, 48)                                           # rows x cols: 48 leaves partial blocks of 64 and 128 cols
@@ -113,45 +113,25 @@ def engine_for(model_dir, kernel_backend: str, **settings) -> LLMEngine:
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_an_fp8_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_model_dir, checkpoints, layout,
                                                                         kernel_backend):
-    from transformers import AutoModelForCausalLM
     fp8_dir, fp32_dir = checkpoints[layout]
-    hf = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.float32).eval()
-    engine = engine_for(fp8_dir, kernel_backend)
-    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
-    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    eos = engine.model_config.eos_token_id
-    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
-    original = engine_for(tiny_model_dir, kernel_backend)
-    assert original.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
-        "the FP8 rounding changes some token here: the check can tell"
+    assert_tokens_match_transformers(engine_for(fp8_dir, kernel_backend), fp32_dir,
+                                     engine_for(tiny_model_dir, kernel_backend))
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
 def test_an_fp8_mixture_of_experts_matches_transformers_on_the_model_it_encodes(tmp_path, kernel_backend):
     """Each expert's projections in FP8 blocks (the router unquantized, as published checkpoints leave it)."""
-    from transformers import AutoModelForCausalLM
     build_tiny(tmp_path / "moe", seed=3, architecture="qwen3_moe")
     fp8_dir = fp8_checkpoint(tmp_path / "moe", tmp_path / "fp8", "fp8 blocks")
-    hf = AutoModelForCausalLM.from_pretrained(dequantized(fp8_dir, tmp_path / "fp32", "fp8 blocks"),
-                                              dtype=torch.float32).eval()
-    engine = engine_for(fp8_dir, kernel_backend)
-    prompts = random_prompts([5, 21, 9], engine.model_config.vocab_size, seed=5)
-    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id) == \
-        [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    assert_tokens_match_transformers(engine_for(fp8_dir, kernel_backend),
+                                     dequantized(fp8_dir, tmp_path / "fp32", "fp8 blocks"))
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_adapters_over_an_fp8_checkpoint_match_peft_on_the_model_it_encodes(checkpoints, tiny_adapters,
                                                                             kernel_backend):
     fp8_dir, fp32_dir = checkpoints["fp8 blocks"]
-    peft = peft_model_with(fp32_dir, tiny_adapters)
-    prompts = random_prompts(LENGTHS, 512, seed=21)
-    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
-                for p, t in zip(prompts, TASKS)]
-    engine = engine_for(fp8_dir, kernel_backend)
-    for task_id, path in enumerate(tiny_adapters, start=1):
-        engine.add_lora_dir(task_id, path)
-    assert run_mixed(engine, prompts, end_id=2) == expected
+    assert_adapters_match_peft(engine_for(fp8_dir, kernel_backend), fp32_dir, tiny_adapters)
 
 
 def test_int8_serving_of_an_fp8_checkpoint_is_its_int8_rounding(checkpoints, tmp_path):
@@ -184,12 +164,8 @@ def test_a_checkpoint_compressed_tensors_writes_is_read_as_the_model_it_encodes(
     compressor.compress_model(model)
     model.save_pretrained(tmp_path / "fp8")
     compressor.update_config(tmp_path / "fp8")
-    hf = AutoModelForCausalLM.from_pretrained(
-        dequantized(tmp_path / "fp8", tmp_path / "fp32", "compressed-tensors channel"), dtype=torch.float32).eval()
-    engine = engine_for(tmp_path / "fp8", "torch")
-    prompts = random_prompts([5, 21, 9], engine.model_config.vocab_size, seed=15)
-    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id) == \
-        [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    assert_tokens_match_transformers(engine_for(tmp_path / "fp8", "torch"),
+                                     dequantized(tmp_path / "fp8", tmp_path / "fp32", "compressed-tensors channel"))
 
 
 def test_dora_reads_the_weights_an_fp8_checkpoint_encodes(checkpoints):

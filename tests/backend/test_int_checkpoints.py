@@ -13,9 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
 from tests.backend.test_fp8_checkpoints import engine_for
-from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
-from tests.backend.test_quantized import PATHS
-from tests.helpers import ALL_MODULES, hf_greedy, peft_greedy, peft_model_with, random_prompts
+from tests.backend.test_quantized import PATHS, assert_adapters_match_peft, assert_tokens_match_transformers
+from tests.helpers import ALL_MODULES
 
 AWQ_NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)          # AutoAWQ: nibble i of a word holds column 8m + AWQ_NIBBLES[i]
 LAYOUTS = {                                      # name -> (quantization_config, group size, symmetric, act order)
@@ -107,32 +106,17 @@ def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_a_gptq_or_awq_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_model_dir, checkpoints, layout,
                                                                                kernel_backend):
-    from transformers import AutoModelForCausalLM
     packed_dir, fp32_dir = checkpoints[layout]
-    hf = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.float32).eval()
-    engine = engine_for(packed_dir, kernel_backend)
-    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
-    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    eos = engine.model_config.eos_token_id
-    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
-    if LAYOUTS[layout][0]["bits"] == 4:                                # (8-bit rounding changes none here)
-        original = engine_for(tiny_model_dir, kernel_backend)
-        assert original.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
-            "the rounding changes some token here: the check can tell"
+    tells = LAYOUTS[layout][0]["bits"] == 4                              # (8-bit rounding changes no token here)
+    assert_tokens_match_transformers(engine_for(packed_dir, kernel_backend), fp32_dir,
+                                     engine_for(tiny_model_dir, kernel_backend) if tells else None)
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_adapters_over_a_gptq_checkpoint_match_peft_on_the_model_it_encodes(checkpoints, tiny_adapters,
                                                                             kernel_backend):
     packed_dir, fp32_dir = checkpoints["gptq act order"]
-    peft = peft_model_with(fp32_dir, tiny_adapters)
-    prompts = random_prompts(LENGTHS, 512, seed=21)
-    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
-                for p, t in zip(prompts, TASKS)]
-    engine = engine_for(packed_dir, kernel_backend)
-    for task_id, path in enumerate(tiny_adapters, start=1):
-        engine.add_lora_dir(task_id, path)
-    assert run_mixed(engine, prompts, end_id=2) == expected
+    assert_adapters_match_peft(engine_for(packed_dir, kernel_backend), fp32_dir, tiny_adapters)
 
 
 @pytest.mark.parametrize("change,says", [

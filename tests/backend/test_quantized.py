@@ -45,10 +45,34 @@ def int8_engine(model_dir, kernel_backend: str) -> LLMEngine:
                      kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=24)
 
 
+def assert_tokens_match_transformers(engine: LLMEngine, encoded_dir: Path, original: LLMEngine | None = None) -> None:
+    """The engine's greedy tokens == transformers' on encoded_dir (the fp32 model its weights encode), and, given
+    the original model's engine, != its tokens: the rounding changes some token here, so the check can tell."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(encoded_dir, dtype=torch.float32).eval()
+    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    eos = engine.model_config.eos_token_id
+    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
+    if original is not None:
+        assert original.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
+            "the rounding changes some token here: the check can tell"
+
+
+def assert_adapters_match_peft(engine: LLMEngine, encoded_dir: Path, adapters: list[Path]) -> None:
+    """Four adapters (ranks 4-64, one on attention only) and base rows mixed in one batch, requests joining as
+    others decode: the engine's tokens == PEFT's on encoded_dir."""
+    peft = peft_model_with(encoded_dir, adapters)
+    prompts = random_prompts(LENGTHS, 512, seed=21)
+    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
+                for p, t in zip(prompts, TASKS)]
+    for task_id, path in enumerate(adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    assert run_mixed(engine, prompts, end_id=2) == expected
+
+
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_int8_weights_match_transformers_on_the_model_they_encode(tiny_model_dir, int8_dir, kernel_backend):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(int8_dir, dtype=torch.float32).eval()
     engine = int8_engine(tiny_model_dir, kernel_backend)
     full = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20)
     assert all(isinstance(engine.runner.model.w[f"layers.{i}.{proj}_proj"], Int8Weight)
@@ -56,27 +80,13 @@ def test_int8_weights_match_transformers_on_the_model_they_encode(tiny_model_dir
     shapes = [w.shape for name, w in engine.runner.model.w.items() if name.endswith("_proj")]
     saved = sum(4 * n * k - (n * k + 4 * n) for n, k in shapes)
     assert engine.runner.weight_bytes == full.runner.weight_bytes - saved          # int8 values, fp32 scales
-    prompts = random_prompts([5, 21, 9, 33, 3, 17], engine.model_config.vocab_size, seed=5)
-    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    eos = engine.model_config.eos_token_id
-    assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) == expected
-    assert full.generate(prompts, max_new_tokens=MAX_NEW, end_id=eos) != expected, \
-        "the rounding changes some token here: the check can tell"
+    assert_tokens_match_transformers(engine, int8_dir, full)
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_adapters_over_int8_weights_match_peft_on_the_model_they_encode(tiny_model_dir, int8_dir, tiny_adapters,
                                                                         kernel_backend):
-    """Four adapters (ranks 4-64, one on attention only) and base rows mixed in one batch, requests joining as
-    others decode."""
-    peft = peft_model_with(int8_dir, tiny_adapters)
-    prompts = random_prompts(LENGTHS, 512, seed=21)
-    expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW)
-                for p, t in zip(prompts, TASKS)]
-    engine = int8_engine(tiny_model_dir, kernel_backend)
-    for task_id, path in enumerate(tiny_adapters, start=1):
-        engine.add_lora_dir(task_id, path)
-    assert run_mixed(engine, prompts, end_id=2) == expected
+    assert_adapters_match_peft(int8_engine(tiny_model_dir, kernel_backend), int8_dir, tiny_adapters)
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
