@@ -426,8 +426,8 @@ class CheckpointReader:
         if self.storage is None or self.storage.method != "fp8" or raw.get_dtype() != "F8_E4M3":
             raise ValueError(f"checkpoint tensor {key} is {raw.get_dtype()} without a quantization_config that "
                              "says how to read it")
-        from kernels.quant import dequantize_fp8            # (torch when first needed: the OpenAI API's process
-        scale = self._tensor(key.removesuffix("weight") + self.storage.scale_suffix)     # reads configs only)
+        from kernels.quant import dequantize_fp8            # (torch on first use: the OpenAI API reads configs only)
+        scale = self._tensor(key.removesuffix("weight") + self.storage.scale_suffix)
         return DequantizedSlice(key, raw.get_shape(), lambda: dequantize_fp8(raw[:], scale, self.storage.block))
 
     def read_keys(self, keys) -> set[str]:

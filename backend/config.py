@@ -10,6 +10,12 @@ UNBUILT_WEIGHT_DTYPES = ("fp8", "int4")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def env_flag(name: str) -> bool:
+    """A boolean setting from the environment, on unless set otherwise, read as model.py reads a model parameter's
+    override: "true" or "1" is on, anything else off."""
+    return os.environ.get(name, "true").lower() in ("true", "1")
+
+
 @dataclass(slots=True)
 class LoraCacheConfig:
     max_lora_rank: int = 64
@@ -64,10 +70,10 @@ class EngineConfig:
     overlap_steps: str = field(default_factory=lambda: os.environ.get("LORA_LLM_OVERLAP_STEPS", "auto"))
                                               # launch the next step before the last one's tokens land: true,
                                               # false; auto: on CUDA (one device)
-    lora_overlap: bool = field(default_factory=lambda: os.environ.get("LORA_LLM_LORA_OVERLAP", "1") != "0")
+    lora_overlap: bool = field(default_factory=lambda: env_flag("LORA_LLM_LORA_OVERLAP"))
                                               # CUDA graph steps run LoRA beside the base GEMMs on a side stream
                                               # (Triton kernels); False: after each GEMM
-    lora_fold: bool = field(default_factory=lambda: os.environ.get("LORA_LLM_LORA_FOLD", "1") != "0")
+    lora_fold: bool = field(default_factory=lambda: env_flag("LORA_LLM_LORA_FOLD"))
                                               # and leave each product for the op after its GEMM to add; False:
                                               # merged after each GEMM
     tensor_parallel_size: int = 1             # ranks the model is split over: this process and N-1 workers
