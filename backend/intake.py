@@ -30,12 +30,14 @@ class RequestIntake:
                                     max_beam_width=min(config.max_beam_width, config.max_num_seqs))
         self.guided, self.guided_off = None, "set the model parameter guided_decoding_backend to xgrammar"
         if config.guided_decoding_backend == "xgrammar":
-            from backend.guided import GuidedDecoding
             tokenizer_dir = config.tokenizer_dir or config.model_dir
             try:
+                from backend.guided import GuidedDecoding
                 self.guided = GuidedDecoding(tokenizer_dir, model_config.vocab_size,
                                              config.guided_decoding_compile_timeout_s,
                                              config.guided_decoding_compile_memory_bytes)
+            except ModuleNotFoundError as err:
+                self.guided_off = f"install {err.name} (guided_decoding_backend xgrammar needs it)"
             except (OSError, ValueError) as err:      # a token-ids-only deployment: no tokenizer, no grammars
                 self.guided_off = f"no tokenizer in {tokenizer_dir} ({type(err).__name__})"
 

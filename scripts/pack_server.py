@@ -7,9 +7,10 @@ What it holds, under server/:
   site/pytriton/tritonserver/   tritonserver from nvidia-pytriton: bin/, the Python backend, the local cache, and the
                                 stub of the target Python only
   site/nvidia_pytriton.libs/    the shared libraries those link (by relative rpath), no others
-  site/<packages>               tritonclient and what our clients and the OpenAI API need that a bare PyTorch machine
-                                lacks (rapidjson, fastapi, pydantic, uvicorn, ...), for the target Python: copied from
-                                .venv when it is that Python, else the same versions fetched from PyPI
+  site/<packages>               tritonclient and what our clients, the OpenAI API and guided decoding need that a bare
+                                PyTorch machine lacks (rapidjson, fastapi, pydantic, uvicorn, xgrammar, ...), for the
+                                target Python: copied from .venv when it is that Python, else the same versions fetched
+                                from PyPI; pack_server exits naming any requirement neither packed nor on the machine
   bin/perf_analyzer             stripped, with the two libraries it wants under the names it wants (lib/)
   stub-site/                    numpy 1 for the Python backend's stub where the machine's numpy is 2 (STUB_PACKAGES)
   tokenizer/                    the default model's tokenizer files, where they are built (text checks on
@@ -27,9 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(sysconfig.get_paths()["purelib"])
-# what a machine with PyTorch, numpy, grpcio, protobuf, httpx, anyio, jinja2 and prometheus_client lacks
+# what a machine with PyTorch (and MACHINE_HAS) lacks: each of their requirements is one or the other
 PACKAGES = ("tritonclient", "python-rapidjson", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core",
-            "annotated-types", "annotated-doc", "typing-inspection")
+            "annotated-types", "annotated-doc", "typing-inspection", "opentelemetry-api", "xgrammar", "apache-tvm-ffi")
+MACHINE_HAS = ("torch", "triton", "transformers", "numpy", "grpcio", "protobuf", "httpx", "anyio", "jinja2",
+               "prometheus-client", "typing-extensions", "urllib3", "click", "h11")
 # the Python backend stub of tritonserver 2.51 reads numpy's arrays through the numpy 1 C layout: under numpy 2 every
 # tensor it makes from an array is empty. Where the target's numpy is 2, the stub runs with this one (unpack_server.sh)
 STUB_PACKAGES = ("numpy",)
@@ -91,6 +94,19 @@ def copy_packages(site: Path, version: str, packages: tuple[str, ...]) -> None:
     shutil.rmtree(site / "bin", ignore_errors=True)            # the wheels' scripts: perf_analyzer comes stripped
 
 
+def check_requirements(packages: tuple[str, ...]) -> None:
+    """Exits naming any requirement of `packages` that is neither packed nor on the machine (a GPU machine once
+    lacked xgrammar, then fastapi's opentelemetry-api: the engine, then the OpenAI API, failed to start there)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    known = {canonicalize_name(name) for name in packages + MACHINE_HAS}
+    missing = sorted({f"{name} needs {req.name}" for name in packages for req in map(Requirement,
+                      importlib.metadata.requires(name) or []) if canonicalize_name(req.name) not in known and
+                      (req.marker is None or req.marker.evaluate({"extra": ""}))})
+    if missing:
+        sys.exit(f"pack_server: not packed and not on the machine: {'; '.join(missing)} (PACKAGES, MACHINE_HAS)")
+
+
 def strip_binaries(stage: Path) -> None:
     """Symbols off every ELF file (tritonserver's 19.7 MB binary is 12 MB of them)."""
     for path in stage.rglob("*"):
@@ -133,6 +149,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pack_server-") as tmp:
         stage = Path(tmp) / "server"
         stage.mkdir()
+        check_requirements(PACKAGES)
         copy_server(stage, args.python)
         copy_packages(stage / "site", args.python, PACKAGES)
         copy_packages(stage / "stub-site", args.python, STUB_PACKAGES)

@@ -2,6 +2,7 @@
 that does not compile is refused naming the input."""
 import json
 import re
+import sys
 
 import pytest
 
@@ -79,3 +80,15 @@ def test_guided_decoding_off_refuses_a_guide(tiny_model_dir):
                              guided_decoding_backend="xgrammar")
     with pytest.raises(RequestError, match="guided decoding is off: no tokenizer in"):
         no_tokenizer.add_request([1, 2], SamplingParams(guide_type="json"))
+
+
+def test_an_engine_without_xgrammar_serves_and_refuses_guides_naming_it(tiny_chat_model_dir, monkeypatch):
+    """A machine without xgrammar (a GPU machine's bare PyTorch image) serves; guided requests name what is missing."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)              # its import fails as where it is not installed
+    engine = LLMEngine(tiny_chat_model_dir, dtype="float32", kernel_backend="torch", kv_cache_memory_bytes=1 << 20,
+                       guided_decoding_backend="xgrammar")
+    with pytest.raises(RequestError, match="guided decoding is off: install xgrammar"):
+        engine.add_request([1, 2], SamplingParams(guide_type="json"))
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=2))
+    while engine.has_unfinished:
+        engine.step()
