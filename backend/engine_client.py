@@ -5,8 +5,12 @@ The engine of a model instance is found by a Unix socket named after tritonserve
 at a time), the instance and its engine parameters, in a directory only this user can enter: the first stub starts
 it, a stub started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread,
 which keeps the heartbeat and the step reports and queues each stream's answers for an answering thread, which calls
-the server's streams (backend/serving.py's Stream) in order: a send that blocks delays answers, not the heartbeat. A
-third thread asks every `check_period_s` which clients cancelled and tells the engine.
+the server's streams (backend/serving.py's Stream) in order: a send that blocks delays answers, not the heartbeat.
+Where the sends fall behind the engine (Triton's Python backend takes 0.2-0.3 ms a response, so one thread sends
+about 3,500 a second, fewer than a GPU makes tokens for 64 streams), the answering thread takes every answer queued
+and sends each stream's tokens of several steps in one response (backend/responder.py's `coalesced`, as the
+engine's responder does), instead of falling further behind with every step. A third thread asks every
+`check_period_s` which clients cancelled and tells the engine.
 """
 import hashlib
 import json
@@ -23,7 +27,7 @@ from backend.channel import Channel, ChannelClosed
 from backend.engine_process import server_options
 from backend.heartbeat import PERIOD_S, engines_dir, python_executable
 from backend.request import RequestLimits
-from backend.responder import quietly
+from backend.responder import coalesced, quietly
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SILENT_S = 3 * PERIOD_S + 2.0          # no heartbeat from the engine for this long: it is stuck or gone
@@ -160,12 +164,16 @@ class EngineClient:
         try:
             while True:
                 message = self.channel.recv()
-                if message[0] == "beat":
-                    self.last_beat = time.monotonic()
-                elif message[0] == "report":
-                    quietly(self.on_report, message[1])     # figures are not worth a request
-                else:
-                    self.answers.put(message)
+                answers = []
+                for message in message[1] if message[0] == "batch" else [message]:
+                    if message[0] == "beat":
+                        self.last_beat = time.monotonic()
+                    elif message[0] == "report":
+                        quietly(self.on_report, message[1])     # figures are not worth a request
+                    else:
+                        answers.append(message)
+                if answers:
+                    self.answers.put(answers)
         except ChannelClosed:
             pass
         if not self._stopped.is_set():
@@ -176,12 +184,37 @@ class EngineClient:
         self.answers.put(None)
 
     def _answer(self) -> None:
-        while (message := self.answers.get()) is not None:
-            self._dispatch(message)
+        while (messages := self._queued()) is not None:
+            for message in messages:
+                self._dispatch(message)
         with self.lock:
             streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
             quietly(stream.fail, f"engine unavailable: {self.broken or 'the model is unloading'}")
+
+    def _queued(self) -> list[tuple] | None:
+        """The answers queued, at least one (None at the end, after what came before it): the emits of each run of
+        them merged per stream and sequence."""
+        if (messages := self.answers.get()) is None:
+            return None
+        while True:
+            try:
+                more = self.answers.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                self.answers.put(None)                     # the end, once what came before it is answered
+                break
+            messages += more
+        out, run = [], []
+        for message in messages + [("end",)]:
+            if message[0] == "emit":
+                run.append(message[1:])
+                continue
+            out += [("emit", *each) for each in (coalesced(run) if len(run) > 1 else run)]
+            run = []
+            out.append(message)
+        return out[:-1]
 
     def _dispatch(self, message: tuple) -> None:
         op = message[0]

@@ -159,7 +159,8 @@ class Responder:
 
 def coalesced(emits: list[Emit]) -> list[Emit]:
     """Several steps' outputs, each stream's together: where all of a stream's are of one sequence and none has
-    generation logits, one output with all their tokens (`merged`); else its outputs as they were, in order."""
+    generation logits or beams (a beam search streams each round's beams), one output with all their tokens
+    (`merged`); else its outputs as they were, in order."""
     by_stream: dict = {}
     for each in emits:
         by_stream.setdefault(each[0], []).append(each)
@@ -168,7 +169,7 @@ def coalesced(emits: list[Emit]) -> list[Emit]:
         if len(group) > 1:
             outputs = [as_output(each[1]) for each in group]
             if len({(each[2], o.sequence_index) for each, o in zip(group, outputs)}) == 1 and \
-                    all(o.generation_logits is None for o in outputs):
+                    all(o.generation_logits is None and o.beams is None for o in outputs):
                 out.append((stream, merged(outputs), group[0][2], group[-1][3]))
                 continue
         out += group

@@ -99,6 +99,7 @@ class Run:
     def figures(self, stats, concurrency: int) -> dict:
         ttfts, gaps = stats.ttfts, stats.gaps
         return {"tok_s": stats.num_tokens / self.elapsed, "seconds": self.elapsed, "output_tokens": stats.num_tokens,
+                "responses": stats.num_responses,
                 "concurrency": concurrency,
                 "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
                 "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "ttfts_s": ttfts,

@@ -36,6 +36,7 @@ class Prepared:
 class StreamStats:
     """What the client saw: token counts and times, per request and overall."""
     num_tokens: int = 0
+    num_responses: int = 0                         # with tokens: fewer than the tokens where the server merged steps
     ttfts: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     resends: int = 0                               # requests the server answered "not found": sent with weights
@@ -64,6 +65,7 @@ async def _one(stub, index: int, request: bytes, stats: StreamStats, on_tokens,
             if output.name == "output_ids" and raw:
                 ids = np.frombuffer(raw, dtype=np.int32)
                 stats.num_tokens += ids.size
+                stats.num_responses += 1
                 on_tokens(index, ids)
                 if last is None:
                     stats.ttfts.append(now - t0)

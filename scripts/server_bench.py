@@ -111,7 +111,8 @@ def bench_shape(shape: str, args, results: dict, save) -> None:
               f"TTFT p50/p99 {served['ttft_p50_s'] * 1e3:.1f}/{served['ttft_p99_s'] * 1e3:.1f} ms (in process "
               f"{local['ttft_p50_s'] * 1e3:.1f}/{local['ttft_p99_s'] * 1e3:.1f}); ITL p50/p99 "
               f"{served['itl_p50_s'] * 1e3:.2f}/{served['itl_p99_s'] * 1e3:.2f} ms (in process "
-              f"{local['itl_p50_s'] * 1e3:.2f}/{local['itl_p99_s'] * 1e3:.2f})", flush=True)
+              f"{local['itl_p50_s'] * 1e3:.2f}/{local['itl_p99_s'] * 1e3:.2f}); "
+              f"{served['output_tokens'] / served['responses']:.2f} tokens a response", flush=True)
     gpu = results["server_gpu_bytes"]
     print(f"  {shape} server ready in {results['server_ready_s']:.1f} s, stopped idle in "
           f"{results['server_stop_s']:.1f} s; GPU memory it took "

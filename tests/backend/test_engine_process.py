@@ -1,13 +1,19 @@
-"""The engine's process (backend/engine_process.py) and a stub's handshake with it: a stub that connects hears
-"ready" first, however long its hello takes, and not a heartbeat meant for the stubs already served (a new stub
-that read a beat as its reply failed to start, and so did its tritonserver, once in a CI run)."""
+"""The engine's process (backend/engine_process.py) and a stub's side of it (backend/engine_client.py): a stub
+that connects hears "ready" first, however long its hello takes, and not a heartbeat meant for the stubs already
+served (a new stub that read a beat as its reply failed to start, and so did its tritonserver, once in a CI run);
+a sender slower than the engine gets several steps' tokens in one answer, every token in order."""
 import os
 import socket
 import time
 
+import numpy as np
+from transformers import AutoModelForCausalLM
+
 from backend.channel import Channel
 from backend.engine_client import EngineClient, socket_path
 from backend.heartbeat import PERIOD_S
+from tests.backend.loop_streams import FakeStream
+from tests.helpers import hf_greedy, random_prompts
 
 
 def test_a_stub_hears_ready_first_however_long_its_hello_takes(tiny_model_dir):
@@ -27,3 +33,36 @@ def test_a_stub_hears_ready_first_however_long_its_hello_takes(tiny_model_dir):
         channel.close()
         first.close()
     first.process.wait(timeout=30)                                        # the last stub said goodbye
+
+
+class SlowStream(FakeStream):
+    """A sender as slow as tritonserver's under load: 3 ms a response."""
+
+    def emit(self, out, batch_index: int, last: bool) -> None:
+        time.sleep(0.003)
+        super().emit(out, batch_index, last)
+
+
+def test_a_slow_sender_gets_several_steps_tokens_in_one_answer(tiny_model_dir):
+    """Eight streams of 24 tokens through a sender 3 ms a response, slower than the tiny model's steps: the answers
+    queued behind it are merged per stream (fewer answers than tokens), and every stream gets transformers' greedy
+    tokens, in order, with one final answer."""
+    kwargs = {"model_dir": str(tiny_model_dir), "dtype": "float32", "kernel_backend": "torch",
+              "kv_cache_memory_bytes": 4 << 20}
+    prompts = random_prompts([5 + 3 * i for i in range(8)], 256, seed=5)
+    client = EngineClient(kwargs, "lora_llm", "merge_test_0")
+    try:
+        streams = [SlowStream(p, max_new_tokens=24, streaming=np.array([[True]])) for p in prompts]
+        for stream in streams:
+            client.submit(stream)
+        for stream in streams:
+            stream.wait()
+    finally:
+        client.close()
+    client.process.wait(timeout=30)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype="float32")
+    for prompt, stream in zip(prompts, streams):
+        assert stream.answers == ["finish"]
+        assert stream.tokens == hf_greedy(model, prompt, 24)
+    num_tokens, num_answers = sum(len(s.tokens) for s in streams), sum(s.num_emits for s in streams)
+    assert num_answers < 0.75 * num_tokens, f"{num_answers} answers for {num_tokens} tokens: none merged"

@@ -1,5 +1,5 @@
 """The responder's coalescing: several queued steps' outputs go out as one answer a stream where that keeps every
-answer's meaning (one sequence, no generation logits), in order, the final flag on the last."""
+answer's meaning (one sequence, no generation logits, no beams), in order, the final flag on the last."""
 import torch
 
 from backend.outputs import StepOutput
@@ -22,11 +22,12 @@ def test_a_streams_steps_merge_into_one_answer_with_all_their_tokens():
     assert by_stream[b][0].new_token_ids == [7] and not by_stream[b][1]
 
 
-def test_several_sequences_or_generation_logits_keep_their_answers_apart():
-    a, b = object(), object()
+def test_several_sequences_generation_logits_or_beams_keep_their_answers_apart():
+    a, b, c = object(), object(), object()
     emits = [(a, out("a", [1], 0), 0, False), (a, out("a", [5], 1), 0, False), (a, out("a", [2], 0), 0, True),
              (b, out("b", [7], generation_logits=torch.zeros(4)), 0, False),
-             (b, out("b", [8], generation_logits=torch.zeros(4)), 0, True)]
+             (b, out("b", [8], generation_logits=torch.zeros(4)), 0, True),
+             (c, out("c", [], beams=["round 1"]), 0, False), (c, out("c", [], beams=["round 2"]), 0, True)]
     assert coalesced(emits) == emits                                         # as they were, in order
 
 
