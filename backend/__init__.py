@@ -5,10 +5,10 @@ __all__ = ["LLMEngine", "StepOutput", "RequestError", "SamplingParams", "LoraReq
 
 def __getattr__(name: str):
     if name in ("LLMEngine", "StepOutput"):
-        from backend import engine
+        from backend.core import engine
         return getattr(engine, name)
     if name in ("RequestError", "SamplingParams"):
-        from backend import request
+        from backend.core import request
         return getattr(request, name)
     if name == "LoraRequest":
         from backend.lora.request import LoraRequest

@@ -4,8 +4,8 @@ batch without adapters. Used by scripts/gpu_bench.py."""
 import torch
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
 from backend.lora.limits import max_adapter_bytes
+from backend.model.checkpoint import ModelConfig
 from bench.adapters import register_copies
 from bench.step_profile import decode_step_ms, free_memory
 from bench.workloads import WORKLOADS, make_requests

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

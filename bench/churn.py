@@ -8,10 +8,10 @@ from dataclasses import asdict
 import torch
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
 from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.limits import max_adapter_bytes
 from backend.lora.slots import DeviceSlots
+from backend.model.checkpoint import ModelConfig
 from bench.adapters import register_copies
 from bench.engine import make_engine, run_engine
 from bench.step_profile import abort_all, free_memory, start_decoding, sync

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.lora.format import module_shape
 from backend.lora.slots import BANDS, MAX_BANDS, PROJS, DeviceSlots, proj_shape
+from backend.model.checkpoint import ModelConfig
 from bench import ROOT
 from kernels import cpu_ext
 from kernels.lora_family import LoraFamily

@@ -5,7 +5,7 @@ Stages: schedule (Scheduler.schedule), inputs (StepInputs: ids, positions, cache
 inputs (sampler.prepare), upload (StepStaging's packing of the step's tensors into one buffer; on CPU measured into
 an unpinned buffer, since the CPU path itself sends nothing), outputs (the rest of LLMEngine.step: the runner's glue
 around the forward, the download, then per token the counters, the stop checks and its output: a token row, or a
-StepOutput where the sequence ends; backend/outputs.py). The model's forward and the sampling math are device work,
+StepOutput where the sequence ends; backend/core/outputs.py). The model's forward and the sampling math are device work,
 and the OpenMP team's sizing (`cpu_team`, backend/openmp.py) happens on CPU only: each is timed, none is counted as
 host time. The heap is frozen, as a server's engine loop freezes it.
 
@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend import LLMEngine, sampler
+from backend import LLMEngine
+from backend.core import sampler
+from backend.core.scheduler import Scheduler
 from backend.device import Download, StepStaging
 from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.context import StepInputs
@@ -38,7 +40,6 @@ from backend.model.kept import KeptBatch
 from backend.model.llama import LlamaModel
 from backend.model.runner import ModelRunner
 from backend.openmp import TeamSizer
-from backend.scheduler import Scheduler
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
             hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.lora.batch import LoraBatch
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
+from backend.model.checkpoint import ModelConfig
 from backend.model.self_check import random_adapter
 from bench.step_profile import sync
 from kernels.dispatch import load_ops

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 
 
 def measure_roofline(dtype: str = "bfloat16") -> dict:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.device import resolve_dtype
 from backend.heap import freeze_heap, unfreeze_heap
+from backend.model.checkpoint import ModelConfig
 from bench import ROOT
 from bench.engine import make_engine, run_engine, sweep_concurrency
 from bench.hf import run_hf

@@ -9,7 +9,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
-from backend.heartbeat import core_key_headers
+from backend.serving.heartbeat import core_key_headers
 
 NOT_FOUND = "not found in cache. Please send LoRA weights with request"
 DATATYPES = {np.bool_: "BOOL", np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.float16: "FP16",

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from backend.checkpoint import ModelConfig
-from backend.heartbeat import engine_health
+from backend.model.checkpoint import ModelConfig
+from backend.serving.heartbeat import engine_health
 from frontend.adapters import AdapterStore
 from frontend.core import CoreClient
 from frontend.errors import OpenAIError, bad_request

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from backend.heartbeat import core_key_headers
+from backend.serving.heartbeat import core_key_headers
 from client.grpc_client import NOT_FOUND, call_ended, infer_request, infer_request_bytes
 from frontend.adapters import Adapter
 from frontend.errors import OpenAIError, from_core

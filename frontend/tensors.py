@@ -21,7 +21,7 @@ class AdapterInvalid(Exception):
 class AdapterLimits:
     """What the served model accepts: its shape and the engine's max_lora_rank; its directory, whose weights a PEFT
     DoRA adapter's magnitudes are normalized against."""
-    model: object                             # backend.checkpoint.ModelConfig
+    model: object                             # backend.model.checkpoint.ModelConfig
     max_lora_rank: int = 64
     model_dir: str | None = None
     weight_dtype: str = "auto"                # the engine's (backend/config.py)
@@ -91,7 +91,7 @@ def check(weights: np.ndarray, config: np.ndarray, limits: AdapterLimits) -> Non
     size), then finite values, in the fp16 the frontend sends; nothing converted: the core parses it, once."""
     import torch
     from backend.lora.format import check_lora
-    from backend.request import RequestError
+    from backend.core.request import RequestError
     try:
         check_lora(weights, config, limits.model, torch.float16, limits.max_lora_rank, limits.max_adapter_bytes)
     except RequestError as err:

@@ -1,6 +1,6 @@
 """tritonserver under the supervisor (scripts/launch_server.py) killed with SIGKILL mid-stream, for
 scripts/server_check.py --crash: the client gets an error within its timeout, no stub of the old server lives on,
-the engine's process (backend/engine_process.py) serves the restarted server (no second model load: the device
+the engine's process (backend/serving/engine_process.py) serves the restarted server (no second model load: the device
 memory free while the first served is free after the restart), and the restarted server answers as the first did."""
 import os
 import signal
@@ -91,7 +91,7 @@ def crash_check(settings: dict, args, base: tuple[list[int], list[int]], report:
 
 def engine_of(http_port: int) -> int | None:
     """The pid of the engine process of the server on this port."""
-    from backend.heartbeat import engine_pids
+    from backend.serving.heartbeat import engine_pids
     return min(engine_pids(http_port), default=None)
 
 

@@ -28,8 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.checkpoint import ModelConfig                                          # noqa: E402
 from backend.heap import freeze_heap, unfreeze_heap                                 # noqa: E402
+from backend.model.checkpoint import ModelConfig                                          # noqa: E402
 from bench.adapter_curve import adapter_curve                                       # noqa: E402
 from bench.adapter_curve import summary as curve_summary                            # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402

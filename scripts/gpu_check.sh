@@ -71,7 +71,7 @@ self_check() {                            # the start-up self-check on this GPU 
   "$PYTHON" - <<'PY'
 import torch
 from backend.device import resolve_dtype
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 from backend.model.self_check import check_kernels
 from kernels.dispatch import load_ops
 device = torch.device("cuda")

@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.checkpoint import ModelConfig                                          # noqa: E402
+from backend.model.checkpoint import ModelConfig                                          # noqa: E402
 from bench.churn import upload_ms, w1, w5                                           # noqa: E402
 from bench.step_profile import free_memory                                          # noqa: E402
 from scripts.gpu_bench import build_model                                           # noqa: E402

@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.checkpoint import ModelConfig                                          # noqa: E402
 from backend.heap import freeze_heap, unfreeze_heap                                 # noqa: E402
+from backend.model.checkpoint import ModelConfig                                          # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.workloads import WORKLOADS, make_requests                                # noqa: E402
 from scripts.gpu_bench import build_model                                           # noqa: E402

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from backend.checkpoint import ModelConfig  # noqa: E402
 from backend.lora.dora import checkpoint_weights  # noqa: E402
 from backend.lora.peft import STORAGE_TYPES, peft_to_trtllm, save_trtllm  # noqa: E402
+from backend.model.checkpoint import ModelConfig  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from server_process import (EXIT_TIMEOUT_S, FRONTEND_NICE, KILL_AFTER_EXIT_TIMEO
                             remove_dead_regions, start_frontend, start_server)
 from supervisor import Service, supervise
 
-from backend.heartbeat import CORE_KEY_HEADER, CORE_KEY_VAR, SUPERVISED_VAR, end_engines  # noqa: E402
+from backend.serving.heartbeat import CORE_KEY_HEADER, CORE_KEY_VAR, SUPERVISED_VAR, end_engines  # noqa: E402
 
 MIN_KEY_CHARS = 16
 

@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.checkpoint import ModelConfig                                          # noqa: E402
 from backend.lora.batch import LoraBatch                                            # noqa: E402
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape                       # noqa: E402
+from backend.model.checkpoint import ModelConfig                                          # noqa: E402
 from backend.model.self_check import random_adapter                                 # noqa: E402
 from bench.lora_kernels import CASES, RANKS                                         # noqa: E402
 from bench.step_profile import sync                                                 # noqa: E402

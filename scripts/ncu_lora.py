@@ -36,7 +36,7 @@ def child(shape: str, case: str, labels_path: Path) -> None:
     """Every launch once warm, then once between cudaProfilerStart and Stop; their labels, in order, to a file."""
     import torch
 
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     from backend.lora.batch import LoraBatch
     from backend.lora.slots import PROJS, proj_shape
     from bench.lora_kernels import CASES, layer_slots

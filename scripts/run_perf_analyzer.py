@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from backend.heartbeat import core_key_headers  # noqa: E402
+from backend.serving.heartbeat import core_key_headers  # noqa: E402
 
 
 def library_dir() -> Path:

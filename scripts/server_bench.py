@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "scripts"))
 
-from backend.checkpoint import ModelConfig                                          # noqa: E402
+from backend.model.checkpoint import ModelConfig                                          # noqa: E402
 from bench.adapters import adapter_dirs                                             # noqa: E402
 from bench.engine import make_engine, run_engine                                    # noqa: E402
 from bench.server import core_server, prepared_by_id, stream_measured               # noqa: E402

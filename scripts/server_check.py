@@ -72,7 +72,7 @@ def random_adapter(model_dir: Path, rank: int, modules: tuple[int, ...], dora: t
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """TensorRT-LLM tensors for `modules` of every layer, strong enough to change greedy tokens; with `dora`, a
     four-column lora_config and magnitudes for those modules."""
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     from backend.lora.format import module_shape
     cfg, rng = ModelConfig.from_dir(model_dir), np.random.default_rng(seed)
     rows, config = [], []
@@ -220,7 +220,7 @@ def main() -> int:
     if missing():
         print(f"server_check: skipped: {' and '.join(missing())} not installed (scripts/pack_server.py)")
         return 2
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     from bench.adapters import adapter_dirs
     from server_process import pytriton_dir
     work = args.work = Path(tempfile.mkdtemp(prefix="server_check-"))

@@ -14,8 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(ROOT))
-from backend.heartbeat import (CORE_KEY_HEADER, CORE_KEY_VAR, RESTART_STALE_S, RESTRICTED,  # noqa: E402 (imports
-                               die_with_parent, end_engines, engine_health)                # nothing heavy)
+from backend.processes import die_with_parent  # noqa: E402 (imports nothing heavy)
+from backend.serving.heartbeat import (CORE_KEY_HEADER, CORE_KEY_VAR, RESTART_STALE_S, RESTRICTED,  # noqa: E402
+                                       end_engines, engine_health)
 
 SHM_DIR = Path("/dev/shm")
 EXIT_TIMEOUT_S = 30                    # tritonserver's own default for --exit-timeout-secs
@@ -118,7 +119,7 @@ def start_server(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int
     if key := environment.get(CORE_KEY_VAR):
         cmd += [f"--grpc-restricted-protocol={RESTRICTED}:{CORE_KEY_HEADER}={key}",
                 f"--http-restricted-api={RESTRICTED}:{CORE_KEY_HEADER}={key}"]
-    # explicit control: the engine's process reloads the core model when a stub dies (backend/engine_process.py)
+    # explicit control: the engine's process reloads the core model when a stub dies (backend/serving/engine_process.py)
     cmd += ["--model-control-mode", "explicit"] + [f"--load-model={name}" for name in models or ["*"]]
     remove_dead_regions(http_port)
     # a process group of its own: when it dies, its stubs (and their workers) are ended with it (supervisor.py)
@@ -198,8 +199,8 @@ def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
 
 def engine_alive(metrics_port: int) -> bool:
     """False once a model's engine cannot serve: it says so (lora_llm_engine_alive 0: its process gone, a
-    tensor-parallel worker lost, steps failing in a row), or its heartbeat has been stale for RESTART_STALE_S (its
-    stub died and no new one came, its loop is stuck; see backend/heartbeat.py). True while it serves, and when the
+    tensor-parallel worker lost, steps failing in a row), or its heartbeat has been stale for RESTART_STALE_S (its stub
+    died and no new one came, its loop is stuck; see backend/serving/heartbeat.py). True while it serves, and when the
     metrics cannot be read (readiness covers that)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:

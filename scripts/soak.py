@@ -23,8 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from backend.checkpoint import ModelConfig                        # noqa: E402
 from backend.lora.format import module_shape                      # noqa: E402
+from backend.model.checkpoint import ModelConfig                        # noqa: E402
 from client.grpc_client import NOT_FOUND, build_inputs            # noqa: E402
 from server_process import free_ports                              # noqa: E402
 from soak_server import SoakServer                                # noqa: E402

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
+from backend.core.request import RequestError
 from backend.lora.format import LoraAdapter, check_lora, parse_lora
 from backend.lora.limits import resolve_limits
 from backend.lora.shard import shard_adapter
 from backend.lora.slots import DeviceSlots
-from backend.request import RequestError
+from backend.model.checkpoint import ModelConfig
 from kernels.lora_family import LoraFamily
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from backend.checkpoint import CheckpointReader
+from backend.model.checkpoint import CheckpointReader
 from kernels.quant import quantize_int8
 
 PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_attn.k_proj",),

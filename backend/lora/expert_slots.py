@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.lora.format import EXPERT_MODULE_NAMES, LoraAdapter
+from backend.model.checkpoint import ModelConfig
 
 
 @dataclass(slots=True)

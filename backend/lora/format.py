@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from backend.checkpoint import ModelConfig
-from backend.request import RequestError
+from backend.core.request import RequestError
+from backend.model.checkpoint import ModelConfig
 
 MODULE_NAMES = {0: "attn_qkv", 1: "attn_q", 2: "attn_k", 3: "attn_v", 4: "attn_dense",
                 5: "mlp_h_to_4h", 6: "mlp_4h_to_h", 7: "mlp_gate"}

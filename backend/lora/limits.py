@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
 from backend.lora.format import EXPERT_MODULE_NAMES, module_refusal, row_need
+from backend.model.checkpoint import ModelConfig
 
 HOST_SHARE = 0.25                             # of the machine's memory (or its cgroup's limit): an auto tier's most
 HOST_FLOOR = 1 << 30                          # an auto tier's least, as the fixed default was

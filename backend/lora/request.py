@@ -2,8 +2,8 @@
 passed whole to the cache and the scheduler."""
 from dataclasses import dataclass, replace
 
+from backend.core.request import RequestError
 from backend.lora.format import LoraAdapter
-from backend.request import RequestError
 
 
 @dataclass(frozen=True, slots=True)

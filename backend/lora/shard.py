@@ -10,8 +10,8 @@ stay whole on every rank, as their weights do.
 """
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.lora.format import LoraAdapter, packed
+from backend.model.checkpoint import ModelConfig
 
 COLUMN_MODULES = (0, 1, 2, 3, 5, 7)           # attn_qkv, attn_q, attn_k, attn_v, mlp_h_to_4h (gate), mlp_gate (up)
 ROW_MODULES = (4, 6, 14)                      # attn_dense (o), mlp_4h_to_h (down), moe_4h_to_h (experts' down)

@@ -25,10 +25,10 @@ from itertools import groupby
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.device import SideCopies, on, pin
 from backend.lora.expert_slots import ExpertSlots
 from backend.lora.format import EXPERT_MODULE_NAMES, LoraAdapter, module_columns
+from backend.model.checkpoint import ModelConfig
 from kernels.lora_family import LoraFamily
 
 PROJS = ("qkv", "o", "gate_up", "down")

@@ -6,8 +6,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from backend.core.scheduler import Batch
 from backend.model.kept import BlockTables, KeptBatch, kept_views
-from backend.scheduler import Batch
 from kernels.metadata import AttentionMetadata
 
 PENDING = -1                                  # a token id the host does not have yet (overlapped steps)

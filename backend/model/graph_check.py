@@ -18,13 +18,13 @@ from copy import copy
 
 import torch
 
-from backend import sampler
+from backend.core import sampler
+from backend.core.request import SamplingParams, Sequence
+from backend.core.scheduler import Batch, ScheduledSeq
 from backend.device import on
 from backend.lora.format import LoraAdapter, module_shape
 from backend.model.context import StepInputs
 from backend.model.self_check import TOLERANCE, max_error
-from backend.request import SamplingParams, Sequence
-from backend.scheduler import Batch, ScheduledSeq
 
 NOISE_FACTOR = 4
 PROBE_TASKS = (-1, -2)                         # task ids no client can send (they are UINT64)

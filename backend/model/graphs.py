@@ -13,10 +13,10 @@ runs the same padded steps eagerly: how the CPU tests check everything but the c
 import numpy as np
 import torch
 
+from backend.core.sampler import greedy
 from backend.lora.batch import LoraBatch
 from backend.model.context import StepContext, StepInputs
 from backend.model.kept import PADDING, ROW_INPUTS
-from backend.sampler import greedy
 from kernels.lora_family import LoraFamily
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from backend.sampler import SamplingPlan
+from backend.core.sampler import SamplingPlan
 
 ROW_INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens")    # a decode step's rows: one [4, n] array
 PADDING = np.array([0, 0, -1, 0], dtype=np.int32)     # ROW_INPUTS of a padding row: token 0 at position 0, cache slot
@@ -22,7 +22,7 @@ PADDING = np.array([0, 0, -1, 0], dtype=np.int32)     # ROW_INPUTS of a padding 
 class BlockTables:
     """The batch's block tables as one int32 array kept from step to step, a row per sequence of the last step: a
     row is written again only where its sequence changed or its table grew (tables grow by appends, or are replaced
-    whole: backend/kv_cache.py), so a steady decode step writes the blocks its sequences crossed into, not 256 a
+    whole: backend/core/kv_cache.py), so a steady decode step writes the blocks its sequences crossed into, not 256 a
     sequence at 4k tokens of context. allocate(rows, width): a zeroed int32 array of at least that shape (the kept
     batch lays it out in its buffer)."""
 

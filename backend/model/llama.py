@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from backend.checkpoint import ModelConfig
 from backend.model import rope
+from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepContext
 from backend.model.layers import linear, linear_deferred
 from kernels import reference

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from backend.checkpoint import CheckpointReader, ModelConfig
+from backend.model.checkpoint import CheckpointReader, ModelConfig
 from kernels.quant import Int8Weight, quantize_int8
 
 

@@ -12,17 +12,16 @@ A collective that fails (a worker gone) or outlasts `timeout_s` (one hung) raise
 cannot go on, and its loop declares it broken.
 """
 import os
-import shutil
 import socket
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from backend.request import FatalEngineError
+from backend.core.request import FatalEngineError
+from backend.processes import python_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP, INIT, LOAD, COPY_KV, STOP, GRAPHS = range(6)
@@ -74,11 +73,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def python_executable() -> str:
-    """This interpreter, or (inside tritonserver's Python stub, which is no interpreter) the python3 on PATH."""
-    return sys.executable if "python" in Path(sys.executable).name else shutil.which("python3") or "python3"
 
 
 class TensorParallelGroup:

@@ -4,9 +4,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.core.scheduler import Batch
 from backend.device import Download
 from backend.model.kept import LaunchRows
-from backend.scheduler import Batch
 
 
 @dataclass(slots=True, eq=False)

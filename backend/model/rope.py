@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 
 
 def inv_freq(cfg: ModelConfig, long: bool = False) -> tuple[torch.Tensor, float]:

@@ -4,15 +4,17 @@ from functools import partial
 
 import torch
 
-from backend import sampler
-from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig
+from backend.core import sampler
+from backend.core.kv_cache import num_kv_blocks
+from backend.core.logprobs import PromptScores
+from backend.core.request import SamplingParams, Sequence
+from backend.core.scheduler import Batch, ScheduledSeq
 from backend.device import StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype
-from backend.kv_cache import num_kv_blocks
-from backend.logprobs import PromptScores
 from backend.lora.batch import LoraBatch
 from backend.lora.cache import LoraCache
 from backend.model import rope
+from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graph_check import capture_checked
 from backend.model.graphs import DecodeGraphs
@@ -24,8 +26,6 @@ from backend.model.piecewise import PiecewiseGraphs
 from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
 from backend.model.self_check import check_kernels_or_fall_back
 from backend.openmp import TeamSizer
-from backend.request import SamplingParams, Sequence
-from backend.scheduler import Batch, ScheduledSeq
 from kernels.dispatch import load_ops, resolve_backend
 from kernels.quant import Int8Weight
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.device import on
 from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import DeviceSlots, proj_shape
+from backend.model.checkpoint import ModelConfig
 from kernels import reference
 from kernels.compose import compose_linear_lora, in_place
 from kernels.metadata import AttentionMetadata, ExpertLora

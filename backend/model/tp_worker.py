@@ -5,34 +5,26 @@ request, samples nothing and computes no logits (rank 0 does). Started by backen
     python -m backend.model.tp_worker --rank R --size N --port P --capacity C --model_dir DIR --dtype ... ...
 It dies with its parent (PR_SET_PDEATHSIG), and when a collective fails."""
 import argparse
-import ctypes
-import signal
 from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from backend.checkpoint import ModelConfig
 from backend.device import StepStaging, empty_kv_caches
 from backend.heap import freeze_heap
 from backend.lora.batch import LoraBatch
 from backend.lora.format import LoraAdapter, packed_views
 from backend.lora.slots import DeviceSlots
+from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import COPY_KV, GRAPHS, INIT, LOAD, STEP, STOP, unpack
 from backend.model.self_check import apply_fallbacks
+from backend.processes import die_with_parent
 from kernels.dispatch import load_ops
-
-
-def die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 NO_SAMPLING = SimpleNamespace(t={})           # a worker's graph steps upload no sampling tensors

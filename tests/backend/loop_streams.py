@@ -3,8 +3,8 @@ import threading
 
 import numpy as np
 
-from backend.protocol import parse_request
-from backend.request import RequestLimits
+from backend.core.request import RequestLimits
+from backend.serving.protocol import parse_request
 from tests.helpers import random_prompts
 
 TIMEOUT_S = 60

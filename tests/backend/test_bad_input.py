@@ -76,8 +76,8 @@ def test_oversized_inputs_are_refused_from_their_shape_before_they_are_read():
     """A 50M-id prompt or words list is refused by its shape (no list of 50M ints is ever built)."""
     import numpy as np
 
-    from backend.protocol import parse_request
-    from backend.request import RequestLimits
+    from backend.serving.protocol import parse_request
+    from backend.core.request import RequestLimits
     limits = RequestLimits(max_input_len=511)
     huge = np.zeros((1, 50_000_000), dtype=np.int32)
     base = {"input_ids": np.zeros((1, 4), dtype=np.int32), "request_output_len": np.array([[4]], dtype=np.int32)}

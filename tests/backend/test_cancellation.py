@@ -6,7 +6,7 @@ import time
 import pytest
 
 from backend import LLMEngine
-from backend.serving import EngineLoop
+from backend.serving.loop import EngineLoop
 from tests.backend.loop_streams import TIMEOUT_S, FakeStream, prompts
 
 

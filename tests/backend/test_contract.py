@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from backend import LLMEngine
-from backend.contract import IGNORED, UNSUPPORTED
-from backend.output_arrays import merge_rows
-from backend.protocol import check_declared, parse_request
-from backend.request import RequestError, RequestLimits, SamplingParams
+from backend.core.request import RequestError, RequestLimits, SamplingParams
+from backend.serving.contract import IGNORED, UNSUPPORTED
+from backend.serving.output_arrays import merge_rows
+from backend.serving.protocol import check_declared, parse_request
 from tests.helpers import random_prompts
 
 LIMITS = RequestLimits(max_input_len=511)
@@ -173,7 +173,7 @@ def test_forks_reuse_the_prompt_blocks_and_report_them(engine):
 
 
 def test_each_output_reports_the_perf_metrics_as_of_its_own_step(engine):
-    """A server may send an output while the engine steps on (backend/responder.py)."""
+    """A server may send an output while the engine steps on (backend/serving/responder.py)."""
     request_id = engine.add_request(random_prompts([10], 512, seed=7)[0], SamplingParams(max_new_tokens=4))
     outputs = []
     while engine.has_unfinished:
@@ -214,7 +214,7 @@ def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_mod
     """In chunks of 8 tokens, and in one (the logits arrive in the step that samples the first token)."""
     import torch
 
-    import backend.intake
+    import backend.core.intake
     chunked = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", kv_block_size=4,
                         kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=max_num_batched_tokens,
                         enable_kv_cache_reuse=True)
@@ -224,7 +224,7 @@ def test_context_logits_are_the_models_logits_over_the_prompt_in_chunks(tiny_mod
         [context] = [out.context_logits for out in iter_outputs(chunked) if out.context_logits is not None]
         with torch.no_grad():
             assert torch.allclose(context, hf_tiny(torch.tensor([prompt])).logits[0].float(), atol=1e-4)
-    monkeypatch.setattr(backend.intake, "MAX_CONTEXT_LOGITS_BYTES", 8 << 10)
+    monkeypatch.setattr(backend.core.intake, "MAX_CONTEXT_LOGITS_BYTES", 8 << 10)
     with pytest.raises(RequestError, match=r"return_context_logits: 23 prompt tokens x vocabulary 512 logits exceed"):
         chunked.add_request(prompt, SamplingParams(return_context_logits=True))
 

@@ -1,7 +1,7 @@
-"""The engine's process (backend/engine_process.py) and a stub's side of it (backend/engine_client.py): a stub
-that connects hears "ready" first, however long its hello takes, and not a heartbeat meant for the stubs already
-served (a new stub that read a beat as its reply failed to start, and so did its tritonserver, once in a CI run);
-a sender slower than the engine gets several steps' tokens in one answer, every token in order."""
+"""The engine's process (backend/serving/engine_process.py) and a stub's side of it (backend/serving/engine_client.py):
+a stub that connects hears "ready" first, however long its hello takes, and not a heartbeat meant for the stubs already
+served (a new stub that read a beat as its reply failed to start, and so did its tritonserver, once in a CI run); a
+sender slower than the engine gets several steps' tokens in one answer, every token in order."""
 import os
 import socket
 import time
@@ -9,9 +9,9 @@ import time
 import numpy as np
 from transformers import AutoModelForCausalLM
 
-from backend.channel import Channel
-from backend.engine_client import EngineClient, socket_path
-from backend.heartbeat import PERIOD_S
+from backend.serving.channel import Channel
+from backend.serving.engine_client import EngineClient, socket_path
+from backend.serving.heartbeat import PERIOD_S
 from tests.backend.loop_streams import FakeStream
 from tests.helpers import hf_greedy, random_prompts
 

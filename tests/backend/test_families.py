@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from backend import LLMEngine, RequestError
-from backend.checkpoint import ModelConfig
 from backend.lora.format import parse_lora
+from backend.model.checkpoint import ModelConfig
 from backend.model.graphs import DecodeGraphs
 from scripts.prepare_model import build_tiny
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters,

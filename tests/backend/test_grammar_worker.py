@@ -1,4 +1,4 @@
-"""The grammar workers (backend/grammar_worker.py) with real xgrammar processes on SmolLM2's tokenizer: a costly
+"""The grammar workers (backend/guided/worker.py) with real xgrammar processes on SmolLM2's tokenizer: a costly
 compile is refused by name at its bound and again at once when resent, a compile that succeeds is answered from the
 cache, and with one worker the waiting compiles go shortest guide first, whatever their order of arrival."""
 import json
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from backend.grammar_worker import GrammarWorkers
-from backend.request import RequestError
+from backend.core.request import RequestError
+from backend.guided.worker import GrammarWorkers
 from backend.text import tokenizer_from_dir
 from tests.helpers import nested_schema
 

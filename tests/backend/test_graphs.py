@@ -73,7 +73,7 @@ def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_ad
     attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps, their
     greedy tokens taken in the graph (the sampler takes no argmax of its own). A step of the same sequences as the one
     before leaves the LoRA buffers as they are."""
-    from backend import sampler
+    from backend.core import sampler
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from backend import LLMEngine
-from backend.request import RequestError, SamplingParams
+from backend.core.request import RequestError, SamplingParams
 from backend.text import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -8,7 +8,7 @@ import pytest
 
 from backend import LLMEngine
 from backend.heap import HeapTrimmer
-from backend.serving import EngineLoop
+from backend.serving.loop import EngineLoop
 from tests.helpers import ROOT
 
 needs_glibc = pytest.mark.skipif(not HeapTrimmer().available, reason="malloc_trim is glibc's")

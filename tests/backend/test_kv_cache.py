@@ -1,8 +1,8 @@
 """The block manager: allocation grows block tables, free returns every block, reference counts hold."""
 import pytest
 
-from backend.kv_cache import BlockManager, num_kv_blocks
-from backend.request import SamplingParams, Sequence
+from backend.core.kv_cache import BlockManager, num_kv_blocks
+from backend.core.request import SamplingParams, Sequence
 
 
 def make_seq(num_tokens: int, request_id: int = 0) -> Sequence:

@@ -3,7 +3,7 @@ output equals the one computed without reuse (Hugging Face for the base, the eng
 import pytest
 
 from backend import LLMEngine
-from backend.request import SamplingParams
+from backend.core.request import SamplingParams
 from tests.helpers import hf_greedy, kv_bytes_for_blocks, random_prompts
 
 SYSTEM = random_prompts([37], 512, seed=90)[0]                    # a shared system prompt: 9 full blocks of 4

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 from backend.model.loader import load_weights
 from tests.helpers import random_prompts
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.request import RequestError
+from backend.core.request import RequestError
 from tests.backend.test_graphs import count_graph_steps
 from tests.helpers import CPU_BACKENDS, INTERPRETER_MARK, peft_model_with, random_prompts
 

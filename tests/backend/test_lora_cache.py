@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from backend import LLMEngine, RequestError
-from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
 from backend.lora.cache import LoraCache
+from backend.model.checkpoint import ModelConfig
 from tests.helpers import random_prompts
 
 

@@ -4,11 +4,11 @@ a host tier too small for one adapter refuses to start, naming both settings."""
 import pytest
 import torch
 
-from backend.checkpoint import ModelConfig
 from backend.config import LoraCacheConfig
 from backend.config import split_engine_kwargs
 from backend.lora import limits
 from backend.lora.format import MODULE_NAMES, check_lora, module_shape
+from backend.model.checkpoint import ModelConfig
 
 LLAMA_8B = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
                                 "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

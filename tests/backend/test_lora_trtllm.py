@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, hf_greedy, random_prompts
 
 

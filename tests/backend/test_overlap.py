@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
+from backend.core.outputs import request_of
+from backend.core.request import Status
+from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
-from backend.outputs import request_of
-from backend.request import Status
 from tests.helpers import CUDA_MARKS, INTERPRETER_MARK, kv_bytes_for_blocks, random_prompts
 
 LENGTHS = [5, 17, 9, 30, 3, 12]

@@ -118,7 +118,7 @@ def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
 def test_the_openai_api_normalizes_a_dora_adapter_against_the_served_int8_weights(tiny_model_dir, tmp_path):
     """The API's reader (frontend/tensors.read_tensors, --weight-dtype int8) sends the magnitudes the engine would
     take from the same PEFT directory, not those of the checkpoint's own weights."""
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     from backend.lora.dora import checkpoint_weights
     from backend.lora.peft import peft_to_trtllm
     from frontend.tensors import AdapterLimits, read_tensors

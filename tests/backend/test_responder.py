@@ -2,8 +2,8 @@
 answer's meaning (one sequence, no generation logits, no beams), in order, the final flag on the last."""
 import torch
 
-from backend.outputs import StepOutput
-from backend.responder import coalesced
+from backend.core.outputs import StepOutput
+from backend.serving.responder import coalesced
 
 
 def out(request_id: str, tokens: list[int], sequence_index: int = 0, **fields) -> StepOutput:
@@ -35,7 +35,7 @@ def test_a_stop_queued_behind_steps_is_kept_and_ends_the_thread():
     """The responder gathers the steps queued behind the one it sends; a stop found among them still ends it."""
     import threading
 
-    from backend.responder import Responder
+    from backend.serving.responder import Responder
     release, got = threading.Event(), []
 
     class Stream:

@@ -1,14 +1,14 @@
-"""A TensorRT-LLM request's answers (backend/responses.py), without Triton: what each response carries as a request's
-outputs arrive, streamed or whole, one row or a batch, and its one final answer whatever ends it."""
+"""A TensorRT-LLM request's answers (backend/serving/responses.py), without Triton: what each response carries as a
+request's outputs arrive, streamed or whole, one row or a batch, and its one final answer whatever ends it."""
 import numpy as np
 import pytest
 import torch
 
-from backend.metrics import ServerMetrics
-from backend.outputs import StepOutput
-from backend.protocol import parse_request
-from backend.request import RequestError, RequestLimits
-from backend.responses import ResponseStream, check_unary
+from backend.core.outputs import StepOutput
+from backend.core.request import RequestError, RequestLimits
+from backend.serving.metrics import ServerMetrics
+from backend.serving.protocol import parse_request
+from backend.serving.responses import ResponseStream, check_unary
 
 LIMITS = RequestLimits(max_input_len=64)
 PROMPT = [5, 6, 7]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
 from backend.model import rope
+from backend.model.checkpoint import ModelConfig
 from scripts.prepare_model import build_tiny
 from tests.helpers import CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, random_prompts
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.request import SamplingParams, Sequence
-from backend.sampler import Sampler, apply_bans, apply_penalties, first_max, prepare, sample
+from backend.core.request import SamplingParams, Sequence
+from backend.core.sampler import Sampler, apply_bans, apply_penalties, first_max, prepare, sample
 from tests.helpers import DEVICES, random_prompts
 
 
@@ -138,7 +138,7 @@ def test_log_probs_are_the_log_softmax_of_the_chosen_token(engine, prompts):
 
 
 def test_counter_based_draws_are_uniform_and_depend_on_seed_and_step():
-    from backend.sampler import uniform
+    from backend.core.sampler import uniform
     steps = torch.arange(20000, dtype=torch.int32)
     u = uniform(torch.full_like(steps, 12345), steps)
     assert 0 < u.min() and u.max() < 1

@@ -5,9 +5,9 @@ import pytest
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from backend.kv_cache import BlockManager
-from backend.request import SamplingParams, Sequence, Status
-from backend.scheduler import Scheduler
+from backend.core.kv_cache import BlockManager
+from backend.core.request import SamplingParams, Sequence, Status
+from backend.core.scheduler import Scheduler
 from tests.helpers import kv_bytes_for_blocks
 
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 import kernels.triton_ops as triton_ops
-from kernels import lora_overlap
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
-from backend.metrics import gauges
 from backend.model import graphs, piecewise
+from backend.model.checkpoint import ModelConfig
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.graphs import DecodeGraphs
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.self_check import check_kernels
+from backend.serving.metrics import gauges
+from kernels import lora_overlap
 from kernels.compose import compose_linear_lora, in_place
 from kernels.dispatch import load_ops
 from tests.helpers import INTERPRETER_MARK, build_tiny, hf_greedy, random_prompts

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from backend.serving import EngineLoop
+from backend.serving.loop import EngineLoop
 from tests.backend.loop_streams import TIMEOUT_S, FakeStream, prompts
 
 

@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
+from backend.core.request import SamplingParams, Sequence
+from backend.core.scheduler import Batch, ScheduledSeq
 from backend.device import StepStaging, unpacked
 from backend.model.context import PENDING, StepInputs
 from backend.model.kept import BlockTables, KeptBatch
-from backend.request import SamplingParams, Sequence
-from backend.scheduler import Batch, ScheduledSeq
 from tests.helpers import kv_bytes_for_blocks, random_prompts
 
 BLOCK_SIZE = 4
@@ -152,7 +152,7 @@ def test_steady_decode_steps_equal_the_general_path(tiny_model_dir, tiny_adapter
     back), and its tokens equal a run that always builds from scratch; its step context, kept with the batch,
     carries the step's lengths and nothing of the step before."""
     from backend import LLMEngine
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     cache_bytes = 1 << 20 if num_blocks is None else kv_bytes_for_blocks(num_blocks, 4,
                                                                           ModelConfig.from_dir(tiny_model_dir))
     steady_rows, landings, contexts = [], {}, []

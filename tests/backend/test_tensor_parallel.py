@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
 from backend.lora.format import LoraAdapter, parse_lora
 from backend.lora.peft import load_lora_dir
 from backend.lora.shard import ROW_MODULES, shard_adapter
+from backend.model.checkpoint import ModelConfig
 from backend.model.parallel import TensorParallelGroup
 from backend.model.runner import ModelRunner
-from backend.serving import EngineLoop
+from backend.serving.loop import EngineLoop
 from backend.text import load_tokenizer
 from tests.backend.loop_streams import FakeStream, prompts
 from tests.backend.test_lora_trtllm import hand_built_adapter

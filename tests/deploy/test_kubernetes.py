@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from backend import LLMEngine
-from backend.heartbeat import CORE_KEY_VAR
-from backend.metrics import FAMILIES, LORA_INFO, gauges
+from backend.serving.heartbeat import CORE_KEY_VAR
+from backend.serving.metrics import FAMILIES, LORA_INFO, gauges
 from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"

@@ -7,8 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from backend.checkpoint import ModelConfig
 from backend.lora.peft import save_trtllm
+from backend.model.checkpoint import ModelConfig
 from frontend.adapters import MAX_TASK_ID, AdapterStore, content_digest, derived_task_id, scan
 from frontend.errors import OpenAIError
 from frontend.tensors import AdapterInvalid, AdapterLimits

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from backend.protocol import parse_request
-from backend.request import RequestLimits
+from backend.core.request import RequestLimits
+from backend.serving.protocol import parse_request
 from frontend.errors import OpenAIError
 from frontend.sampling import ModelInfo, check_supported, core_arrays, log_probs_asked, max_tokens
 from frontend.schemas import ChatCompletionRequest, CompletionRequest

@@ -112,7 +112,7 @@ def test_silu_and_mul_holds_over_the_whole_float_range():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 1), (80, 4, 4)])
 def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     from backend.model.rope import cos_sin as rope_cos_sin
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
                       1e-5, 10000.0, None, False, False, None, None, None)

@@ -3,7 +3,7 @@ torch reference (interpreter on CPU)."""
 import pytest
 import torch
 
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 from backend.model.rope import cos_sin as rope_cos_sin
 from kernels import fused, reference
 from tests.helpers import KERNEL_DEVICES

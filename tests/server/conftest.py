@@ -64,8 +64,8 @@ def run_server(tmp_path_factory, name: str, env: dict, models: list[str] | None 
 
 
 def engine_pid(http_port: int) -> int:
-    """The engine process of the tritonserver on this port (backend/engine_process.py)."""
-    from backend.heartbeat import engine_pids
+    """The engine process of the tritonserver on this port (backend/serving/engine_process.py)."""
+    from backend.serving.heartbeat import engine_pids
     [pid] = engine_pids(http_port)
     return pid
 

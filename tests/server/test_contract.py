@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from backend.contract import UNSUPPORTED
-from backend.request import SamplingParams
+from backend.core.request import SamplingParams
+from backend.serving.contract import UNSUPPORTED
 from tests.backend.test_contract import NON_NEUTRAL, neutral
 from tests.helpers import ROOT, random_prompts
 from tests.server.streams import Stream, run, trtllm_inputs

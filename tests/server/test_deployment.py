@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
+from backend.model.checkpoint import ModelConfig
 from tests.helpers import ROOT
 from tests.server.conftest import engine_pid, run_frontend, run_server
 from tests.server.streams import Stream, make_inputs, run, trtllm_inputs

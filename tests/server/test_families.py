@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from backend import LLMEngine
-from backend.checkpoint import ModelConfig
 from backend.lora.peft import peft_to_trtllm
+from backend.model.checkpoint import ModelConfig
 from scripts.prepare_model import build_tiny
 from tests.backend.test_families import FAMILIES, MIXTURES, MODULES
 from tests.helpers import make_peft_adapters, random_prompts

@@ -11,7 +11,9 @@ import pytest
 
 import numpy as np
 
-from backend.heartbeat import STALE_S, engine_health, engines_dir, running
+from backend.processes import running
+
+from backend.serving.heartbeat import STALE_S, engine_health, engines_dir
 from tests.helpers import random_prompts
 from tests.server.conftest import engine_pid, free_ports
 from server_process import shm_regions                       # (scripts/ on the path: tests/server/conftest.py)

@@ -40,7 +40,7 @@ def test_outputs_equal_the_in_process_engine(tiny_server, engine, streaming):
         result = run(tiny_server.grpc_url, trtllm_inputs(prompt, MAX_NEW, streaming))
         assert result.error is None and result.num_final == 1
         if streaming:
-            # a token a response, or a few together where the sends fell behind the steps (backend/responder.py)
+            # a token a response, or a few together where the sends fell behind the steps (backend/serving/responder.py)
             assert all(c.shape[:2] == (1, 1) and c.shape[2] >= 1 for c in result.chunks)
             assert result.tokens == tokens
         else:

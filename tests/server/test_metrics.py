@@ -19,7 +19,7 @@ PROMPT = list(range(100, 110))
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
-    from backend.checkpoint import ModelConfig
+    from backend.model.checkpoint import ModelConfig
     kv_bytes = kv_bytes_for_blocks(NUM_BLOCKS, 16, ModelConfig.from_dir(smollm2_dir), dtype_bytes=4)
     env = {"LORA_LLM_MODEL_DIR": str(smollm2_dir), "LORA_LLM_DTYPE": "float32", "LORA_LLM_MAX_NUM_SEQS": "2",
            "LORA_LLM_MAX_LORAS": "2", "LORA_LLM_KV_BLOCK_SIZE": "16", "LORA_LLM_KV_CACHE_MEMORY_BYTES": str(kv_bytes)}

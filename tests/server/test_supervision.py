@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from backend.heartbeat import running
+from backend.processes import running
 from tests.helpers import ROOT, random_prompts
 from tests.server.conftest import TINY_ENV, engine_pid, free_ports
 from tests.server.streams import Stream, run, trtllm_inputs

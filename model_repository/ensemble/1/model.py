@@ -11,10 +11,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from backend.contract import TEXT_UNSUPPORTED, check_unsupported          # noqa: E402
-from backend.heartbeat import end_stub                                  # noqa: E402
-from backend.request import RequestError                                # noqa: E402
-from backend.text import (IncrementalDetokenizer, decode_strings, embedding_bias, load_tokenizer,   # noqa: E402
+from backend.core.request import RequestError                                                      # noqa: E402
+from backend.processes import end_stub                                                             # noqa: E402
+from backend.serving.contract import TEXT_UNSUPPORTED, check_unsupported                           # noqa: E402
+from backend.text import (IncrementalDetokenizer, decode_strings, embedding_bias, load_tokenizer,  # noqa: E402
                           tokenizer_dir)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,9 +1,9 @@
 """Triton Python backend adapter for the engine: tensors in, backend requests out, responses back.
 
 No scheduling, model math, LoRA parsing or response assembly here: `execute` parses and sends each request to the
-engine's process (backend/engine_process.py, started by the instance's first stub and kept when a stub dies), then
-returns at once; its answers come back on the client's answering thread (backend/engine_client.py), are assembled
-into each response's arrays (backend/responses.py) and sent as tensors through the request's sender.
+engine's process (backend/serving/engine_process.py, started by the instance's first stub and kept when a stub dies),
+then returns at once; its answers come back on the client's answering thread (backend/serving/engine_client.py), are
+assembled into each response's arrays (backend/serving/responses.py) and sent as tensors through the request's sender.
 """
 import json
 import os
@@ -16,13 +16,14 @@ import triton_python_backend_utils as pb_utils
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from backend.engine_client import EngineClient                 # noqa: E402
-from backend.engine_process import RESTARTS_PARAMETER          # noqa: E402
-from backend.heartbeat import Heartbeat, end_stub, watchdog     # noqa: E402
-from backend.metrics import ServerMetrics                       # noqa: E402
-from backend.protocol import check_declared, parse_request     # noqa: E402
-from backend.request import RequestError                       # noqa: E402
-from backend.responses import ResponseStream, check_unary       # noqa: E402
+from backend.core.request import RequestError                       # noqa: E402
+from backend.processes import end_stub, watchdog                    # noqa: E402
+from backend.serving.engine_client import EngineClient              # noqa: E402
+from backend.serving.engine_process import RESTARTS_PARAMETER       # noqa: E402
+from backend.serving.heartbeat import Heartbeat                     # noqa: E402
+from backend.serving.metrics import ServerMetrics                   # noqa: E402
+from backend.serving.protocol import check_declared, parse_request  # noqa: E402
+from backend.serving.responses import ResponseStream, check_unary   # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INT_PARAMS = ("kv_cache_memory_bytes", "kv_block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank",
@@ -67,7 +68,7 @@ def as_array(tensor) -> np.ndarray:
 
 
 class TritonSender:
-    """A request's response sender as backend/responses.py's ResponseStream uses it: arrays in, tensors out."""
+    """A request's response sender as backend/serving/responses.py's ResponseStream uses it: arrays in, tensors out."""
 
     def __init__(self, request):
         self.sender = request.get_response_sender()
@@ -119,7 +120,8 @@ class TritonPythonModel:
             except RequestError as err:
                 ResponseStream(TritonSender(request), [], self.metrics).fail(str(err))
             except Exception as err:
-                ResponseStream(TritonSender(request), [], self.metrics).fail(f"request failed: {type(err).__name__}: {err}")
+                ResponseStream(TritonSender(request), [], self.metrics).fail(
+                    f"request failed: {type(err).__name__}: {err}")
         return None
 
     def _accept(self, request) -> None:

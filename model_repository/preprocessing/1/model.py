@@ -8,8 +8,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from backend.heartbeat import end_stub   # noqa: E402
-from backend.text import decode_strings, load_tokenizer, words_list   # noqa: E402
+from backend.processes import end_stub                               # noqa: E402
+from backend.text import decode_strings, load_tokenizer, words_list  # noqa: E402
 
 
 def padded(rows: list[np.ndarray], value: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 A JSON schema nested a few hundred deep takes xgrammar tens of seconds and gigabytes to compile; in the server's
 process that stalls whoever waits on it and can take the machine's memory. Here a compile runs in a process of its
-own (`python -m backend.grammar_worker TOKENIZER_DIR VOCAB_SIZE`, which ends when its parent does), sends back the
+own (`python -m backend.guided.worker TOKENIZER_DIR VOCAB_SIZE`, which ends when its parent does), sends back the
 compiled grammar serialized, and is killed (its worker replaced) when it passes `time_limit_s`, `memory_limit_bytes`
 (what the worker grew by: it starts at ~360 MB with its tokenizer) or its request's cancellation. Messages are a
 length, 8 bytes, then UTF-8 JSON.
@@ -17,11 +17,13 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
-from backend.heartbeat import exit_with_parent, python_executable
-from backend.request import RequestError
+from backend.core.request import RequestError
+from backend.processes import exit_with_parent, python_executable
 
+ROOT = Path(__file__).resolve().parents[2]   # the repository: where `-m backend.guided.worker` runs
 POLL_S = 0.02                                 # how often a waiting compile looks at its clock, memory and request
 START_LIMIT_S = 120.0                         # a worker's start (its tokenizer loaded), not counted in a compile's
 NICE = 10                                     # below the engine: a compile, and a worker's start, take no step's core
@@ -123,9 +125,9 @@ class GrammarWorkers:
 
     def _spawn(self) -> subprocess.Popen:
         env = os.environ | {"GRAMMAR_WORKER_PARENT": str(os.getpid())}
-        return subprocess.Popen([python_executable(), "-m", "backend.grammar_worker", *self.args],
+        return subprocess.Popen([python_executable(), "-m", "backend.guided.worker", *self.args],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                                cwd=ROOT)
 
     def _ask(self, worker: subprocess.Popen, guide_type: str, guide: str, cancelled: Callable[[], bool]) -> dict:
         if worker.pid not in self.started:                      # its start is not the compile's time, nor memory

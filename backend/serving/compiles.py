@@ -1,14 +1,14 @@
 """Guided requests' grammars compiled on threads of their own, before the requests reach the engine loop: the thread
 that hands a request in returns at once, and no other request waits on a compile it did not ask for. Each compile
-runs in a bounded worker process (backend/grammar_worker.py) and stops when its client cancels or a stop request
+runs in a bounded worker process (backend/guided/worker.py) and stops when its client cancels or a stop request
 names it."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from backend.engine import LLMEngine
-from backend.request import RequestError
-from backend.responder import client_cancelled, quietly
+from backend.core.engine import LLMEngine
+from backend.core.request import RequestError
+from backend.serving.responder import client_cancelled, quietly
 
 MAX_COMPILES = 4                              # grammars compiling at once (each waits for one of the workers)
 

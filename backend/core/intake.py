@@ -3,13 +3,13 @@ names its field), its adapter cached, its grammar compiled, and its sequences ma
 from dataclasses import fields
 from typing import Callable
 
-from backend.beams import BeamSearch
-from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig
-from backend.kv_cache import BlockManager
+from backend.core.beams import BeamSearch
+from backend.core.kv_cache import BlockManager
+from backend.core.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
 from backend.lora.cache import LoraCache
 from backend.lora.request import LoraRequest
-from backend.request import RequestError, RequestLimits, SamplingParams, Sequence, validate_prompt
+from backend.model.checkpoint import ModelConfig
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_CONTEXT_LOGITS_BYTES = 256 << 20          # one request's prompt logits, held until its first token
@@ -32,7 +32,7 @@ class RequestIntake:
         if config.guided_decoding_backend == "xgrammar":
             tokenizer_dir = config.tokenizer_dir or config.model_dir
             try:
-                from backend.guided import GuidedDecoding
+                from backend.guided.decoding import GuidedDecoding
                 self.guided = GuidedDecoding(tokenizer_dir, model_config.vocab_size,
                                              config.guided_decoding_compile_timeout_s,
                                              config.guided_decoding_compile_memory_bytes)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from backend.config import EngineConfig
-from backend.kv_cache import BlockManager
-from backend.request import Sequence, Status
+from backend.core.kv_cache import BlockManager
+from backend.core.request import Sequence, Status
 
 
 class AdapterSlots(Protocol):

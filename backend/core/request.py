@@ -61,7 +61,7 @@ class SamplingParams:
     return_prompt_log_probs: bool = False     # each prompt token's log prob given those before it (with its top ones)
     return_generation_logits: bool = False    # each sampled token's [vocab] logits, as the model gave them
     return_context_logits: bool = False       # the prompt's [prompt_len, vocab] logits, with the first token
-    beam_width: int = 1                       # > 1: beam search (backend/beams.py), deterministic: temperature,
+    beam_width: int = 1                       # > 1: beam search (backend/core/beams.py), deterministic: temperature,
                                               # top-k/p, min-p and seed do not apply
     length_penalty: float = 1.0               # beams ranked by cum log prob / length ** length_penalty
     early_stopping: bool | str = True         # True, False or "never" (transformers' meanings)
@@ -73,7 +73,7 @@ class SamplingParams:
     embedding_bias: object | None = None      # [vocab] float32 added to the logits (numpy or torch)
     guide_type: str | None = None             # guided decoding: json, json_schema, regex, ebnf_grammar
     guide: str = ""
-    grammar: object | None = None             # the guide compiled (backend/guided.py), before the engine sees it
+    grammar: object | None = None             # the guide compiled (guided/decoding.py), before the engine sees it
 
     @property
     def greedy(self) -> bool:
@@ -274,7 +274,7 @@ class Sequence:
     adapter_key: bytes = b""                  # the adapter (task id and version) in the names of its KV blocks
     block_digests: list[bytes] = field(default_factory=list)    # names of its full blocks, when reuse is on
     matcher: object | None = None             # its grammar's state, under guided decoding
-    beams: object | None = None               # its request's BeamSearch (backend/beams.py), under beam search
+    beams: object | None = None               # its request's BeamSearch (backend/core/beams.py), under beam search
     context_logits: dict[int, object] = field(default_factory=dict)   # prompt chunk start -> [n, vocab] (host)
     prompt_scores: dict[int, object] = field(default_factory=dict)    # prompt chunk start -> its scored rows (host
                                                                       # values [n, 2 + k], ids [n, k])

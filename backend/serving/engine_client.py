@@ -1,16 +1,16 @@
-"""A stub's side of its engine process (backend/engine_process.py): found or started, then requests out and their
-answers in.
+"""A stub's side of its engine process (backend/serving/engine_process.py): found or started, then requests out and
+their answers in.
 
-The engine of a model instance is found by a Unix socket named after tritonserver's HTTP port (one server holds it
-at a time), the instance and its engine parameters, in a directory only this user can enter: the first stub starts
-it, a stub started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread,
-which keeps the heartbeat and the step reports and queues each stream's answers for an answering thread, which calls
-the server's streams (backend/serving.py's Stream) in order: a send that blocks delays answers, not the heartbeat.
-Where the sends fall behind the engine (Triton's Python backend takes 0.2-0.3 ms a response, so one thread sends
-about 3,500 a second, fewer than a GPU makes tokens for 64 streams), the answering thread takes every answer queued
-and sends each stream's tokens of several steps in one response (backend/responder.py's `coalesced`, as the
-engine's responder does), instead of falling further behind with every step. A third thread asks every
-`check_period_s` which clients cancelled and tells the engine.
+The engine of a model instance is found by a Unix socket named after tritonserver's HTTP port (one server holds it at a
+time), the instance and its engine parameters, in a directory only this user can enter: the first stub starts it, a stub
+started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread, which keeps the
+heartbeat and the step reports and queues each stream's answers for an answering thread, which calls the server's
+streams (backend/serving/loop.py's Stream) in order: a send that blocks delays answers, not the heartbeat. Where the
+sends fall behind the engine (Triton's Python backend takes 0.2-0.3 ms a response, so one thread sends about 3,500 a
+second, fewer than a GPU makes tokens for 64 streams), the answering thread takes every answer queued and sends each
+stream's tokens of several steps in one response (backend/serving/responder.py's `coalesced`, as the engine's responder
+does), instead of falling further behind with every step. A third thread asks every `check_period_s` which clients
+cancelled and tells the engine.
 """
 import hashlib
 import json
@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from backend.channel import Channel, ChannelClosed
-from backend.engine_process import server_options
-from backend.heartbeat import PERIOD_S, engines_dir, python_executable
-from backend.request import RequestLimits
-from backend.responder import coalesced, quietly
+from backend.core.request import RequestLimits
+from backend.processes import python_executable
+from backend.serving.channel import Channel, ChannelClosed
+from backend.serving.engine_process import server_options
+from backend.serving.heartbeat import PERIOD_S, engines_dir
+from backend.serving.responder import coalesced, quietly
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SILENT_S = 3 * PERIOD_S + 2.0          # no heartbeat from the engine for this long: it is stuck or gone
 CONNECT_PERIOD_S = 0.05
 
@@ -141,7 +142,7 @@ class EngineClient:
     def _start(self, path: Path, model_name: str, kwargs: dict, check_period_s: float,
                steps_behind: int | None) -> subprocess.Popen:
         """In a session of its own: tritonserver's end, and a signal to its process group, leave it running."""
-        cmd = [python_executable(), "-m", "backend.engine_process", "--socket", str(path),
+        cmd = [python_executable(), "-m", "backend.serving.engine_process", "--socket", str(path),
                "--model-name", model_name, "--engine-kwargs", json.dumps(kwargs),
                "--cancellation-check-period-ms", str(check_period_s * 1e3)]
         if steps_behind is not None:

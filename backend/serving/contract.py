@@ -6,7 +6,7 @@ prompt and its length); tests/server/test_contract.py keeps the two lists togeth
 """
 import numpy as np
 
-from backend.request import RequestError
+from backend.core.request import RequestError
 
 EMPTY = ()                                # neutral: absent or no elements
 

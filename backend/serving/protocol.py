@@ -1,5 +1,5 @@
 """TensorRT-LLM backend's I/O contract, framework-free: input arrays -> engine requests (outputs -> arrays:
-backend/output_arrays.py).
+backend/serving/output_arrays.py).
 
 Arrays arrive as Triton hands them to a model with max_batch_size >= 1: each request's tensors carry a
 leading batch dim (input_ids [B, L], scalars [B] or [B, 1], lora_weights [B, N, R], words lists [B, 2, L]).
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.contract import check_unsupported
+from backend.core.request import RequestError, RequestLimits, SamplingParams, check_finite
 from backend.lora.request import LoraRequest
-from backend.request import RequestError, RequestLimits, SamplingParams, check_finite
+from backend.serving.contract import check_unsupported
 
 
 @dataclass(slots=True)
@@ -23,7 +23,7 @@ class ParsedRequest:
     streaming: bool = False
     exclude_input_in_output: bool = False
     stop: bool = False
-    lora: LoraRequest | None = None           # its adapter (weights parsed off the engine thread: backend/uploads.py)
+    lora: LoraRequest | None = None           # its adapter (weights parsed off the engine thread: serving/uploads.py)
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False

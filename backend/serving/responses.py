@@ -7,11 +7,11 @@ from typing import Protocol
 
 import numpy as np
 
-from backend.metrics import ServerMetrics
-from backend.output_arrays import (beam_arrays, extra_arrays, first_arrays, generation_logits, merge_rows,
+from backend.core.request import RequestError
+from backend.serving.metrics import ServerMetrics
+from backend.serving.output_arrays import (beam_arrays, extra_arrays, first_arrays, generation_logits, merge_rows,
                                    output_arrays, top_arrays)
-from backend.protocol import ParsedRequest
-from backend.request import RequestError
+from backend.serving.protocol import ParsedRequest
 
 
 class Sender(Protocol):
@@ -25,7 +25,7 @@ class Sender(Protocol):
 
 
 class ResponseStream:
-    """One request's answers, for all its rows and sequences (backend/serving.py's Stream); never touched after its
+    """One request's answers, for all its rows and sequences (backend/serving/loop.py's Stream); never touched after its
     final response (the lock keeps a question from another thread off a final send in progress). Streaming rows
     answer each step's new tokens, the others each sequence's whole output; without decoupled mode (`unary`) every
     row's output goes in one response."""

@@ -1,11 +1,11 @@
 """Guided decoding (TensorRT-LLM's guided_decoding_backend "xgrammar"): a request's output follows a JSON schema,
 any JSON, a regex or an EBNF grammar. Grammars compile in worker processes, each compile bounded in time and memory
-(backend/grammar_worker.py), once per grammar (the compiled ones are cached); each step the sampler's host half fills
+(backend/guided/worker.py), once per grammar (the compiled ones are cached); each step the sampler's host half fills
 one token bitmask row per guided sequence from its matcher, and the device half masks those rows
-(backend/sampler.py)."""
+(backend/core/sampler.py)."""
 from typing import Callable
 
-from backend.request import RequestError
+from backend.core.request import RequestError
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
@@ -15,7 +15,7 @@ class GuidedDecoding:
                  memory_limit_bytes: int = 512 << 20):
         import xgrammar
 
-        from backend.grammar_worker import GrammarWorkers
+        from backend.guided.worker import GrammarWorkers
         from backend.text import tokenizer_from_dir
         self.xgr = xgrammar
         tokenizer = tokenizer_from_dir(tokenizer_dir)

@@ -2,8 +2,8 @@
 (shapes as tensorrtllm_backend sends them: [1, beams, tokens] and the like, a batch's rows merged)."""
 import numpy as np
 
-from backend.protocol import ParsedRequest
-from backend.request import SeqMetrics
+from backend.core.request import SeqMetrics
+from backend.serving.protocol import ParsedRequest
 
 
 def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[str, np.ndarray]:
@@ -20,7 +20,7 @@ def output_arrays(token_ids: list[int], log_probs: list[float] | None) -> dict[s
 
 
 def beam_arrays(beams: list, prompt: list[int], pad_id: int) -> dict[str, np.ndarray]:
-    """A beam search's response for its beams (backend/beams.py's Hypothesis, best first): output_ids [1, beams, n]
+    """A beam search's response for its beams (backend/core/beams.py's Hypothesis, best first): output_ids [1, beams, n]
     (each beam's tokens after `prompt`, padded with pad_id, TensorRT-LLM's end id), sequence_length [1, beams],
     cum_log_probs [1, beams] (each beam's sum of log probs) and output_log_probs [1, beams, n]."""
     n = len(prompt) + max(len(beam.output_ids) for beam in beams)

@@ -4,7 +4,7 @@ Tritonserver 2.51 passes a few impossible input shapes on to the Python backend,
 arrays before `model.py` sees them (docs/reliability.md). With the engine inside the stub, each such request cost a
 model load and every request in flight. Here the engine (model, KV cache, adapter tiers, scheduler, loop) lives in
 this process, which the model's first stub starts and every later stub of that model instance connects to
-(backend/engine_client.py): a stub that dies costs only its own requests (its streams read as cancelled, so the
+(backend/serving/engine_client.py): a stub that dies costs only its own requests (its streams read as cancelled, so the
 loop frees their blocks and adapter pins) and the seconds tritonserver takes to start a new stub, which this process
 asks for at once (a reload of the model through tritonserver's HTTP repository API), while the caches stay warm.
 
@@ -28,9 +28,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from backend.channel import Channel, ChannelClosed
-from backend.heartbeat import SUPERVISED_VAR, Heartbeat, core_key_headers, parent_of
-from backend.metrics import StepReporter
+from backend.processes import parent_of
+from backend.serving.channel import Channel, ChannelClosed
+from backend.serving.heartbeat import SUPERVISED_VAR, Heartbeat, core_key_headers
+from backend.serving.metrics import StepReporter
 
 ORPHAN_S = 90.0                               # with no stub this long, the engine ends (the supervisor's longest
                                               # back-off is 30 s)
@@ -38,8 +39,8 @@ RESTARTS_PARAMETER = "stub_restarts"          # the model parameter a reload aft
 
 
 class RemoteStream:
-    """A stub's client request as the engine loop sees it (backend/serving.py's Stream): its answers go back over the
-    stub's channel. Once the stub is gone, it reads as cancelled, and the loop frees what it held."""
+    """A stub's client request as the engine loop sees it (backend/serving/loop.py's Stream): its answers go back over
+    the stub's channel. Once the stub is gone, it reads as cancelled, and the loop frees what it held."""
 
     def __init__(self, stub: "StubConnection", stream_id: int, requests: list):
         self.stub, self.stream_id, self.requests = stub, stream_id, requests
@@ -327,9 +328,9 @@ def main() -> None:
 
 
 def start_engine(args):
-    from backend.engine import LLMEngine
-    from backend.responder import STEPS_BEHIND
-    from backend.serving import EngineLoop
+    from backend.core.engine import LLMEngine
+    from backend.serving.responder import STEPS_BEHIND
+    from backend.serving.loop import EngineLoop
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in args.engine_kwargs.items()}
     engine = LLMEngine(**kwargs)
     log(f"weights {engine.runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}, "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.request import Sequence
+from backend.core.request import Sequence
 
 MASK32 = 0xFFFFFFFF
 

@@ -1,8 +1,8 @@
 """The engine loop a server runs: one background thread steps the engine; requests arrive from other threads.
 
-Framework-free: a server hands in `Stream` objects (its own response channel per request) and gets each
-request's outputs back through them, called on the responder thread (backend/responder.py) while the engine steps
-on. Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
+Framework-free: a server hands in `Stream` objects (its own response channel per request) and gets each request's
+outputs back through them, called on the responder thread (backend/serving/responder.py) while the engine steps on.
+Every stream ends exactly once: its last `emit`, `fail` or `cancelled`.
 """
 import queue
 import threading
@@ -11,15 +11,15 @@ from typing import Callable, Protocol
 
 import torch
 
-from backend.compiles import GrammarCompiles
-from backend.engine import LLMEngine
+from backend.core.engine import LLMEngine
+from backend.core.outputs import StepOutput, TokenRow
+from backend.core.request import FatalEngineError, RequestError
 from backend.heap import HeapTrimmer, freeze_heap, unfreeze_heap
 from backend.openmp import one_openmp_thread, release_openmp_pool
-from backend.outputs import StepOutput, TokenRow
-from backend.protocol import ParsedRequest
-from backend.request import FatalEngineError, RequestError
-from backend.responder import STEPS_BEHIND, Responder, client_cancelled
-from backend.uploads import Uploads
+from backend.serving.compiles import GrammarCompiles
+from backend.serving.protocol import ParsedRequest
+from backend.serving.responder import STEPS_BEHIND, Responder, client_cancelled
+from backend.serving.uploads import Uploads
 
 
 class Stream(Protocol):

@@ -1,12 +1,12 @@
 """Work a request brings that must not run on the engine loop: its adapter's weights parsed on the thread that hands
-the request in (its grammar compiles on threads of their own, backend/compiles.py). Parsed adapters wait in the
+the request in (its grammar compiles on threads of their own, backend/serving/compiles.py). Parsed adapters wait in the
 loop's inbox, and their bytes are bounded by the host tier's budget, so that uploads arriving faster than the engine
 takes them cannot grow memory without bound."""
 import threading
 
-from backend.engine import LLMEngine
-from backend.protocol import ParsedRequest
-from backend.request import RequestError
+from backend.core.engine import LLMEngine
+from backend.core.request import RequestError
+from backend.serving.protocol import ParsedRequest
 
 
 class Uploads:

@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Callable
 
-from backend.outputs import StepOutput, TokenRow, as_output, merged
+from backend.core.outputs import StepOutput, TokenRow, as_output, merged
 
 Emit = tuple[object, StepOutput | TokenRow, int, bool]        # (stream, output, batch index, the stream's last)
 STEPS_BEHIND = 1              # the loop's default (model parameter responder_steps_behind): 1 while tritonserver 2.51

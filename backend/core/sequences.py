@@ -3,7 +3,7 @@ The first sequence computes the prompt; the others wait until it has (its first 
 engine shares its full prompt blocks with them and copies the block holding the last prompt token)."""
 from typing import Hashable
 
-from backend.request import Sequence, Status
+from backend.core.request import Sequence, Status
 
 
 class RequestTable(dict):
@@ -15,7 +15,7 @@ class RequestTable(dict):
 
     def add(self, request_id: Hashable, members: list[Sequence]) -> None:
         self[request_id] = members
-        if len(members) > 1 and members[0].beams is None:        # (beams start from the search: backend/beams.py)
+        if len(members) > 1 and members[0].beams is None:        # (beams start from the search: backend/core/beams.py)
             self.waiting_forks[members[0]] = members[1:]
 
     def take_forks(self, first: Sequence) -> list[Sequence]:

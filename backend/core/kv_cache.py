@@ -10,7 +10,7 @@ recently used evictable ones.
 import hashlib
 from collections import OrderedDict, deque
 
-from backend.request import Sequence
+from backend.core.request import Sequence
 
 
 def num_kv_blocks(memory_bytes: int, block_size: int, num_layers: int, num_kv_heads: int,

@@ -6,24 +6,24 @@ from typing import Callable, Hashable
 
 import torch
 
-from backend.beams import BeamSearch
-from backend.checkpoint import ModelConfig
 from backend.config import EngineConfig, LoraCacheConfig, split_engine_kwargs
+from backend.core.beams import BeamSearch
+from backend.core.intake import SAMPLING_FIELDS, RequestIntake
+from backend.core.kv_cache import BlockManager
+from backend.core.logprobs import top_rows
+from backend.core.outputs import StepOutput, StepOutputs, TokenRow, token_output
+from backend.core.overlap_check import check_overlap
+from backend.core.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status, stops
+from backend.core.scheduler import Batch, Scheduler, StepSummary
+from backend.core.sequences import RequestTable
 from backend.device import is_device_fault
-from backend.intake import SAMPLING_FIELDS, RequestIntake
-from backend.kv_cache import BlockManager
-from backend.logprobs import top_rows
 from backend.lora.cache import LoraCache
 from backend.lora.dora import checkpoint_weights
-from backend.lora.request import LoraRequest
 from backend.lora.peft import load_lora_dir, prefetch_dirs
+from backend.lora.request import LoraRequest
+from backend.model.checkpoint import ModelConfig
 from backend.model.results import LaunchedStep
 from backend.model.runner import ModelRunner
-from backend.outputs import StepOutput, StepOutputs, TokenRow, token_output
-from backend.overlap_check import check_overlap
-from backend.request import FatalEngineError, RequestError, RequestLimits, SamplingParams, Sequence, Status, stops
-from backend.scheduler import Batch, Scheduler, StepSummary
-from backend.sequences import RequestTable
 
 
 class LLMEngine:
@@ -239,7 +239,7 @@ class LLMEngine:
         self.num_generated_tokens += len(r.tokens) - num_dropped
 
     def _select(self, search: BeamSearch) -> StepOutput:
-        """Every live beam of a search has offered its next tokens: one round of the search (backend/beams.py), its
+        """Every live beam of a search has offered its next tokens: one round of the search (backend/core/beams.py), its
         beams moved on and their KV blocks shared or copied; the request's output (its beams so far, or its best
         hypotheses when the search is done)."""
         first, now = search.seqs[0], time.time_ns()

@@ -12,8 +12,8 @@ positive length penalty favours length. The request's outputs are its best `num_
 from dataclasses import dataclass
 from typing import Callable
 
-from backend.kv_cache import BlockManager
-from backend.request import Sequence, Status
+from backend.core.kv_cache import BlockManager
+from backend.core.request import Sequence, Status
 
 ENDED = -1.0e9                            # added to a continuation that ends, so that it does not run on (as HF)
 

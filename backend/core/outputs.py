@@ -10,8 +10,8 @@ from typing import Hashable, Iterator
 
 import torch
 
-from backend.logprobs import PromptLogProbs, prompt_log_probs
-from backend.request import SeqMetrics, Sequence
+from backend.core.logprobs import PromptLogProbs, prompt_log_probs
+from backend.core.request import SeqMetrics, Sequence
 
 TokenRow = tuple[Sequence, int, float, SeqMetrics, int]    # (sequence, token, log prob, its metrics, step time ns)
 
@@ -32,14 +32,14 @@ class StepOutput:
     top_ids: list[list[int]] = field(default_factory=list)            # by new token: its top_log_probs alternatives
     top_log_probs: list[list[float]] = field(default_factory=list)
     prompt_log_probs: PromptLogProbs | None = None  # with the first token, when asked for (return_prompt_log_probs)
-    beams: list | None = None                 # beam search: each beam's tokens so far, best first (backend/beams.py's
+    beams: list | None = None                 # beam search: each beam's tokens so far, best first (core/beams.py's
                                               # Hypothesis); when the request finishes, its best hypotheses
 
 
 class StepOutputs:
     """A step's outputs in order: token rows and StepOutputs (`entries`). Iterating gives StepOutputs. A token
     row's metrics object is the sequence's own, which is replaced, never changed, where the figures a row reports
-    change after it (backend/kv_cache.py copies it before counting blocks); its last token time is the row's."""
+    change after it (backend/core/kv_cache.py copies it before counting blocks); its last token time is the row's."""
     __slots__ = ("entries",)
 
     def __init__(self):

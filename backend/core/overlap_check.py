@@ -3,8 +3,8 @@ steps in turn, then one ahead; any difference in their tokens turns overlap off 
 runner's fallbacks, with why), as the graphs' checks do for the graphs."""
 import torch
 
+from backend.core.request import SamplingParams
 from backend.device import is_device_fault
-from backend.request import SamplingParams
 
 PROBE_PROMPT_LENS = (5, 21, 40)               # prompts in one chunk and beside decodes
 PROBE_NEW_TOKENS = 8

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from backend.heartbeat import HEARTBEAT
 from backend.lora.cache import LoraCacheStats
+from backend.serving.heartbeat import HEARTBEAT
 
 LORA_STATS = tuple(f.name for f in fields(LoraCacheStats))
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
