@@ -246,6 +246,10 @@ class SeqMetrics:
         return SeqMetrics(self.arrival_time_ns, self.first_scheduled_time_ns, self.first_token_time_ns,
                           self.last_token_time_ns, self.num_new_blocks, self.num_reused_blocks)
 
+    def __reduce__(self):
+        """Pickled as its fields in order, as StepOutput is."""
+        return SeqMetrics, tuple(getattr(self, name) for name in self.__slots__)
+
 
 class Status(Enum):
     WAITING = auto()
