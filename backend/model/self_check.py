@@ -32,7 +32,8 @@ from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import DeviceSlots, proj_shape
 from backend.model.checkpoint import ModelConfig
 from kernels import reference
-from kernels.compose import compose_linear_lora, in_place
+from kernels.compose import in_place
+from kernels.dispatch import KernelBackend
 from kernels.metadata import AttentionMetadata, ExpertLora
 from kernels.quant import Int8Weight, quantize_int8
 
@@ -288,16 +289,11 @@ def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: 
                 (gemm_checks(ops, cfg, dtype, device) if weight_dtype == "int8" else []))
 
 
-def apply_fallbacks(ops, families: set[str]) -> None:
+def apply_fallbacks(ops: KernelBackend, families: set[str]) -> None:
     """Serve these op families with the torch reference instead of the Triton kernels."""
-    for family in families:
-        for name in FAMILIES[family]:
-            setattr(ops, name, getattr(reference, name))
-    if families & {"lora", "gemm"}:                    # (the overlapped and folded paths run the kernels' GEMM)
-        ops.linear_lora = compose_linear_lora(ops.linear, ops.lora_apply)
-    if families & {"lora", "lora_fold", "gemm"}:
+    ops.fall_back({name for family in families for name in FAMILIES[family]})
+    if "lora_fold" in families:                        # each product merged after its GEMM
         ops.linear_lora_deferred = in_place(ops.linear_lora)
-    if "lora_fold" in families:
         ops.lora = ops.lora.merged()
     if families & {"lora", "lora_overlap", "gemm"}:
         ops.lora = ops.lora.in_turn()
