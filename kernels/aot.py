@@ -1,5 +1,5 @@
 """Triton kernels compiled ahead of time for real GPUs (PTX and cubin, no GPU needed), with the resources ptxas
-reports and the occupancy they allow: what scripts/compile_kernels.py and the LoRA cost plan (kernels/lora_plan.py)
+reports and the occupancy they allow: what scripts/compile_kernels.py and the LoRA cost plan (bench/lora_plan.py)
 read. Run without TRITON_INTERPRET (the interpreter has no compiler)."""
 import importlib
 import re

@@ -278,8 +278,3 @@ def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
     """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand)."""
     step = step_of(segments, x, proj)
     lora_expand(lora_shrink(x, proj, step), proj, step, out)
-
-
-if __name__ == "__main__":
-    from kernels.lora_plan import main
-    main()

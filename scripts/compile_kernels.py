@@ -166,7 +166,7 @@ def lora_configurations():
     import torch
 
     from kernels.lora_launch import block_m_for, max_work_items, plan_launch
-    from kernels.lora_plan import launch_args
+    from bench.lora_plan import launch_args
     shapes = {"8b qkv": (4096, [4096, 1024, 1024]), "8b o": (4096, [4096]), "8b gate_up": (4096, [14336, 14336]),
               "8b down": (14336, [4096]), "smollm2 qkv": (576, [576, 192, 192]), "odd gate_up": (96, [344, 344]),
               "odd qkv": (96, [216, 72, 72])}

@@ -1,5 +1,5 @@
 """The cost plan of the LoRA kernels as they were before issue 49 (commit 7457908), by the accounting of
-kernels/lora_plan.py: the same cases at the 8B shape, the old kernels' grids and loads, their occupancy from
+bench/lora_plan.py: the same cases at the 8B shape, the old kernels' grids and loads, their occupancy from
 compiling the old source. For docs/performance.md's before/after table.
 
     python docs/bench/lora_plan_before.py        (from the repository root, in git, without TRITON_INTERPRET)
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from kernels.aot import compile_kernel, resources                                  # noqa: E402
-from kernels.lora_plan import CASES, ELT, MAX_RANK, NUM_SLOTS, NUM_SMS, PROJECTIONS, RANKS  # noqa: E402
+from bench.lora_plan import CASES, ELT, MAX_RANK, NUM_SLOTS, NUM_SMS, PROJECTIONS, RANKS  # noqa: E402
 
 COMMIT = "7457908"
 SEGMENTS = NUM_SLOTS + 2                      # a graph's segments then: base rows, one per slot, padding

@@ -4,7 +4,7 @@ shared memory -> programs per SM on a 132-SM H100/H200): per case and projection
 the bytes each reads and writes (the loads the kernels issue, masks honoured), the waves, and the totals against
 the bound (the adapter bytes the step uses + x + the output, read and written once).
 
-    python -m kernels.lora --plan [--json FILE] [--occupancy N]
+    python -m bench.lora_plan [--json FILE] [--occupancy N]
 --occupancy N assumes N programs per SM instead of compiling (no compiler needed, for a quick look).
 """
 import argparse
@@ -180,9 +180,8 @@ def print_plan(result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.lora --plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.lora_plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", action="store_true", help="(the entry point's switch)")
     parser.add_argument("--json", help="also write the plan here")
     parser.add_argument("--occupancy", type=int, help="programs per SM to assume instead of compiling")
     args = parser.parse_args()
