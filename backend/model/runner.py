@@ -1,5 +1,6 @@
 """Owns the model's weights and KV cache on the engine's device, and runs one step: the batch's inputs go up in
 one copy, the forward and the sampling run on the device, the sampled tokens come back in one copy."""
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -30,6 +31,16 @@ from kernels.dispatch import load_ops, resolve_backend
 from kernels.quant import Int8Weight
 
 CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step ready to run: its rows in launch order, its inputs, its sampling plan and each token's adapter slot."""
+    scheduled: list[ScheduledSeq]             # batch.items as the scheduler made them (what the kept batch compares)
+    rows: LaunchRows
+    inputs: StepInputs
+    plan: sampler.SamplingPlan
+    token_slots: list[int]
 
 
 class ModelRunner:
@@ -217,7 +228,15 @@ class ModelRunner:
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
-        scheduled, kept = batch.items, self.kept.take_if_steady(batch)   # a steady decode step: the last one's rows
+        step = self._prepare(batch, lora_cache, previous)
+        logits, greedy = self._run_model(batch, step, lora_cache)
+        return self._sample(batch, step, logits, greedy, lora_cache, prefetch)
+
+    def _prepare(self, batch: Batch, lora_cache: LoraCache | None, previous: "LaunchedStep | None") -> PreparedStep:
+        """The step's rows: the last step's where the batch is steady (one decode token each, the same sequences:
+        KeptBatch), else the batch sorted by adapter slot, so that each adapter is one segment; its inputs (pending
+        tokens taken from `previous` on the device) and its sampling plan (the last one's where it can be reused)."""
+        scheduled, kept = batch.items, self.kept.take_if_steady(batch)
         if kept is not None:
             rows, batch.items = kept
             token_slots = rows.slots                              # (one token a row)
@@ -230,20 +249,33 @@ class ModelRunner:
             inputs.take_pending(previous.rows_of, previous.tokens)
         plan = rows.plan or sampler.prepare(list(rows.rows_of), self.model_config.vocab_size)
         rows.plan = plan if plan.reusable else None
+        return PreparedStep(scheduled, rows, inputs, plan, token_slots)
+
+    def _run_model(self, batch: Batch, step: PreparedStep,
+                   lora_cache: LoraCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of the rows to sample: a decode step through its CUDA graph (which also picks the greedy
+        tokens, returned second), a step with prompt chunks through the piecewise graphs, or the eager forward."""
+        inputs = step.inputs
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
-        token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None and bucket is None else None
-        greedy = None
         if bucket is not None:
-            logits, greedy = self.graph_step(bucket, inputs, token_slots, plan, lora_cache), self.graphs.greedy
-        elif token_bucket is not None:
-            logits = self.piecewise.run(token_bucket, inputs, token_slots, self.staging, plan, lora_cache)
-        else:
-            logits = self._forward(batch, inputs, plan, token_slots if rows.any_adapter else None, lora_cache)
+            return self.graph_step(bucket, inputs, step.token_slots, step.plan, lora_cache), self.graphs.greedy
+        token_bucket = self.piecewise.bucket_for(inputs) if self.piecewise is not None else None
+        if token_bucket is not None:
+            return self.piecewise.run(token_bucket, inputs, step.token_slots, self.staging, step.plan,
+                                      lora_cache), None
+        token_slots = step.token_slots if step.rows.any_adapter else None
+        return self._forward(batch, inputs, step.plan, token_slots, lora_cache), None
+
+    def _sample(self, batch: Batch, step: PreparedStep, logits: torch.Tensor, greedy: torch.Tensor | None,
+                lora_cache: LoraCache | None, prefetch: list[int | None]) -> LaunchedStep:
+        """The step's tokens sampled on the device (the raw logits asked for taken first), the adapters next in
+        line prefetched, the results' one download started, and the batch kept for the next step."""
+        rows, inputs = step.rows, step.inputs
         raw = None
         if rows.wanted:                                           # before sampling changes them in place
             wanted = pin(torch.tensor(rows.wanted), self.device).to(self.device, non_blocking=True)
             raw = logits.index_select(0, wanted).float()
-        tokens, log_probs, top = sampler.sample(logits, plan, greedy)
+        tokens, log_probs, top = sampler.sample(logits, step.plan, greedy)
         if lora_cache is not None and prefetch:
             lora_cache.prefetch(prefetch)
         results = tokens if log_probs is None else torch.stack([tokens.double(), log_probs.double()])
@@ -251,9 +283,9 @@ class ModelRunner:
         if inputs.prompt_chunks:
             extra += [inputs.scores.values, inputs.scores.ids]
         download = self.staging.download(results, *extra)
-        self.kept.keep(scheduled, batch.items, rows, inputs, batch.num_preemptions)
+        self.kept.keep(step.scheduled, batch.items, rows, inputs, batch.num_preemptions)
         scored = [(batch.items[index].seq, start, num_rows) for index, start, num_rows in inputs.prompt_chunks]
-        return LaunchedStep(batch, rows, tokens, download, plan.max_top_log_probs if top else 0, scored)
+        return LaunchedStep(batch, rows, tokens, download, step.plan.max_top_log_probs if top else 0, scored)
 
     def _forward(self, batch: Batch, inputs: StepInputs, plan, token_slots: list[int] | None,
                  lora_cache: LoraCache | None) -> torch.Tensor:
