@@ -6,7 +6,6 @@ steps (torch.profiler). How issue 51's GC stalls were found (the bench's W3 p99 
     python scripts/gpu_step_times.py [--shape smollm2-135m-shape] [--engine w3|w1] [--profile] [--device cuda]
 """
 import argparse
-import gc
 import statistics
 import sys
 import tempfile

@@ -10,7 +10,6 @@ Exit status 1 if a request went unanswered, or KV blocks or adapter pins are lef
 import argparse
 import json
 import random
-import subprocess
 import sys
 import threading
 import time

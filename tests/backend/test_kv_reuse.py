@@ -1,6 +1,5 @@
 """KV cache reuse (enable_kv_cache_reuse): shared prompt prefixes are computed once, per adapter, and every
 output equals the one computed without reuse (Hugging Face for the base, the engine without reuse for LoRA)."""
-import pytest
 
 from backend import LLMEngine
 from backend.core.request import SamplingParams

@@ -6,7 +6,6 @@ import re
 import numpy as np
 import pytest
 
-from backend.core.request import SamplingParams
 from backend.serving.contract import UNSUPPORTED
 from tests.backend.test_contract import NON_NEUTRAL, neutral
 from tests.helpers import ROOT, random_prompts

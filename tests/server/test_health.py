@@ -7,7 +7,6 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
 
 import numpy as np
 
