@@ -164,9 +164,9 @@ class EngineClient:
     def _read(self) -> None:
         try:
             while True:
-                message = self.channel.recv()
+                received = self.channel.recv()
                 answers = []
-                for message in message[1] if message[0] == "batch" else [message]:
+                for message in received[1] if received[0] == "batch" else [received]:
                     if message[0] == "beat":
                         self.last_beat = time.monotonic()
                     elif message[0] == "report":

@@ -36,6 +36,7 @@ from backend.serving.metrics import StepReporter
 ORPHAN_S = 90.0                               # with no stub this long, the engine ends (the supervisor's longest
                                               # back-off is 30 s)
 RESTARTS_PARAMETER = "stub_restarts"          # the model parameter a reload after a stub's death changes
+MAX_OUTBOX = 1 << 16                          # messages queued for a stub that has stopped reading: it is let go
 
 
 class RemoteStream:
@@ -85,9 +86,15 @@ class StubConnection:
 
     def send(self, message) -> None:
         with self.outbox_filled:
-            if not self.gone:
-                self.outbox.append(message)
-                self.outbox_filled.notify()
+            if self.gone:
+                return
+            self.outbox.append(message)
+            self.outbox_filled.notify()
+            stalled = len(self.outbox) >= MAX_OUTBOX
+        if stalled:                            # (its reader thread reads all the time: the stub is stopped or stuck)
+            log(f"the stub (pid {self.pid}) has not read {MAX_OUTBOX} messages; its connection is closed")
+            self.lose()
+            self.channel.close()
 
     def lose(self) -> None:
         """The channel is found closed: from now on every stream of this stub reads as cancelled."""

@@ -66,3 +66,22 @@ def test_a_slow_sender_gets_several_steps_tokens_in_one_answer(tiny_model_dir):
         assert stream.tokens == hf_greedy(model, prompt, 24)
     num_tokens, num_answers = sum(len(s.tokens) for s in streams), sum(s.num_emits for s in streams)
     assert num_answers < 0.75 * num_tokens, f"{num_answers} answers for {num_tokens} tokens: none merged"
+
+
+def test_a_stub_that_stops_reading_is_let_go_before_its_queue_grows_without_bound(monkeypatch):
+    """What waits for a stub is bounded: a stub that reads nothing (stopped, stuck) is let go once MAX_OUTBOX
+    messages wait for it (here 8): its streams read as cancelled and its connection closes."""
+    from backend.serving import engine_process
+    monkeypatch.setattr(engine_process, "MAX_OUTBOX", 8)
+    ours, theirs = socket.socketpair()
+    stub = engine_process.StubConnection(host=None, channel=Channel(ours))     # no writer: nothing is sent
+    for beat in range(7):
+        stub.send(("beat", beat))
+    assert not stub.gone and len(stub.outbox) == 7
+    stub.send(("beat", 7))
+    assert stub.gone and stub.outbox == []
+    stub.send(("beat", 8))                                                    # a lost stub queues nothing
+    assert stub.outbox == []
+    theirs.settimeout(5)
+    assert theirs.recv(1) == b""                                              # the stub sees its connection end
+    theirs.close()
