@@ -66,7 +66,7 @@ def on(device: torch.device):
 def empty_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) cache of `shape`, uninitialized: attention never reads a position no step wrote (a cache
-    full of NaN changes no token), and zeroing 1 GiB on CPU took 1.6 s of every start and restart."""
+    full of NaN changes no token), and zeroing it would cost every start and restart seconds on CPU."""
     return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
 
@@ -131,8 +131,8 @@ class StepStaging:
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The tensors as int32 in one host buffer (page-locked where `pinned`), each at an aligned offset ->
-        (buffer [total], offsets). Written through numpy: a torch slice and copy cost ~3 us a tensor of host time,
-        numpy's a tenth of it. A lone int32 tensor (a steady step's kept buffer, laid out already) is one copy into
+        (buffer [total], offsets). Written through numpy, whose slice and copy cost a tenth of torch's in host
+        time. A lone int32 tensor (a steady step's kept buffer, laid out already) is one copy into
         the ring's next buffer."""
         self.staged = None
         if len(tensors) == 1:

@@ -63,9 +63,9 @@ class HeapTrimmer:
 
 def freeze_heap() -> None:
     """Everything alive now (an engine's start-up: modules, weights' wrappers, the imports; ~10^5-10^6 objects) out of
-    the cyclic collector's passes from here on. A full pass over them stalled the stepping thread 5-11 ms at a time,
-    and the steps after it lost more: on an H100 at the SmolLM2 shape (a 1 ms step) single-stream decode went from 1.5
-    ms a token on average to 1.09 (issue 51). What serving allocates is collected as before."""
+    the cyclic collector's passes from here on: a full pass over them stalls the stepping thread for several steps'
+    worth of a small model's decode on a GPU (docs/performance.md, "Figures behind the code"). What serving
+    allocates is collected as before."""
     gc.collect()
     gc.freeze()
 

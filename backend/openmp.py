@@ -32,8 +32,8 @@ def release_openmp_pool() -> None:
     """Let the calling thread's OpenMP workers exit (they come back with its next parallel op). libgomp keeps idle
     workers spinning only while it manages no more threads than the machine has CPUs; one pool more (a server's
     main thread, after it loaded the model or parsed an adapter) puts every worker to sleep after ~100 spins, and
-    then each parallel op of the engine's steps waits for a wake-up: a single-stream decode step on 2 cores took
-    38 ms on the loop thread with the main thread's pool alive, 33 ms without it (100k context switches fewer)."""
+    then each parallel op of the engine's steps waits for a wake-up (docs/performance.md, "Figures behind the
+    code")."""
     gomp = _libgomp()
     if gomp is not None:
         gomp.omp_pause_resource_all(1)                   # omp_pause_soft: this thread's pool only, in libgomp
@@ -60,8 +60,8 @@ os.register_at_fork(after_in_child=lambda: _kept.__dict__.clear())     # a child
 
 
 def _read_proc(path: str, slot: str) -> bytes:
-    """A /proc file's text from a descriptor kept open for the calling thread: one pread, ~2 us, where opening the
-    file anew took 20-30 us (and a step on 2 cores read two of them)."""
+    """A /proc file's text from a descriptor kept open for the calling thread: one pread, a tenth of the cost of
+    opening the file anew (a step on 2 cores reads two of them)."""
     file = getattr(_kept, slot, None)
     if file is None:
         file = open(path, "rb", buffering=0)
@@ -93,13 +93,10 @@ class TeamSizer:
     goes one thread smaller. After `hold_s` it tries one thread more; a try that waits again doubles the hold (up
     to `max_hold_s`), one that does not resets it. A smaller team does not wait out its hold when the machine's
     cores sat idle through its steps, `min_idle_cores` of them on average: the other work is gone, and it tries
-    one thread more at once (unless such a try waited for cores that read idle, as under a CPU quota). On 2 cores
-    beside one busy process, a 54-token prefill step took 1003 ms on 2 threads (waiting 28-42% of it), 354 ms on 1
-    and 433-469 ms sized this way; on 2 threads alone, 262 ms (waiting 0%). The server's answers, sent while a step
-    computes, make it wait mostly under 10%. After W4's adapter uploads the team used to stay at one thread until
-    its hold ran out (doubled by each try the uploads crowded); growing on idle cores, W4's steps with prompt
-    tokens took 9.7-14.0 s against 13.0-16.5 s (4 alternating pairs, 32 requests). One stepping thread at a time:
-    another one, or a team size set by someone else, starts it afresh."""
+    one thread more at once (unless such a try waited for cores that read idle, as under a CPU quota), so that a
+    team is not held small after a burst of other work (adapter uploads) is over. What it gains is in
+    docs/performance.md, "Figures behind the code". One stepping thread at a time: another one, or a team size set
+    by someone else, starts it afresh."""
 
     def __init__(self, active: bool = True, max_wait_fraction: float = 0.2, interval_s: float = 0.2,
                  read_every_s: float = 0.02, hold_s: float = 1.0, max_hold_s: float = 30.0,
@@ -107,7 +104,7 @@ class TeamSizer:
         self.max_wait_fraction = max_wait_fraction
         self.min_idle_cores = min_idle_cores
         self.interval_s = interval_s
-        self.read_every_s = read_every_s             # a reading costs ~4 us (two preads)
+        self.read_every_s = read_every_s             # a reading is two preads
         self.min_hold_s = hold_s
         self.max_hold_s = max_hold_s
         self.hold_s = hold_s

@@ -206,7 +206,7 @@ def slot_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: to
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[:, block_ids] as [num_kv_heads, *block_ids.shape, block_size, head_dim]; index_select over whole
-    blocks copies ~3x faster than advanced indexing on CPU."""
+    blocks copies faster than advanced indexing on CPU."""
     num_kv_heads, num_blocks, block_size, head_dim = cache.shape
     rows = cache.view(num_kv_heads, num_blocks, block_size * head_dim).index_select(1, block_ids.flatten())
     return rows.view(num_kv_heads, *block_ids.shape, block_size, head_dim)

@@ -289,8 +289,8 @@ def _equal(sent: torch.Tensor, kept: torch.Tensor) -> bool:
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf: the min and max propagate NaN, and are finite only when every value is. One pass: 14x faster
-    than isfinite().all(), 2.6x than amin and amax apart (16 uploads of W4's adapters: 71 -> 27 ms)."""
+    """No NaN or Inf: the min and max propagate NaN, and are finite only when every value is. One pass over the
+    adapter, where isfinite().all() makes a mask of it and amin and amax apart read it twice."""
     if t.numel() == 0:
         return True
     low, high = torch.aminmax(t)

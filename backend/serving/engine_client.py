@@ -6,8 +6,8 @@ time), the instance and its engine parameters, in a directory only this user can
 started after one died (or after tritonserver did) connects to it. Answers arrive on one reader thread, which keeps the
 heartbeat and the step reports and queues each stream's answers for an answering thread, which calls the server's
 streams (backend/serving/loop.py's Stream) in order: a send that blocks delays answers, not the heartbeat. Where the
-sends fall behind the engine (Triton's Python backend takes 0.2-0.3 ms a response, so one thread sends about 3,500 a
-second, fewer than a GPU makes tokens for 64 streams), the answering thread takes every answer queued and sends each
+sends fall behind the engine (one thread's sends through Triton's Python backend fall short of the tokens a GPU makes
+for 64 streams: docs/performance.md, "The server path"), the answering thread takes every answer queued and sends each
 stream's tokens of several steps in one response (backend/serving/responder.py's `coalesced`, as the engine's responder
 does), instead of falling further behind with every step. A third thread asks every `check_period_s` which clients
 cancelled and tells the engine.

@@ -67,8 +67,8 @@ class RemoteStream:
 class StubConnection:
     """One stub's channel: its requests in, their answers, the step reports and heartbeats out. What goes out is
     queued and sent by a writer thread of its own, everything queued as one message: a step's answers cost one
-    pickle and one write, not one for each stream (~40 us each, which capped a GPU's 64 streams), and a stub slow to
-    read holds up no thread of the engine's."""
+    pickle and one write, not one for each stream (docs/performance.md, "The engine's own process"), and a stub
+    slow to read holds up no thread of the engine's."""
 
     def __init__(self, host: "EngineHost", channel: Channel):
         self.host, self.channel = host, channel

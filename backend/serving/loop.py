@@ -39,10 +39,10 @@ class EngineLoop:
     a row (or one FatalEngineError) the engine is declared broken: every pending and new request is answered with
     an error at once.
     Whether a client cancelled is asked every `cancellation_check_period_s`, as TensorRT-LLM's backend does with
-    its `cancellation_check_period_ms`: a round trip per stream in Triton (~0.13 ms; 32 streams 4-5 ms). With
+    its `cancellation_check_period_ms`: a round trip per stream in Triton. With
     `ask_on_responder` (the default on an accelerator) the responder asks between its answers and sends the
     cancelled streams back through the inbox while the engine steps; on CPU the loop asks between steps, since a
-    round trip beside a step preempts one of the OpenMP team's threads (W4's steps took 5-10 ms longer)."""
+    round trip beside a step preempts one of the OpenMP team's threads."""
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, float | None], None] | None = None,
                  idle_wait_s: float = 0.05, max_step_failures: int = 3, cancellation_check_period_s: float = 0.1,

@@ -131,10 +131,9 @@ class StepReporter:
 
 class ServerMetrics:
     """Metric objects from `new_family(name, help, kind)` (each with .Metric(labels=..., buckets=...)), updated under
-    one lock (concurrent updates crash tritonserver 2.51). Each update is a round trip to the server (~45 us on 2
-    busy cores), so a step's report (StepReport, made in the engine's process) brings its latency and generated
-    tokens (the engine's count), and the gauges at most every GAUGE_PERIOD_S while steps run; only those that changed
-    are sent."""
+    one lock (concurrent updates crash tritonserver 2.51). Each update is a round trip to the server, so a step's report
+    (StepReport, made in the engine's process) brings its latency and generated tokens (the engine's count), and the
+    gauges at most every GAUGE_PERIOD_S while steps run; only those that changed are sent."""
 
     def __init__(self, new_family: Callable[[str, str, str], object], labels: dict[str, str] | None = None):
         self.lock = threading.Lock()

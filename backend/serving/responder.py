@@ -1,13 +1,13 @@
 """Answers the streams on a thread of its own, so that the engine steps while the server delivers.
 
-A server's send may block: Triton's Python backend waits for tritonserver to take each response (0.2-1 ms), and a
+A server's send may block: Triton's Python backend waits for tritonserver to take each response, and a
 loop sending in line would leave the engine idle for all of them, every step. One FIFO for every stream keeps each
 stream's answers in order and its final answer last. The loop lets a few steps of answers wait (`wait_behind` before
 it queues the next step's), so the queue stays bounded by a few steps' outputs. Where the sends fall behind the
 engine, the steps queued are sent together: one response a stream, with the tokens of all of them (`coalesced`), so
 that a message's cost is paid once for several tokens instead of holding the engine back.
 
-Asking whether a client cancelled is a round trip too (~0.13 ms a stream in Triton), and where the loop lets it
+Asking whether a client cancelled is a round trip too (one a stream in Triton), and where the loop lets it
 (EngineLoop's `ask_on_responder`) the responder asks, one stream at a time while no answer waits: the streams it
 has not yet answered finally, which no other thread sends on, so none is asked after its final answer (that
 crashes tritonserver).
