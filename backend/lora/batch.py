@@ -7,8 +7,9 @@ from kernels.metadata import ExpertLora
 
 
 class LoraBatch:
-    """What `linear` calls for each projection with adapters in the step: its GEMM plus expand(shrink(x)) for every
-    module band of it, from the device slots (ops.linear_lora)."""
+    """What the model's projections call in a step with adapters (LlamaModel.project): the kernel backend's GEMM
+    plus expand(shrink(x)) for every module band of the projection, from the device slots, in one call
+    (ops.linear_lora: kernels/lora_overlap.py on the Triton path, whose shrink and expand launch the kernels)."""
 
     def __init__(self, slots: DeviceSlots, segments: LoraSegments, ops):
         self.slots = slots

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from backend.model import rope
 from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepContext
-from backend.model.layers import linear, linear_deferred
 from kernels import reference
 
 
@@ -158,9 +157,11 @@ class LlamaModel:
                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, object | None]:
         """Layer i's projection of x with adapters; defer: its LoRA delta may be left for the next op."""
         weight = self.w[f"layers.{i}.{proj}_proj"]
-        if defer:
-            return linear_deferred(self.ops, x, weight, bias, ctx.lora, i, proj)
-        return linear(self.ops, x, weight, bias, ctx.lora, i, proj), None
+        if ctx.lora is None:                               # no adapter in the step: the GEMM alone
+            return self.ops.linear(x, weight, bias), None
+        if defer:                                          # (out, LoraDelta) where the step folds, else (out, None)
+            return ctx.lora.linear_deferred(x, weight, bias, i, proj)
+        return ctx.lora.linear(x, weight, bias, i, proj), None
 
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), vocab] fp32: the final norm and the LM head over the rows asked for."""
