@@ -109,11 +109,11 @@ class ResponseStream:
         self._send(output_arrays([], []), True)
 
     def cancelled(self) -> None:
-        if not self.done:
+        if not self.done:                          # counted first: a final response the gone client cannot take
+            self.metrics.count("cancelled")        # may fail to send
             row = self.requests[0]
             tokens, log_probs, *_ = ([], []) if row.streaming else self.outputs.get((0, 0), ([], []))
             self._send(output_arrays(tokens, log_probs if tokens else []), True)
-            self.metrics.count("cancelled")
 
     def _send(self, arrays: dict, final: bool, row: ParsedRequest | None = None, batch_index: int = 0, out=None,
               num_tokens: int = 0) -> None:
