@@ -207,15 +207,20 @@ class EngineClient:
                 self.answers.put(None)                     # the end, once what came before it is answered
                 break
             messages += more
-        out, run = [], []
-        for message in messages + [("end",)]:
+        out, run = [], []                                  # run: the emits since the last other message
+
+        def flush() -> None:
+            out.extend(("emit", *each) for each in (coalesced(run) if len(run) > 1 else run))
+            run.clear()
+
+        for message in messages:
             if message[0] == "emit":
                 run.append(message[1:])
-                continue
-            out += [("emit", *each) for each in (coalesced(run) if len(run) > 1 else run)]
-            run = []
-            out.append(message)
-        return out[:-1]
+            else:
+                flush()
+                out.append(message)
+        flush()
+        return out
 
     def _dispatch(self, message: tuple) -> None:
         op = message[0]
