@@ -10,10 +10,14 @@ UNBUILT_WEIGHT_DTYPES = ("fp8", "int4")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def as_bool(text: str) -> bool:
+    """A boolean model parameter, or its LORA_LLM_* override: "true" or "1" (any case) is on, anything else off."""
+    return text.lower() in ("true", "1")
+
+
 def env_flag(name: str) -> bool:
-    """A boolean setting from the environment, on unless set otherwise, read as model.py reads a model parameter's
-    override: "true" or "1" is on, anything else off."""
-    return os.environ.get(name, "true").lower() in ("true", "1")
+    """A boolean setting from the environment, on unless set otherwise (as_bool)."""
+    return as_bool(os.environ.get(name, "true"))
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from backend.config import as_bool                                  # noqa: E402
 from backend.core.request import RequestError                       # noqa: E402
 from backend.processes import end_stub, watchdog                    # noqa: E402
 from backend.serving.engine_client import EngineClient              # noqa: E402
@@ -50,7 +51,7 @@ def engine_kwargs(model_config: dict) -> dict:
         elif name in FLOAT_PARAMS:
             value = float(value)
         elif name in BOOL_PARAMS:
-            value = value.lower() in ("true", "1")
+            value = as_bool(value)
         elif name in INT_LIST_PARAMS:
             value = tuple(int(v) for v in value.split(","))
         elif name in PATH_PARAMS and not os.path.isabs(value):
