@@ -142,3 +142,18 @@ def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = 
                 raise
             return f"the stream was cut: {err.details()}"
     return ""
+
+
+def running_stream(url: str, arrays: dict, is_running, attempts: int = 3) -> Stream:
+    """A stream whose request is seen running: `is_running()` (a metric, gauges go out every 0.1 s while steps run)
+    held before its final response. A short request can finish before that on a loaded machine (400 tokens of the
+    tiny model take ~0.6 s); it is then sent again, `attempts` times at most."""
+    for _ in range(attempts):
+        stream = Stream(url).send(arrays)
+        stream.wait_first()
+        while stream.final_at is None:
+            if is_running():
+                return stream
+            time.sleep(0.02)
+        stream.close()
+    raise AssertionError(f"the request finished before it was seen running, {attempts} times")

@@ -10,7 +10,7 @@ from backend import LLMEngine
 from backend.lora.peft import peft_to_trtllm
 from tests.helpers import random_prompts
 from tests.server.conftest import TINY_ENV, run_server
-from tests.server.streams import Stream, run, trtllm_inputs
+from tests.server.streams import Stream, run, running_stream, trtllm_inputs
 
 FAULT_STEP = 4
 
@@ -57,12 +57,8 @@ def test_a_failed_step_fails_its_requests_only_and_the_server_serves_on(faulty_s
 
 
 def test_a_client_gone_mid_stream_frees_its_blocks_and_adapter_pin(faulty_server, tiny_adapters):
-    stream = Stream(faulty_server.grpc_url).send(trtllm_inputs([5] * 20, 400, True) | lora_inputs(tiny_adapters, 12))
-    stream.wait_first()
-    deadline = time.monotonic() + 5                          # gauges go out every 0.1 s while steps run
-    while faulty_server.metric("lora_llm_lora_cache", tier="device", stat="pins") != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    stream = running_stream(faulty_server.grpc_url, trtllm_inputs([5] * 20, 400, True) | lora_inputs(tiny_adapters, 12),
+                            lambda: faulty_server.metric("lora_llm_lora_cache", tier="device", stat="pins") == 1)
     stream.close(cancel=True)
     assert settled(faulty_server)
     assert len(run(faulty_server.grpc_url, trtllm_inputs([5, 6], 3, True)).tokens) == 3
