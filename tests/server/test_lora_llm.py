@@ -155,9 +155,8 @@ def test_step_latency_is_exported_by_kind(tiny_server):
 def test_generated_tokens_and_gauges_follow_the_requests(tiny_server):
     """Tokens are counted once a step and gauges sent only when they change: the figures still add up."""
     tokens = tiny_server.metric("lora_llm_generated_tokens_total")
-    stream = Stream(tiny_server.grpc_url).send(trtllm_inputs([6] * 20, 400, True))
-    stream.wait_first()
-    assert wait_for(lambda: tiny_server.metric("lora_llm_sequences", state="running") == 1)
+    stream = running_stream(tiny_server.grpc_url, trtllm_inputs([6] * 20, 400, True),
+                            lambda: tiny_server.metric("lora_llm_sequences", state="running") == 1)
     stream.close(cancel=True)
     assert wait_for(lambda: tiny_server.metric("lora_llm_sequences", state="running") == 0)
     streamed = tiny_server.metric("lora_llm_generated_tokens_total") - tokens
