@@ -144,11 +144,14 @@ def send_lie(url: str, name: str, datatype: str, shape: list[int], model: str = 
     return ""
 
 
-def running_stream(url: str, arrays: dict, is_running, attempts: int = 3) -> Stream:
+def running_stream(url: str, arrays: dict, is_running, attempts: int = 3, before=None) -> Stream:
     """A stream whose request is seen running: `is_running()` (a metric, gauges go out every 0.1 s while steps run)
     held before its final response. A short request can finish before that on a loaded machine (400 tokens of the
-    tiny model take ~0.6 s); it is then sent again, `attempts` times at most."""
+    tiny model take ~0.6 s); it is then sent again, `attempts` times at most. before: called before each send (to
+    read a counter's figure from before the request that ran)."""
     for _ in range(attempts):
+        if before is not None:
+            before()
         stream = Stream(url).send(arrays)
         stream.wait_first()
         while stream.final_at is None:
