@@ -20,7 +20,7 @@ from backend.lora.slots import BANDS, MAX_BANDS, PROJS, DeviceSlots, proj_shape
 from backend.model.checkpoint import ModelConfig
 from bench import ROOT
 from kernels import cpu_ext
-from kernels.lora_family import LoraFamily
+from kernels.lora.family import LoraFamily
 
 LORA_RANKS = (8, 16, 32, 64) * 4          # W1's adapters, two decode tokens each
 BLOCK_SIZE = 16

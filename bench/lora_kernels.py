@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import torch
 
-from backend.lora.batch import LoraBatch
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape
 from backend.model.checkpoint import ModelConfig
 from backend.model.self_check import random_adapter
@@ -44,17 +43,17 @@ def lora_kernels(cfg: ModelConfig, device: str, bandwidth: float) -> dict:
             in_dim, out_dim = proj_shape(one_layer, proj)
             segments = ops.lora.segments(token_slots, dtype)
             segments.use({name: t.to(device) for name, t in segments.tensors.items()})
-            LoraBatch(slots, segments, ops)                              # what the step runs: sizes its scratch
+            step_lora = ops.lora_for(segments, slots)
             x = torch.randn(len(token_slots), in_dim, device=device, dtype=dtype)
             out = torch.randn(len(token_slots), out_dim, device=device, dtype=dtype)
             weight = torch.randn(out_dim, in_dim, device=device, dtype=dtype) * in_dim ** -0.5
             projection = slots.projections[0][proj]
-            lora = lambda: ops.lora_apply(x, projection, segments, out)          # noqa: E731
+            lora = lambda: step_lora.apply(x, projection, out)                   # noqa: E731
             adapter_bytes = sum(RANKS[s] * (in_dim * len(projection.widths) + out_dim) * dtype.itemsize for s in used)
             entry = {"gpu_us": replay_us(lora, device), "host_us": host_us(lora, device),
                      "bound_us": adapter_bytes / bandwidth * 1e6,
                      "gemm_us": replay_us(lambda: torch.nn.functional.linear(x, weight), device)}
-            entry |= beside_the_gemm(ops, slots, token_slots, projection, x, weight, device)
+            entry |= beside_the_gemm(ops, slots, token_slots, proj, x, weight, device)
             row[proj] = entry
             for key in totals:
                 totals[key] += entry[key]
@@ -78,30 +77,31 @@ def layer_slots(cfg: ModelConfig, ops, device: str, dtype: torch.dtype = torch.b
     return one_layer, slots
 
 
-def beside_the_gemm(ops, slots, token_slots: list[int], projection, x: torch.Tensor, weight: torch.Tensor,
+def beside_the_gemm(ops, slots, token_slots: list[int], proj: str, x: torch.Tensor, weight: torch.Tensor,
                     device: str) -> dict:
     """The projection's GEMM with its LoRA: in turn (the GEMM, then shrink and expand in place) and overlapped
     (shrink and expand on the side stream beside the GEMM, into the delta, then the merge: what graph steps run),
     folded (the same without the merge, left for the op after the GEMM), and the LoRA kernels with the other
     expand (rows one by one where the plan takes tensor cores, and the other way round): its GPU time, to keep what
     wins."""
-    def segments(overlap: bool):
-        made = ops.lora.segments(token_slots, x.dtype)
-        made.use({name: t.to(device) for name, t in made.tensors.items()})
-        made.overlap = overlap
-        LoraBatch(slots, made, ops)
-        return made
-    in_turn, overlapped, folded, other = segments(False), segments(True), segments(True), segments(False)
-    folded.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
-    result = {"in_turn_us": replay_us(lambda: ops.linear_lora(x, weight, None, projection, in_turn), device),
-              "overlap_us": replay_us(lambda: ops.linear_lora(x, weight, None, projection, overlapped), device),
-              "folded_us": replay_us(lambda: ops.linear_lora_deferred(x, weight, None, projection, folded), device)}
+    def step_lora(overlap: bool, fold: bool = False):
+        segments = ops.lora.segments(token_slots, x.dtype)
+        segments.use({name: t.to(device) for name, t in segments.tensors.items()})
+        segments.overlap = overlap
+        if fold:
+            segments.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+        return ops.lora_for(segments, slots)
+    in_turn, overlapped, folded, other = step_lora(False), step_lora(True), step_lora(True, True), step_lora(False)
+    result = {"in_turn_us": replay_us(lambda: in_turn.linear(x, weight, None, 0, proj), device),
+              "overlap_us": replay_us(lambda: overlapped.linear(x, weight, None, 0, proj), device),
+              "folded_us": replay_us(lambda: folded.linear_deferred(x, weight, None, 0, proj), device)}
+    projection = slots.projections[0][proj]
     out = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=device)
-    ops.lora_apply(x, projection, other, out)                          # plans the step
-    if other.step is not None:                                         # (the Triton family's)
-        mma = other.step.prepare(projection).launch.mma
-        other.step.use(projection, other.step.relaunched(projection, mma=not mma))
-    result["gpu_us_other_expand"] = replay_us(lambda: ops.lora_apply(x, projection, other, out), device)
+    other.apply(x, projection, out)                                    # plans the step
+    if ops.lora.work_list:                                             # (the Triton family's)
+        mma = other.prepare(x, projection).launch.mma
+        other.use(projection, other.relaunched(projection, mma=not mma))
+    result["gpu_us_other_expand"] = replay_us(lambda: other.apply(x, projection, out), device)
     return result
 
 

@@ -1,4 +1,4 @@
-"""The LoRA kernels' cost plan at the Llama-3.1-8B shape, from the launchers' own configuration (kernels/lora_launch.py:
+"""The LoRA kernels' cost plan at the Llama-3.1-8B shape, from the launchers' own configuration (kernels/lora/launch.py:
 plan_launch, the work list a CUDA graph of the step holds) and what the compiler reports for it (registers and
 shared memory -> programs per SM on a 132-SM H100/H200): per case and projection, the programs of each launch,
 the bytes each reads and writes (the loads the kernels issue, masks honoured), the waves, and the totals against
@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from kernels.lora_launch import LoraLaunch, block_m_for, max_work_items, plan_launch, work_items
+from kernels.lora.launch import LoraLaunch, block_m_for, max_work_items, plan_launch, work_items
 
 NUM_SMS = 132                                 # H100 SXM and H200
 MAX_RANK, NUM_SLOTS = 64, 16                  # W1's adapters: ranks 8/16/32/64 cycling, max_loras 16
@@ -72,7 +72,8 @@ def occupancy(launch: LoraLaunch, num_tokens: int, cc: int = 90) -> tuple[int, i
     for kernel, args, constexprs, options in (
             ("_shrink_kernel", shrink, launch.shrink_constexprs, launch.shrink_options),
             ("_expand_kernel", expand, launch.expand_constexprs | {"DELTA": False}, launch.expand_options)):
-        compiled = compile_kernel("kernels.lora", kernel, args, constexprs | {"DOT_FP32": False}, cc, options)
+        compiled = compile_kernel("kernels.lora.triton_kernels", kernel, args, constexprs | {"DOT_FP32": False}, cc,
+                                  options)
         blocks.append(resources(compiled, cc)["blocks_per_sm"])
     return blocks[0], blocks[1]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference_lora import add_lora_delta, add_qkv_delta
+from kernels.lora.reference import add_lora_delta, add_qkv_delta
 
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name

@@ -1,7 +1,8 @@
 """The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for attention, which reads the paged cache in place
 (decode rows one by one, prompt rows in tiles), and the elementwise work of a layer fused into single passes, LoRA
-shrink + expand of all a projection's bands in one call; fp32 GEMMs over weights in column panels
-(cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches the adapter rows), other
+shrink + expand of all a projection's bands in one call (kernels/lora/executor.CpuLoraExecutor); fp32 GEMMs over
+weights in column panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches
+the adapter rows), other
 dtypes on weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
 expert with tokens), its expert LoRA compiled (cpu_ext.expert_lora_add: the rows group by group, each row's
 matrices read in place)."""
@@ -9,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext
-from kernels.cpu_ext import add_rms_norm, lora_apply, rotary_and_cache, silu_and_mul
-from kernels.compose import compose_linear_lora
+from kernels.cpu_ext import add_rms_norm, rotary_and_cache, silu_and_mul
+from kernels.lora.executor import CpuLoraExecutor as lora_executor
 from kernels.metadata import AttentionMetadata
 from kernels.quant import Int8Weight
 from kernels import reference
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-           "lora_apply", "linear_lora", "fused_moe", "slot_lora"]
+           "fused_moe", "slot_lora", "lora_executor"]
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear
@@ -63,17 +64,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-_linear_then_lora = compose_linear_lora(linear, lora_apply)
-
-
-def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, proj, segments) -> torch.Tensor:
-    """Semantics: out = linear(x, weight, bias); lora_apply(x, proj, segments, out); return out. Over fp32 panels one
-    compiled call, whose GEMM pulls the adapter rows a decode step's LoRA reads into the cache as it computes."""
-    if not isinstance(weight, Int8Weight) and weight.dim() == 3:
-        return cpu_ext.linear_lora(x, weight, bias, proj, segments)
-    return _linear_then_lora(x, weight, bias, proj, segments)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -1,15 +1,13 @@
 """The one place that picks the kernel implementation; the model calls `ops.<name>` and never branches."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
-from kernels.compose import compose_linear_lora, in_place
-from kernels.lora_family import LoraFamily
-
-OP_NAMES = ("prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
-            "lora_apply", "linear_lora", "linear_lora_deferred", "fused_moe", "slot_lora")
+from kernels.lora.executor import LoraExecutor
+from kernels.lora.family import LoraFamily
+from kernels.lora.segments import LoraSegments
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
@@ -35,7 +33,7 @@ def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
 class KernelBackend:
     """One kernel family's functions for tensors on one device (`name`: "torch", "cpu" or "triton"), each op of
     OP_NAMES with the torch reference's semantics, and what the rest of the server asks of the family: `lora` (its
-    LoRA layout and per-step metadata, kernels/lora_family.py), `checked` (its op families are checked on the device
+    LoRA layout and per-step metadata, kernels/lora/family.py), `checked` (its op families are checked on the device
     at start and may fall back to the torch reference) and `graphs` (it takes CUDA graphs' padded steps)."""
     name: str
     lora: LoraFamily
@@ -47,21 +45,22 @@ class KernelBackend:
     silu_and_mul: Callable
     rotary_and_cache: Callable
     paged_attention: Callable
-    lora_apply: Callable
-    linear_lora: Callable                     # a projection's GEMM with its LoRA (composed where the family has none)
-    linear_lora_deferred: Callable            # the same, the LoRA product left for the next op where it can be
     fused_moe: Callable
     slot_lora: Callable
+    lora_executor: type                       # a step's LoRA, projections' GEMMs with it (kernels/lora/executor.py)
+
+    def lora_for(self, segments: LoraSegments, slots) -> LoraExecutor:
+        """The step's LoRA over its segments (on the device) and the device slots (backend/lora/slots.DeviceSlots)."""
+        return self.lora_executor(self, segments, slots.projections, slots.experts)
 
     def fall_back(self, names: set[str]) -> None:
-        """Serve these ops with the torch reference from now on (the start-up self-check's verdict); the composed
-        ops follow the ops they are made of."""
+        """Serve these ops with the torch reference from now on (the start-up self-check's verdict)."""
         from kernels import reference
         for name in names:
             setattr(self, name, getattr(reference, name))
-        if names & {"linear", "lora_apply"}:              # (the overlapped and folded paths run the kernels' GEMM)
-            self.linear_lora = compose_linear_lora(self.linear, self.lora_apply)
-            self.linear_lora_deferred = in_place(self.linear_lora)
+
+
+OP_NAMES = tuple(f.name for f in fields(KernelBackend) if f.name not in ("name", "lora", "checked", "graphs"))
 
 
 def load_ops(name: str, device: torch.device | str = "cpu", lora_overlap: bool = True, lora_fold: bool = True,
@@ -76,11 +75,9 @@ def load_ops(name: str, device: torch.device | str = "cpu", lora_overlap: bool =
         from kernels import cpu_ops as module
     else:
         from kernels import triton_ops as module
-    ops = {op: getattr(module, op) for op in OP_NAMES if hasattr(module, op)}
+    ops = {op: getattr(module, op) for op in OP_NAMES}
     if backend == "triton":
         ops |= {op: broken(op) for op in broken_ops}
-    ops.setdefault("linear_lora", compose_linear_lora(ops["linear"], ops["lora_apply"]))
-    ops.setdefault("linear_lora_deferred", in_place(ops["linear_lora"]))
     return KernelBackend(name=backend, lora=LoraFamily.of(backend, device, lora_overlap, lora_fold),
                          checked=backend == "triton", graphs=backend == "triton", **ops)
 

@@ -1,6 +1,6 @@
 """The elementwise work of a layer, each step in one launch: residual add + RMSNorm, RoPE + the KV-cache write,
 SiLU-and-mul. Math in fp32, rounded to the activations' dtype where the torch reference rounds. Each adds a LoRA
-product left by the GEMM before it as it loads that GEMM's output (HAS_DELTA: kernels/lora_overlap.LoraDelta)."""
+product left by the GEMM before it as it loads that GEMM's output (HAS_DELTA: kernels/lora/executor.LoraDelta)."""
 import torch
 import triton
 import triton.language as tl

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.lora.executor import LoraExecutor as lora_executor  # noqa: F401 (an op)
+from kernels.lora.reference import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (LoRA's oracle)
 from kernels.metadata import AttentionMetadata, ExpertLora
 from kernels.quant import Int8Weight
-from kernels.reference_lora import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (lora_apply: an op)
 
 
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ HEAD_DIMS = (64, 80, 96, 128)                     # Llama/Mistral/Qwen2 128, Smo
 BLOCK_SIZES = tuple(2 ** i for i in range(9))     # every kv_block_size EngineConfig accepts: 1 ... 256
 GROUPS = tuple(range(1, 9))                       # query heads per KV head
 SPLITS = (1, 2, 4, 8, 16)                         # split-K counts num_kv_splits can choose
+LORA_KERNELS = "kernels.lora.triton_kernels"
 
 
 def attention_args(p: str, head_dim: int, block_size: int, group: int) -> dict:
@@ -165,7 +166,7 @@ def lora_configurations():
     band widths no multiple of 16 (an intermediate size of 344, a head dim of 72: the expand's masked groups)."""
     import torch
 
-    from kernels.lora_launch import block_m_for, max_work_items, plan_launch
+    from kernels.lora.launch import block_m_for, max_work_items, plan_launch
     from bench.lora_plan import launch_args
     shapes = {"8b qkv": (4096, [4096, 1024, 1024]), "8b o": (4096, [4096]), "8b gate_up": (4096, [14336, 14336]),
               "8b down": (14336, [4096]), "smollm2 qkv": (576, [576, 192, 192]), "odd gate_up": (96, [344, 344]),
@@ -181,14 +182,14 @@ def lora_configurations():
                                  act_bytes=4 if dtype == "fp32" else 2)
             shrink, expand, merge = launch_args(launch, tokens, DTYPES[dtype], DTYPES[weight_dtype])
             tag = f"{dtype} adapters {weight_dtype} {shape} r{max_rank} t{tokens}"
-            yield (f"lora_shrink {tag}", "kernels.lora", "_shrink_kernel", shrink,
+            yield (f"lora_shrink {tag}", LORA_KERNELS, "_shrink_kernel", shrink,
                    launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": False})
-            yield (f"lora_expand {tag}", "kernels.lora", "_expand_kernel", expand,
+            yield (f"lora_expand {tag}", LORA_KERNELS, "_expand_kernel", expand,
                    launch.expand_constexprs | launch.expand_options | {"DELTA": False, "DOT_FP32": False})
             delta = launch_args(launch, tokens, DTYPES[dtype], DTYPES[weight_dtype], delta=True)[1]
-            yield (f"lora_expand_delta {tag}", "kernels.lora", "_expand_kernel", delta,       # beside the GEMM
+            yield (f"lora_expand_delta {tag}", LORA_KERNELS, "_expand_kernel", delta,     # beside the GEMM
                    launch.expand_constexprs | launch.expand_options | {"DELTA": True, "DOT_FP32": False})
-            yield (f"lora_merge {tag}", "kernels.lora", "_merge_kernel", merge,
+            yield (f"lora_merge {tag}", LORA_KERNELS, "_merge_kernel", merge,
                    launch.merge_constexprs | launch.merge_options)
 
 

@@ -23,15 +23,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.lora.batch import LoraBatch                                            # noqa: E402
 from backend.lora.slots import PROJS, DeviceSlots, proj_shape                       # noqa: E402
 from backend.model.checkpoint import ModelConfig                                          # noqa: E402
 from backend.model.self_check import random_adapter                                 # noqa: E402
 from bench.lora_kernels import CASES, RANKS                                         # noqa: E402
 from bench.step_profile import sync                                                 # noqa: E402
 from kernels.dispatch import load_ops                                               # noqa: E402
-from kernels.lora import lora_expand, lora_shrink                                   # noqa: E402
-from kernels.lora_step import prepare_launch                                        # noqa: E402
+from kernels.lora.triton_kernels import lora_expand, lora_shrink, prepare_launch    # noqa: E402
 from scripts.gpu_bench import SHAPES                                                # noqa: E402
 
 CASE_KEYS = {"decode": "decode, 16 tokens over 16 adapters", "64": "64 tokens over 16 adapters",
@@ -60,19 +58,18 @@ class Case:
             in_dim, out_dim = proj_shape(cfg, proj)
             segments = ops.lora.segments(token_slots, torch.bfloat16)
             segments.use({name: t.to(device) for name, t in segments.tensors.items()})
-            LoraBatch(slots, segments, ops)
+            step_lora = ops.lora_for(segments, slots)
             projection = slots.projections[0][proj]
             x = torch.randn(self.num_tokens, in_dim, device=device, dtype=torch.bfloat16, generator=g)
             base = torch.randn(self.num_tokens, out_dim, device=device, dtype=torch.bfloat16, generator=g)
             out = base.clone()
-            ops.lora_apply(x, projection, segments, out)                  # the default: plans the step
-            step = segments.step
-            prepared = step.prepare(projection)
+            step_lora.apply(x, projection, out)                           # the default: plans the step
+            prepared = step_lora.prepare(x, projection)
             per_copy = projection.a.nbytes + projection.b.nbytes
             num_copies = max(2, math.ceil(2 * L2_BYTES / per_copy)) if copies else 1
             views = [projection] + [replace(projection, a=projection.a.clone(), b=projection.b.clone())
                                     for _ in range(num_copies - 1)]
-            self.projs[proj] = dict(x=x, base=base, default_out=out, step=step, launch=prepared.launch,
+            self.projs[proj] = dict(x=x, base=base, default_out=out, prepared=prepared, launch=prepared.launch,
                                     partials=prepared.partials, widths=projection.widths, views=views)
             self.projs[proj]["h"] = self.shrink(proj, default_configs(prepared.launch)[0])   # (zero where unset)
 
@@ -88,19 +85,18 @@ class Case:
             h = torch.zeros(self.num_tokens, cap, dtype=view_proj.a.dtype, device=view_proj.a.device)
         part = p.setdefault(("part", launch.split_k), torch.empty(launch.split_k, self.num_tokens, cap,
                                                                   dtype=torch.float32, device=h.device))
-        prepared = prepare_launch(launch, view_proj, h, part)
+        prepared = prepare_launch(launch, view_proj, p["prepared"].work, p["prepared"].counters, h, part)
         prepared.shrink_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        p["step"].use(view_proj, prepared)                                     # what lora_shrink launches
-        return lora_shrink(p["x"], view_proj, p["step"])
+        return lora_shrink(p["x"], view_proj, prepared)
 
     def expand(self, proj: str, config: dict, out: torch.Tensor, view: int = 0) -> None:
         """One expand at `config` ({mma, block_n, tiles, num_warps, num_stages}) adding into out."""
         p, view_proj = self.projs[proj], self.projs[proj]["views"][view]
         launch = replace(p["launch"], mma=config["mma"], block_n=config["block_n"], tiles=config["tiles"])
-        prepared = prepare_launch(launch, view_proj, p["h"], p["partials"])
+        prepared = prepare_launch(launch, view_proj, p["prepared"].work, p["prepared"].counters, p["h"],
+                                  p["partials"])
         prepared.expand_kwargs |= {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        p["step"].use(view_proj, prepared)                                     # what lora_expand launches
-        lora_expand(p["h"], view_proj, p["step"], out)
+        lora_expand(p["h"], view_proj, prepared, out)
 
 
 def expand_configs(p: dict) -> list[dict]:

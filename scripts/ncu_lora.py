@@ -37,11 +37,10 @@ def child(shape: str, case: str, labels_path: Path) -> None:
     import torch
 
     from backend.model.checkpoint import ModelConfig
-    from backend.lora.batch import LoraBatch
     from backend.lora.slots import PROJS, proj_shape
     from bench.lora_kernels import CASES, layer_slots
     from kernels.dispatch import load_ops
-    from kernels.lora import lora_expand, lora_merge, lora_shrink
+    from kernels.lora.triton_kernels import lora_expand, lora_merge, lora_shrink
     from scripts.gpu_bench import SHAPES
     ops = load_ops("triton", "cuda")
     cfg, slots = layer_slots(ModelConfig.from_hf(SHAPES[shape]), ops, "cuda")
@@ -52,25 +51,22 @@ def child(shape: str, case: str, labels_path: Path) -> None:
         segments = ops.lora.segments(token_slots, torch.bfloat16)
         segments.use({name: t.to("cuda") for name, t in segments.tensors.items()})
         segments.overlap = True                                         # a step with the delta, as a graph's
-        LoraBatch(slots, segments, ops)
+        step_lora = ops.lora_for(segments, slots)
         x = torch.randn(len(token_slots), in_dim, device="cuda", dtype=torch.bfloat16)
         out = torch.randn(len(token_slots), out_dim, device="cuda", dtype=torch.bfloat16)
         projection = slots.projections[0][proj]
-        ops.lora_apply(x, projection, segments, out)                    # plans the step
-        step = segments.step
-        planned = step.prepare(projection)
-        other = step.relaunched(projection, mma=not planned.launch.mma)
+        step_lora.apply(x, projection, out)                             # plans the step
+        planned = step_lora.prepare(x, projection)
+        other = step_lora.relaunched(projection, mma=not planned.launch.mma)
         way = {True: "tensor cores", False: "rows"}
 
-        def expand(prepared, into=out, step=step, projection=projection, planned=planned):
-            step.use(projection, prepared)
-            lora_expand(planned.h, projection, step, into)
-            step.use(projection, planned)
-        launches += [(f"{proj} shrink", lambda x=x, p=projection, s=step: lora_shrink(x, p, s)),
+        def expand(prepared, into=out, projection=projection, planned=planned):
+            lora_expand(planned.h, projection, prepared, into)
+        launches += [(f"{proj} shrink", lambda x=x, p=projection, pl=planned: lora_shrink(x, p, pl)),
                      (f"{proj} expand, {way[planned.launch.mma]} (planned)", lambda e=expand: e(planned)),
                      (f"{proj} expand, {way[other.launch.mma]}", lambda e=expand, o=other: e(o)),
                      (f"{proj} expand into the delta", lambda e=expand: e(planned, None)),
-                     (f"{proj} merge", lambda p=projection, s=step, o=out: lora_merge(p, s, o))]
+                     (f"{proj} merge", lambda p=projection, pl=planned, o=out: lora_merge(p, pl, o))]
     for _, launch in launches:                                          # compiled and warm
         launch()
     torch.cuda.synchronize()

@@ -16,7 +16,7 @@ from backend.lora.limits import resolve_limits
 from backend.lora.shard import shard_adapter
 from backend.lora.slots import DeviceSlots
 from backend.model.checkpoint import ModelConfig
-from kernels.lora_family import LoraFamily
+from kernels.lora.family import LoraFamily
 
 
 def not_found_message(task_id: int) -> str:

@@ -8,7 +8,7 @@ so one shrink and one expand serve every slot at once, each at that slot's own r
 projection on GPU: `Projection`), and an expand reads only its module's columns: the zeros between modules are
 never touched. On CPU B is stored rank-major
 (B^T [cap, out_dim]) and exposed transposed, so expands run along contiguous output rows; on GPU it is stored as
-shown, for the Triton kernels' coalesced loads. The kernel family (kernels/lora_family.py) decides the rest: A
+shown, for the Triton kernels' coalesced loads. The kernel family (kernels/lora/family.py) decides the rest: A
 rank-major or not, and a fused qkv module (TRT-LLM module 0) split into q, k and v bands sharing its A, or
 (`fused_a_once`) one band over every qkv column, its A stored (and read) once: each slot's band bounds are its own
 (`Projection.slot_bounds`), and the q band's B holds the k and v rows too.
@@ -29,7 +29,7 @@ from backend.device import SideCopies, on, pin
 from backend.lora.expert_slots import ExpertSlots
 from backend.lora.format import EXPERT_MODULE_NAMES, LoraAdapter, module_columns
 from backend.model.checkpoint import ModelConfig
-from kernels.lora_family import LoraFamily
+from kernels.lora.family import LoraFamily
 
 PROJS = ("qkv", "o", "gate_up", "down")
 BANDS = {"qkv": (1, 2, 3), "o": (4,), "gate_up": (5, 7), "down": (6,)}     # TRT-LLM module ids, in band order
@@ -88,7 +88,7 @@ class Band:
 
 @dataclass(slots=True)
 class Projection:
-    """Every band of one layer's projection, for kernels that take them in one launch (kernels/lora.py)."""
+    """Every band of one layer's projection, for kernels that take them in one launch (kernels/lora/)."""
     a: torch.Tensor                           # [num_slots, num_bands * max_rank, in_dim]
     b: torch.Tensor                           # [num_slots, out_dim, num_bands * max_rank]
     ranks: torch.Tensor                       # [num_bands, num_slots] int32

@@ -26,8 +26,8 @@ class StepContext:
     attn: AttentionMetadata
     logits_indices: torch.Tensor              # [num_sampled] int32: last token of each sequence that samples
     context_indices: torch.Tensor             # [num_context] int32: prompt tokens whose logits were asked for
-    lora: object | None = None                # per-step adapter segments (backend/lora/batch.py)
-    prompt_scores: object | None = None       # prompt rows to score (backend/logprobs.PromptScores)
+    lora: object | None = None                # the step's LoRA executor (kernels/lora/executor.py)
+    prompt_scores: object | None = None       # prompt rows to score (backend/core/logprobs.PromptScores)
     between_layers: Callable[[], None] | None = None      # called after each layer (CPU: backend/openmp.TeamSizer)
 
 

@@ -9,9 +9,9 @@ the Llama-3.1-8B shape a correct step differed by 0.225 (relative logit error) f
 beside padding rows that fill the bucket, against it alone) times NOISE_FACTOR, and never less than the dtype's
 fixed tolerance: rounding passes, a wrong piece (tens of times the noise) does not.
 
-Graph steps run LoRA beside the GEMMs (kernels/lora_overlap), its product added by the op after each GEMM, eager steps
-after them: the checks compare the two, and `capture_checked` captures the graphs again without the fold, then without
-the overlap, where that is what fails.
+Graph steps run LoRA beside the GEMMs (kernels/lora/executor.TritonLoraExecutor), its product added by the op after
+each GEMM, eager steps after them: the checks compare the two, and `capture_checked` captures the graphs again without
+the fold, then without the overlap, where that is what fails.
 """
 import logging
 from copy import copy

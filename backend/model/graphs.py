@@ -14,10 +14,9 @@ import numpy as np
 import torch
 
 from backend.core.sampler import greedy
-from backend.lora.batch import LoraBatch
 from backend.model.context import StepContext, StepInputs
 from backend.model.kept import PADDING, ROW_INPUTS
-from kernels.lora_family import LoraFamily
+from kernels.lora.family import LoraFamily
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
 
@@ -47,6 +46,11 @@ def copy_lora(buffers: dict[str, torch.Tensor], t: dict[str, torch.Tensor]) -> N
     """A step's uploaded LoRA segments, work list and token slots into a graph's buffers."""
     for name in ("lora_starts", "lora_slots", "lora_work", "lora_token_slots"):
         buffers[name][:t[name].shape[0]].copy_(t[name])
+
+
+def graph_lora(ops, buffers: dict[str, torch.Tensor], num_tokens: int, dtype: torch.dtype, slots):
+    """A graph's LoRA for num_tokens rows (kernels/lora/executor.py) over the segments in its buffers."""
+    return ops.lora_for(ops.lora.graph_view(buffers, num_tokens, dtype), slots)
 
 
 def padded_inputs(inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
@@ -164,7 +168,7 @@ class DecodeGraphs:
         ctx = StepContext(b["input_ids"][:rows], b["positions"][:rows], attn, self.logits_indices[:rows],
                           self.logits_indices[:0])
         if with_lora:
-            ctx.lora = LoraBatch(self.lora_slots, self.model.ops.lora.graph_view(b, rows, self.dtype), self.model.ops)
+            ctx.lora = graph_lora(self.model.ops, b, rows, self.dtype, self.lora_slots)
         return self.model.forward(ctx, self.kv_caches, logits=self.logits)
 
     def _capture_all(self) -> None:

@@ -13,10 +13,9 @@ runs the same pieces eagerly: how the CPU tests check everything but the capture
 """
 import torch
 
-from backend.lora.batch import LoraBatch
 from backend.model.context import StepContext, StepInputs
-from backend.model.graphs import copy_lora, padded_tokens
-from kernels.lora_family import LoraFamily
+from backend.model.graphs import copy_lora, graph_lora, padded_tokens
+from kernels.lora.family import LoraFamily
 from kernels.metadata import AttentionMetadata
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
@@ -92,7 +91,7 @@ class PiecewiseGraphs:
         attn = AttentionMetadata(empty, empty, empty[None], b["slot_mapping"][rows], [], [], 0, 0)
         ctx = StepContext(b["input_ids"][rows], b["positions"][rows], attn, empty, empty)
         if with_lora:
-            ctx.lora = LoraBatch(self.lora_slots, model.ops.lora.graph_view(b, bucket, self.dtype), model.ops)
+            ctx.lora = graph_lora(model.ops, b, bucket, self.dtype, self.lora_slots)
         if i == 0:
             h, residual, delta = model.embed(ctx), None, None
         else:

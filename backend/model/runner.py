@@ -12,7 +12,6 @@ from backend.core.logprobs import PromptScores
 from backend.core.request import SamplingParams, Sequence
 from backend.core.scheduler import Batch, ScheduledSeq
 from backend.device import StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype
-from backend.lora.batch import LoraBatch
 from backend.lora.cache import LoraCache
 from backend.model import rope
 from backend.model.checkpoint import ModelConfig
@@ -308,7 +307,7 @@ class ModelRunner:
         if segments is not None:
             segments.use(t)
             lora_cache.wait_for_slots(segments.slots_list)
-            ctx.lora = LoraBatch(lora_cache.slots, segments, self.ops)
+            ctx.lora = self.ops.lora_for(segments, lora_cache.slots)
         logits = self.model.forward(ctx, self.kv_caches, with_context=bool(inputs.context_chunks))
         if not inputs.context_chunks:
             return logits

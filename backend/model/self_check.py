@@ -10,9 +10,10 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
     lora:      every projection of layer 0 with three adapters (max_lora_rank, a quarter of it with DoRA
                magnitudes, and a half of it with a fused qkv module: its A once), on every module, and base rows,
                for 8 tokens (a decode step) and 100 (a prompt chunk), each split-K as planned
-    lora_overlap: the decode step's projections through linear_lora with LoRA beside the GEMM (graph steps run it
-               so: a side stream, the fp32 delta, the merge); where it fails, graphs run LoRA after each GEMM
-    lora_fold: the same through linear_lora_deferred, its delta added as the op after the GEMM adds it; where it
+    lora_overlap: the decode step's projections through the LoRA executor's linear with LoRA beside the GEMM (graph
+               steps run it so: a side stream, the fp32 delta, the merge); where it fails, graphs run LoRA after
+               each GEMM
+    lora_fold: the same through its linear_deferred, its delta added as the op after the GEMM adds it; where it
                fails, graphs merge each product after its GEMM
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
     moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
@@ -32,12 +33,11 @@ from backend.lora.format import LoraAdapter, module_shape
 from backend.lora.slots import DeviceSlots, proj_shape
 from backend.model.checkpoint import ModelConfig
 from kernels import reference
-from kernels.compose import in_place
 from kernels.dispatch import KernelBackend
 from kernels.metadata import AttentionMetadata, ExpertLora
 from kernels.quant import Int8Weight, quantize_int8
 
-FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_apply",), "lora_overlap": (), "lora_fold": (),
+FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_executor",), "lora_overlap": (), "lora_fold": (),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora"),
             "gemm": ("linear",)}
 SPLITS = (1, 2, 4, 8, 16)                    # every split count kernels/paged_attention.num_kv_splits can choose
@@ -144,7 +144,7 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
 
             def run(x=x, base=base, proj=proj):
                 got, want = base.clone(), base.float()
-                ops.lora_apply(x, slots.projections[0][proj], segments, got)
+                ops.lora_for(segments, slots).apply(x, slots.projections[0][proj], got)
                 reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
                 return [(got, want)]
             what = (f"{proj} {in_dim}->{out_dim}, ranks {ranks} (the second DoRA, the last a fused qkv), "
@@ -161,8 +161,8 @@ def lora_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int)
 
 def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x: torch.Tensor, out_dim: int,
                   fold: bool):
-    """linear_lora with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the reference; fold:
-    linear_lora_deferred's output with its delta added instead."""
+    """The LoRA executor's linear with LoRA beside the GEMM (a side stream, the fp32 delta, the merge) against the
+    reference; fold: its linear_deferred's output with its delta added instead."""
     def run():
         segments = ops.lora.segments(token_slots, x.dtype)
         segments.use({name: t.to(x.device) for name, t in segments.tensors.items()})
@@ -172,9 +172,9 @@ def overlap_check(ops, slots: DeviceSlots, proj: str, token_slots: list[int], x:
         want = reference.linear(x.float(), weight.float(), None)
         reference.lora_apply(x.float(), float_projection(slots, proj), segments, want)
         if not fold:
-            return [(ops.linear_lora(x, weight, None, slots.projections[0][proj], segments), want)]
+            return [(ops.lora_for(segments, slots).linear(x, weight, None, 0, proj), want)]
         segments.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=x.device)
-        out, delta = ops.linear_lora_deferred(x, weight, None, slots.projections[0][proj], segments)
+        out, delta = ops.lora_for(segments, slots).linear_deferred(x, weight, None, 0, proj)
         return [(reference.add_lora_delta(out, delta), want)]
     return run
 
@@ -293,7 +293,6 @@ def apply_fallbacks(ops: KernelBackend, families: set[str]) -> None:
     """Serve these op families with the torch reference instead of the Triton kernels."""
     ops.fall_back({name for family in families for name in FAMILIES[family]})
     if "lora_fold" in families:                        # each product merged after its GEMM
-        ops.linear_lora_deferred = in_place(ops.linear_lora)
         ops.lora = ops.lora.merged()
     if families & {"lora", "lora_overlap", "gemm"}:
         ops.lora = ops.lora.in_turn()

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from backend.device import StepStaging, empty_kv_caches
 from backend.heap import freeze_heap
-from backend.lora.batch import LoraBatch
 from backend.lora.format import LoraAdapter, packed_views
 from backend.lora.slots import DeviceSlots
 from backend.model.checkpoint import ModelConfig
@@ -103,7 +102,7 @@ class Worker:
         ctx = inputs.context(device_t)
         if segments is not None:
             segments.use(device_t)
-            ctx.lora = LoraBatch(self.slots, segments, self.ops)
+            ctx.lora = self.ops.lora_for(segments, self.slots)
         self.model.forward(ctx, self.kv_caches, logits=False)
 
     def wait_for_slots(self, slots: list[int]) -> None:

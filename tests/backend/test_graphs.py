@@ -147,10 +147,10 @@ def test_graphs_whose_overlapped_lora_fails_are_captured_again_without_it(tiny_m
     """LoRA beside the GEMMs that loses its delta inside a capture only (the eager self-check passes): the graph
     check sees the graphed step differ, the graphs are captured again with LoRA after each GEMM, and serve. (Every
     product merged: lora_fold false.)"""
-    from kernels import lora_overlap
-    merge = lora_overlap.lora_merge
-    monkeypatch.setattr(lora_overlap, "lora_merge", lambda proj, step, out: None if torch.cuda.is_current_stream_capturing()
-                        else merge(proj, step, out))
+    from kernels.lora import executor
+    merge = executor.lora_merge
+    monkeypatch.setattr(executor, "lora_merge", lambda proj, p, out: None if torch.cuda.is_current_stream_capturing()
+                        else merge(proj, p, out))
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=53)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False)
@@ -165,13 +165,13 @@ def test_graphs_whose_folded_lora_fails_are_captured_again_merging(tiny_model_di
     """The product left for the next op lost inside a capture only (the eager self-check passes): the graph check
     sees the graphed step differ, the graphs are captured again with each product merged after its GEMM (LoRA
     still beside the GEMMs), and serve."""
-    import kernels.triton_ops as triton_ops
-    deferred = triton_ops.linear_lora_deferred
+    from kernels.lora.executor import TritonLoraExecutor
+    deferred = TritonLoraExecutor.linear_deferred
 
     def lost_in_capture(*args):
         out, delta = deferred(*args)
         return out, None if torch.cuda.is_current_stream_capturing() else delta
-    monkeypatch.setattr(triton_ops, "linear_lora_deferred", lost_in_capture)
+    monkeypatch.setattr(TritonLoraExecutor, "linear_deferred", lost_in_capture)
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=54)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
     engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False)

@@ -156,7 +156,7 @@ def test_prefetch_fills_idle_slots_ahead_and_never_evicts_what_is_pinned_or_want
 
 def test_lora_dtype_auto_is_fp16_beside_fp32_only_where_the_kernels_read_it():
     import torch
-    from kernels.lora_family import LoraFamily
+    from kernels.lora.family import LoraFamily
     compiled, triton, reference = (LoraFamily.of(name, "cpu") for name in ("cpu", "triton", "torch"))
     assert compiled.adapter_dtype("auto", torch.float32) == torch.float16
     assert triton.adapter_dtype("auto", torch.float32) == torch.float16

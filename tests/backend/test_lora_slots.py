@@ -10,7 +10,7 @@ from backend.lora.format import LoraAdapter, module_columns, parse_lora
 from backend.lora.shard import shard_adapter
 from backend.lora.slots import BAND_OF_MODULE, DeviceSlots
 from backend.model.checkpoint import ModelConfig
-from kernels.lora_family import LoraFamily
+from kernels.lora.family import LoraFamily
 from tests.backend.test_lora_cache import make_adapter
 
 MAX_RANK = 16

@@ -14,9 +14,10 @@ from backend.model.graphs import DecodeGraphs
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.self_check import check_kernels
 from backend.serving.metrics import gauges
-from kernels import lora_overlap
-from kernels.compose import compose_linear_lora, in_place
 from kernels.dispatch import load_ops
+from kernels.lora import executor
+from kernels.lora.executor import TritonLoraExecutor
+from kernels.quant import Int8Weight
 from tests.helpers import INTERPRETER_MARK, build_tiny, hf_greedy, random_prompts
 
 pytestmark = INTERPRETER_MARK
@@ -33,9 +34,15 @@ def raises_at_launch(*args, **kwargs):
     raise RuntimeError("CUDA error: too many resources requested for launch")
 
 
-def lora_wrong_values(x, proj, segments, out):
-    triton_ops.lora_apply(x, proj, segments, out)
-    out.mul_(1.5)
+class LoraWrongValues(TritonLoraExecutor):
+    def apply(self, x, proj, out):
+        super().apply(x, proj, out)
+        out.mul_(1.5)
+
+
+class LoraRaisesAtLaunch(TritonLoraExecutor):
+    def apply(self, x, proj, out):
+        raises_at_launch()
 
 
 def rotary_without_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
@@ -45,8 +52,8 @@ def rotary_without_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, sl
 FAULTS_ORIGINAL = triton_ops.rotary_and_cache
 FAULTS = {"attention wrong": ("paged_attention", wrong_values(triton_ops.paged_attention), "attention"),
           "attention launch": ("paged_attention", raises_at_launch, "attention"),
-          "lora wrong": ("lora_apply", lora_wrong_values, "lora"),
-          "lora launch": ("lora_apply", raises_at_launch, "lora"),
+          "lora wrong": ("lora_executor", LoraWrongValues, "lora"),
+          "lora launch": ("lora_executor", LoraRaisesAtLaunch, "lora"),
           "fused no cache write": ("rotary_and_cache", rotary_without_cache_write, "fused")}
 
 
@@ -100,7 +107,7 @@ def adapter_engine(model_dir, adapters, backend: str) -> LLMEngine:
 def test_a_broken_lora_kernel_falls_back_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
     want = adapter_engine(tiny_model_dir, tiny_adapters, "torch").generate(PROMPTS, max_new_tokens=6,
                                                                            lora_task_ids=[1, None, 2])
-    monkeypatch.setattr(triton_ops, "lora_apply", lora_wrong_values)
+    monkeypatch.setattr(triton_ops, "lora_executor", LoraWrongValues)
     broken = adapter_engine(tiny_model_dir, tiny_adapters, "triton")
     assert set(broken.runner.kernel_fallbacks) == {"lora"}
     assert broken.generate(PROMPTS, max_new_tokens=6, lora_task_ids=[1, None, 2]) == want
@@ -109,12 +116,12 @@ def test_a_broken_lora_kernel_falls_back_and_adapters_stay_right(tiny_model_dir,
 def test_a_broken_overlap_turns_it_off_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
     """LoRA beside the GEMM that never merges its delta: the self-check's lora_overlap case fails, graphs run LoRA
     after each GEMM from then on (ops.lora.overlap off), the Triton LoRA kernels still serve."""
-    monkeypatch.setattr(lora_overlap, "lora_merge", lambda proj, step, out: None)
+    monkeypatch.setattr(executor, "lora_merge", lambda proj, p, out: None)
     engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="triton", kernel_self_check="true",
                        kv_cache_memory_bytes=1 << 20)
     assert set(engine.runner.kernel_fallbacks) == {"lora_overlap"} and not engine.runner.ops.lora.overlap
     assert gauges(engine, alive=True)[("lora_llm_kernel_fallback", (("kernel", "lora_overlap"),))] == 1
-    assert engine.runner.ops.linear_lora is triton_ops.linear_lora
+    assert engine.runner.ops.lora_executor is TritonLoraExecutor
 
 
 def test_a_broken_fold_turns_only_it_off_and_adapters_stay_right(tiny_model_dir, tiny_adapters, monkeypatch):
@@ -123,8 +130,8 @@ def test_a_broken_fold_turns_only_it_off_and_adapters_stay_right(tiny_model_dir,
     the deferred op again: adapters answer as on the torch path."""
     want = adapter_engine(tiny_model_dir, tiny_adapters, "torch").generate(PROMPTS, max_new_tokens=6,
                                                                            lora_task_ids=[1, None, 2])
-    monkeypatch.setattr(triton_ops, "linear_lora_deferred", lambda x, weight, bias, proj, segments: (
-        triton_ops.linear(x, weight, bias), None))
+    deferred = TritonLoraExecutor.linear_deferred
+    monkeypatch.setattr(TritonLoraExecutor, "linear_deferred", lambda *args: (deferred(*args)[0], None))
     broken = adapter_engine(tiny_model_dir, tiny_adapters, "triton")
     assert set(broken.runner.kernel_fallbacks) == {"lora_fold"}
     assert broken.runner.ops.lora.overlap and not broken.runner.ops.lora.fold
@@ -205,15 +212,15 @@ def swapped_adapter_slots(tensors, token_slots, num_tokens, num_segments, dtype)
 
 
 PIECEWISE_DEFECTS = {                         # a defect of the graphs' code, run through the uncaptured pieces
-    "adapters dropped inside the pieces": (piecewise, "LoraBatch", lambda *args: None),
+    "adapters dropped inside the pieces": (piecewise, "graph_lora", lambda *args: None),
     "the LoRA segments not copied in": (piecewise, "copy_lora", no_lora_copy),
     "a stale positions buffer": (piecewise, "TOKEN_INPUTS", ("input_ids", "slot_mapping")),
     "the adapters' slots swapped": (piecewise, "padded_tokens", swapped_adapter_slots),
-    "the LoRA delta never merged": (lora_overlap, "lora_merge", lambda proj, step, out: None)}
+    "the LoRA delta never merged": (executor, "lora_merge", lambda proj, p, out: None)}
 DECODE_DEFECTS = {
     "padding that writes cache slot 0": (graphs, "padded_inputs", padding_writes_slot_0),
     "the LoRA segments not copied in": (graphs, "copy_lora", no_lora_copy),
-    "the LoRA delta never merged": (lora_overlap, "lora_merge", lambda proj, step, out: None)}
+    "the LoRA delta never merged": (executor, "lora_merge", lambda proj, p, out: None)}
 
 
 @pytest.mark.parametrize("defect", list(PIECEWISE_DEFECTS))
@@ -258,8 +265,6 @@ def test_bf16_rounding_beyond_the_fixed_tolerance_is_not_a_defect(tmp_path):
     build_tiny(tmp_path, seed=5, architecture="llama", **WIDE)
     engine, runner = uncaptured(None, "bfloat16", tmp_path)
     runner.ops.linear = padded_shapes_round_otherwise(runner.ops.linear)
-    runner.ops.linear_lora = compose_linear_lora(runner.ops.linear, runner.ops.lora_apply)
-    runner.ops.linear_lora_deferred = in_place(runner.ops.linear_lora)
     seen = {}
     real_differs = graph_check.differs
 
@@ -314,7 +319,9 @@ def test_int8_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, t
     checks = check_kernels(load_ops("triton"), ModelConfig.from_dir(tiny_model_dir), torch.float32, torch.float16,
                            torch.device("cpu"), 16, 64, weight_dtype="int8")
     assert [c.error for c in checks if c.family == "gemm"] == [None] * 8
-    monkeypatch.setattr(triton_ops, "linear", wrong_values(triton_ops.linear))
+    linear = triton_ops.linear
+    monkeypatch.setattr(triton_ops, "linear", lambda x, weight, bias: linear(x, weight, bias) * (
+        1.5 if isinstance(weight, Int8Weight) else 1))                          # the INT8 GEMM alone broken
     engine = LLMEngine(tiny_model_dir, dtype="float32", weight_dtype="int8", kernel_backend="triton",
                        kernel_self_check="true", kv_cache_memory_bytes=1 << 20)
     assert set(engine.runner.kernel_fallbacks) == {"gemm"}

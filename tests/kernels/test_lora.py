@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from backend.lora.slots import Band, Projection
-from kernels import fused, reference, reference_lora
-from kernels.lora import LoraStep, lora_expand, lora_merge, lora_shrink
-from kernels.lora_overlap import LoraDelta, linear_lora, linear_lora_deferred
-from kernels.lora_launch import block_m_for, max_work_items, work_items
-from kernels.lora_segments import LoraSegments
+from kernels import fused, reference, triton_ops
+from kernels.lora import reference as lora_reference
+from kernels.lora.executor import LoraDelta, TritonLoraExecutor
+from kernels.lora.launch import block_m_for, max_work_items, work_items
+from kernels.lora.segments import LoraSegments
+from kernels.lora.triton_kernels import Prepared, lora_expand, lora_merge, lora_shrink
 from tests.helpers import DEVICES, KERNEL_DEVICES, cpu_kernels_build
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
@@ -21,6 +22,11 @@ def segments_for(lengths_and_slots, device="cpu", work_dtype: torch.dtype | None
     segments = LoraSegments.from_token_slots(token_slots, block_m)
     segments.use({name: t.to(device) for name, t in segments.tensors.items()})
     return segments
+
+
+def triton_lora(segments: LoraSegments, proj: Projection, split_k: int | None = None) -> TritonLoraExecutor:
+    """A step's Triton LoRA over one projection, layer 0's "p"."""
+    return TritonLoraExecutor(triton_ops, segments, [{"p": proj}], split_k=split_k)
 
 
 def random_weights(num_slots, cap, in_dim, out_dim, dtype, rank_major: bool, device="cpu"):
@@ -126,13 +132,14 @@ def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, sp
     num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
     base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
-    step = LoraStep.for_segments(segments, x, [proj], split_k=split_k)
-    assert split_k is None or step.prepare(proj).launch.split_k == split_k
+    lora = triton_lora(segments, proj, split_k)
+    p = lora.prepare(x, proj)
+    assert split_k is None or p.launch.split_k == split_k
 
-    h = lora_shrink(x, proj, step)
+    h = lora_shrink(x, proj, p)
     assert h.shape == (num_tokens, len(widths) * max_rank) and h.dtype == dtype
     for band, band_ranks in enumerate(proj.ranks.tolist()):
-        want_h = reference_lora.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band],
+        want_h = lora_reference.lora_shrink(x.float(), proj.bands[band].a.float(), segments, proj.ranks[band],
                                             band_ranks)
         for start, end, slot in zip(segments.starts_list, segments.starts_list[1:], segments.slots_list):
             if slot >= 0 and band_ranks[slot]:
@@ -143,16 +150,18 @@ def check_projection(dtype, weight_dtype, widths, ranks, fused, dora, layout, sp
     want = base.float().clone()
     reference.lora_apply(x.float(), float_copy(proj), segments, want)
     got = base.clone()
-    lora_expand(h, proj, step, got)
+    lora_expand(h, proj, p, got)
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
     untouched = torch.tensor([slot < 0 for n, slot in LAYOUTS[layout] for _ in range(n)], device=device)
     assert torch.equal(got[untouched], base[untouched])
-    assert not step.counters.any(), "every counter back at zero for the next launch"
+    assert not lora.counters.any(), "every counter back at zero for the next launch"
 
 
-def with_expand(step: LoraStep, proj, mma: bool) -> None:
+def with_expand(lora: TritonLoraExecutor, x: torch.Tensor, proj, mma: bool) -> Prepared:
     """The step's launches of proj with the expand's product on tensor cores (mma) or row by row."""
-    step.use(proj, step.relaunched(proj, mma=mma))
+    lora.prepare(x, proj)
+    lora.use(proj, lora.relaunched(proj, mma=mma))
+    return lora.prepare(x, proj)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -163,7 +172,7 @@ def with_expand(step: LoraStep, proj, mma: bool) -> None:
 def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, widths, device):
     """Both expand paths (tensor-core tiles, rows one by one) at any item length == the reference; the product into
     the fp32 delta then lora_merge == the expand in place, bit for bit (what overlapping LoRA with the GEMM runs);
-    linear_lora overlapping == linear then lora_apply, bit for bit."""
+    the executor's linear overlapping == linear then the LoRA in place, bit for bit."""
     ranks = [[48, 1, 64, 0], [0, 32, 64, 8]]
     proj = random_projection([list(r) for r in ranks], 64, 128, widths, dtype, False, device, dora=(2,))
     segments = segments_for(LAYOUTS[layout], device, dtype)
@@ -171,47 +180,47 @@ def test_expand_paths_and_the_delta_merge_match_in_place(dtype, layout, mma, wid
     num_tokens = segments.starts_list[-1]
     x = torch.randn(num_tokens, 128).to(dtype).to(device)
     base = torch.randn(num_tokens, sum(widths)).to(dtype).to(device)
-    step = LoraStep.for_segments(segments, x, [proj])
-    with_expand(step, proj, mma)
-    h = lora_shrink(x, proj, step)
+    p = with_expand(triton_lora(segments, proj), x, proj, mma)
+    h = lora_shrink(x, proj, p)
     in_place = base.clone()
-    lora_expand(h, proj, step, in_place)
+    lora_expand(h, proj, p, in_place)
     want = base.float().clone()
     reference.lora_apply(x.float(), float_copy(proj), segments, want)
     torch.testing.assert_close(in_place.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
     merged = base.clone()
-    lora_expand(h, proj, step, None)
-    lora_merge(proj, step, merged)
+    lora_expand(h, proj, p, None)
+    lora_merge(proj, p, merged)
     assert torch.equal(merged, in_place)
 
     weight = (torch.randn(sum(widths), 128) * 0.1).to(dtype).to(device)
-    assert (step.prepare(proj).launch.merge_tiles > 1) == (widths[0] > 1000)     # wider merge groups where they fit
-    segments.step = None
-    overlapped = linear_lora(x, weight, None, proj, segments)
-    assert segments.step.overlap and segments.step.prepare(proj).delta is not None
-    with_expand(segments.step, proj, mma)
-    overlapped = linear_lora(x, weight, None, proj, segments)
+    assert (p.launch.merge_tiles > 1) == (widths[0] > 1000)                      # wider merge groups where they fit
+    lora = triton_lora(segments, proj)
+    overlapped = lora.linear(x, weight, None, 0, "p")
+    assert lora.prepare(x, proj).delta is not None
+    with_expand(lora, x, proj, mma)
+    overlapped = lora.linear(x, weight, None, 0, "p")
     in_turn = reference.linear(x, weight, None)
-    lora_expand(h, proj, step, in_turn)
+    lora_expand(h, proj, p, in_turn)
     assert torch.equal(overlapped, in_turn)
 
 
 def deferred_and_merged(ranks: list[list[int]], widths: list[int], dtype, layout: str, device) -> tuple:
     """A projection's GEMM and LoRA beside it (a DoRA slot among mixed ranks, base rows), its product left in a delta
-    that held NaN before (linear_lora_deferred), and the same merged: (out, LoraDelta, merged, token_slots)."""
+    that held NaN before (the executor's linear_deferred), and the same merged: (out, LoraDelta, merged,
+    token_slots)."""
     proj = random_projection([list(r) for r in ranks], 64, 128, widths, dtype, False, device, dora=(2,))
     token_slots = [slot for n, slot in LAYOUTS[layout] for _ in range(n)]
     x = torch.randn(len(token_slots), 128).to(dtype).to(device)
     weight = (torch.randn(sum(widths), 128) * 0.1).to(dtype).to(device)
     merged_segments = segments_for(LAYOUTS[layout], device, dtype)
     merged_segments.overlap = True
-    merged = linear_lora(x, weight, None, proj, merged_segments)
+    merged = triton_lora(merged_segments, proj).linear(x, weight, None, 0, "p")
     segments = segments_for(LAYOUTS[layout], device, dtype)
     segments.overlap = True
     segments.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
-    segments.step = LoraStep.for_segments(segments, x, [proj])
-    segments.step.prepare(proj).delta.fill_(float("nan"))
-    out, delta = linear_lora_deferred(x, weight, None, proj, segments)
+    lora = triton_lora(segments, proj)
+    lora.prepare(x, proj).delta.fill_(float("nan"))
+    out, delta = lora.linear_deferred(x, weight, None, 0, "p")
     assert delta is not None and torch.equal(out, reference.linear(x, weight, None))
     torch.testing.assert_close(reference.add_lora_delta(out, delta), merged, atol=0, rtol=0 if dtype == torch.float32
                                else 2 ** -7)                          # (the interpreter rounds bf16 down)
@@ -222,7 +231,7 @@ def deferred_and_merged(ranks: list[list[int]], widths: list[int], dtype, layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
 def test_a_delta_left_for_the_next_op_gives_the_merged_bits(dtype, layout, device):
-    """linear_lora_deferred leaves the product in the step's delta (every column of an adapter's rows, 0 in a band of
+    """linear_deferred leaves the product in the step's delta (every column of an adapter's rows, 0 in a band of
     rank 0, even over a delta full of NaN from before); the add + RMSNorm and the SiLU-and-mul that add it as they
     load the GEMM's output give the bits of the GEMM, the merge, then the op."""
     ranks = [[48, 0, 64, 8], [0, 32, 64, 8]]                          # a band of rank 0 in slots 0 and 1
@@ -276,8 +285,8 @@ def test_results_are_bitwise_the_same_at_every_run(device):
     outs = []
     for _ in range(2):
         out = torch.zeros(6, 64, device=device)
-        step = LoraStep.for_segments(segments, x, [proj], split_k=4)
-        lora_expand(lora_shrink(x, proj, step), proj, step, out)
+        p = triton_lora(segments, proj, split_k=4).prepare(x, proj)
+        lora_expand(lora_shrink(x, proj, p), proj, p, out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
@@ -285,7 +294,7 @@ def test_results_are_bitwise_the_same_at_every_run(device):
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
 @pytest.mark.parametrize("dora", [(), (0, 2)])
 def test_compiled_cpu_path_per_projection_matches_reference(layout, dora):
-    """kernels.cpu_ops.lora_apply runs the compiled kernels once per band with a rank: same sums as the reference,
+    """The compiled CPU backend's LoRA runs the compiled kernels once per band with a rank: same sums as the reference,
     DoRA slots' columns scaled by their magnitudes."""
     if not cpu_kernels_build():
         pytest.skip("the compiled CPU kernels do not build here")
@@ -297,7 +306,7 @@ def test_compiled_cpu_path_per_projection_matches_reference(layout, dora):
     base = torch.randn(x.shape[0], 96)
     want, got = base.clone(), base.clone()
     reference.lora_apply(x, proj, segments, want)
-    cpu_ops.lora_apply(x, proj, segments, got)
+    cpu_ops.lora_executor(cpu_ops, segments, [{"p": proj}]).apply(x, proj, got)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[:, 64:80], base[:, 64:80])                   # the band no slot has a rank in
 
@@ -331,12 +340,12 @@ def test_padded_grid_matches_segment_loop(dtype, layout, device):
     num_tokens = sum(n for n, _ in layout)
     x = torch.randn(num_tokens, in_dim).to(dtype).to(device)
     base = torch.randn(num_tokens, out_dim).to(dtype).to(device)
-    h_grid = reference_lora.lora_shrink(x, lora_a, segments, ranks, ranks_list)
-    h_loop = reference_lora.lora_shrink(x, lora_a, loop, ranks, ranks_list)
+    h_grid = lora_reference.lora_shrink(x, lora_a, segments, ranks, ranks_list)
+    h_loop = lora_reference.lora_shrink(x, lora_a, loop, ranks, ranks_list)
     torch.testing.assert_close(h_grid, h_loop, atol=TOL[dtype], rtol=TOL[dtype])
     got, want = base.clone(), base.clone()
-    reference_lora.lora_expand(h_grid, lora_b, segments, ranks, ranks_list, got)
-    reference_lora.lora_expand(h_loop, lora_b, loop, ranks, ranks_list, want)
+    lora_reference.lora_expand(h_grid, lora_b, segments, ranks, ranks_list, got)
+    lora_reference.lora_expand(h_loop, lora_b, loop, ranks, ranks_list, want)
     torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
 
 
@@ -361,8 +370,8 @@ def test_llama_8b_qkv_projection_in_a_decode_step_matches_reference(device):
     want = base.float().clone()
     reference.lora_apply(x.float(), float_copy(proj), segments, want)
     got = base.clone()
-    step = LoraStep.for_segments(segments, x, [proj])
-    launch = step.prepare(proj).launch
+    p = triton_lora(segments, proj).prepare(x, proj)
+    launch = p.launch
     assert (launch.split_k, launch.k_per_split, launch.block_n, launch.tiles) == (8, 512, 128, 1)
-    lora_expand(lora_shrink(x, proj, step), proj, step, got)
+    lora_expand(lora_shrink(x, proj, p), proj, p, got)
     torch.testing.assert_close(got.float(), want, atol=0.25, rtol=TOL[torch.bfloat16])

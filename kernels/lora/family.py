@@ -5,8 +5,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.lora_launch import block_m_for, max_work_items
-from kernels.lora_segments import LoraSegments
+from kernels.lora.launch import block_m_for, max_work_items
+from kernels.lora.segments import LoraSegments
 
 GRAPH_BLOCK_M = 16                            # the shortest work item: a graph's work list is sized for it
 
@@ -21,7 +21,7 @@ class LoraFamily:
     work_list: bool                           # steps carry the Triton kernels' work list (else the padded grid
                                               # where it pays)
     reads_narrow: bool                        # reads fp16 adapters as they are beside an fp32 model
-    overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (kernels/lora_overlap.linear_lora;
+    overlap: bool = False                     # graph steps run LoRA beside the base GEMMs (TritonLoraExecutor;
                                               # the start-up self-check turns it off where it fails)
     fold: bool = False                        # and leave each projection's product for the op after its GEMM to
                                               # add (add + RMSNorm, SiLU-and-mul, RoPE): no merge launch

@@ -1,11 +1,11 @@
-"""The torch reference of LoRA (every backend's oracle, the torch backend's `lora_apply`): each module band of a
+"""The torch reference of LoRA (every backend's oracle, what the torch backend runs): each module band of a
 projection per segment, or one batched matmul over the step's padded grid; DoRA's magnitudes; and a projection's
-product left for the op after its GEMM (kernels/lora_overlap.LoraDelta) added as that op adds it."""
+product left for the op after its GEMM (kernels/lora/executor.LoraDelta) added as that op adds it."""
 import torch
 
 
 def add_lora_delta(x: torch.Tensor, delta) -> torch.Tensor:
-    """x with a projection's LoRA product added (kernels/lora_overlap.LoraDelta; None: x as it is): each row with an
+    """x with a projection's LoRA product added (kernels/lora/executor.LoraDelta; None: x as it is): each row with an
     adapter ((x.float() + delta) * m[slot]).to(x.dtype), the bits lora_merge gives."""
     if delta is None:
         return x

@@ -1,8 +1,8 @@
-"""LoRA per projection: one shrink (h = x @ A^T) and one expand (out += h @ B^T) launch serve every module band of
-a projection (qkv: q, k, v; gate_up: gate, up) for every adapter slot in the step.
+"""The Triton LoRA kernels and their launchers. One shrink (h = x @ A^T) and one expand (out += h @ B^T) launch
+serve every module band of a projection (qkv: q, k, v; gate_up: gate, up) for every adapter slot in the step.
 
 A step's tokens come as a work list: one item per BLOCK_M rows of a segment that has an adapter, [slot, start, end]
-(kernels/lora_family.py builds it with the step's segments; graphs pad it with idle items). A projection's slots
+(kernels/lora/family.py builds it with the step's segments; graphs pad it with idle items). A projection's slots
 (backend/lora/slots.Projection) hold band i's A in rank rows [i * max_rank, i * max_rank + rank) and its B in the
 band's output columns and the same rank columns; each (band, slot) runs at its own rank from a device table, and a
 slot's band bounds are its own (a fused qkv adapter is one band over every qkv column, its A stored once).
@@ -21,16 +21,18 @@ expand: programs (item, column group) each own TILES x BLOCK_N columns of one ba
         (DELTA) stores it as it is into an fp32 delta, every column of an item's rows (0 in a band of rank 0).
 merge:  programs (item, column group) over the delta, wider groups than the expand's but the same columns (each
         slot's bands with a rank): the same epilogue, in place (the same bits as the expand's own).
-Graph steps run shrink and expand (DELTA) beside the base GEMM and the merge after it: kernels/lora_overlap.py.
-How each launches at a step's token count (work list, tiles, splits, grids): kernels/lora_launch.py; the step's
-state: kernels/lora_step.py.
+Graph steps run shrink and expand (DELTA) beside the base GEMM and the merge after it (TritonLoraExecutor,
+kernels/lora/executor.py, which owns a step's launches). How each launches at a step's token count (work list,
+tiles, splits, grids): kernels/lora/launch.py.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_step import LoraStep
-from kernels.metadata import UNSPECIALIZED_ARGS
+from kernels.lora.launch import LoraLaunch
+from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS
 
 
 @triton.jit
@@ -220,61 +222,77 @@ def _merge_kernel(delta_ptr, out_ptr, work_ptr, ranks_ptr, bounds_ptr, m_ptr, st
                 mask, False)
 
 
-def lora_shrink(x: torch.Tensor, proj, step: LoraStep) -> torch.Tensor:
+@dataclass(slots=True)
+class Prepared:
+    """One projection kind's launches within a step: everything but the per-call tensors, made once."""
+    launch: LoraLaunch
+    work: torch.Tensor                        # [num_items, 3] int32: the step's work list
+    counters: torch.Tensor                    # [num_items] int32: the split-K counters, zero between launches
+    h: torch.Tensor                           # [num_tokens, cap] view of the step's scratch
+    partials: torch.Tensor                    # [split_k, num_tokens, cap] fp32 view
+    delta: torch.Tensor | None                # [num_tokens, out_dim] fp32 view: the product, where LoRA overlaps
+    shrink_ints: tuple                        # the shrink's integer arguments after stride_xt
+    expand_ints: tuple                        # the expand's after stride_ot, stride_dt
+    merge_ints: tuple                         # the merge's after stride_ot, stride_dt
+    shrink_kwargs: dict
+    expand_kwargs: dict
+    merge_kwargs: dict
+
+
+def prepare_launch(launch: LoraLaunch, proj, work: torch.Tensor, counters: torch.Tensor, h: torch.Tensor,
+                   partials: torch.Tensor, delta: torch.Tensor | None = None) -> Prepared:
+    """A projection's launches at `launch` over the step's work list and counters and its intermediates: h
+    [num_tokens, cap], partials [split_k, num_tokens, cap] (fp32) and the delta [num_tokens, out_dim] (fp32, where
+    LoRA overlaps the GEMM)."""
+    shrink_ints = (launch.in_dim, proj.max_rank, launch.split_k, launch.blocks_per_split, *proj.a.stride(),
+                   proj.ranks.stride(0), h.stride(0), partials.stride(0), partials.stride(1))
+    expand_ints = (proj.max_rank, h.stride(0), *proj.b.stride(), proj.ranks.stride(0), proj.slot_bounds.stride(0),
+                   proj.m.stride(0))
+    merge_ints = (proj.ranks.stride(0), proj.slot_bounds.stride(0), proj.m.stride(0))
+    return Prepared(launch, work, counters, h, partials, delta, shrink_ints, expand_ints, merge_ints,
+                    launch.shrink_constexprs | launch.shrink_options | {"DOT_FP32": DOT_FP32},
+                    launch.expand_constexprs | launch.expand_options | {"DOT_FP32": DOT_FP32},
+                    launch.merge_constexprs | launch.merge_options)
+
+
+def lora_shrink(x: torch.Tensor, proj, p: Prepared) -> torch.Tensor:
     """Semantics:
-        for slot, start, end in work:
+        for slot, start, end in p.work:
             if slot >= 0:
                 t = range(start, end)
                 for band i: r = ranks[i, slot]; rows = i * max_rank + arange(r)
                     h[t, rows] = (x[t].float() @ proj.a[slot, rows].T.float()).to(x.dtype)
     x: [num_tokens, in_dim]; proj.a: [num_slots, cap, in_dim] (x's dtype, or a narrower one: widened on load)
-    -> h: [num_tokens, cap], the step's (entries no item covers are left unset: expand never reads them).
+    -> h: [num_tokens, cap], p.h (entries no item covers are left unset: expand never reads them).
     """
-    p = step.prepare(proj)
-    _shrink_kernel[p.launch.shrink_grid](x, proj.a, p.h, p.partials, step.counters, step.work, proj.ranks,
-                                         x.stride(0), *p.shrink_ints, **p.shrink_kwargs)
+    _shrink_kernel[p.launch.shrink_grid](x, proj.a, p.h, p.partials, p.counters, p.work, proj.ranks, x.stride(0),
+                                         *p.shrink_ints, **p.shrink_kwargs)
     return p.h
 
 
-def lora_expand(h: torch.Tensor, proj, step: LoraStep, out: torch.Tensor | None) -> None:
+def lora_expand(h: torch.Tensor, proj, p: Prepared, out: torch.Tensor | None) -> None:
     """Semantics:
-        for slot, start, end in work:
+        for slot, start, end in p.work:
             if slot >= 0:
                 t = range(start, end)
                 for band i with r = ranks[i, slot]: rows = i * max_rank + arange(r)
                     cols = bounds[slot, i]:bounds[slot, i + 1]
                     product = h[t, rows].float() @ proj.b[slot, cols][:, rows].T.float()
-                    if out is None: delta[t, cols] = product                   (0 where r == 0)
+                    if out is None: p.delta[t, cols] = product                 (0 where r == 0)
                     else: out[t, cols] = (out[t, cols] + product) * proj.m[slot, cols]
     (proj.m: DoRA magnitudes, 1 where a slot has none: a DoRA module's whole output is scaled)
     h: lora_shrink's [num_tokens, cap]; proj.b: [num_slots, out_dim, cap]; out: [num_tokens, out_dim], updated in
     place, or None: the product into the step's fp32 delta, for lora_merge.
     """
-    p = step.prepare(proj)
     delta = out is None
     target = p.delta if delta else out
-    _expand_kernel[p.launch.expand_grid](h, proj.b, target, target, step.work, proj.ranks, proj.slot_bounds, proj.m,
+    _expand_kernel[p.launch.expand_grid](h, proj.b, target, target, p.work, proj.ranks, proj.slot_bounds, proj.m,
                                          target.stride(0), target.stride(0), *p.expand_ints, DELTA=delta,
                                          **p.expand_kwargs)
 
 
-def lora_merge(proj, step: LoraStep, out: torch.Tensor) -> None:
-    """Semantics: over lora_expand's items and columns, out[t, cols] = (out[t, cols] + delta[t, cols]) *
+def lora_merge(proj, p: Prepared, out: torch.Tensor) -> None:
+    """Semantics: over lora_expand's items and columns, out[t, cols] = (out[t, cols] + p.delta[t, cols]) *
     proj.m[slot, cols] (the same bits as lora_expand in place: the fp32 product, one rounding)."""
-    p = step.prepare(proj)
-    _merge_kernel[p.launch.merge_grid](p.delta, out, step.work, proj.ranks, proj.slot_bounds, proj.m, out.stride(0),
+    _merge_kernel[p.launch.merge_grid](p.delta, out, p.work, proj.ranks, proj.slot_bounds, proj.m, out.stride(0),
                                         p.delta.stride(0), *p.merge_ints, **p.merge_kwargs)
-
-
-def step_of(segments, x: torch.Tensor, proj) -> LoraStep:
-    """The step's LoRA state, made at its first call and kept on the segments (`projections`: what the step runs,
-    so that it is sized once)."""
-    if segments.step is None:
-        segments.step = LoraStep.for_segments(segments, x, segments.projections or [proj])
-    return segments.step
-
-
-def lora_apply(x: torch.Tensor, proj, segments, out: torch.Tensor) -> None:
-    """Semantics: kernels.reference.lora_apply, in two launches for all the projection's bands (shrink, expand)."""
-    step = step_of(segments, x, proj)
-    lora_expand(lora_shrink(x, proj, step), proj, step, out)

@@ -1,10 +1,10 @@
-"""A step's LoRA metadata: token segments grouped by adapter slot, built once (kernels/lora_family.py) and read by
-every layer's LoRA op."""
+"""A step's LoRA metadata: token segments grouped by adapter slot, built once (kernels/lora/family.py) and read by
+the step's LoRA executor (kernels/lora/executor.py)."""
 from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_launch import work_items
+from kernels.lora.launch import work_items
 
 
 @dataclass(slots=True)
@@ -32,13 +32,11 @@ class LoraSegments:
     slots_list: list[int]
     max_len: int                              # longest segment, for kernel grids
     padded: PaddedLayout | None = None        # the batched-matmul grid, where it pays (torch path)
-    work: torch.Tensor | None = None          # [num_items, 3] int32: the Triton kernels' work list (kernels/lora.py)
+    work: torch.Tensor | None = None          # [num_items, 3] int32: the Triton kernels' work list
     block_m: int = 0                          # its rows per item
-    projections: list | None = None           # what the step runs (one layer's Projections): sizes its scratch once
-    step: object | None = None                # the Triton kernels' state for the step (kernels/lora.LoraStep)
-    overlap: bool = False                     # LoRA beside the base GEMMs, on a side stream (kernels/lora.py)
+    overlap: bool = False                     # LoRA beside the base GEMMs, on a side stream (TritonLoraExecutor)
     token_slots: torch.Tensor | None = None   # [num_tokens] int32, -1: none; where the next op may add a projection's
-                                              # LoRA product (kernels/lora_overlap.LoraDelta: graph steps)
+                                              # LoRA product (kernels/lora/executor.LoraDelta: graph steps)
 
     @classmethod
     def from_token_slots(cls, token_slots: list[int], block_m: int = 0,

@@ -1,6 +1,7 @@
-"""How the LoRA kernels (kernels/lora.py) launch at a step's token count: the work list (one item per BLOCK_M rows
-of a segment with an adapter) and each projection's tiles, splits and grids (`LoraLaunch`). The launchers and the
-cost plan (bench/lora_plan.py) both use it; nothing here launches."""
+"""How the Triton LoRA kernels (kernels/lora/triton_kernels.py) launch at a step's token count: the work list (one
+item per BLOCK_M rows of a segment with an adapter) and each projection's tiles, splits and grids (`LoraLaunch`).
+The executor (kernels/lora/executor.py) and the cost plan (bench/lora_plan.py) both use it; nothing here
+launches."""
 import math
 from dataclasses import dataclass
 
