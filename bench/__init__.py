@@ -1,5 +1,5 @@
 """The benchmarks of shared/BENCHMARKS.md as a library: workloads, the engine, gRPC and OpenAI server runs, the HF
-and vLLM baselines, the roofline probes, the report and plots. Entry points: scripts/bench.py, scripts/bench_kernels.py,
+and vLLM baselines, the roofline probes, the report and plots. Entry points: scripts/bench.py, bench/bench_kernels.py,
 scripts/gpu_bench.py."""
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Adapter churn on a device (W5 of shared/BENCHMARKS.md, issue 66): how long one adapter takes from the host tier
 into a device slot, whether those uploads slow the decode steps running beside them, and W5's 128 adapters through
-device tiers of a few sizes against W1. Used by scripts/gpu_churn.py."""
+device tiers of a few sizes against W1. Used by bench/gpu_churn.py."""
 import itertools
 import time
 from dataclasses import asdict

@@ -7,20 +7,20 @@
 #      in fp32, bf16 within tolerance, adapter churn, a step under torch.cuda.set_sync_debug_mode("error"));
 #      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/
 #      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
-#   4. the real tritonserver with the engine on the GPU, at SmolLM2's and Llama-3.1-8B's shapes: scripts/server_check.py
+#   4. the real tritonserver with the engine on the GPU, at SmolLM2's and Llama-3.1-8B's shapes: bench/server_check.py
 #      (gRPC streams with LoRA and DoRA adapters, a cancel, the ensemble's text and the OpenAI API, each against the
-#      same request in process; at the first shape also a SIGKILL under the supervisor) and scripts/server_bench.py
+#      same request in process; at the first shape also a SIGKILL under the supervisor) and bench/server_bench.py
 #      (W4 against W1 at concurrency 16 and 64, 128 streams at SmolLM2's shape). Where nvidia-pytriton or
 #      tritonclient is not installed, from the bundle of scripts/pack_server.py (.bundle/server-py<python>.tar.xz,
 #      or LORA_LLM_SERVER_BUNDLE_FILE), unpacked by scripts/unpack_server.sh. Without a GPU, the same at tiny-shape;
 #   5. the GPU bench (scripts/gpu_bench.py: W1, W2, W3 on SmolLM2-135M and Llama-3.1-8B shapes vs HF + PEFT, the
 #      LoRA kernels per projection and what of them stays on the critical path beside the GEMMs, the adapter-count
-#      curve, time to ready), then the LoRA kernels of an 8B decode step under Nsight Compute (scripts/ncu_lora.py).
+#      curve, time to ready), then the LoRA kernels of an 8B decode step under Nsight Compute (bench/ncu_lora.py).
 # Also the start-up kernel self-check at SmolLM2's and Llama-3.1-8B's shapes. It ends with one verdict line per part
 # and writes everything to $GPU_CHECK_REPORT (gpu_check_report.txt): the file to attach to a bug report.
 #
 #   scripts/gpu_check.sh [--tests-only | --server | --bench-only | --churn] [gpu_bench.py / gpu_churn.py arguments]
-# --churn: W5's adapter churn alone (scripts/gpu_churn.py: upload times, W5 through 8 and 32 slots against W1).
+# --churn: W5's adapter churn alone (bench/gpu_churn.py: upload times, W5 through 8 and 32 slots against W1).
 # With its defaults the bench fits a 10-minute call on one H100 or H200 (both shapes; the HF + PEFT baselines on 16
 # requests each); the tests and the server check fit another.
 set -euo pipefail
@@ -118,11 +118,11 @@ sys.exit(u.find_spec("pytriton") is None or u.find_spec("tritonclient") is None)
   models="$(mktemp -d)"
   for shape in "${shapes[@]}"; do
     step "server_$shape" "server check at $shape on $device" timeout "${SERVER_CHECK_TIMEOUT_S:-300}" \
-      "$PYTHON" scripts/server_check.py --shape "$shape" --device "$device" --models-dir "$models" $crash \
+      "$PYTHON" bench/server_check.py --shape "$shape" --device "$device" --models-dir "$models" $crash \
       --out "$OUT_DIR/server_check_$shape.json"
     crash=
     step "W4_$shape" "W4 against W1 at $shape on $device" timeout "${SERVER_BENCH_TIMEOUT_S:-420}" \
-      "$PYTHON" scripts/server_bench.py --models "$shape" --device "$device" --models-dir "$models" "${bench[@]}" \
+      "$PYTHON" bench/server_bench.py --models "$shape" --device "$device" --models-dir "$models" "${bench[@]}" \
       --out "$OUT_DIR/server_bench_$shape.json"
   done
   rm -rf "$models"
@@ -149,10 +149,10 @@ fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench "GPU bench" "$PYTHON" scripts/gpu_bench.py "$@"
   step ncu "the LoRA kernels of an 8B decode step under Nsight Compute" \
-    "$PYTHON" scripts/ncu_lora.py --out "$OUT_DIR/ncu_lora.json"
+    "$PYTHON" bench/ncu_lora.py --out "$OUT_DIR/ncu_lora.json"
 fi
 if [ "$part" = churn ]; then                # W5 at the 8B shape: a call of its own
-  step churn "adapter churn (W5) at the Llama-3.1-8B shape" "$PYTHON" scripts/gpu_churn.py \
+  step churn "adapter churn (W5) at the Llama-3.1-8B shape" "$PYTHON" bench/gpu_churn.py \
     --out "$OUT_DIR/gpu_churn.json" "$@"
 fi
 printf '%s\n' "${verdicts[@]}"

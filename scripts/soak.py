@@ -26,7 +26,7 @@ from backend.lora.format import module_shape                      # noqa: E402
 from backend.model.checkpoint import ModelConfig                        # noqa: E402
 from client.grpc_client import NOT_FOUND, build_inputs            # noqa: E402
 from server_process import free_ports                              # noqa: E402
-from soak_server import SoakServer                                # noqa: E402
+from bench.soak_server import SoakServer                          # noqa: E402
 
 # A stream is cancelled at least this many tokens before its last: tritonserver 2.51 can crash when a client's cancel
 # meets the stream's final response (triton-inference-server/server#7368, docs/reliability.md), which the soak, here

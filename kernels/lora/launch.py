@@ -118,7 +118,7 @@ class LoraLaunch:
 
     @property
     def shrink_options(self) -> dict:
-        """Eight warps, the K loop's loads pipelined three deep (measured best on an H200: scripts/lora_sweep.py)."""
+        """Eight warps, the K loop's loads pipelined three deep (measured best on an H200: bench/lora_sweep.py)."""
         return {"num_warps": 8, "num_stages": 3}
 
     @property
@@ -136,7 +136,7 @@ def plan_launch(num_tokens: int, num_items: int, in_dim: int, widths: list[int],
     tile, x read once), the input split so that up to TARGET_PROGRAMS shrink programs each read >=
     SPLIT_COLUMNS_PER_ROW x BLOCK_M columns (or into split_k parts, for tests), and expand programs of one tile of
     columns each (expand_tile). Tiles hold half as many fp32 activations (act_bytes 4: an fp32 model) as 16-bit
-    ones, in the same registers. The constants are an H200's best at the 8B shape (scripts/lora_sweep.py;
+    ones, in the same registers. The constants are an H200's best at the 8B shape (bench/lora_sweep.py;
     docs/kernels.md, "LoRA launch rules, as measured on an H200")."""
     block_m = block_m or block_m_for(num_tokens)
     block_r = max(16, triton.next_power_of_2(max_rank))

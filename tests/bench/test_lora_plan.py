@@ -2,7 +2,7 @@
 occupancy, every case at the 8B shape moves at most 1.2x the bytes it must (its adapters, x and the output), and a
 decode step's launches fit in 8 waves of a 132-SM GPU (what it guards against: the first kernels' launches of
 tens of waves of programs that exit at once; on an H200 a decode expand of one 128-column tile a program, 4.5 waves,
-ran 1.46x faster than groups of four tiles in 1.7 waves: scripts/lora_sweep.py)."""
+ran 1.46x faster than groups of four tiles in 1.7 waves: bench/lora_sweep.py)."""
 import json
 import os
 import subprocess

@@ -1,9 +1,9 @@
-"""scripts/lora_sweep.py as a dry run on CPU (the kernels through the interpreter, a small grid): the default
+"""bench/lora_sweep.py as a dry run on CPU (the kernels through the interpreter, a small grid): the default
 configuration comes first, every configuration's result is checked against the default's, a group that would
 straddle two bands is not tried, and a result that differs is never reported as the best."""
 import math
 
-from scripts import lora_sweep
+from bench import lora_sweep
 
 
 def test_a_dry_sweep_checks_every_configuration_against_the_default(monkeypatch):

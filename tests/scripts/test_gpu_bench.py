@@ -38,7 +38,7 @@ def test_gpu_bench_dry_run_on_cpu_writes_the_report(tmp_path):
 
 
 def test_gpu_step_times_dry_run_on_cpu_prints_each_way(tmp_path):
-    run = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_step_times.py", "--device", "cpu", "--shape",
+    run = subprocess.run([sys.executable, ROOT / "bench" / "gpu_step_times.py", "--device", "cpu", "--shape",
                           "tiny-shape", "--profile"], capture_output=True, text=True, timeout=600,
                          env=os.environ | {"LORA_LLM_OVERLAP_STEPS": "true"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

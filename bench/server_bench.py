@@ -5,7 +5,7 @@ as the in-process engine registers them), so both sides do the same work; reques
 tokens/s the server path sustains at --wide streams, the server's GPU memory (the device's free memory before it
 started and once ready) and the KV cache it chose.
 
-    python scripts/server_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--concurrency 16,64]
+    python bench/server_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--concurrency 16,64]
         [--wide 128] [--requests N] [--device cuda] [--out server_bench.json]
 `--device cpu --models tiny-shape --requests 8 --concurrency 4` runs the same code on CPU in seconds.
 The server's responder_steps_behind (model parameter) from the environment: LORA_LLM_RESPONDER_STEPS_BEHIND=4.

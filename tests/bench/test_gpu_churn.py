@@ -1,4 +1,4 @@
-"""scripts/gpu_churn.py on CPU with the tiny shape: W5's churn bench's code path, its JSON and its lines, in
+"""bench/gpu_churn.py on CPU with the tiny shape: W5's churn bench's code path, its JSON and its lines, in
 seconds."""
 import json
 import subprocess
@@ -9,7 +9,7 @@ from tests.helpers import ROOT
 
 def test_gpu_churn_dry_run_on_cpu_writes_the_report(tmp_path):
     out = tmp_path / "churn.json"
-    run = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_churn.py", "--device", "cpu", "--shape",
+    run = subprocess.run([sys.executable, ROOT / "bench" / "gpu_churn.py", "--device", "cpu", "--shape",
                           "tiny-shape", "--requests", "16", "--out", out], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

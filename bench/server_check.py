@@ -11,7 +11,7 @@ real shape, every answer checked against the same request run in this process:
     gets an error within its timeout, no stub of the old server lives on, the device memory is back before the new
     server loads, and the restarted server serves.
 
-    python scripts/server_check.py [--shape tiny-shape|smollm2-135m-shape|llama-3.1-8b-shape] [--device cuda]
+    python bench/server_check.py [--shape tiny-shape|smollm2-135m-shape|llama-3.1-8b-shape] [--device cuda]
         [--crash] [--timeout-s 300] [--out FILE.json]
 Exit status 0: passed; 1: failed; 2: skipped (no tritonserver or tritonclient: scripts/pack_server.py builds a
 bundle, scripts/unpack_server.sh puts it on the paths).

@@ -4,7 +4,7 @@ merge, each launch's GPU time, DRAM throughput (% of peak, and bytes read), achi
 registers, and the warp stall reasons that cost most (cycles a warp waits per instruction issued). Prints a
 Markdown table (docs/performance.md keeps it) and writes JSON.
 
-    python scripts/ncu_lora.py [--shape llama-3.1-8b-shape] [--case decode] [--out ncu_lora.json] [--ncu PATH]
+    python bench/ncu_lora.py [--shape llama-3.1-8b-shape] [--case decode] [--out ncu_lora.json] [--ncu PATH]
 It runs itself under `ncu --clock-control none --profile-from-start off`: the child launches every kernel once to
 compile and warm it, then once more inside cudaProfilerStart/Stop, the launches ncu measures.
 """

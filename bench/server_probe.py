@@ -1,4 +1,4 @@
-"""What the server checks ask a running server (scripts/server_check.py, crash_check.py, server_bench.py): one request
+"""What the server checks ask a running server (bench/server_check.py, crash_check.py, server_bench.py): one request
 on a gRPC stream with a timeout, a metric, an OpenAI completion, a short perf_analyzer run; and what they read of
 the machine: free device memory, the processes alive."""
 import sys

@@ -1,5 +1,5 @@
 """tritonserver under the supervisor (scripts/launch_server.py) killed with SIGKILL mid-stream, for
-scripts/server_check.py --crash: the client gets an error within its timeout, no stub of the old server lives on,
+bench/server_check.py --crash: the client gets an error within its timeout, no stub of the old server lives on,
 the engine's process (backend/serving/engine_process.py) serves the restarted server (no second model load: the device
 memory free while the first served is free after the restart), and the restarted server answers as the first did."""
 import os

@@ -5,7 +5,7 @@ Times come from a CUDA-graph replay whose calls cycle through copies of the adap
 each call reads its adapters from memory as a step's layers do. The configurations compile first in parallel
 processes (they fill Triton's cache), then are timed one by one here. What plan_launch's rules are chosen from.
 
-    python scripts/lora_sweep.py [--shape llama-3.1-8b-shape] [--cases decode,64,256] [--out lora_sweep.json]
+    python bench/lora_sweep.py [--shape llama-3.1-8b-shape] [--cases decode,64,256] [--out lora_sweep.json]
 """
 import argparse
 import itertools

@@ -2,9 +2,9 @@
 Zipf popularity, Poisson requests; round-robin, adapter-affinity hashing, and affinity with least-load spill-over,
 at 8, 64 and 512 replicas. Prints the device-tier hit rate, TTFT p50/p99 and load imbalance, writes JSON and a plot.
 
-    python scripts/simulate_routing.py                          # costs from docs/bench/routing_costs.json
-    python scripts/simulate_routing.py --measure                # measure the costs on this machine first (~1 min)
-    python scripts/simulate_routing.py --replicas 8,64 --adapters 2000 --out /tmp/sim.json --plot /tmp/sim.png
+    python bench/simulate_routing.py                          # costs from docs/bench/routing_costs.json
+    python bench/simulate_routing.py --measure                # measure the costs on this machine first (~1 min)
+    python bench/simulate_routing.py --replicas 8,64 --adapters 2000 --out /tmp/sim.json --plot /tmp/sim.png
 """
 import argparse
 import json

@@ -3,7 +3,7 @@ or as the GPU bench's (W1's settings, after W1 and W2 ran): each step's wall tim
 with the start-up heap frozen as the engine loop does and without; --profile adds the host calls of the slowest
 steps (torch.profiler). How issue 51's GC stalls were found (the bench's W3 p99 5.5 ms against a 1.1 ms median).
 
-    python scripts/gpu_step_times.py [--shape smollm2-135m-shape] [--engine w3|w1] [--profile] [--device cuda]
+    python bench/gpu_step_times.py [--shape smollm2-135m-shape] [--engine w3|w1] [--profile] [--device cuda]
 """
 import argparse
 import statistics

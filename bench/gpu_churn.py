@@ -4,7 +4,7 @@ W5's 128 rank-8 adapters through device tiers of 8 and 32 slots, tokens/s agains
 loads; and, with the larger tier, a decode step's time alone and with an adapter uploaded beside each step (~1x:
 the uploads overlap decoding). Prints a table, writes JSON.
 
-    python scripts/gpu_churn.py [--shape llama-3.1-8b-shape] [--tiers 8,32] [--requests N] [--out gpu_churn.json]
+    python bench/gpu_churn.py [--shape llama-3.1-8b-shape] [--tiers 8,32] [--requests N] [--out gpu_churn.json]
 `--device cpu --shape tiny-shape --requests 16` runs the same code on CPU in seconds (the test suite does).
 """
 import argparse

@@ -1,4 +1,4 @@
-"""scripts/ncu_lora.py: ncu's raw CSV page (as `--csv --page raw --print-units base` prints it after the profiled
+"""bench/ncu_lora.py: ncu's raw CSV page (as `--csv --page raw --print-units base` prints it after the profiled
 program's own output) read into one labelled row per launch, the worst stall reasons first; and on a GPU with
 Nsight Compute, the whole run."""
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scripts import ncu_lora
+from bench import ncu_lora
 from tests.helpers import ROOT, needs_cuda
 
 
@@ -45,7 +45,7 @@ def test_the_raw_page_becomes_a_labelled_row_per_launch():
 @pytest.mark.skipif(shutil.which("ncu") is None, reason="needs Nsight Compute (ncu) on PATH")
 def test_the_lora_kernels_under_ncu(tmp_path):
     out = tmp_path / "ncu.json"
-    run = subprocess.run([sys.executable, ROOT / "scripts" / "ncu_lora.py", "--shape", "smollm2-135m-shape", "--out",
+    run = subprocess.run([sys.executable, ROOT / "bench" / "ncu_lora.py", "--shape", "smollm2-135m-shape", "--out",
                           out], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     launches = json.loads(out.read_text())["launches"]

@@ -4,8 +4,8 @@ paged caches, LoRA of 16 adapters over every band. Prints each one's median time
 at, to judge a kernel change in isolation (docs/performance.md quotes it); the engine-level figures come from
 scripts/bench.py.
 
-    .venv/bin/python scripts/bench_kernels.py                       # SmolLM2-135M, ~15 s
-    .venv/bin/python scripts/bench_kernels.py --kernels linear --rows 1,32,128
+    .venv/bin/python bench/bench_kernels.py                       # SmolLM2-135M, ~15 s
+    .venv/bin/python bench/bench_kernels.py --kernels linear --rows 1,32,128
 """
 import sys
 from pathlib import Path
