@@ -5,7 +5,7 @@
 #   1. the environment (GPU, versions); 2. every kernel configuration compiled for sm_80/sm_90 by this Triton;
 #   3. the tests marked `cuda` (kernels vs the torch references at real shapes, engine greedy == transformers/PEFT
 #      in fp32, bf16 within tolerance, adapter churn, a step under torch.cuda.set_sync_debug_mode("error"));
-#      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/
+#      with more than one GPU visible, tensor parallelism at TP=2 over NCCL against TP=1 (tests/backend/model/
 #      test_tensor_parallel.py; it skips with "needs 2 CUDA devices" on one);
 #   4. the real tritonserver with the engine on the GPU, at SmolLM2's and Llama-3.1-8B's shapes: bench/server_check.py
 #      (gRPC streams with LoRA and DoRA adapters, a cancel, the ensemble's text and the OpenAI API, each against the
@@ -140,7 +140,7 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   step tests "tests on CUDA" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda "${workers[@]}" tests/kernels tests/backend
   if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -gt 1 ]; then
     step tensor_parallel "tensor parallel over NCCL (TP=2 == TP=1)" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
-      tests/backend/test_tensor_parallel.py -k cuda
+      tests/backend/model/test_tensor_parallel.py -k cuda
   fi
 fi
 if [ "$part" = all ]; then

@@ -21,8 +21,8 @@ from tests.helpers import SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  #
 LONG_MODULES = ("tests/kernels/test_aot_compile.py", "tests/server/test_soak.py", "tests/server/test_bench.py",
                 "tests/server/test_replicas.py", "tests/server/test_supervision.py", "tests/server/test_health.py",
                 "tests/server/test_openai.py", "tests/server/test_openai_doors.py",
-                "tests/backend/test_tensor_parallel.py", "tests/backend/test_self_check.py",
-                "tests/backend/test_dora.py", "tests/server/test_bundle.py")
+                "tests/backend/model/test_tensor_parallel.py", "tests/backend/model/test_self_check.py",
+                "tests/backend/lora/test_dora.py", "tests/server/test_bundle.py")
 
 
 def pytest_collection_modifyitems(items):

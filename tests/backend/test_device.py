@@ -212,7 +212,7 @@ def test_an_adversarial_adapter_changes_no_other_requests_tokens(tiny_model_dir)
     """An adapter of absurd (finite) weights drives its own activations to inf/NaN and its KV blocks with them;
     the unrelated requests beside it, before and after, get exactly the tokens of a run without it. Adapters kept
     in fp32 here: 1e19 is beyond fp16, where such weights are refused at the upload."""
-    from tests.backend.test_lora_cache import make_adapter
+    from tests.backend.lora.test_lora_cache import make_adapter
     engine = engine_on(tiny_model_dir, "cpu", kv_block_size=16, max_num_batched_tokens=40, lora_dtype="float32")
     weights, config = make_adapter(engine.model_config, 4, 0, modules=(1, 2, 3, 4, 5, 6, 7))
     engine.add_lora(66, weights * 1e19, config)

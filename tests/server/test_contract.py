@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from backend.serving.contract import UNSUPPORTED
-from tests.backend.test_contract import NON_NEUTRAL, neutral
+from tests.backend.serving.test_contract import NON_NEUTRAL, neutral
 from tests.helpers import ROOT, random_prompts
 from tests.server.streams import Stream, run, trtllm_inputs
 

@@ -1,7 +1,7 @@
 """Each base model family beyond Llama served for real: a tiny random model of the family (fp32, SmolLM2's tokenizer
 beside it) in tritonserver (CPU), an adapter (on a mixture's experts and router too) through the TensorRT-LLM
 contract and by name through the OpenAI API, each answering the in-process engine's tokens (which
-tests/backend/test_families.py holds against PEFT)."""
+tests/backend/model/test_families.py holds against PEFT)."""
 import shutil
 
 import numpy as np
@@ -12,7 +12,7 @@ from backend import LLMEngine
 from backend.lora.peft import peft_to_trtllm
 from backend.model.checkpoint import ModelConfig
 from scripts.prepare_model import build_tiny
-from tests.backend.test_families import FAMILIES, MIXTURES, MODULES
+from tests.backend.model.test_families import FAMILIES, MIXTURES, MODULES
 from tests.helpers import make_peft_adapters, random_prompts
 from tests.server.conftest import TINY_ENV, run_frontend, run_server
 from tests.server.streams import run, trtllm_inputs

@@ -63,7 +63,7 @@ def test_a_stopped_request_stops_its_compile(smollm2_server):
 
 def test_a_small_grammar_is_not_queued_behind_costly_ones_and_those_are_refused_again_at_once(smollm2_server):
     """Four schemas that run to the time limit and a small one sent after them, on two workers: the small one is
-    served before the last costly one is refused (tests/backend/test_grammar_worker.py checks the order exactly: here
+    served before the last costly one is refused (tests/backend/guided/test_grammar_worker.py checks the order exactly: here
     a worker's start, niced below two busy engines, takes seconds of wall time that a compile's bound does not wait
     for), and a costly one sent again is refused at once."""
     url = smollm2_server.grpc_url

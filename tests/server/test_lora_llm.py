@@ -221,7 +221,7 @@ def test_a_dora_adapter_in_tensorrt_llm_four_column_form_answers_as_in_process(t
                                                                              tiny_model_dir, tmp_path_factory):
     """The TensorRT-LLM client contract with today's converter output: a DoRA adapter's four-column tensors (fp16,
     magnitudes normalized against the base model) go with the first request, later ones send only the id; both
-    answer as the in-process engine given the same tensors (which answers as PEFT: tests/backend/test_dora.py)."""
+    answer as the in-process engine given the same tensors (which answers as PEFT: tests/backend/lora/test_dora.py)."""
     from backend.lora.dora import checkpoint_weights
     from tests.helpers import ALL_MODULES, make_peft_adapters
     [path] = make_peft_adapters(tiny_model_dir, tmp_path_factory.mktemp("dora"), seed=5,

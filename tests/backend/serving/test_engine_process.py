@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from backend.serving.channel import Channel
 from backend.serving.engine_client import EngineClient, socket_path
 from backend.serving.heartbeat import PERIOD_S
-from tests.backend.loop_streams import FakeStream
+from tests.backend.serving.loop_streams import FakeStream
 from tests.helpers import hf_greedy, random_prompts
 
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
 from backend.lora.dora import checkpoint_weights
-from tests.backend.test_lora_peft import MAX_NEW
-from tests.backend.test_quantized import (PATHS, assert_adapters_match_peft, assert_tokens_match_transformers,
+from tests.backend.lora.test_lora_peft import MAX_NEW
+from tests.backend.model.test_quantized import (PATHS, assert_adapters_match_peft, assert_tokens_match_transformers,
                                           dequantized_copy)
 from tests.helpers import ALL_MODULES, CPU_BACKENDS, build_tiny, hf_greedy, random_prompts
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
-from tests.backend.test_fp8_checkpoints import engine_for
-from tests.backend.test_quantized import PATHS, assert_adapters_match_peft, assert_tokens_match_transformers
+from tests.backend.model.test_fp8_checkpoints import engine_for
+from tests.backend.model.test_quantized import PATHS, assert_adapters_match_peft, assert_tokens_match_transformers
 from tests.helpers import ALL_MODULES
 
 AWQ_NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)          # AutoAWQ: nibble i of a word holds column 8m + AWQ_NIBBLES[i]

@@ -4,7 +4,7 @@ through the Triton interpreter; captured and replayed on CUDA)."""
 import pytest
 
 from backend.model.piecewise import PiecewiseGraphs, token_buckets
-from tests.backend.test_graphs import make_engine, run
+from tests.backend.model.test_graphs import make_engine, run
 from tests.helpers import INTERPRETER_MARK, KERNEL_DEVICES, needs_cuda, random_prompts
 
 PROMPT_LENS = [7, 21, 12, 3, 130]                     # the last one in chunks beside the others' decodes

@@ -315,7 +315,7 @@ def test_int8_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, t
     """weight_dtype int8: the INT8 GEMM passes at every projection's shape; broken (wrong values) it is served by the
     torch reference, the tokens those of the model the int8 weights encode."""
     from transformers import AutoModelForCausalLM
-    from tests.backend.test_quantized import dequantized_copy
+    from tests.backend.model.test_quantized import dequantized_copy
     checks = check_kernels(load_ops("triton"), ModelConfig.from_dir(tiny_model_dir), torch.float32, torch.float16,
                            torch.device("cpu"), 16, 64, weight_dtype="int8")
     assert [c.error for c in checks if c.family == "gemm"] == [None] * 8

@@ -8,7 +8,7 @@ import torch
 
 from backend import LLMEngine
 from backend.serving.loop import EngineLoop
-from tests.backend.loop_streams import TIMEOUT_S, FakeStream, prompts
+from tests.backend.serving.loop_streams import TIMEOUT_S, FakeStream, prompts
 
 
 @pytest.fixture()

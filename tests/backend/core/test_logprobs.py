@@ -9,7 +9,7 @@ import torch
 
 from backend import LLMEngine
 from backend.core.request import RequestError
-from tests.backend.test_graphs import count_graph_steps
+from tests.backend.model.test_graphs import count_graph_steps
 from tests.helpers import CPU_BACKENDS, INTERPRETER_MARK, peft_model_with, random_prompts
 
 ATOL = 1e-4

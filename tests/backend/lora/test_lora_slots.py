@@ -11,7 +11,7 @@ from backend.lora.shard import shard_adapter
 from backend.lora.slots import BAND_OF_MODULE, DeviceSlots
 from backend.model.checkpoint import ModelConfig
 from kernels.lora.family import LoraFamily
-from tests.backend.test_lora_cache import make_adapter
+from tests.backend.lora.test_lora_cache import make_adapter
 
 MAX_RANK = 16
 

@@ -19,8 +19,8 @@ from backend.model.parallel import TensorParallelGroup
 from backend.model.runner import ModelRunner
 from backend.serving.loop import EngineLoop
 from backend.text import load_tokenizer
-from tests.backend.loop_streams import FakeStream, prompts
-from tests.backend.test_lora_trtllm import hand_built_adapter
+from tests.backend.serving.loop_streams import FakeStream, prompts
+from tests.backend.lora.test_lora_trtllm import hand_built_adapter
 from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, cpu_kernels_build, hf_greedy, kv_bytes_for_blocks,
                            peft_greedy, peft_model_with, random_prompts)
 
@@ -270,7 +270,7 @@ def test_a_size_the_model_does_not_split_into_is_refused(tiny_model_dir, tp_size
 
 def test_guided_decoding_on_smollm2_at_three_ranks(smollm2_dir):
     """SmolLM2-135M (9 heads, 3 KV heads) at TP=3: a JSON schema's output equals TP=1's."""
-    from tests.backend.test_guided import PROMPT, SCHEMA
+    from tests.backend.guided.test_guided import PROMPT, SCHEMA
     tokenizer = load_tokenizer(str(smollm2_dir))
     ids = tokenizer(PROMPT)["input_ids"]
     outputs = []

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine, LoraRequest, RequestError
 from backend.lora.peft import peft_to_trtllm
-from tests.backend.test_lora_cache import make_adapter
+from tests.backend.lora.test_lora_cache import make_adapter
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from backend import LLMEngine
 from backend.config import EngineConfig
 from kernels.quant import Int8Weight
-from tests.backend.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
+from tests.backend.lora.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters, peft_greedy,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
