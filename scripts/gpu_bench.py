@@ -10,7 +10,7 @@ none). Prints one table, writes JSON.
     python scripts/gpu_bench.py [--models smollm2-135m-shape,llama-3.1-8b-shape] [--requests N] [--baseline hf|none]
     (also qwen3-8b-shape, gemma-3-4b-shape; the mixtures qwen3-30b-a3b-shape and mixtral-8x7b-shape, with
     --baseline none [--num-layers N])
-        [--hf-requests 16] [--out docs/bench/gpu.json] [--device cuda]
+        [--hf-requests 16] [--out docs/bench/gpu_<gpu>_<date>.json] [--device cuda]
 With its defaults it runs both shapes within 10 minutes on one H100 or H200: the engine runs each workload whole,
 HF + PEFT 16 requests of each (two batches; W1's HF run took ~23 s a batch at the 8B shape, 128 requests ~6 min).
 `--device cpu --models tiny-shape` runs the same code on CPU in seconds (the test suite does, to keep it working).
@@ -301,11 +301,15 @@ def main() -> None:
     parser.add_argument("--curve-seqs", type=int, default=64,
                         help="the adapter-count curve's batch of decoding sequences (0: no curve)")
     parser.add_argument("--curve-counts", default="1,4,16,64", help="its numbers of distinct adapters")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "gpu.json")
+    parser.add_argument("--out", type=Path, help="default docs/bench/gpu_<gpu>_<date>.json, a run's file (python -m "
+                                                 "bench.gpu_record takes each figure's latest into gpu.json)")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit("gpu_bench: no CUDA device (use --device cpu for a dry run)")
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    if args.out is None:
+        gpu = name.lower().replace("nvidia ", "").split()[0]
+        args.out = ROOT / "docs" / "bench" / f"gpu_{gpu}_{time.strftime('%Y-%m-%d')}.json"
     bandwidth = copy_bandwidth(args.device)
     report = {"device": name, "torch": torch.__version__, "copy_bandwidth_gbps": bandwidth / 1e9, "models": {}}
     for shape in args.models.split(","):
