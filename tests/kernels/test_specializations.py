@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from backend import LLMEngine
-from kernels import fused, lora, paged_attention
+from kernels import fused, paged_attention
+from kernels.lora import triton_kernels as lora
 from kernels.metadata import UNSPECIALIZED_ARGS
 from tests.helpers import INTERPRETER_MARK, random_prompts
 
