@@ -94,9 +94,6 @@ class EngineConfig:
             raise ValueError(f"weight_dtype {self.weight_dtype} is not built yet; built: {', '.join(WEIGHT_DTYPES)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
-        if self.weight_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(f"weight_dtype {self.weight_dtype} with tensor_parallel_size "
-                             f"{self.tensor_parallel_size}: quantized weights are served on one rank only")
         if self.guided_decoding_backend not in ("", "xgrammar"):
             raise ValueError(f"guided_decoding_backend must be xgrammar (or empty: off), got "
                              f"{self.guided_decoding_backend!r}")

@@ -208,7 +208,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
     LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
     weight_dtype int8: each dense projection (q/k/v, o, gate/up, down; not the experts, router, embeddings or LM
-    head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision."""
+    head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision; a
+    row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each rank's share
+    has the scales of the whole rows: the ranks' partial sums add up to one rank's GEMM."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     reader = CheckpointReader(model_dir)
@@ -225,6 +227,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 experts = _read_experts(read, [(key, shapes[key]) for key in source.keys], source.split, tp_size,
                                         tp_rank)
                 weights[name] = experts.to(device).to(dtype).contiguous()
+                continue
+            if weight_dtype == "int8" and source.split == "row" and tp_size > 1 and name.endswith("_proj"):
+                [key] = source.keys
+                whole = quantize_int8(_read_slice(reader, key, shapes[key], None, 1, 0).to(device).to(dtype))
+                columns = _sliced(whole.data, shapes[key], 1, tp_size, tp_rank, key).contiguous()
+                weights[name] = Int8Weight(columns, whole.scale)
                 continue
             parts = []
             for key in source.keys:

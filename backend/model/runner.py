@@ -169,7 +169,7 @@ class ModelRunner:
                 "kernel_fallbacks": ",".join(self.kernel_fallbacks) or "none",     # rank 0's self-check holds
                 "lora_overlap": int(config.lora_overlap), "lora_fold": int(config.lora_fold),
                 "broken_ops": ",".join(config.inject_broken_ops) or "none",
-                "max_num_seqs": config.max_num_seqs}
+                "max_num_seqs": config.max_num_seqs, "weight_dtype": config.weight_dtype}
         return TensorParallelGroup(size, args, self.device, capacity, config.tensor_parallel_timeout_s)
 
     def close(self) -> None:

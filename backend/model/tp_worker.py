@@ -50,7 +50,8 @@ class Worker:
                             tuple(set(args.broken_ops.split(",")) - {"none"}))
         apply_fallbacks(self.ops, set(args.kernel_fallbacks.split(",")) - {"none"})
         weights = self.ops.prepare_weights(load_weights(args.model_dir, full, self.dtype, self.device, args.size,
-                                                        args.rank, lm_head=False))          # rank 0's logits
+                                                        args.rank, lm_head=False,          # rank 0's logits
+                                                        weight_dtype=args.weight_dtype))
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
                                  self.device, self.ops.lora)
@@ -134,7 +135,7 @@ def main() -> None:
                        ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
                        ("threads", int), ("kernel_fallbacks", str), ("lora_overlap", int), ("lora_fold", int),
                        ("broken_ops", str),
-                       ("max_num_seqs", int)):
+                       ("max_num_seqs", int), ("weight_dtype", str)):
         parser.add_argument(f"--{name}", type=kind, required=True)
     args = parser.parse_args()
     die_with_parent()

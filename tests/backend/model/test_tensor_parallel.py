@@ -15,6 +15,7 @@ from backend.lora.format import LoraAdapter, parse_lora
 from backend.lora.peft import load_lora_dir
 from backend.lora.shard import ROW_MODULES, shard_adapter
 from backend.model.checkpoint import ModelConfig
+from backend.model.loader import load_weights
 from backend.model.parallel import TensorParallelGroup
 from backend.model.runner import ModelRunner
 from backend.serving.loop import EngineLoop
@@ -199,6 +200,37 @@ def test_decode_graphs_on_every_rank_answer_the_eager_tokens(tiny_model_dir, tin
         finally:
             engine.close()
     assert answers[1] == answers[0] and len(replays) >= 5
+
+
+def test_int8_shares_are_slices_of_one_ranks_int8_weights(tiny_model_dir):
+    """Column-parallel projections' rows and row-parallel ones' columns, each rank's int8 values and scales those of
+    one rank's weights (a row-parallel weight quantized whole before its columns are sliced)."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    whole = load_weights(tiny_model_dir, cfg, torch.float32, weight_dtype="int8")
+    shares = [load_weights(tiny_model_dir, cfg, torch.float32, tp_size=2, tp_rank=rank, weight_dtype="int8")
+              for rank in range(2)]
+    for name in ("layers.1.o_proj", "layers.1.down_proj"):
+        assert all(torch.equal(share[name].scale, whole[name].scale) for share in shares)
+        assert torch.equal(torch.cat([share[name].data for share in shares], dim=1), whole[name].data)
+    gate_up = torch.cat([share["layers.1.gate_up_proj"].scale for share in shares]).view(2, 2, -1)
+    assert torch.equal(gate_up.transpose(0, 1).flatten(), whole["layers.1.gate_up_proj"].scale)  # (gate, then up)
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_int8_weights_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_adapters, kernel_backend):
+    """weight_dtype int8 over two ranks: the base model and a mixed batch of adapters, greedy, TP=1's tokens."""
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=57)
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, weight_dtype="int8",
+                           tensor_parallel_size=tp_size, kv_cache_memory_bytes=1 << 20)
+        try:
+            for task_id, path in enumerate(tiny_adapters[:2], start=1):
+                engine.add_lora_dir(task_id, path)
+            answers.append(engine.generate(prompts, max_new_tokens=8, lora_task_ids=[1, None, 2, 1, None]))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0]
 
 
 def test_the_workers_end_with_the_engine(tiny_model_dir):
