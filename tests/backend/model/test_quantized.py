@@ -108,7 +108,6 @@ def test_a_dora_adapter_normalizes_against_the_served_int8_weights(tiny_model_di
 @pytest.mark.parametrize("settings,says", [
     (dict(weight_dtype="fp8"), "weight_dtype fp8 is not built yet; built: auto, int8"),
     (dict(weight_dtype="int3"), "weight_dtype must be one of"),
-    (dict(weight_dtype="int8", tensor_parallel_size=2), "weight_dtype int8 with tensor_parallel_size 2"),
 ])
 def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
     with pytest.raises(ValueError, match=says):
