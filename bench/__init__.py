@@ -1,6 +1,6 @@
-"""The benchmarks of shared/BENCHMARKS.md as a library: workloads, the engine, gRPC and OpenAI server runs, the HF
-and vLLM baselines, the roofline probes, the report and plots. Entry points: scripts/bench.py, bench/bench_kernels.py,
-scripts/gpu_bench.py."""
+"""Benchmarks, probes and experiments. The library of shared/BENCHMARKS.md's benchmarks: workloads, the engine, gRPC
+and OpenAI server runs, the HF and vLLM baselines, the roofline probes, the report and plots (entry points:
+scripts/bench.py, scripts/gpu_bench.py); and the runs beside it (python bench/NAME.py or python -m bench.NAME)."""
 import sys
 from pathlib import Path
 

@@ -1,11 +1,11 @@
-"""bench/bench_kernels.py: the compiled CPU kernels alone, at one decode step's shapes for the model (every layer's own operands, so they come
+"""The compiled CPU kernels alone, at one decode step's shapes for the model (every layer's own operands, so they come
 from memory as in a step): the GEMMs of every layer and the lm_head at a few row counts, decode attention over
 paged caches, LoRA of 16 adapters over every band. Prints each one's median time and the rate it reads its operands
 at, to judge a kernel change in isolation (docs/performance.md quotes it); the engine-level figures come from
 scripts/bench.py.
 
-    .venv/bin/python bench/bench_kernels.py                       # SmolLM2-135M, ~15 s
-    .venv/bin/python bench/bench_kernels.py --kernels linear --rows 1,32,128
+    .venv/bin/python -m bench.cpu_kernels                         # SmolLM2-135M, ~15 s
+    .venv/bin/python -m bench.cpu_kernels --kernels linear --rows 1,32,128
 """
 import argparse
 import json
@@ -119,3 +119,7 @@ def main(doc: str = __doc__) -> None:
         bench_attention(cfg, args.seqs, args.shuffle_pages, args.rounds)
     if "lora" in kernels:
         bench_lora(cfg, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
