@@ -48,7 +48,7 @@ class LoraExecutor:
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, layer: int, name: str) -> torch.Tensor:
         """Semantics: out = linear(x, weight, bias); apply(x, projections[layer][name], out); return out."""
         out = self.ops.linear(x, weight, bias)
-        reference.lora_apply(x, self.projections[layer][name], self.segments, out)
+        self.apply(x, self.projections[layer][name], out)
         return out
 
     def linear_deferred(self, x: torch.Tensor, weight, bias: torch.Tensor | None, layer: int,
@@ -111,7 +111,7 @@ class CpuLoraExecutor(LoraExecutor):
         if not isinstance(weight, Int8Weight) and weight.dim() == 3:
             return cpu_ext.linear_lora(x, weight, bias, proj, self.segments)
         out = self.ops.linear(x, weight, bias)
-        cpu_ext.lora_apply(x, proj, self.segments, out)
+        self.apply(x, proj, out)
         return out
 
     def apply(self, x: torch.Tensor, proj, out: torch.Tensor) -> None:
@@ -194,7 +194,7 @@ class TritonLoraExecutor(LoraExecutor):
             if self.counters is None:
                 self.num_tokens, self.dtype, self.device = x.shape[0], x.dtype, x.device
                 self.counters = torch.zeros(self.segments.work.shape[0], dtype=torch.int32, device=x.device)
-            for other in [*(self.projections[0].values() if self.projections else ()), proj]:
+            for other in [*self.projections[0].values(), proj]:
                 self._plan(other)
             self._allocate()
             prepared = self.prepared[self.kind(proj)]
