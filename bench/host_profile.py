@@ -14,6 +14,8 @@ On CUDA (`--host-device cuda`) the engine runs as it serves: CUDA graphs, steps 
 device's time, not counted), `step_ms` each step's wall time. A CPU forward leaves the host's caches cold for
 what follows it (a numpy call right after costs 3-7x its warm time on a 2-core VM); a GPU's does not.
 `--host-detail` splits `outputs` into the functions that make it (DETAIL_STAGES, each its own time).
+`--host-churn` times decoding steps whose rows change instead: each round's sequences end one every other step
+(the persistent batch removes a row, backend/model/batch.py), until the last.
 `--host-forward cached` (CPU) replaces the forward, after its first call for each number of sampled rows, by a copy
 of that call's logits: the engine's every other line runs as before, with the host's caches as warm as a GPU's host
 keeps them (what is left is the host's own work; the CPU forward's eviction is the difference). `--host-evict-mb N`
@@ -36,7 +38,7 @@ from backend.device import Download, StepStaging
 from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.context import StepInputs
 from backend.model.graphs import DecodeGraphs
-from backend.model.kept import KeptBatch
+from backend.model.batch import PersistentBatch
 from backend.model.llama import LlamaModel
 from backend.model.runner import ModelRunner
 from backend.openmp import TeamSizer
@@ -46,7 +48,7 @@ TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="
             vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=8192,
             bos_token_id=1, eos_token_id=2)
 HOST_STAGES = ("schedule", "inputs", "sampling_inputs", "upload", "outputs")
-DETAIL_STAGES = ("engine_launch", "runner_launch", "forward_glue", "graph_step", "replay", "download", "keep",
+DETAIL_STAGES = ("engine_launch", "runner_launch", "forward_glue", "graph_step", "replay", "download", "record",
                  "runner_collect", "engine_collect")          # --host-detail: parts of `outputs`, each its own time
 CASES = ((1, 128), (32, 128), (128, 128), (32, 4096))        # (sequences, tokens of context)
 
@@ -109,7 +111,7 @@ class StageClock:
             for owner, name, stage in ((LLMEngine, "_launch", "engine_launch"), (ModelRunner, "_launch", "runner_launch"),
                                        (ModelRunner, "_forward", "forward_glue"), (DecodeGraphs, "run", "graph_step"),
                                        (torch.cuda.CUDAGraph, "replay", "replay"), (StepStaging, "download", "download"),
-                                       (KeptBatch, "keep", "keep"), (ModelRunner, "collect", "runner_collect"),
+                                       (PersistentBatch, "record", "record"), (ModelRunner, "collect", "runner_collect"),
                                        (LLMEngine, "_collect", "engine_collect")):
                 self.wrap(owner, name, stage)
         try:
@@ -145,42 +147,56 @@ def cached_forward(evict_mb: int = 0):
 
 
 def profile_case(engine: LLMEngine, num_seqs: int, context: int, num_steps: int, num_rounds: int,
-                 detail: bool = False) -> dict:
+                 detail: bool = False, churn: bool = False) -> dict:
     """num_seqs sequences with `context` prompt tokens each, prefilled, then num_rounds rounds of num_steps decode
     steps timed by stage: each stage's ms per step, the median over the rounds (`host_ms`: the sum of the host
-    stages' medians, DETAIL_STAGES' too where timed)."""
-    for i in range(num_seqs):
-        prompt = [(7 * i + j) % 500 + 3 for j in range(context)]
-        engine.add_request(prompt, max_new_tokens=num_rounds * num_steps + 4, ignore_end_id=True)
-    while any(seq.num_computed_tokens < len(seq.prompt_ids) for members in engine.seqs.values() for seq in members):
-        engine.step()
-    for _ in range(2):
-        engine.step()                                                  # warm
+    stages' medians, DETAIL_STAGES' too where timed). churn: each round's sequences are its own, one of them ending
+    every other step (max_new_tokens 2, 4, 6, ...), and every step until the last ends is timed (num_steps unused):
+    decoding steps whose rows change."""
     rounds = []
-    for _ in range(num_rounds):
-        clock = StageClock(detail)
-        start = time.perf_counter()
-        with clock.installed(engine), torch.inference_mode():              # as a server's loop runs its steps
-            clock.on = True
-            for _ in range(num_steps):
-                engine.step()
-            clock.on = False
-        total = time.perf_counter() - start
-        per_step = {stage: seconds / num_steps * 1e3 for stage, seconds in clock.seconds.items()}
-        per_step["outputs"] = (total - sum(clock.seconds.values())) / num_steps * 1e3   # every stage is in a step
-        per_step["step_ms"] = total / num_steps * 1e3
-        rounds.append(per_step)
-    for request_id in list(engine.seqs):
-        engine.abort(request_id)
+    for round_index in range(num_rounds if churn else 1):
+        for i in range(num_seqs):
+            prompt = [(7 * i + j) % 500 + 3 for j in range(context)]
+            max_new_tokens = 2 * i + 2 if churn else num_rounds * num_steps + 4
+            engine.add_request(prompt, max_new_tokens=max_new_tokens, ignore_end_id=True)
+        while any(seq.num_computed_tokens < len(seq.prompt_ids)
+                  for members in engine.seqs.values() for seq in members):
+            engine.step()
+        if churn:
+            rounds.append(timed_steps(engine, None, detail))
+            continue
+        for _ in range(2):
+            engine.step()                                              # warm
+        rounds += [timed_steps(engine, num_steps, detail) for _ in range(num_rounds)]
+        for request_id in list(engine.seqs):
+            engine.abort(request_id)
     medians = {stage: statistics.median(r.get(stage, 0.0) for r in rounds) for stage in rounds[0]}
     medians["host_ms"] = sum(medians.get(s, 0.0) for s in HOST_STAGES + DETAIL_STAGES)
     return {"num_seqs": num_seqs, "context": context, **{k: round(v, 4) for k, v in medians.items()}}
 
 
+def timed_steps(engine: LLMEngine, num_steps: int | None, detail: bool) -> dict:
+    """num_steps steps (None: until nothing is unfinished) timed by stage -> each stage's ms per step."""
+    clock, steps = StageClock(detail), 0
+    start = time.perf_counter()
+    with clock.installed(engine), torch.inference_mode():              # as a server's loop runs its steps
+        clock.on = True
+        while steps != num_steps and (num_steps is not None or engine.has_unfinished):
+            engine.step()
+            steps += 1
+        clock.on = False
+    total = time.perf_counter() - start
+    per_step = {stage: seconds / steps * 1e3 for stage, seconds in clock.seconds.items()}
+    per_step["outputs"] = (total - sum(clock.seconds.values())) / steps * 1e3   # every stage is in a step
+    per_step["step_ms"] = total / steps * 1e3
+    return per_step
+
+
 def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_backend: str = "auto",
-                 device: str = "cpu", detail: bool = False, forward: str = "real", evict_mb: int = 0) -> dict:
+                 device: str = "cpu", detail: bool = False, forward: str = "real", evict_mb: int = 0,
+                 churn: bool = False) -> dict:
     """Every case on one engine over the tiny model (fp32); detail: `outputs` split into DETAIL_STAGES (each wrapped
-    call adds ~2 us of its own); forward "cached": `cached_forward(evict_mb)`."""
+    call adds ~2 us of its own); forward "cached": `cached_forward(evict_mb)`; churn: see profile_case."""
     if forward not in ("real", "cached"):
         raise ValueError(f"forward must be 'real' or 'cached', got {forward!r}")
     if evict_mb and forward != "cached":
@@ -196,7 +212,9 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
             with cached_forward(evict_mb) if forward == "cached" else nullcontext():
                 return {"kernel_backend": engine.runner.ops.name, "device": str(engine.runner.device),
                         "num_steps": num_steps, "num_rounds": num_rounds, "forward": forward, "evict_mb": evict_mb,
-                        "cases": [profile_case(engine, n, c, num_steps, num_rounds, detail) for n, c in cases]}
+                        "churn": churn,
+                        "cases": [profile_case(engine, n, c, num_steps, num_rounds, detail, churn)
+                                  for n, c in cases]}
         finally:
             unfreeze_heap()
             engine.close()
@@ -206,7 +224,9 @@ def print_profile(result: dict, machine: str) -> None:
     print(f"host ms per decode step by stage ({machine}; tiny model on {result['device']}, kernels "
           f"{result['kernel_backend']}, forward {result.get('forward', 'real')}"
           f"{', %d MB read in each' % result['evict_mb'] if result.get('evict_mb') else ''}, "
-          f"medians of {result['num_rounds']} rounds of {result['num_steps']} steps; model and sampling math excluded)")
+          f"medians of {result['num_rounds']} rounds of "
+          f"{'the steps while a sequence ends every other step' if result.get('churn') else '%d steps' % result['num_steps']}"
+          f"; model and sampling math excluded)")
     detail = tuple(s for s in DETAIL_STAGES if any(s in case for case in result["cases"]))
     head = ("seqs", "context") + HOST_STAGES + detail + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")
     print(" ".join(f"{h:>{max(7, len(h))}}" for h in head))

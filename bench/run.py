@@ -130,6 +130,8 @@ def main(doc: str = __doc__) -> None:
                              "eviction a CPU forward's KV reads cause, alone)")
     parser.add_argument("--host-detail", action="store_true",
                         help="the host profile's outputs stage split by function (launch, graph step, collect, ...)")
+    parser.add_argument("--host-churn", action="store_true",
+                        help="the host profile's steps while one sequence ends every other step (rows that change)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.host_profile:
@@ -185,7 +187,7 @@ def run_host_profile(args) -> None:
     from bench.host_profile import host_profile, print_profile
     result = {"machine": machine(), **host_profile(kernel_backend=args.kernel_backend, device=args.host_device,
                                                   detail=args.host_detail, forward=args.host_forward,
-                                                  evict_mb=args.host_evict_mb)}
+                                                  evict_mb=args.host_evict_mb, churn=args.host_churn)}
     print_profile(result, result["machine"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -251,9 +251,9 @@ class LLMEngine:
             self.runner.copy_kv_blocks(copies)
         for seq in started:
             self.scheduler.join(seq)
-        if moved:                                            # tables replaced: the next step built from scratch
+        if moved:                                            # tables replaced: the rows added anew
             self.scheduler.decoding = None
-            self.runner.kept.drop()
+            self.runner.persistent.drop()
         for seq in search.live:
             seq.metrics.token_at(now)
         return StepOutput(first.request_id, [], metrics=first.metrics.copy(), beams=search.running())

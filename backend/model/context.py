@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from backend.core.scheduler import Batch
-from backend.model.kept import BlockTables, KeptBatch, kept_views
+from backend.model.batch import BlockTables, PersistentBatch, row_views
 from kernels.metadata import AttentionMetadata
 
 PENDING = -1                                  # a token id the host does not have yet (overlapped steps)
@@ -36,12 +36,13 @@ class StepInputs:
     to the device in one copy with the sampler's and LoRA's), and the host-side figures kernels launch with.
     Built with array operations over the batch: a step's host work does not grow with its context."""
 
-    def __init__(self, batch: Batch, block_size: int, kept: KeptBatch | None = None, steady: bool = False,
+    def __init__(self, batch: Batch, block_size: int, persistent: PersistentBatch | None = None,
                  rope_rows: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None):
-        """kept: the runner's persistent batch (its block tables serve a step from scratch too); steady: the batch
-        is the kept one's sequences in the same order, each decoding the token it sampled (KeptBatch.take_if_steady).
-        rope_rows(positions, prompt lengths): the rotary table's row of each token, where it is not its position
-        (backend/model/rope.rows: a steady step's tokens are generated ones, whose row is their position)."""
+        """persistent: the runner's persistent batch, brought to this batch (PersistentBatch.update): where every
+        row decodes the token it sampled, its state moved one token on is the step's inputs; any other step takes its
+        block tables. rope_rows(positions, prompt lengths): the rotary table's row of each token, where it is not
+        its position (backend/model/rope.rows: a decoding step's tokens are generated ones, whose row is their
+        position)."""
         self.pending: list[tuple[int, object]] = []             # (token row, sequence) whose id is still on the device
         self.pending_tokens: torch.Tensor | None = None        # the step before's sampled ids, on the device
         self.pending_maps: dict[str, torch.Tensor] = {}         # where they go: uploaded with the step's inputs
@@ -50,27 +51,30 @@ class StepInputs:
         self.scored: dict[str, torch.Tensor] = {}               # their token rows and next prompt tokens (rank 0's)
         self.score_k = 0                                         # top alternatives the step returns for them
         self.scores = None                                       # and on the device (PromptScores, the runner's)
-        self.rows: np.ndarray | None = None                     # a steady step's ROW_INPUTS [4, n] (kept.py)
-        self.row_inputs: torch.Tensor | None = None             # and as the kept buffer's [4, C] (KeptBatch)
-        self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a steady
-                                                                # step's kept buffer as it lies (`received`)
-        if steady:
-            self._steady_decode(batch, block_size, kept)
+        self.rows: np.ndarray | None = None                     # a decoding step's ROW_INPUTS [4, n] (batch.py)
+        self.row_inputs: torch.Tensor | None = None             # and as the persistent buffer's [4, C]
+        self.sent: dict[str, torch.Tensor] = {}                 # what goes to the device: `tensors`, or a decoding
+                                                                # step's persistent buffer as it lies (`received`)
+        if persistent is not None and persistent.decodes:
+            self._decode(batch, block_size, persistent)
         else:
-            self._any(batch, block_size, kept.tables if kept is not None else BlockTables(), rope_rows)
+            self._any(batch, block_size, persistent.tables if persistent is not None else BlockTables(), rope_rows)
 
-    def _steady_decode(self, batch: Batch, block_size: int, kept: KeptBatch) -> None:
-        """The kept sequences, each of which sampled, decode the token it sampled: the kept rows one token on."""
-        seqs, input_ids = kept.seqs, None
+    def _decode(self, batch: Batch, block_size: int, persistent: PersistentBatch) -> None:
+        """Every row decodes the token it sampled: the rows' state one token on."""
+        seqs, input_ids = persistent.seqs, None
         n = len(seqs)
-        if seqs[0].num_pending_tokens:      # the kept step is in flight: every row's token is still on the device
+        if not persistent.steady:
+            input_ids = [PENDING if seq.num_pending_tokens else seq.output_ids[-1] for seq in seqs]
+            self.pending = [(row, seq) for row, seq in enumerate(seqs) if seq.num_pending_tokens]
+        elif seqs[0].num_pending_tokens:    # the step before is in flight: every row's token is still on the device
             self.pending = list(enumerate(seqs))
         else:
             input_ids = [seq.output_ids[-1] for seq in seqs]
-        self.rows = kept.advance(input_ids, block_size, batch.grown)
+        self.rows = persistent.advance(input_ids, block_size, batch.grown)
         self.query_starts, self.seq_lens, self.max_query_len = _arange(n + 1), self.rows[3].tolist(), 1
-        self.tensors, self.row_inputs, sent = kept.tensors(n)
-        self.sent, self.kept = {"kept": sent}, kept
+        self.tensors, self.row_inputs, sent = persistent.tensors(n)
+        self.sent, self.persistent = {"rows": sent}, persistent
 
     def _any(self, batch: Batch, block_size: int, tables: "BlockTables", rope_rows=None) -> None:
         items, n = batch.items, len(batch.items)
@@ -145,14 +149,14 @@ class StepInputs:
         """The step's tensors by name, from what the upload of `sent` gave back (the same tensors on CPU)."""
         if self.rows is None:
             return t
-        sent = t["kept"]
-        if sent is self.sent["kept"]:                            # not moved
+        sent = t["rows"]
+        if sent is self.sent["rows"]:                            # not moved
             return t | self.tensors | {"row_inputs": self.row_inputs}
         layout = (len(self.seq_lens), self.row_inputs.shape[1], self.tensors["block_tables"].shape[1])
-        landed = self.kept.landed                                # (the device copy lands in the same buffer while
+        landed = self.persistent.landed                          # (the device copy lands in the same buffer while
         if landed is None or landed[0] is not sent or landed[1] != layout:     # its size repeats: StepStaging)
-            views, state = kept_views(sent, *layout)
-            landed = self.kept.landed = (sent, layout, views | {"row_inputs": state})
+            views, state = row_views(sent, *layout)
+            landed = self.persistent.landed = (sent, layout, views | {"row_inputs": state})
         return t | landed[2]
 
     def take_pending(self, rows_of: dict, tokens: torch.Tensor) -> None:
@@ -162,7 +166,7 @@ class StepInputs:
         self.pending_tokens = tokens
         rows = [row for row, _ in self.pending]
         sources = [rows_of[seq] for _, seq in self.pending]
-        if rows == sources == list(range(len(rows))):           # a steady decode batch: row i from row i, no maps
+        if rows == sources == list(range(len(rows))):           # a steady batch: row i from row i, no maps
             return
         self.pending_maps = {"pending_rows": torch.tensor(rows, dtype=torch.int32),
                              "pending_from": torch.tensor(sources, dtype=torch.int32)}
@@ -192,12 +196,13 @@ class StepInputs:
         return inputs
 
     def context(self, t: dict[str, torch.Tensor]) -> StepContext:
-        """The context over `t`: these tensors, or their device copies. A steady step's is kept with the batch while
-        its views are the same ones (KeptBatch.tensors, StepInputs.received): only the lengths are set anew, and what
-        a step adds to it (the torch kernels' plan, the adapters, the OpenMP checkpoint) is cleared."""
-        steady = self.rows is not None
-        if steady and self.kept.context is not None and self.kept.context.input_ids is t["input_ids"]:
-            ctx = self.kept.context
+        """The context over `t`: these tensors, or their device copies. A decoding step's is kept with the persistent
+        batch while its views are the same ones (PersistentBatch.tensors, StepInputs.received): only the lengths are
+        set anew, and what a step adds to it (the torch kernels' plan, the adapters, the OpenMP checkpoint) is
+        cleared."""
+        decoding = self.rows is not None
+        if decoding and self.persistent.context is not None and self.persistent.context.input_ids is t["input_ids"]:
+            ctx = self.persistent.context
             ctx.attn.seq_lens_list, ctx.attn.max_seq_len, ctx.attn.torch_plan = self.seq_lens, max(self.seq_lens), None
             ctx.lora = ctx.between_layers = None
             return ctx
@@ -206,7 +211,7 @@ class StepInputs:
             slot_mapping=t["slot_mapping"], query_starts_list=self.query_starts, seq_lens_list=self.seq_lens,
             max_query_len=self.max_query_len, max_seq_len=max(self.seq_lens))
         ctx = StepContext(t["input_ids"], t["positions"], attn, t["logits_indices"], t["context_indices"])
-        if steady:
-            self.kept.context = ctx
+        if decoding:
+            self.persistent.context = ctx
         return ctx
 

@@ -15,7 +15,7 @@ import torch
 
 from backend.core.sampler import greedy
 from backend.model.context import StepContext, StepInputs
-from backend.model.kept import PADDING, ROW_INPUTS
+from backend.model.batch import PADDING, ROW_INPUTS
 from kernels.lora.family import LoraFamily
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import decode_graph_splits
@@ -56,8 +56,8 @@ def graph_lora(ops, buffers: dict[str, torch.Tensor], num_tokens: int, dtype: to
 def padded_inputs(inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
     """A decode step's host tensors padded to `bucket` rows (padding rows: token 0 at position 0, cache slot -1 so
     nothing is written, an empty context so nothing is read): ROW_INPUTS as the rows of "row_inputs" [4, bucket] and
-    its block tables. Every row is one query token: query_starts is the graphs' fixed arange. (A steady step's kept
-    buffer holds them padded already: KeptBatch.) Written through numpy: fewer host calls than a torch op a tensor."""
+    its block tables. Every row is one query token: query_starts is the graphs' fixed arange. (A decoding step's
+    persistent buffer holds them padded already: PersistentBatch.) Written through numpy: fewer host calls than a torch op a tensor."""
     t, num_seqs = inputs.tensors, len(inputs.seq_lens)
     rows = np.empty((len(ROW_INPUTS), bucket), dtype=np.int32)
     rows[:] = PADDING[:, None]
@@ -124,15 +124,15 @@ class DecodeGraphs:
         rows, _ = bucket
         token_slots = token_slots or [-1] * len(inputs.seq_lens)
         segments_in_place = self.segments_of == (token_slots, rows)   # a steady batch: the buffers hold them
-        steady = inputs.rows is not None and inputs.row_inputs.shape[1] >= rows   # its kept buffer: padded rows
-        host = inputs.sent if steady else padded_inputs(inputs, rows)
+        laid_out = inputs.rows is not None and inputs.row_inputs.shape[1] >= rows   # the persistent buffer: padded
+        host = inputs.sent if laid_out else padded_inputs(inputs, rows)
         if not segments_in_place:
             host = host | LoraFamily.graph_segments(token_slots, rows, self.num_segments, self.dtype)
         t = staging.upload(host | plan.t | inputs.pending_maps)
-        t = inputs.received(t) if steady else t | {"input_ids": t["row_inputs"][0]}
+        t = inputs.received(t) if laid_out else t | {"input_ids": t["row_inputs"][0]}
         inputs.fill_pending(t)
         plan.t = {name: t[name] for name in plan.t}
-        row_inputs, tables = t["row_inputs"], t["block_tables"]        # (a steady step's tables: its rows')
+        row_inputs, tables = t["row_inputs"], t["block_tables"]        # (a decoding step's tables: its rows')
         last_rows, last_tables, num_rows, rows_to, rows_from, tables_to = self.copies   # (a steady step's: the
         if last_rows is not row_inputs or last_tables is not tables or num_rows != rows:   # step before's slices)
             rows_to, rows_from = self.row_inputs[:, :rows], row_inputs[:, :rows]

@@ -6,7 +6,7 @@ import torch
 
 from backend.core.scheduler import Batch
 from backend.device import Download
-from backend.model.kept import LaunchRows
+from backend.model.batch import LaunchRows
 
 
 @dataclass(slots=True, eq=False)

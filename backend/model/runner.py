@@ -18,7 +18,7 @@ from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graph_check import capture_checked
 from backend.model.graphs import DecodeGraphs
-from backend.model.kept import KeptBatch, LaunchRows
+from backend.model.batch import LaunchRows, PersistentBatch
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
@@ -35,7 +35,6 @@ CPU_KV_CACHE_BYTES = 1 << 30
 @dataclass(slots=True)
 class PreparedStep:
     """A step ready to run: its rows in launch order, its inputs, its sampling plan and each token's adapter slot."""
-    scheduled: list[ScheduledSeq]             # batch.items as the scheduler made them (what the kept batch compares)
     rows: LaunchRows
     inputs: StepInputs
     plan: sampler.SamplingPlan
@@ -70,7 +69,7 @@ class ModelRunner:
             raise
         self.weight_bytes = sum(weight_bytes(w) for w in weights.values())     # this rank's, as served
         self.staging = StepStaging(self.device)
-        self.kept = KeptBatch(config.max_num_seqs)              # the last step's batch, kept as arrays
+        self.persistent = PersistentBatch(config.max_num_seqs)  # the rows, from step to step
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -227,28 +226,29 @@ class ModelRunner:
 
     def _launch(self, batch: Batch, lora_cache: LoraCache | None, prefetch: list[int | None],
                 previous: "LaunchedStep | None") -> "LaunchedStep":
-        step = self._prepare(batch, lora_cache, previous)
-        logits, greedy = self._run_model(batch, step, lora_cache)
-        return self._sample(batch, step, logits, greedy, lora_cache, prefetch)
+        try:
+            step = self._prepare(batch, lora_cache, previous)
+            logits, greedy = self._run_model(batch, step, lora_cache)
+            return self._sample(batch, step, logits, greedy, lora_cache, prefetch)
+        except BaseException:
+            self.persistent.drop()                                # its rows are not what it left behind
+            raise
 
     def _prepare(self, batch: Batch, lora_cache: LoraCache | None, previous: "LaunchedStep | None") -> PreparedStep:
-        """The step's rows: the last step's where the batch is steady (one decode token each, the same sequences:
-        KeptBatch), else the batch sorted by adapter slot, so that each adapter is one segment; its inputs (pending
-        tokens taken from `previous` on the device) and its sampling plan (the last one's where it can be reused)."""
-        scheduled, kept = batch.items, self.kept.take_if_steady(batch)
-        if kept is not None:
-            rows, batch.items = kept
+        """The step's rows: the persistent batch brought to `batch` (rows of sequences that left removed, those that
+        joined added, each adapter one segment); its inputs (pending tokens taken from `previous` on the device) and
+        its sampling plan (the last one's where the batch is steady and the plan can be reused)."""
+        rows = self.persistent.update(batch, lora_cache.slot if lora_cache is not None else None)
+        inputs = StepInputs(batch, self.block_size, self.persistent, self.rope_rows)
+        if inputs.rows is not None:
             token_slots = rows.slots                              # (one token a row)
         else:
-            rows = LaunchRows.of(batch.items, lora_cache.slot if lora_cache is not None else None)
-            batch.items = [batch.items[i] for i in rows.order]
             token_slots = [slot for item, slot in zip(batch.items, rows.slots) for _ in range(item.num_new_tokens)]
-        inputs = StepInputs(batch, self.block_size, self.kept, kept is not None, self.rope_rows)
         if inputs.pending:
             inputs.take_pending(previous.rows_of, previous.tokens)
         plan = rows.plan or sampler.prepare(list(rows.rows_of), self.model_config.vocab_size)
         rows.plan = plan if plan.reusable else None
-        return PreparedStep(scheduled, rows, inputs, plan, token_slots)
+        return PreparedStep(rows, inputs, plan, token_slots)
 
     def _run_model(self, batch: Batch, step: PreparedStep,
                    lora_cache: LoraCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -268,7 +268,7 @@ class ModelRunner:
     def _sample(self, batch: Batch, step: PreparedStep, logits: torch.Tensor, greedy: torch.Tensor | None,
                 lora_cache: LoraCache | None, prefetch: list[int | None]) -> LaunchedStep:
         """The step's tokens sampled on the device (the raw logits asked for taken first), the adapters next in
-        line prefetched, the results' one download started, and the batch kept for the next step."""
+        line prefetched, the results' one download started, and the rows' state recorded for the next step."""
         rows, inputs = step.rows, step.inputs
         raw = None
         if rows.wanted:                                           # before sampling changes them in place
@@ -282,7 +282,7 @@ class ModelRunner:
         if inputs.prompt_chunks:
             extra += [inputs.scores.values, inputs.scores.ids]
         download = self.staging.download(results, *extra)
-        self.kept.keep(step.scheduled, batch.items, rows, inputs, batch.num_preemptions)
+        self.persistent.record(inputs)
         scored = [(batch.items[index].seq, start, num_rows) for index, start, num_rows in inputs.prompt_chunks]
         return LaunchedStep(batch, rows, tokens, download, step.plan.max_top_log_probs if top else 0, scored)
 

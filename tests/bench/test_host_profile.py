@@ -28,3 +28,9 @@ def test_a_cached_forward_runs_the_model_once_for_each_number_of_rows(monkeypatc
         host_profile(cases=((1, 16),), forward="stub")
     with pytest.raises(ValueError, match="evict_mb"):
         host_profile(cases=((1, 16),), evict_mb=32)
+
+
+def test_the_churn_profile_times_every_step_until_its_sequences_end():
+    result = host_profile(num_steps=4, num_rounds=2, cases=((3, 16),), churn=True, forward="cached")
+    case = result["cases"][0]
+    assert result["churn"] and 0 < case["inputs"] and 0 < case["host_ms"] < case["step_ms"]
