@@ -8,6 +8,7 @@
     python scripts/bench.py --workload W1 --requests 32 --baseline none --log-probs 5   # every request: 5 top
     python scripts/bench.py --workload W2 --requests 32 --baseline none --beams 4 [--sampled]   # 4 beams (samples)
     python scripts/bench.py --host-profile                                     # host ms per decode step, by stage
+    python scripts/bench.py --host-profile --host-churn --host-forward cached  # ... while sequences end
 """
 import os
 import sys
