@@ -72,24 +72,37 @@ def _load_half(src, d, mask, delta_row, m_row, cols, has, HAS_DELTA: tl.constexp
 
 
 @triton.jit
-def _rotate(src, dst, cos, sin, d, mask, delta_row, m_row, cols, has, HALF: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """Rows of heads: src, dst, cols [BLOCK_H, 1] head starts, d [1, BLOCK_HALF]; cos, sin [1, BLOCK_HALF] fp32."""
+def _store(dst, x, mask, inv, QUANT: tl.constexpr):
+    """x (in the activations' dtype) stored as dst holds it: as it is, or (QUANT, an INT8 cache) floor(x * inv +
+    0.5) clamped to [-127, 127] (kernels/quant.quantize_kv)."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(tl.floor(x.to(tl.float32) * inv + 0.5), -127.0), 127.0)
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate(src, dst, cos, sin, d, mask, delta_row, m_row, cols, has, inv, HALF: tl.constexpr,
+            HAS_DELTA: tl.constexpr, QUANT: tl.constexpr):
+    """Rows of heads: src, dst, cols [BLOCK_H, 1] head starts, d [1, BLOCK_HALF]; cos, sin [1, BLOCK_HALF] fp32; the
+    rotated halves rounded to src's dtype, then stored as dst holds them (_store)."""
     x1 = _load_half(src, d, mask, delta_row, m_row, cols, has, HAS_DELTA).to(tl.float32)
     x2 = _load_half(src + HALF, d, mask, delta_row, m_row, cols + HALF, has, HAS_DELTA).to(tl.float32)
-    tl.store(dst + d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    _store(dst + d, (x1 * cos - x2 * sin).to(src.dtype.element_ty), mask, inv, QUANT)
+    _store(dst + HALF + d, (x2 * cos + x1 * sin).to(src.dtype.element_ty), mask, inv, QUANT)
 
 
 @triton.jit
 def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
                              cos_sin_ptr, delta_ptr, m_ptr, slots_ptr, num_heads, num_kv_heads, stride_qt, stride_qh,
                              stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ch, stride_cs,
-                             stride_cos, stride_dt, stride_ms, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_H: tl.constexpr, HAS_DELTA: tl.constexpr):
+                             stride_cos, stride_dt, stride_ms, inv_k, inv_v, HALF: tl.constexpr,
+                             BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DELTA: tl.constexpr,
+                             QUANT: tl.constexpr):
     """Program (token, block of BLOCK_H heads) of the query heads followed by the key heads: a query head is rotated
     into q_out, a key head rotated into the cache with its value head copied beside it (tokens with slot -1,
     padding, write no cache). HAS_DELTA: q, k and v with the qkv projection's LoRA delta added as they load (its
-    columns: q's heads, then k's, then v's, 2 * HALF each)."""
+    columns: q's heads, then k's, then v's, 2 * HALF each). QUANT: an INT8 cache, K and V quantized against the
+    inverses of their scales, inv_k and inv_v."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -106,18 +119,24 @@ def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cach
     is_kv = (heads >= num_heads) & (heads < num_heads + num_kv_heads) & (slot >= 0)
     q_head = tl.where(is_q, heads, 0).to(tl.int64)[:, None]
     _rotate(q_ptr + token * stride_qt + q_head * stride_qh, q_out_ptr + token * stride_ot + q_head * stride_oh,
-            cos, sin, d, is_q[:, None] & d_mask, delta_row, m_row, q_head * 2 * HALF, has, HALF, HAS_DELTA)
+            cos, sin, d, is_q[:, None] & d_mask, delta_row, m_row, q_head * 2 * HALF, has, 1.0, HALF, HAS_DELTA,
+            False)
     kv_head = tl.where(is_kv, heads - num_heads, 0).to(tl.int64)[:, None]
     kv_mask = is_kv[:, None] & d_mask
     cache_rows = kv_head * stride_ch + tl.maximum(slot, 0) * stride_cs
     k_cols = (num_heads + kv_head) * 2 * HALF
     _rotate(k_ptr + token * stride_kt + kv_head * stride_kh, k_cache_ptr + cache_rows, cos, sin, d, kv_mask,
-            delta_row, m_row, k_cols, has, HALF, HAS_DELTA)
+            delta_row, m_row, k_cols, has, inv_k, HALF, HAS_DELTA, QUANT)
     v_src = v_ptr + token * stride_vt + kv_head * stride_vh
     v_cols = k_cols + num_kv_heads * 2 * HALF
     for half in tl.static_range(2):
         v = _load_half(v_src + half * HALF, d, kv_mask, delta_row, m_row, v_cols + half * HALF, has, HAS_DELTA)
-        tl.store(v_cache_ptr + cache_rows + half * HALF + d, v, mask=kv_mask)
+        _store(v_cache_ptr + cache_rows + half * HALF + d, v, kv_mask, inv_v, QUANT)
+
+
+def inverse_scales(kv_scales: tuple[float, float] | None) -> tuple[float, float]:
+    """1 / k_scale, 1 / v_scale of an INT8 cache (1.0 for a cache in the activations' dtype)."""
+    return (1.0, 1.0) if kv_scales is None else (1 / kv_scales[0], 1 / kv_scales[1])
 
 
 def norm_config(hidden: int) -> dict:
@@ -185,22 +204,26 @@ def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, delta=None) -> torch.Tensor:
+                     slot_mapping: torch.Tensor, delta=None, kv_scales: tuple[float, float] | None = None
+                     ) -> torch.Tensor:
     """Semantics (RoPE in fp32, neox layout; one launch):
         q, k, v = add_qkv_delta(q, k, v, delta)           (kernels.reference: the qkv projection's LoRA, None: none)
         cos, sin = cos_sin[positions, :half], cos_sin[positions, half:]
         rotate(x) = cat(x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin)
+        if kv_scales: k, v = quantize_kv(rotate(k), kv_scales[0]), quantize_kv(v, kv_scales[1])   (kernels.quant)
         for t, slot in enumerate(slot_mapping): if slot >= 0:
             k_cache[:, slot // block_size, slot % block_size] = rotate(k)[t]; v_cache[...same] = v[t]
         return rotate(q)
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-    caches: [num_kv_heads, num_blocks, block_size, head_dim]; cos_sin: [max_positions, head_dim] fp32.
+    caches: [num_kv_heads, num_blocks, block_size, head_dim] (int8 with kv_scales); cos_sin: [max_positions,
+    head_dim] fp32.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and head_dim % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert k_cache.shape[0] == num_kv_heads and k_cache.shape[3] == head_dim and k.dtype == k_cache.dtype == v.dtype
+    assert k_cache.shape[0] == num_kv_heads and k_cache.shape[3] == head_dim and k.dtype == v.dtype
+    assert k_cache.dtype == v_cache.dtype == (k.dtype if kv_scales is None else torch.int8)
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cfg = rotary_config(head_dim, num_heads + num_kv_heads)
@@ -211,5 +234,5 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, d, m, slots, num_heads, num_kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
             q_out.stride(1), k_cache.stride(0), k_cache.stride(2), cos_sin.stride(0), stride_dt, stride_ms,
-            HAS_DELTA=delta is not None, **cfg)
+            *inverse_scales(kv_scales), HAS_DELTA=delta is not None, QUANT=kv_scales is not None, **cfg)
     return q_out

@@ -38,11 +38,11 @@ def _find_sequence(query_starts_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_attention_kernel"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr,
-                      query_starts_ptr, seq_lens_ptr, num_seqs, scale, window, softcap, stride_qt, stride_qh, stride_ot,
-                      stride_oh, stride_ch, stride_cb, stride_cs, stride_bt, GROUP: tl.constexpr,
+                      query_starts_ptr, seq_lens_ptr, num_seqs, scale, v_scale, window, softcap, stride_qt, stride_qh,
+                      stride_ot, stride_oh, stride_ch, stride_cb, stride_cs, stride_bt, GROUP: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
+                      SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, QUANT: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,6 +90,9 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, pa
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif QUANT:                                        # INT8 values, exact in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                 # [BLOCK_M, TILE_N]
         if SOFTCAP:                                        # softcap * tanh(s / softcap), as 1 - 2 / (e^2x + 1)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -104,6 +107,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, pa
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+    if QUANT:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -181,11 +186,12 @@ def decode_graph_splits(num_seqs: int, num_heads: int, num_kv_heads: int, head_d
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Semantics:
         for s in range(num_seqs):
             tokens = range(query_starts[s], query_starts[s + 1]); L = seq_lens[s]
             K, V = the first L cached positions of sequence s (through block_tables[s]), head h reads KV head h // group
+            (an INT8 cache: dequantize_kv(K, kv_scales[0]), dequantize_kv(V, kv_scales[1]); kernels.quant)
             S = q[tokens] @ K^T * scale; if softcap: S = softcap * tanh(S / softcap)
             out[tokens] = softmax(S, causal: query i sits at position L - len(tokens) + i, and sees keys within
                                   sliding_window of it) @ V
@@ -197,7 +203,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads, _, block_size, _ = k_cache.shape
     num_seqs = meta.seq_lens.shape[0]
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype and num_heads % num_kv_heads == 0
+    assert k_cache.dtype == v_cache.dtype == (q.dtype if kv_scales is None else torch.int8)
+    assert num_heads % num_kv_heads == 0
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.stride(1) == 1
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
@@ -215,9 +222,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     _attention_kernel[(num_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.query_starts, meta.seq_lens, num_seqs,
-        scale, sliding_window or 0, softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), NUM_SPLITS=num_splits,
-        SOFTCAP=bool(softcap), DOT_FP32=DOT_FP32, **cfg)
+        scale * (kv_scales[0] if kv_scales else 1.0), kv_scales[1] if kv_scales else 1.0, sliding_window or 0,
+        softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), meta.block_tables.stride(0), NUM_SPLITS=num_splits, SOFTCAP=bool(softcap),
+        DOT_FP32=DOT_FP32, QUANT=kv_scales is not None, **cfg)
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
                                                 HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], NUM_SPLITS=num_splits)

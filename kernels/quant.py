@@ -1,7 +1,8 @@
 """Weight-only INT8 weights, as the GEMMs read them: each output channel's values rounded to int8 against one fp32
 scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only, vLLM's W8A16 by
 channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads. And the values that
-FP8, GPTQ and AWQ checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq)."""
+FP8, GPTQ and AWQ checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq). And the INT8 KV
+cache's values (quantize_kv, dequantize_kv)."""
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,22 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(data, scale)
+
+
+KV_INT8_MAX = 127
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: floor(x * (1 / scale) + 0.5), clamped to [-127, 127], computed in fp32 (1 / scale rounded to fp32
+    once): x [..] (K or V as the model computed them) -> its INT8 cache values [..] int8. TensorRT-LLM's
+    kv_cache_scaling_factor: what the cache holds times `scale` is the value."""
+    inv = torch.tensor(1 / scale, dtype=torch.float32, device=x.device)
+    return torch.floor(x.float() * inv + 0.5).clamp_(-KV_INT8_MAX, KV_INT8_MAX).to(torch.int8)
+
+
+def dequantize_kv(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: values * scale in fp32 (an INT8 cache's values [..] -> the K or V they stand for)."""
+    return values.float() * torch.tensor(scale, dtype=torch.float32, device=values.device)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Layouts shared with kernels/*.py:
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]; slot = block_id * block_size + offset
         (head-major: one head's context gathers into a contiguous [num_seqs, context, head_dim] batch)
+        an INT8 cache holds quantize_kv(x, scale) with one scale per layer for K and one for V (kv_scales: (k_scale,
+        v_scale), kernels/quant.py), which attention reads as dequantize_kv (fp32 math where the cache is INT8)
     block_tables: [num_seqs, max_blocks] int32 (entries past a sequence's blocks are never read, and cache
         positions past its length never reach a result: they may hold another request's stale values, or NaN)
     query_starts: [num_seqs + 1] int32, seq_lens: [num_seqs] int32 (context length including the new tokens)
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from kernels.lora.executor import LoraExecutor as lora_executor  # noqa: F401 (an op)
 from kernels.lora.reference import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (LoRA's oracle)
 from kernels.metadata import AttentionMetadata, ExpertLora
-from kernels.quant import Int8Weight
+from kernels.quant import Int8Weight, dequantize_kv, quantize_kv
 
 
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -31,9 +33,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens]."""
+                   slot_mapping: torch.Tensor, kv_scales: tuple[float, float] | None = None) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens] (an INT8
+    cache: quantize_kv against kv_scales)."""
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales[0]), quantize_kv(v, kv_scales[1])
     k_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = k.transpose(0, 1)
     v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = v.transpose(0, 1)
 
@@ -56,12 +61,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, delta=None) -> torch.Tensor:
-    """RoPE of q and k, then k and v into the cache; returns the rotated q. q, k and v with the qkv projection's LoRA
-    delta added first (add_qkv_delta)."""
+                     slot_mapping: torch.Tensor, delta=None, kv_scales: tuple[float, float] | None = None
+                     ) -> torch.Tensor:
+    """RoPE of q and k, then k and v into the cache (write_kv_cache); returns the rotated q. q, k and v with the qkv
+    projection's LoRA delta added first (add_qkv_delta)."""
     q, k, v = add_qkv_delta(q, k, v, delta)
     q, k = rotary(q, k, positions, cos_sin)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q
 
 
@@ -257,51 +263,63 @@ def step_plan(meta: AttentionMetadata, block_size: int) -> TorchPlan:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged context (K/V already written); softcap: the
-    scores soft-capped first, softcap * tanh(scores / softcap) (Gemma 2).
+    scores soft-capped first, softcap * tanh(scores / softcap) (Gemma 2); kv_scales: an INT8 cache's scales (its
+    K and V dequantized, the math in fp32).
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Sequence s owns queries
     query_starts[s]:query_starts[s+1], the last tokens of its seq_lens[s] context tokens.
     """
     plan = step_plan(meta, k_cache.shape[2])
     out = torch.empty_like(q)
-    prefill_attention(q, k_cache, v_cache, meta, plan, scale, sliding_window, out, softcap)
+    prefill_attention(q, k_cache, v_cache, meta, plan, scale, sliding_window, out, softcap, kv_scales)
     if len(plan.decode_token_ids):
         out[plan.decode_token_ids] = _decode_attention(q[plan.decode_token_ids], k_cache, v_cache, plan, scale,
-                                                       sliding_window, softcap)
+                                                       sliding_window, softcap, kv_scales).to(q.dtype)
     return out
+
+
+def _dequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_scales: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, K and V as attention computes with them: as they are, or in fp32 with an INT8 cache's values dequantized."""
+    if kv_scales is None:
+        return q, k, v
+    return q.float(), dequantize_kv(k, kv_scales[0]), dequantize_kv(v, kv_scales[1])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       plan: TorchPlan, scale: float, sliding_window: int | None, out: torch.Tensor,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, kv_scales: tuple[float, float] | None = None) -> None:
     """paged_attention's rows of the plan's prefill sequences, written into out, one sequence at a time."""
     for s in plan.prefill_ids:
         start, end, length = meta.query_starts_list[s], meta.query_starts_list[s + 1], meta.seq_lens_list[s]
-        k = _gather_context(k_cache, meta.block_tables[s], length)[None]
-        v = _gather_context(v_cache, meta.block_tables[s], length)[None]
+        qs, k, v = _dequantized(q[start:end], _gather_context(k_cache, meta.block_tables[s], length)[None],
+                                _gather_context(v_cache, meta.block_tables[s], length)[None], kv_scales)
         q_pos = torch.arange(length - (end - start), length, device=q.device)
         mask = _window_mask(q_pos, torch.arange(length, device=q.device), sliding_window)
         if softcap:                                       # scores capped before the mask: no fused kernel
             group = q.shape[1] // k.shape[1]
-            scores = torch.einsum("thd,hkd->htk", q[start:end].float(), k[0].repeat_interleave(group, 0).float())
+            scores = torch.einsum("thd,hkd->htk", qs.float(), k[0].repeat_interleave(group, 0).float())
             scores = softcap * torch.tanh(scores * scale / softcap)
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-            out[start:end] = torch.einsum("htk,hkd->thd", probs, v[0].repeat_interleave(group, 0))
+            out[start:end] = torch.einsum("htk,hkd->thd", probs, v[0].repeat_interleave(group, 0)).to(out.dtype)
             continue
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask,
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k, v, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchPlan, scale: float,
-                      sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+                      sliding_window: int | None, softcap: float | None = None,
+                      kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """One query per sequence, all sequences at once. q: [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     k = _gather_blocks(k_cache, plan.decode_block_tables).flatten(2, 3)   # [num_kv_heads, num_seqs, context, head_dim]
     v = _gather_blocks(v_cache, plan.decode_block_tables).flatten(2, 3)
+    q, k, v = _dequantized(q, k, v, kv_scales)
     if len(plan.decode_padding):              # stale (even NaN) values past a context must not meet a zero weight
         v.view(num_kv_heads, -1, head_dim).index_fill_(1, plan.decode_padding, 0)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)

@@ -48,10 +48,14 @@ def test_silu_and_mul_matches_reference(dtype, inter, device):
                                                                          (96, 8, 2, 16), (80, 10, 2, 16),
                                                                          (128, 18, 6, 16)])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size, slot_dtype, device):
+@pytest.mark.parametrize("kv_scales", [None, (0.05, 0.03)])
+def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size, slot_dtype,
+                                            kv_scales, device):
     """q, k, v sliced from one fused qkv row as the model has them; tokens land in shuffled slots across blocks, and
     a padding token (slot -1) writes nothing. 18 + 6 heads of 128: two programs a token, the second's block of
-    heads both query and key heads, its last masked."""
+    heads both query and key heads, its last masked. kv_scales: an INT8 cache, K rotated and rounded to the
+    activations' dtype, then quantized (within one step of the reference's rotation's rounding), V quantized
+    exactly as the reference does."""
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
                       1e-5, 10000.0, None, False, False, None, None, None)
     cos_sin = rope_cos_sin(cfg).to(device)
@@ -66,14 +70,18 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
         q, k, v = t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
                 v.reshape(-1, num_kv_heads, head_dim))
-    caches = [torch.full((num_kv_heads, num_blocks, block_size, head_dim), 7.0, dtype=dtype, device=device)
+    cache_dtype = dtype if kv_scales is None else torch.int8
+    caches = [torch.full((num_kv_heads, num_blocks, block_size, head_dim), 7, dtype=cache_dtype, device=device)
               for _ in range(4)]
     keep = slots >= 0
     q, k, v = views(qkv.float())
     want_q, want_k = reference.rotary(q, k, positions, cos_sin)
-    reference.write_kv_cache(want_k[keep].to(dtype), v[keep].to(dtype), caches[0], caches[1], slots[keep])
-    got_q = fused.rotary_and_cache(*views(qkv), positions, cos_sin, caches[2], caches[3], slots)
-    assert got_q.dtype == dtype
+    reference.write_kv_cache(want_k[keep].to(dtype), v[keep].to(dtype), caches[0], caches[1], slots[keep], kv_scales)
+    got_q = fused.rotary_and_cache(*views(qkv), positions, cos_sin, caches[2], caches[3], slots, kv_scales=kv_scales)
+    assert got_q.dtype == dtype and caches[2].dtype == cache_dtype
     torch.testing.assert_close(got_q.float(), want_q, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(caches[2], caches[0], atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(caches[3], caches[1])                          # v is copied as it is; slot -1 left 7.0
+    if kv_scales is None:
+        torch.testing.assert_close(caches[2], caches[0], atol=TOL[dtype], rtol=TOL[dtype])
+    else:
+        assert (caches[2].int() - caches[0].int()).abs().max() <= 1 and (caches[2] != 7).any()
+    assert torch.equal(caches[3], caches[1])                          # v is copied as it is; slot -1 left 7

@@ -7,6 +7,7 @@ import torch
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import TILE_N, attention_config, num_kv_splits, num_query_blocks, paged_attention
+from kernels.quant import dequantize_kv, quantize_kv
 from tests.helpers import DEVICES, KERNEL_DEVICES
 
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -183,3 +184,37 @@ def test_a_padding_row_with_no_context_gives_zeros_not_nan(device, num_splits):
                                      seq_lens=meta.seq_lens[:1], block_tables=meta.block_tables[:1],
                                      query_starts_list=[0, 1], seq_lens_list=[40]), 0.125)
     torch.testing.assert_close(got[:1], want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def int8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The caches as an INT8 cache holds them, against scales of their largest magnitudes / 127."""
+    scales = (k_cache.float().abs().max().item() / 127, v_cache.float().abs().max().item() / 127)
+    return quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1]), scales
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20]])
+def test_the_reference_reads_an_int8_cache_as_its_dequantized_values(query_lens, device):
+    q, k_cache, v_cache, meta = make_batch([30, 9, 20], query_lens, 4, 2, 64, 16, torch.bfloat16, device)
+    k8, v8, scales = int8_caches(k_cache, v_cache)
+    got = reference.paged_attention(q, k8, v8, meta, 0.125, 12, 3.0, kv_scales=scales)
+    want = reference.paged_attention(q.float(), dequantize_kv(k8, scales[0]), dequantize_kv(v8, scales[1]), meta,
+                                     0.125, 12, 3.0)
+    assert got.dtype == torch.bfloat16 and k8.dtype == torch.int8
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)          # (rounded once to bf16)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("query_lens,group", [([1, 1, 1, 1], 4), ([37, 18, 1, 1], 3)])
+def test_an_int8_cache_matches_reference(dtype, num_splits, query_lens, group, device):
+    """An INT8 cache (kv_scales): K's scale folded into the scores' and V's applied to the sums, the values
+    converted to q's dtype exactly; decode steps and prompt chunks, split or not, soft-capped and windowed."""
+    q, k_cache, v_cache, meta = make_batch([37, 50, 21, 100], query_lens, 2 * group, 2, 64, 16, dtype, device)
+    k8, v8, scales = int8_caches(k_cache, v_cache)
+    for window, softcap in ((None, None), (12, 2.0)):
+        meta.torch_plan = None
+        want = reference.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)
+        got = paged_attention(q, k8, v8, meta, 0.125, window, softcap, num_splits=num_splits, kv_scales=scales)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
