@@ -96,6 +96,8 @@ class TensorParallelGroup:
             for w in self.workers:
                 w.kill()
                 w.wait()
+            if not dist.is_initialized():      # torch counted the group it failed to make: a later group in this
+                dist.distributed_c10d._world.group_count = 0    # process would wait on another name than its workers
             raise
         self.message_device = device if backend == "nccl" else torch.device("cpu")
 

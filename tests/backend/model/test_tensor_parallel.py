@@ -265,6 +265,23 @@ def test_an_engine_that_fails_to_start_leaves_no_workers_or_process_group(tiny_m
     engine.close()
 
 
+def test_a_group_whose_worker_never_joins_leaves_the_next_one_able_to_start(tiny_model_dir, monkeypatch):
+    """A worker too slow to join (here: one that never starts) fails the start within its timeout, and a later
+    start in the same process joins its workers (torch's count of groups made no longer names the next one apart
+    from theirs: every later start waited 60 s and failed)."""
+    import backend.model.parallel as parallel
+    with monkeypatch.context() as patched:
+        patched.setattr(parallel, "python_executable", lambda: "/bin/true")
+        with pytest.raises(dist.DistStoreError):
+            LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+                      kv_cache_memory_bytes=1 << 20, tensor_parallel_timeout_s=1)
+    assert not dist.is_initialized()
+    engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+                       kv_cache_memory_bytes=1 << 20)
+    assert engine.generate([[5, 6, 7]], max_new_tokens=3)
+    engine.close()
+
+
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_lost_worker_fails_every_stream_and_breaks_the_engine(tiny_model_dir, fault):
     """A worker killed (the collective fails) or stopped (it outlasts tensor_parallel_timeout_s) mid-stream: each
