@@ -7,6 +7,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 WEIGHT_DTYPES = ("auto", "int8")           # int8: weight-only, quantized at load (kernels/quant.py)
 UNBUILT_WEIGHT_DTYPES = ("fp8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")         # int8: against scales calibrated at start (backend/model/calibration.py)
+UNBUILT_KV_CACHE_DTYPES = ("fp8",)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -46,6 +48,8 @@ class EngineConfig:
     dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32
     weight_dtype: str = "auto"                # the projections' weights: as the checkpoint has them (auto), or
                                               # int8 weight-only (one scale per output channel), quantized at load
+    kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 with a scale for K and one
+                                              # for V per layer (half a bf16 cache's bytes a token)
     max_num_seqs: int = 64                    # sequences in one step
     max_num_batched_tokens: int = 2048        # tokens (prefill chunks + decodes) in one step
     kv_block_size: int = 16
@@ -94,6 +98,14 @@ class EngineConfig:
             raise ValueError(f"weight_dtype {self.weight_dtype} is not built yet; built: {', '.join(WEIGHT_DTYPES)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        if self.kv_cache_dtype in UNBUILT_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is not built yet; built: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} under tensor parallelism is not built yet "
+                             f"(tensor_parallel_size {self.tensor_parallel_size}): use kv_cache_dtype auto")
         if self.guided_decoding_backend not in ("", "xgrammar"):
             raise ValueError(f"guided_decoding_backend must be xgrammar (or empty: off), got "
                              f"{self.guided_decoding_backend!r}")

@@ -97,7 +97,8 @@ def available() -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
-                    sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None, softcap: float | None = None,
+                    kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Semantics: for each sequence s with L = seq_lens[s] and query rows [query_starts[s], query_starts[s + 1]) at
     the last positions of its context, the row at position p attends to positions [0, p] (the last sliding_window
     of them):
@@ -105,9 +106,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         s = q[row, h] @ k[window].T * scale
         if softcap: s = softcap * tanh(s / softcap)
         out[row, h] = softmax(s) @ v[window]
-    h's KV head = h // (num_heads // num_kv_heads). q: [num_rows, num_heads, head_dim]; the tables int32."""
+    h's KV head = h // (num_heads // num_kv_heads). q: [num_rows, num_heads, head_dim]; the tables int32; an INT8
+    cache (kv_scales): k, v = dequantize_kv(k, kv_scales[0]), dequantize_kv(v, kv_scales[1]) (kernels.quant)."""
+    k_scale, v_scale = kv_scales or (1.0, 1.0)
     return load().paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale,
-                                  sliding_window or 0, softcap or 0.0)
+                                  sliding_window or 0, softcap or 0.0, k_scale, v_scale)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -127,12 +130,15 @@ def silu_and_mul(gate_up: torch.Tensor, delta=None) -> torch.Tensor:
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, delta=None) -> torch.Tensor:
+                     slot_mapping: torch.Tensor, delta=None, kv_scales: tuple[float, float] | None = None
+                     ) -> torch.Tensor:
     """Semantics: q, k, v = add_qkv_delta(q, k, v, delta); q, k = rotary(q, k, positions, cos_sin) (in place);
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping); return q. q: [num_tokens, num_heads, head_dim], k, v:
-    [num_tokens, num_kv_heads, head_dim]."""
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales); return q. q: [num_tokens, num_heads,
+    head_dim], k, v: [num_tokens, num_kv_heads, head_dim]."""
     q, k, v = add_qkv_delta(q, k, v, delta)
-    load().rotary_and_cache(q, k, v, positions.int(), cos_sin, k_cache, v_cache, slot_mapping.int())
+    k_scale, v_scale = kv_scales or (1.0, 1.0)
+    load().rotary_and_cache(q, k, v, positions.int(), cos_sin, k_cache, v_cache, slot_mapping.int(), k_scale,
+                            v_scale)
     return q
 
 

@@ -67,11 +67,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """Semantics: kernels.reference.paged_attention, read in place from the paged cache by cpu_ext.paged_attention:
-    a decode row alone, a prompt chunk's rows in tiles of consecutive rows."""
+    a decode row alone, a prompt chunk's rows in tiles of consecutive rows; an INT8 cache's values converted as
+    they load, K's scale folded into the scores' and V's applied to the sums."""
     return cpu_ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_starts, scale,
-                                   sliding_window, softcap)
+                                   sliding_window, softcap, kv_scales)
 
 
 def add_group_lora(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,

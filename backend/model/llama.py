@@ -39,6 +39,7 @@ class LlamaModel:
         self.local_cos_sin = None if cfg.local_rope_theta is None else rope.cos_sin(   # sliding-window layers'
             replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)).to(device)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        self.kv_scales: list[tuple[float, float]] | None = None     # an INT8 KV cache's (k, v) scales by layer
 
     def forward(self, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 with_context: bool = False, logits: bool = True) -> torch.Tensor | None:
@@ -79,7 +80,8 @@ class LlamaModel:
             v = v.contiguous()
         k_cache, v_cache = kv_cache
         cos_sin = self.cos_sin if self.local_cos_sin is None or cfg.window(i) is None else self.local_cos_sin
-        q = ops.rotary_and_cache(q, k, v, ctx.positions, cos_sin, k_cache, v_cache, ctx.attn.slot_mapping, delta)
+        q = ops.rotary_and_cache(q, k, v, ctx.positions, cos_sin, k_cache, v_cache, ctx.attn.slot_mapping, delta,
+                                 kv_scales=self.kv_scales[i] if self.kv_scales else None)
         return q, residual
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,8 @@ class LlamaModel:
         """[num_tokens, num_heads * head_dim]: each token's attention over its sequence's cached context."""
         k_cache, v_cache = kv_cache
         return self.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, self.cfg.window(i),
-                                        self.cfg.attn_logit_softcap).flatten(1)
+                                        self.cfg.attn_logit_softcap,
+                                        kv_scales=self.kv_scales[i] if self.kv_scales else None).flatten(1)
 
     def after_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, ctx: StepContext,
                         ) -> tuple[torch.Tensor, torch.Tensor, object | None]:

@@ -14,11 +14,12 @@ from backend.core.scheduler import Batch, ScheduledSeq
 from backend.device import StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype
 from backend.lora.cache import LoraCache
 from backend.model import rope
+from backend.model.batch import LaunchRows, PersistentBatch
+from backend.model.calibration import calibration_ids
 from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graph_check import capture_checked
 from backend.model.graphs import DecodeGraphs
-from backend.model.batch import LaunchRows, PersistentBatch
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
@@ -27,7 +28,7 @@ from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
 from backend.model.self_check import check_kernels_or_fall_back
 from backend.openmp import TeamSizer
 from kernels.dispatch import load_ops, resolve_backend
-from kernels.quant import Int8Weight
+from kernels.quant import KV_INT8_MAX, Int8Weight
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -55,6 +56,7 @@ class ModelRunner:
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
+        self.kv_cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
         if self.ops.checked and config.checks_at_start(self.device.type):      # (auto: CUDA) the kernels at the
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)     # model's shapes
@@ -82,6 +84,8 @@ class ModelRunner:
         On CUDA without kv_cache_memory_bytes it takes kv_cache_free_gpu_mem_fraction of the memory left free
         after the weights, the adapter slots and the activations of one forward at max_num_batched_tokens."""
         cfg, budget = self.model_config, self.config.kv_cache_memory_bytes
+        if self.kv_cache_dtype == torch.int8 and self.model.kv_scales is None:
+            self.model.kv_scales = self._calibrate_kv_scales()
         if budget is None and self.device.type == "cuda":
             peak = self._activation_peak_bytes()
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -89,18 +93,39 @@ class ModelRunner:
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
         self.num_blocks = num_kv_blocks(max(budget, 0), self.block_size, cfg.num_layers,
-                                        self.shard_config.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
+                                        self.shard_config.num_kv_heads, cfg.head_dim, self.kv_cache_dtype.itemsize)
         self._set_kv_cache(self.num_blocks)
         return self.num_blocks
 
-    def _set_kv_cache(self, num_blocks: int) -> None:
-        """This rank's KV cache (its KV heads) of num_blocks blocks, and the workers' theirs."""
+    def _set_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None) -> None:
+        """This rank's KV cache (its KV heads) of num_blocks blocks (in kv_cache_dtype unless `dtype`), and the
+        workers' theirs."""
         cfg = self.shard_config
         shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         self.kv_caches = []                                       # (the old cache freed before the new one)
-        self.kv_caches = empty_kv_caches(cfg.num_layers, shape, self.dtype, self.device)
+        self.kv_caches = empty_kv_caches(cfg.num_layers, shape, dtype or self.kv_cache_dtype, self.device)
         if self.tp is not None:
             self.tp.send(INIT, {"num_blocks": torch.tensor([num_blocks], dtype=torch.int32)})
+
+    def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        """Each layer's INT8 KV cache scales (TensorRT-LLM's kv_cache_scaling_factor, one for K and one for V): the
+        largest magnitude / 127 each reaches over a prefill of the calibration text (backend/model/calibration.py)
+        written into a cache in dtype. Values past it later are clamped to +-127."""
+        ids = calibration_ids(self.config.model_dir, self.model_config.vocab_size,
+                              self.model_config.max_position_embeddings)
+        seq = Sequence(-1, ids, SamplingParams(max_new_tokens=1))
+        seq.block_table = list(range(-(-len(ids) // self.block_size)))
+        self._set_kv_cache(len(seq.block_table), self.dtype)
+        with on(self.device), torch.inference_mode():
+            self.run(Batch([ScheduledSeq(seq, len(ids))]))
+        self.persistent.drop()
+
+        def scale(cache: torch.Tensor) -> float:
+            written = cache.flatten(1, 2)[:, :len(ids)]                  # [kv_heads, tokens, head_dim]
+            return max(written.float().abs().max().item(), 1e-6) / KV_INT8_MAX
+        scales = [(scale(k), scale(v)) for k, v in self.kv_caches]
+        self._set_kv_cache(0)
+        return scales
 
     def _activation_peak_bytes(self) -> int:
         """Peak memory of a warm-up forward over max_num_batched_tokens prompt tokens (on a cache just big enough)."""

@@ -142,10 +142,11 @@ void tile_values(const float* probs, int64_t width, int64_t num_queries, const T
 }
 
 // One tile: q [num_rows, num_heads, head_dim] with rows s.q_row_stride apart, out alike but contiguous; the caches
-// [num_kv_heads, num_blocks, block_size, head_dim]; window <= 0: none.
-template <typename T>
-void run_tile(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Tile& t, const Shape& s,
-              float scale, int64_t window, T* out, Scratch& x) {
+// [num_kv_heads, num_blocks, block_size, head_dim] of T or int8 (scale holds K's scale, v_scale is V's); window <= 0:
+// none.
+template <typename T, typename C>
+void run_tile(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, const Tile& t, const Shape& s,
+              float scale, float v_scale, int64_t window, T* out, Scratch& x) {
   const int64_t num_queries = t.num_rows * s.group, width = (num_queries + 7) / 8 * 8, n = t.hi - t.lo;
   x.queries.assign(s.head_dim * width, 0.f);
   x.lo.assign(width, t.lo);
@@ -169,7 +170,7 @@ void run_tile(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
   for (int64_t i = 0; i < t.num_rows; ++i)
     for (int64_t g = 0; g < s.group; ++g) {
       const int64_t c = i * s.group + g;
-      const float inv = 1.f / x.sums[c];
+      const float inv = v_scale / x.sums[c];
       T* o = out + ((t.first_row + i) * s.num_heads + t.head * s.group + g) * s.head_dim;
       for (int64_t d = 0; d < s.head_dim; ++d) o[d] = static_cast<T>(x.out[c * s.head_dim + d] * inv);
     }

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -77,10 +78,29 @@ inline void rotate(T* x, const float* cs, int64_t half) {
   }
 }
 
-template <typename T>
-void rotary_and_cache(T* q, T* k, const T* v, const int32_t* positions, const float* cos_sin, T* k_cache,
-                      T* v_cache, const int32_t* slots, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t q_stride, int64_t kv_stride, int64_t cache_head_stride) {
+// x as an INT8 KV cache holds it: floor(x * inv + 0.5) clamped to [-127, 127] in fp32, the product rounded before
+// the sum (kernels/quant.quantize_kv; volatile: no fused multiply-add).
+inline int8_t quantize(float x, float inv) {
+  volatile float scaled = x * inv;
+  return static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::floor(scaled + 0.5f))));
+}
+
+template <typename T, typename C>
+inline void store_row(C* cache, const T* x, int64_t n, float inv) {
+  for (int64_t d = 0; d < n; ++d) {
+    if constexpr (std::is_same_v<C, int8_t>)
+      cache[d] = quantize(static_cast<float>(x[d]), inv);
+    else
+      cache[d] = x[d];
+  }
+}
+
+// C: the caches' type, T or int8 (quantized against the inverses of K's and V's scales).
+template <typename T, typename C>
+void rotary_and_cache(T* q, T* k, const T* v, const int32_t* positions, const float* cos_sin, C* k_cache,
+                      C* v_cache, const int32_t* slots, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t q_stride, int64_t kv_stride, int64_t cache_head_stride, float inv_k,
+                      float inv_v) {
   const int64_t half = head_dim / 2;
   at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -90,12 +110,9 @@ void rotary_and_cache(T* q, T* k, const T* v, const int32_t* positions, const fl
         T* kh = k + t * kv_stride + h * head_dim;
         rotate(kh, cs, half);
         const T* vh = v + t * kv_stride + h * head_dim;
-        T* kc = k_cache + h * cache_head_stride + static_cast<int64_t>(slots[t]) * head_dim;
-        T* vc = v_cache + h * cache_head_stride + static_cast<int64_t>(slots[t]) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kc[d] = kh[d];
-          vc[d] = vh[d];
-        }
+        const int64_t row = h * cache_head_stride + static_cast<int64_t>(slots[t]) * head_dim;
+        store_row(k_cache + row, kh, head_dim, inv_k);
+        store_row(v_cache + row, vh, head_dim, inv_v);
       }
     }
   });
@@ -138,9 +155,11 @@ torch::Tensor silu_and_mul_op(torch::Tensor gate_up) {
 }
 
 // q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] rotated in place (rows may be
-// views into one qkv row); k and v written to the cache slots [num_kv_heads, num_blocks, block_size, head_dim].
+// views into one qkv row); k and v written to the cache slots [num_kv_heads, num_blocks, block_size, head_dim] (an
+// int8 cache: quantized against k_scale and v_scale).
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
-                         torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+                         torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                         double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
               v.strides() == k.strides(), "q, k, v heads must be contiguous rows");
@@ -149,11 +168,21 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   TORCH_CHECK(positions.scalar_type() == torch::kInt32 && slots.scalar_type() == torch::kInt32, "int32 indices");
   positions = positions.contiguous();
   slots = slots.contiguous();
+  const bool int8_cache = k_cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8_cache || k_cache.scalar_type() == q.scalar_type()),
+              "the caches in q's dtype or int8");
+  const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "rotary_and_cache", [&] {
-    rotary_and_cache<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                               positions.data_ptr<int32_t>(), cos_sin.data_ptr<float>(),
-                               k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(),
-                               q.size(0), q.size(1), k.size(1), q.size(2), q.stride(0), k.stride(0),
-                               k_cache.stride(0));
+    auto run = [&](auto* k_cache_data, auto* v_cache_data) {
+      rotary_and_cache<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                 positions.data_ptr<int32_t>(), cos_sin.data_ptr<float>(), k_cache_data, v_cache_data,
+                                 slots.data_ptr<int32_t>(), q.size(0), q.size(1), k.size(1), q.size(2), q.stride(0),
+                                 k.stride(0), k_cache.stride(0), inv_k, inv_v);
+    };
+    if (int8_cache)
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
 }

@@ -69,10 +69,10 @@ void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t 
   });
 }
 
-// out[g] = sum_p weights[g, p - first] * v[p], 64 columns at a time held in registers.
-template <typename T>
-void item_values(const float* weights, const T* v_head, const int32_t* table, int64_t first, int64_t len,
-                 const Shape& s, T* out, Ahead& ahead) {
+// out[g] = v_scale * sum_p weights[g, p - first] * v[p], 64 columns at a time held in registers.
+template <typename C, typename T>
+void item_values(const float* weights, const C* v_head, const int32_t* table, int64_t first, int64_t len,
+                 const Shape& s, float v_scale, T* out, Ahead& ahead) {
   constexpr int64_t kWidth = 8;                                   // vec8 columns per pass: 64 floats
   const int64_t chunks = s.head_dim / 8;
   for (int64_t g = 0; g < s.group; ++g) {
@@ -80,7 +80,7 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
     for (int64_t c0 = 0; c0 < chunks; c0 += kWidth) {
       const int64_t width = std::min(kWidth, chunks - c0);
       vec8 acc[kWidth] = {};
-      for_each_page(v_head, table, first, len, s, [&](const T* rows, int64_t p, int64_t stop) {
+      for_each_page(v_head, table, first, len, s, [&](const C* rows, int64_t p, int64_t stop) {
         vec8 sum[kWidth];                          // a page's sums in registers (acc, captured, would be spilled)
         for (int64_t c = 0; c < width; ++c) sum[c] = acc[c];
         for (; p < stop; ++p, rows += s.head_dim) {
@@ -92,7 +92,7 @@ void item_values(const float* weights, const T* v_head, const int32_t* table, in
       });
       T* o = out + g * s.head_dim + 8 * c0;
       for (int64_t c = 0; c < width; ++c)
-        for (int i = 0; i < 8; ++i) o[8 * c + i] = static_cast<T>(acc[c][i]);
+        for (int i = 0; i < 8; ++i) o[8 * c + i] = static_cast<T>(acc[c][i] * v_scale);
     }
   }
 }
@@ -120,9 +120,9 @@ using attention_tiles::Tile;
 
 // A decode row's item: its scores, their softmax and the weighted sums of V, pulling the next item's pages into the
 // cache as it computes (spans: theirs, if the thread takes a decode row next).
-template <typename T>
-void run_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Tile& t, const Shape& s,
-             float scale, T* out, const std::vector<vec::Span>& next, std::vector<float>& qf,
+template <typename T, typename C>
+void run_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, const Tile& t, const Shape& s,
+             float scale, float v_scale, T* out, const std::vector<vec::Span>& next, std::vector<float>& qf,
              std::vector<float>& scores) {
   const int64_t q_offset = t.first_row * s.q_row_stride + t.head * s.group * s.head_dim;
   const int64_t out_offset = (t.first_row * s.num_heads + t.head * s.group) * s.head_dim;
@@ -134,7 +134,7 @@ void run_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* tabl
   item_scores(qf.data(), k_cache + head_offset, table, t.lo, t.hi, s, scores.data(), ahead);
   cap_scores(scores.data(), s.group * (t.hi - t.lo), s.softcap);
   softmax_rows(scores.data(), s.group, t.hi - t.lo);
-  item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, out + out_offset, ahead);
+  item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, v_scale, out + out_offset, ahead);
 }
 
 // The step's items: a sequence with one query row (decode) gives a row per KV head, one with more (a prompt
@@ -154,9 +154,11 @@ std::vector<Tile> plan_items(const int32_t* seq_lens, const int32_t* query_start
   return items;
 }
 
-template <typename T>
-void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
-               const int32_t* query_starts, T* out, int64_t num_seqs, const Shape& s, float scale, int64_t window) {
+// The caches hold T, or int8 (an INT8 KV cache: scale is the scores' times K's scale, v_scale V's scale).
+template <typename T, typename C>
+void attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+               const int32_t* query_starts, T* out, int64_t num_seqs, const Shape& s, float scale, float v_scale,
+               int64_t window) {
   const std::vector<Tile> items = plan_items(seq_lens, query_starts, num_seqs, s, window);
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (num_items == 0) return;
@@ -177,7 +179,7 @@ void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* bl
     for (int64_t i = claims.claim(thread); i >= 0; i = claims.claim(thread)) {
       const Tile& t = items[i];
       if (t.num_rows > 1) {
-        attention_tiles::run_tile(q, k_cache, v_cache, table_of(t), t, s, scale, window, out, scratch);
+        attention_tiles::run_tile(q, k_cache, v_cache, table_of(t), t, s, scale, v_scale, window, out, scratch);
         continue;
       }
       next.clear();
@@ -186,7 +188,7 @@ void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* bl
         item_spans(k_cache + u.head * s.cache_head_stride, v_cache + u.head * s.cache_head_stride, table_of(u), u.lo,
                    u.hi, s, next);
       }
-      run_row(q, k_cache, v_cache, table_of(t), t, s, scale, out, next, qf, scores);
+      run_row(q, k_cache, v_cache, table_of(t), t, s, scale, v_scale, out, next, qf, scores);
     }
   }
 }
@@ -196,13 +198,16 @@ void attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* bl
 // q [num_rows, num_heads, head_dim]; k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim];
 // block_tables [num_seqs, max_blocks], seq_lens [num_seqs] (context lengths, this step's rows included) and
 // query_starts [num_seqs + 1] (sequence s has rows [query_starts[s], query_starts[s + 1])), all int32; window <= 0:
-// none; softcap <= 0: none.
+// none; softcap <= 0: none. Caches in q's dtype, or int8 (an INT8 KV cache: values times k_scale, v_scale).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window,
-                              double softcap) {
+                              double softcap, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool int8_cache = k_cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || int8_cache) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches in q's dtype or int8");
+  TORCH_CHECK(int8_cache || (k_scale == 1.0 && v_scale == 1.0), "scales belong to an INT8 cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   for (const auto& t : {block_tables, seq_lens, query_starts})
     TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.device().is_cpu(), "int32 tables on the CPU");
@@ -222,11 +227,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.stride(0), block_size,
                     block_tables.size(1), q.stride(0), static_cast<float>(softcap)};
+  const auto tables = block_tables.data_ptr<int32_t>();
+  const auto lens = seq_lens.data_ptr<int32_t>();
+  const auto starts = query_starts.data_ptr<int32_t>();
+  const float k_scaled = static_cast<float>(scale * k_scale);
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "paged_attention", [&] {
-    attention<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                        block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                        query_starts.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_seqs, shape,
-                        static_cast<float>(scale), window);
+    if (int8_cache)
+      attention<scalar_t, int8_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                  tables, lens, starts, out.data_ptr<scalar_t>(), num_seqs, shape, k_scaled,
+                                  static_cast<float>(v_scale), window);
+    else
+      attention<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>(), tables, lens, starts, out.data_ptr<scalar_t>(),
+                                    num_seqs, shape, static_cast<float>(scale), 1.f, window);
   });
   return out;
 }
@@ -235,7 +248,8 @@ torch::Tensor add_rms_norm_op(torch::Tensor x, std::optional<torch::Tensor> resi
                               double eps);
 torch::Tensor silu_and_mul_op(torch::Tensor gate_up);
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
-                         torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+                         torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                         double k_scale, double v_scale);
 void lora_apply(torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor ranks, torch::Tensor bounds,
                 torch::Tensor m, torch::Tensor dora, int64_t max_rank, torch::Tensor starts, torch::Tensor slots,
                 torch::Tensor out);

@@ -1,5 +1,5 @@
-// Eight floats at a time for the compiled CPU kernels (x86-64-v3: AVX2, FMA, F16C): loads that convert bf16 and
-// fp16 on the way in, a horizontal sum of eight vectors at once, and exp.
+// Eight floats at a time for the compiled CPU kernels (x86-64-v3: AVX2, FMA, F16C): loads that convert bf16, fp16
+// and int8 on the way in, a horizontal sum of eight vectors at once, and exp.
 #pragma once
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -65,13 +65,15 @@ inline vec8 v(__m256 x) { return reinterpret_cast<vec8>(x); }
 
 template <typename T>
 inline vec8 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, int8_t>) {                      // an INT8 KV cache's values, as they are
+    return v(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  } else if constexpr (std::is_same_v<T, float>) {
     return *reinterpret_cast<const vec8*>(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return v(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
   } else {
-    static_assert(std::is_same_v<T, c10::Half>, "float, bf16 or fp16");
+    static_assert(std::is_same_v<T, c10::Half>, "float, bf16, fp16 or int8");
     return v(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 }

@@ -12,7 +12,7 @@ import torch
 
 from kernels import cpu_ext, cpu_ops, reference
 from tests.helpers import cpu_kernels_build
-from tests.kernels.test_paged_attention import TOL, check_ignores_stale_cache, make_batch
+from tests.kernels.test_paged_attention import TOL, check_ignores_stale_cache, int8_caches, make_batch
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here "
                                                                 "(python -m kernels.cpu_ext says why)")
@@ -76,6 +76,21 @@ def test_compiled_path_never_lets_stale_cache_values_reach_a_result(query_lens):
     check_ignores_stale_cache(cpu_ops.paged_attention, query_lens, "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4)])
+@pytest.mark.parametrize("rows", QUERY_LENS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (12, 2.0)])
+def test_an_int8_cache_matches_reference(dtype, head_dim, group, rows, window, softcap):
+    """An INT8 cache (kv_scales): the values converted as they load, K's scale folded into the scores' and V's
+    applied to the sums, on the decode rows' path and the tiles'."""
+    q, k_cache, v_cache, meta = make_batch(SEQ_LENS, QUERY_LENS[rows], 2 * group, 2, head_dim, 16, dtype)
+    k8, v8, scales = int8_caches(k_cache, v_cache)
+    want = reference.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)
+    got = cpu_ops.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ELEMENTWISE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -111,7 +126,10 @@ def test_silu_and_mul_holds_over_the_whole_float_range():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 1), (80, 4, 4)])
-def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
+@pytest.mark.parametrize("kv_scales", [None, (0.05, 0.03)])
+def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, kv_scales):
+    """RoPE rounded op by op as torch rounds; an INT8 cache (kv_scales): K and V quantized as the reference does
+    (K within one step, where the rotation's rounding differs)."""
     from backend.model.checkpoint import ModelConfig
     from backend.model.rope import cos_sin as rope_cos_sin
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
@@ -121,18 +139,24 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     slots = torch.randperm(6 * 16)[:len(positions)].int()
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(len(positions), q_size + 2 * kv_size).to(dtype)     # q, k, v: views of one row, as in the model
-    caches = [torch.zeros(num_kv_heads, 6, 16, head_dim, dtype=dtype) for _ in range(4)]
+    cache_dtype = dtype if kv_scales is None else torch.int8
+    caches = [torch.zeros(num_kv_heads, 6, 16, head_dim, dtype=cache_dtype) for _ in range(4)]
 
     def views(t):
         q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
         return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
                 v.reshape(-1, num_kv_heads, head_dim))
-    want_q = reference.rotary_and_cache(*views(qkv.clone()), positions, cos_sin, caches[0], caches[1], slots)
-    got_q = cpu_ops.rotary_and_cache(*views(qkv), positions, cos_sin, caches[2], caches[3], slots)
+    want_q = reference.rotary_and_cache(*views(qkv.clone()), positions, cos_sin, caches[0], caches[1], slots,
+                                        kv_scales=kv_scales)
+    got_q = cpu_ops.rotary_and_cache(*views(qkv), positions, cos_sin, caches[2], caches[3], slots,
+                                     kv_scales=kv_scales)
     tol = ELEMENTWISE_TOL[dtype]
     torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
-    torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
-    assert torch.equal(caches[3], caches[1])                              # v is copied as it is
+    if kv_scales is None:
+        torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
+    else:
+        assert (caches[2].int() - caches[0].int()).abs().max() <= 1 and caches[2].any()
+    assert torch.equal(caches[3], caches[1])                              # v is copied (or quantized) as it is
 
 
 MANY_SEGMENTS = [(1 + i % 3, [0, 1, 2, -1, 3][i % 5]) for i in range(23)]     # (tokens, slot), -1: base only

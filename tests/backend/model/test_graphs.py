@@ -68,15 +68,16 @@ def test_a_step_replays_the_graph_of_its_rows_and_its_longest_context(tiny_model
 
 
 @INTERPRETER_MARK
-def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, monkeypatch, kv_cache_dtype):
     """Every decode step padded to its bucket (padding rows write no cache slot and read no context), with the
     attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps, their
     greedy tokens taken in the graph (the sampler takes no argmax of its own). A step of the same sequences as the one
-    before leaves the LoRA buffers as they are."""
+    before leaves the LoRA buffers as they are. An INT8 cache's scales go into the graph's launches alike."""
     from backend.core import sampler
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
-    want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu"), prompts)
-    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu")
+    want = run(make_engine(tiny_model_dir, tiny_adapters, "cpu", kv_cache_dtype=kv_cache_dtype), prompts)
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cpu", kv_cache_dtype=kv_cache_dtype)
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, engine.lora_cache.slots, 6, runner.block_size,
                                  runner.device, capture=False)
@@ -129,10 +130,12 @@ def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_a
 
 
 @needs_cuda
-def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, kv_cache_dtype):
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
-    want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False), prompts)
-    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False)
+    want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False,
+                           kv_cache_dtype=kv_cache_dtype), prompts)
+    engine = make_engine(tiny_model_dir, tiny_adapters, "cuda", lora_fold=False, kv_cache_dtype=kv_cache_dtype)
     assert not engine.runner.kernel_fallbacks and engine.runner.ops.lora.overlap     # LoRA beside the GEMMs
     graphs = engine.runner.graphs              # each bucket and context class, with and without adapters
     assert len(graphs.graphs) == 2 * len(bucket_sizes(6)) * len(graphs.contexts)

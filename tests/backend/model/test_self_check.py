@@ -45,8 +45,9 @@ class LoraRaisesAtLaunch(TritonLoraExecutor):
         raises_at_launch()
 
 
-def rotary_without_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-    return FAULTS_ORIGINAL(q, k, v, positions, cos_sin, k_cache.clone(), v_cache.clone(), slot_mapping)
+def rotary_without_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *args, **kwargs):
+    return FAULTS_ORIGINAL(q, k, v, positions, cos_sin, k_cache.clone(), v_cache.clone(), slot_mapping, *args,
+                           **kwargs)
 
 
 FAULTS_ORIGINAL = triton_ops.rotary_and_cache
