@@ -47,7 +47,7 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
                              kernel_backend=args.kernel_backend, tensor_parallel_size=args.tensor_parallel_size,
-                             weight_dtype=args.weight_dtype)
+                             weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
         freeze_heap()                                    # as a server's engine loop does
         res = run_engine(engine, requests, name)
         if sweep and name in ("W1", "W2"):
@@ -107,6 +107,8 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8"),
                         help="the engine's weight_dtype (int8: weight-only, quantized at load)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+                        help="the engine's kv_cache_dtype (int8: scales calibrated at start)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
                              "even ones the baselines first, then ours in reverse order); report each one's median "

@@ -6,7 +6,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
 
     attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens), and the same beside a prompt
                chunk of 37 tokens after 20 cached ones, over the configured page size, GQA group and head dim, at
-               every split count (on a GPU: every variant eager steps compile, warmed before the first request)
+               every split count (on a GPU: every variant eager steps compile, warmed before the first request);
+               with kv_cache_dtype int8, over an INT8 cache too
     lora:      every projection of layer 0 with three adapters (max_lora_rank, a quarter of it with DoRA
                magnitudes, and a half of it with a fused qkv module: its A once), on every module, and base rows,
                for 8 tokens (a decode step) and 100 (a prompt chunk), each split-K as planned
@@ -15,7 +16,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
                each GEMM
     lora_fold: the same through its linear_deferred, its delta added as the op after the GEMM adds it; where it
                fails, graphs merge each product after its GEMM
-    fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too)
+    fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too; with kv_cache_dtype
+               int8, into an INT8 cache as well, as attention reads one then)
     moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
                and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
                experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
@@ -35,7 +37,7 @@ from backend.model.checkpoint import ModelConfig
 from kernels import reference
 from kernels.dispatch import KernelBackend
 from kernels.metadata import AttentionMetadata, ExpertLora
-from kernels.quant import Int8Weight, quantize_int8
+from kernels.quant import KV_INT8_MAX, Int8Weight, quantize_int8, quantize_kv
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_executor",), "lora_overlap": (), "lora_fold": (),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora"),
@@ -68,9 +70,11 @@ def compare(family: str, what: str, run, dtype: torch.dtype) -> Check:
     return Check(family, what)
 
 
-def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[Check]:
+def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int,
+                     kv_cache_dtype: str = "auto") -> list[Check]:
     """A decode step and a step with a prompt chunk (the two tile shapes), each at every split count a step can
-    choose: on a GPU this also compiles every variant eager steps will use, before the first request."""
+    choose (kv_cache_dtype int8: over an INT8 cache too): on a GPU this also compiles every variant eager steps will
+    use, before the first request."""
     g = torch.Generator().manual_seed(0)
     cases = {"decode": ([1, 3 * block_size + block_size // 2, 70], [1, 1, 1]),
              "prompt chunk": ([1, 3 * block_size + block_size // 2, 70, 57], [1, 1, 1, 37])}
@@ -79,13 +83,20 @@ def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> l
         q, k_cache, v_cache, meta = attention_inputs(cfg, dtype, device, block_size, seq_lens, query_lens, g)
         scale = cfg.head_dim ** -0.5
         cap = cfg.attn_logit_softcap
-        want = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, softcap=cap)
-        what = (f"{case}: contexts {seq_lens}, queries {query_lens}, page {block_size}, {cfg.num_heads} heads on "
-                f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}" + (f", softcap {cap}" if cap else ""))
-        for splits in (None,) + SPLITS:
-            run = lambda: [(ops.paged_attention(q, k_cache, v_cache, meta, scale, softcap=cap, num_splits=splits),  # noqa
-                            want)]
-            checks.append(compare("attention", what + (f", {splits} splits" if splits else ""), run, dtype))
+        caches = {"": (k_cache, v_cache, None)}
+        if kv_cache_dtype == "int8":
+            scales = tuple(c.float().abs().max().item() / KV_INT8_MAX for c in (k_cache, v_cache))
+            caches[", int8 cache"] = (quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1]), scales)
+        for tag, (k, v, kv_scales) in caches.items():
+            want = reference.paged_attention(q.float(), k if kv_scales else k.float(), v if kv_scales else v.float(),
+                                             meta, scale, softcap=cap, kv_scales=kv_scales)
+            what = (f"{case}: contexts {seq_lens}, queries {query_lens}, page {block_size}, {cfg.num_heads} heads "
+                    f"on {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, {dtype}"
+                    + (f", softcap {cap}" if cap else "") + tag)
+            for splits in (None,) + SPLITS:
+                run = lambda: [(ops.paged_attention(q, k, v, meta, scale, softcap=cap, num_splits=splits,  # noqa
+                                                    kv_scales=kv_scales), want)]
+                checks.append(compare("attention", what + (f", {splits} splits" if splits else ""), run, dtype))
     return checks
 
 
@@ -188,7 +199,7 @@ def float_projection(slots: DeviceSlots, proj: str):
     return p
 
 
-def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[Check]:
+def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int, kv_cache_dtype: str = "auto") -> list[Check]:
     g = torch.Generator().manual_seed(2)
     n, hidden, inter, d = 13, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)      # noqa: E731
@@ -199,25 +210,37 @@ def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int) -> list[
         want, want_sum = reference.add_rms_norm(x.float(), residual.float(), weight.float(), cfg.rms_norm_eps)
         return [(got, want), (got_sum, want_sum)]
 
-    def rotary():
+    def rotary(kv_scales=None):
+        """kv_scales: into an INT8 cache, compared with the reference's quantization of the kernel's own rounding
+        of K and V, a step of it weighing half the tolerance (a rounding tie may go either way)."""
         q, k, v = rand(n, cfg.num_heads, d), rand(n, cfg.num_kv_heads, d), rand(n, cfg.num_kv_heads, d)
         positions = torch.randint(0, 4096, (n,), generator=g, dtype=torch.int32).to(device)
         cos_sin = torch.randn(4096, d, generator=g).to(device)
         slot_mapping = torch.randperm(2 * block_size, generator=g)[:n].to(device, torch.int32)
         slot_mapping[0] = -1                                      # a graph's padding row: the kernel writes nothing
         shape = (cfg.num_kv_heads, 2, block_size, d)
-        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
-        want_caches = [torch.zeros(shape, device=device) for _ in range(2)]
-        got = ops.rotary_and_cache(q, k, v, positions, cos_sin, *caches, slot_mapping)
-        want = reference.rotary_and_cache(q[1:].float(), k[1:].float(), v[1:].float(), positions[1:], cos_sin,
-                                          *want_caches, slot_mapping[1:])
-        return [(got[1:], want), (caches[0], want_caches[0]), (caches[1], want_caches[1])]
+        caches = [torch.zeros(shape, dtype=dtype if kv_scales is None else torch.int8, device=device)
+                  for _ in range(2)]
+        want_caches = [torch.zeros(shape, device=device, dtype=caches[0].dtype if kv_scales else torch.float32)
+                       for _ in range(2)]
+        got = ops.rotary_and_cache(q, k, v, positions, cos_sin, *caches, slot_mapping, kv_scales=kv_scales)
+        want_q, want_k = reference.rotary(q[1:].float(), k[1:].float(), positions[1:], cos_sin)
+        if kv_scales is None:
+            reference.write_kv_cache(want_k, v[1:].float(), *want_caches, slot_mapping[1:])
+            return [(got[1:], want_q), (caches[0], want_caches[0]), (caches[1], want_caches[1])]
+        reference.write_kv_cache(want_k.to(dtype), v[1:], *want_caches, slot_mapping[1:], kv_scales)
+        step = TOLERANCE[dtype] / 2
+        return [(got[1:], want_q)] + [(c.float() * step, w.float() * step) for c, w in zip(caches, want_caches)]
 
     tag = f"{n} tokens, hidden {hidden}, intermediate {inter}, {dtype}"
-    return [compare("fused", f"add_rms_norm {tag}", norm, dtype),
-            compare("fused", f"silu_and_mul {tag}", lambda: [(ops.silu_and_mul(gate_up),
-                                                              reference.silu_and_mul(gate_up.float()))], dtype),
-            compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
+    checks = [compare("fused", f"add_rms_norm {tag}", norm, dtype),
+              compare("fused", f"silu_and_mul {tag}", lambda: [(ops.silu_and_mul(gate_up),
+                                                                reference.silu_and_mul(gate_up.float()))], dtype),
+              compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
+    if kv_cache_dtype == "int8":
+        checks.append(compare("fused", f"rotary_and_cache {tag}, head dim {d}, int8 cache",
+                              lambda: rotary((0.05, 0.03)), dtype))
+    return checks
 
 
 def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) -> list[Check]:
@@ -279,12 +302,12 @@ def gemm_checks(ops, cfg: ModelConfig, dtype, device) -> list[Check]:
 
 
 def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int,
-                  max_rank: int, weight_dtype: str = "auto") -> list[Check]:
+                  max_rank: int, weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> list[Check]:
     """Every op family of the Triton kernels once, at the served shapes (cfg: this rank's share)."""
     with torch.inference_mode():
-        return (attention_checks(ops, cfg, dtype, device, block_size) +
+        return (attention_checks(ops, cfg, dtype, device, block_size, kv_cache_dtype) +
                 lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
-                fused_checks(ops, cfg, dtype, device, block_size) +
+                fused_checks(ops, cfg, dtype, device, block_size, kv_cache_dtype) +
                 moe_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
                 (gemm_checks(ops, cfg, dtype, device) if weight_dtype == "int8" else []))
 
@@ -303,7 +326,8 @@ def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
     now on (strict: refuses to start). Returns the families that fell back, with why."""
     with on(runner.device):
         checks = check_kernels(runner.ops, runner.shard_config, runner.dtype, runner.lora_dtype, runner.device,
-                               runner.block_size, config.lora.max_lora_rank, config.weight_dtype)
+                               runner.block_size, config.lora.max_lora_rank, config.weight_dtype,
+                               config.kv_cache_dtype)
     fallbacks: dict[str, str] = {}
     for check in checks:
         if check.error is None:

@@ -12,7 +12,7 @@ from backend.model.checkpoint import ModelConfig
 from backend.model.graph_check import check_graphs, check_piecewise_graphs
 from backend.model.graphs import DecodeGraphs
 from backend.model.piecewise import PiecewiseGraphs
-from backend.model.self_check import check_kernels
+from backend.model.self_check import SPLITS, check_kernels
 from backend.serving.metrics import gauges
 from kernels.dispatch import load_ops
 from kernels.lora import executor
@@ -65,6 +65,22 @@ def test_the_kernels_pass_at_the_served_shapes(model, tiny_model_dir, smollm2_di
     assert {c.family for c in checks} == {"attention", "lora", "lora_overlap", "lora_fold", "fused"}
     assert len(checks) >= 10
     assert [(c.what, c.error) for c in checks if c.error] == []
+
+
+def test_an_int8_cache_is_checked_too_and_a_kernel_that_ignores_its_scales_fails(tiny_model_dir, monkeypatch):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64,
+                           kv_cache_dtype="int8")
+    int8 = [c for c in checks if "int8 cache" in c.what]
+    assert {c.family for c in int8} == {"attention", "fused"} and len(int8) == 2 * (1 + len(SPLITS)) + 1
+    assert [(c.what, c.error) for c in checks if c.error] == []
+    attention = triton_ops.paged_attention
+    monkeypatch.setattr(triton_ops, "paged_attention",
+                        lambda *args, kv_scales=None, **kwargs: attention(*args, **kwargs, kv_scales=kv_scales and
+                                                                         (kv_scales[0], 2 * kv_scales[1])))
+    failed = [c for c in check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"),
+                                       16, 64, kv_cache_dtype="int8") if c.error]
+    assert failed and all("int8 cache" in c.what and c.family == "attention" for c in failed)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
