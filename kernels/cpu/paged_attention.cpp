@@ -1,6 +1,6 @@
 // Attention over the paged KV cache, read in place. A decode row runs alone: the GQA group of a KV head goes
 // together, so each page of K and V is read once per group, its scores, softmax and sums of V on one thread, rows
-// read 8 floats at a time (bf16 and fp16 caches converted on load), K dots 8 positions at once so the sums do not
+// read 8 floats at a time (bf16, fp16 and int8 caches converted on load), K dots 8 positions at once so the sums do not
 // wait on each other. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim (row or tile,
 // KV head) items, shares of equal cost first (claims.h); nothing at or past a row's position is read.
 #include <omp.h>
