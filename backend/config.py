@@ -103,9 +103,6 @@ class EngineConfig:
                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} under tensor parallelism is not built yet "
-                             f"(tensor_parallel_size {self.tensor_parallel_size}): use kv_cache_dtype auto")
         if self.guided_decoding_backend not in ("", "xgrammar"):
             raise ValueError(f"guided_decoding_backend must be xgrammar (or empty: off), got "
                              f"{self.guided_decoding_backend!r}")

@@ -3,9 +3,10 @@ scheduler, the KV block manager, the adapter host tier and the sampler live ther
 processes it starts (backend/model/tp_worker.py) that only follow steps.
 
 Every command to the workers is one broadcast of a fixed-size int32 message (a step's packed inputs: token ids,
-positions, cache slots, attention tables and LoRA slots; or an adapter load, a KV block copy, the KV cache's size,
-stop). An adapter's shares follow its load message point to point, each worker receiving only its own. Inside the
-forward each rank runs its heads and MLP columns, and the row-parallel projections (o, down) end in one all-reduce.
+positions, cache slots, attention tables and LoRA slots; or an adapter load, a KV block copy, the KV cache's size
+(and an INT8 one's scales), a calibration's reduction, stop). An adapter's shares follow its load message point to
+point, each worker receiving only its own. Inside the forward each rank runs its heads and MLP columns, and the
+row-parallel projections (o, down) end in one all-reduce.
 Decode steps replay each rank's CUDA graph of the step's bucket (the all-reduces recorded in them), captured on
 every rank in the same order at start.
 A collective that fails (a worker gone) or outlasts `timeout_s` (one hung) raises TensorParallelError: the engine
@@ -24,9 +25,10 @@ from backend.core.request import FatalEngineError
 from backend.processes import python_executable
 
 ROOT = Path(__file__).resolve().parents[2]
-STEP, INIT, LOAD, COPY_KV, STOP, GRAPHS = range(6)
+STEP, INIT, LOAD, COPY_KV, STOP, GRAPHS, KV_AMAX = range(7)
 NAMES = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens", "block_tables", "logits_indices",
-         "context_indices", "token_slots", "layout", "pairs", "num_blocks", "slot", "bucket", "capture")
+         "context_indices", "token_slots", "layout", "pairs", "num_blocks", "slot", "bucket", "capture", "kv_scales",
+         "num_tokens")
 HEADER = 2 + 4 * len(NAMES)                  # command, entries; then (name, ndim, dim0, dim1) per entry
 
 
@@ -36,9 +38,9 @@ class TensorParallelError(FatalEngineError):
 
 def message_capacity(max_tokens: int, max_seqs: int, max_blocks: int, num_layers: int) -> int:
     """Ints in a message: a step's tensors at their largest, or an adapter layout (7 ints for each of up to 13 modules
-    a layer: 8 dense, 5 of a mixture), or KV pairs."""
+    a layer: 8 dense, 5 of a mixture), or KV pairs, or an INT8 cache's scales (2 a layer)."""
     step = 5 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks
-    return HEADER + max(step, 7 * 13 * num_layers, 2 * max_seqs + 2)
+    return HEADER + max(step, 7 * 13 * num_layers, 2 * max_seqs + 2, 2 * num_layers + 1)
 
 
 def pack(command: int, tensors: dict[str, torch.Tensor], capacity: int) -> torch.Tensor:
@@ -119,6 +121,14 @@ class TensorParallelGroup:
     def start_graphs(self, capture: bool) -> None:
         """The workers build their decode graphs now, as rank 0 does (captures run collectives: in step)."""
         self.send(GRAPHS, {"capture": torch.tensor([int(capture)], dtype=torch.int32)})
+
+    def kv_amax(self, num_tokens: int, amax: torch.Tensor) -> None:
+        """amax [num_layers, 2] (rank 0's largest |K|, |V| over a calibration prefill of num_tokens) becomes, in
+        place, the largest over every rank's KV heads (each worker reduces its own: tp_worker)."""
+        self.send(KV_AMAX, {"num_tokens": torch.tensor([num_tokens], dtype=torch.int32)})
+        reduced = amax.to(self.message_device)
+        self._checked(dist.all_reduce, reduced, op=dist.ReduceOp.MAX)
+        amax.copy_(reduced.cpu())
 
     def copy_kv(self, pairs: list[tuple[int, int]]) -> None:
         self.send(COPY_KV, {"pairs": torch.tensor(pairs, dtype=torch.int32).view(-1, 2)})

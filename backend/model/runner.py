@@ -15,7 +15,7 @@ from backend.device import StepStaging, empty_kv_caches, on, pin, resolve_device
 from backend.lora.cache import LoraCache
 from backend.model import rope
 from backend.model.batch import LaunchRows, PersistentBatch
-from backend.model.calibration import calibration_ids
+from backend.model.calibration import calibration_ids, kv_amax
 from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graph_check import capture_checked
@@ -99,18 +99,21 @@ class ModelRunner:
 
     def _set_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None) -> None:
         """This rank's KV cache (its KV heads) of num_blocks blocks (in kv_cache_dtype unless `dtype`), and the
-        workers' theirs."""
-        cfg = self.shard_config
+        workers' theirs (an INT8 one with the model's scales)."""
+        cfg, dtype = self.shard_config, dtype or self.kv_cache_dtype
         shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         self.kv_caches = []                                       # (the old cache freed before the new one)
-        self.kv_caches = empty_kv_caches(cfg.num_layers, shape, dtype or self.kv_cache_dtype, self.device)
+        self.kv_caches = empty_kv_caches(cfg.num_layers, shape, dtype, self.device)
         if self.tp is not None:
-            self.tp.send(INIT, {"num_blocks": torch.tensor([num_blocks], dtype=torch.int32)})
+            init = {"num_blocks": torch.tensor([num_blocks], dtype=torch.int32)}
+            if dtype == torch.int8:                               # (their bits: the messages carry int32)
+                init["kv_scales"] = torch.tensor(self.model.kv_scales, dtype=torch.float32).view(torch.int32)
+            self.tp.send(INIT, init)
 
     def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
         """Each layer's INT8 KV cache scales (TensorRT-LLM's kv_cache_scaling_factor, one for K and one for V): the
         largest magnitude / 127 each reaches over a prefill of the calibration text (backend/model/calibration.py)
-        written into a cache in dtype. Values past it later are clamped to +-127."""
+        written into a cache in dtype, over every rank's KV heads. Values past it later are clamped to +-127."""
         ids = calibration_ids(self.config.model_dir, self.model_config.vocab_size,
                               self.model_config.max_position_embeddings)
         seq = Sequence(-1, ids, SamplingParams(max_new_tokens=1))
@@ -119,13 +122,11 @@ class ModelRunner:
         with on(self.device), torch.inference_mode():
             self.run(Batch([ScheduledSeq(seq, len(ids))]))
         self.persistent.drop()
-
-        def scale(cache: torch.Tensor) -> float:
-            written = cache.flatten(1, 2)[:, :len(ids)]                  # [kv_heads, tokens, head_dim]
-            return max(written.float().abs().max().item(), 1e-6) / KV_INT8_MAX
-        scales = [(scale(k), scale(v)) for k, v in self.kv_caches]
-        self._set_kv_cache(0)
-        return scales
+        amax = kv_amax(self.kv_caches, len(ids))                  # [num_layers, 2]
+        if self.tp is not None:
+            self.tp.kv_amax(len(ids), amax)
+        self._set_kv_cache(0, self.dtype)
+        return [(max(k, 1e-6) / KV_INT8_MAX, max(v, 1e-6) / KV_INT8_MAX) for k, v in amax.tolist()]
 
     def _activation_peak_bytes(self) -> int:
         """Peak memory of a warm-up forward over max_num_batched_tokens prompt tokens (on a cache just big enough)."""

@@ -15,12 +15,13 @@ from backend.device import StepStaging, empty_kv_caches
 from backend.heap import freeze_heap
 from backend.lora.format import LoraAdapter, packed_views
 from backend.lora.slots import DeviceSlots
+from backend.model.calibration import kv_amax
 from backend.model.checkpoint import ModelConfig
 from backend.model.context import StepInputs
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
 from backend.model.loader import load_weights
-from backend.model.parallel import COPY_KV, GRAPHS, INIT, LOAD, STEP, STOP, unpack
+from backend.model.parallel import COPY_KV, GRAPHS, INIT, KV_AMAX, LOAD, STEP, STOP, unpack
 from backend.model.self_check import apply_fallbacks
 from backend.processes import die_with_parent
 from kernels.dispatch import load_ops
@@ -68,8 +69,11 @@ class Worker:
             if command == STOP:
                 return
             if command == INIT:
-                self.allocate(int(t["num_blocks"]))
+                self.allocate(int(t["num_blocks"]), t.get("kv_scales"))
                 freeze_heap()                                  # the start-up, out of the collector's passes
+            elif command == KV_AMAX:
+                amax = kv_amax(self.kv_caches, int(t["num_tokens"])).to(self.message_device)
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
             elif command == STEP:
                 self.step(t)
             elif command == GRAPHS:
@@ -81,12 +85,16 @@ class Worker:
             elif command == COPY_KV:
                 self.copy_kv(t["pairs"].to(self.device))
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, kv_scales: torch.Tensor | None = None) -> None:
+        """The KV cache in dtype, or (kv_scales: [num_layers, 2] fp32 bits as int32) in int8 with those scales."""
         shape = (self.cfg.num_kv_heads, num_blocks, self.args.block_size, self.cfg.head_dim)
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, self.dtype, self.device)
+        self.model.kv_scales = None if kv_scales is None else [tuple(pair) for pair in
+                                                               kv_scales.view(torch.float32).tolist()]
+        self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, self.dtype if kv_scales is None else torch.int8,
+                                         self.device)
 
     @torch.inference_mode()
     def step(self, t: dict[str, torch.Tensor]) -> None:

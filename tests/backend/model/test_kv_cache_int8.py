@@ -79,10 +79,25 @@ def test_an_int8_cache_holds_four_times_an_fp32_caches_blocks(tiny_model_dir):
     assert blocks["int8"] == 4 * blocks["auto"] > 0
 
 
-def test_unbuilt_kv_cache_dtypes_and_int8_under_tensor_parallelism_are_refused_by_name(tiny_model_dir):
+def test_unbuilt_kv_cache_dtypes_are_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype fp8 is not built yet; built: auto, int8"):
         EngineConfig(str(tiny_model_dir), kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(str(tiny_model_dir), kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 under tensor parallelism"):
-        EngineConfig(str(tiny_model_dir), kv_cache_dtype="int8", tensor_parallel_size=2)
+
+
+def test_two_ranks_calibrate_one_ranks_scales_and_answer_its_tokens(tiny_model_dir):
+    """Under tensor parallelism each rank writes its KV heads: the calibration's largest magnitudes are reduced over
+    the ranks, so every rank holds one rank's scales (to the rounding of the ranks' sums), and the tokens are one
+    rank's."""
+    prompts = random_prompts([5, 21, 9, 33], 512, seed=7)
+    one = engine_with(tiny_model_dir, "torch")
+    want = one.generate(prompts, max_new_tokens=MAX_NEW)
+    two = LLMEngine(tiny_model_dir, dtype="float32", kv_cache_dtype="int8", kernel_backend="torch",
+                    kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=24, tensor_parallel_size=2)
+    try:
+        torch.testing.assert_close(torch.tensor(two.runner.model.kv_scales), torch.tensor(one.runner.model.kv_scales),
+                                   rtol=1e-5, atol=0)                 # (the ranks' sums round differently)
+        assert two.generate(prompts, max_new_tokens=MAX_NEW) == want
+    finally:
+        two.close()
