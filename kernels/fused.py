@@ -150,10 +150,12 @@ def silu_config() -> dict:
 ROTARY_VALUES = 1024                # a rotary program's share of a token's heads: BLOCK_H x BLOCK_HALF values
 
 
-def rotary_config(head_dim: int, num_heads: int) -> dict:
-    """num_heads: query and key heads together."""
+def rotary_config(head_dim: int, num_heads: int, int8_cache: bool = False) -> dict:
+    """num_heads: query and key heads together; int8_cache: half the values a program (the quantization's registers
+    beside a LoRA delta's spilled 16 bytes on sm_80 at 1024)."""
     block_half = triton.next_power_of_2(head_dim // 2)
-    block_h = min(triton.next_power_of_2(num_heads), max(ROTARY_VALUES // block_half, 1))
+    values = ROTARY_VALUES // 2 if int8_cache else ROTARY_VALUES
+    block_h = min(triton.next_power_of_2(num_heads), max(values // block_half, 1))
     return {"HALF": head_dim // 2, "BLOCK_HALF": block_half, "BLOCK_H": block_h}
 
 
@@ -226,7 +228,7 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     assert k_cache.dtype == v_cache.dtype == (k.dtype if kv_scales is None else torch.int8)
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    cfg = rotary_config(head_dim, num_heads + num_kv_heads)
+    cfg = rotary_config(head_dim, num_heads + num_kv_heads, kv_scales is not None)
     if num_tokens:
         qkv_shape = torch.Size([num_tokens, (num_heads + 2 * num_kv_heads) * head_dim])
         d, m, slots, stride_dt, stride_ms = delta_args(qkv_shape, delta, q)

@@ -89,7 +89,7 @@ def configurations():
                         stride_vt=width, stride_vh=head_dim, stride_ot=32 * head_dim, stride_oh=head_dim,
                         stride_ch=16000 * head_dim, stride_cs=head_dim, stride_cos=head_dim, stride_dt=width,
                         stride_ms=width, inv_k=8.0, inv_v=8.0),
-                   rotary_config(head_dim, 32 + 8) | {"HAS_DELTA": lora, "QUANT": int8_cache})
+                   rotary_config(head_dim, 32 + 8, int8_cache) | {"HAS_DELTA": lora, "QUANT": int8_cache})
         yield from attention_configurations(dtype, head_dim, 16, 4)
         yield from attention_configurations(dtype, head_dim, 16, 4, int8_cache=True)
         yield (f"attention_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_reduce_kernel",
