@@ -6,7 +6,13 @@ does not decide the figure), beside the same figure for the `auto` engine readin
 a prompt's rows and a decode step's round differently in bf16).
 
     python -m bench.kv_agreement                     # the default model, dtype auto (bf16 where the CPU has it)
+    python -m bench.kv_agreement --speed-context 4096   # and one sequence's decode tok/s after a 4096-token prompt
+
+--speed-context N: one sequence decodes 128 tokens after a prompt of N tokens (the text repeated), with each cache;
+tok/s of the decode steps alone, the best of three runs: what reading half the cache's bytes a step gives on this
+machine.
 """
+import time
 import argparse
 import platform
 from pathlib import Path
@@ -39,12 +45,25 @@ def scored(engine, prompts: list[list[int]], continuations: list[list[int]]) -> 
     return [result[i][len(p):] for i, p in zip(ids, prompts)]
 
 
+def decode_tok_s(engine, prompt: list[int], num_tokens: int = 128) -> float:
+    """One sequence's decode tok/s after its prompt (the first token, with the prefill, not counted)."""
+    engine.add_request(prompt, max_new_tokens=num_tokens, ignore_end_id=True)
+    first, count = None, 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            count += len(out.new_token_ids)
+            first = first or time.perf_counter()
+    return (count - 1) / (time.perf_counter() - first)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="prompt tokens, and tokens generated")
+    parser.add_argument("--speed-context", type=int, default=0, metavar="N",
+                        help="also one sequence's decode tok/s after an N-token prompt, each cache")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -67,6 +86,11 @@ def main() -> None:
           f"mean |difference| {sum(abs(d) for d in diffs) / len(diffs):.4f} over {len(diffs)} tokens (auto as a "
           f"prompt: mean {sum(floor) / len(floor):+.4f}, mean |difference| "
           f"{sum(abs(d) for d in floor) / len(floor):.4f})")
+    if args.speed_context:
+        long_prompt = (ids * (args.speed_context // len(ids) + 1))[:args.speed_context]
+        speeds = {d: max(decode_tok_s(engines[d], long_prompt) for _ in range(3)) for d in ("auto", "int8")}
+        print(f"decode after a {args.speed_context}-token prompt, one sequence: " +
+              ", ".join(f"kv_cache_dtype {d} {v:.1f} tok/s" for d, v in speeds.items()))
     for engine in engines.values():
         engine.close()
 
