@@ -28,9 +28,10 @@ UNWRITTEN = (None, None, 0)                           # BlockTables.written of a
 class BlockTables:
     """The batch's block tables as one int32 array kept from step to step, a row per sequence of the last step: a
     row is written again only where its sequence changed or its table grew (tables grow by appends, or are replaced
-    whole: backend/core/kv_cache.py), so a steady decode step writes the blocks its sequences crossed into, not 256 a
-    sequence at 4k tokens of context. allocate(rows, width): a zeroed int32 array of at least that shape (the kept
-    batch lays it out in its buffer)."""
+    whole: backend/core/kv_cache.py), so a decode step writes the blocks its sequences crossed into, not 256 a
+    sequence at 4k tokens of context; rows that change places take what was written with them (`move`).
+    allocate(rows, width): a zeroed int32 array of at least that shape (the persistent batch lays it out in its
+    buffer)."""
 
     def __init__(self, allocate: Callable[[int, int], np.ndarray] | None = None):
         self.allocate = allocate or (lambda rows, width: np.zeros((rows, width), dtype=np.int32))
