@@ -57,7 +57,8 @@ def padded_inputs(inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
     """A decode step's host tensors padded to `bucket` rows (padding rows: token 0 at position 0, cache slot -1 so
     nothing is written, an empty context so nothing is read): ROW_INPUTS as the rows of "row_inputs" [4, bucket] and
     its block tables. Every row is one query token: query_starts is the graphs' fixed arange. (A decoding step's
-    persistent buffer holds them padded already: PersistentBatch.) Written through numpy: fewer host calls than a torch op a tensor."""
+    persistent buffer holds them padded already: PersistentBatch.) Written through numpy: fewer host calls than a
+    torch op a tensor."""
     t, num_seqs = inputs.tensors, len(inputs.seq_lens)
     rows = np.empty((len(ROW_INPUTS), bucket), dtype=np.int32)
     rows[:] = PADDING[:, None]
