@@ -111,7 +111,8 @@ class StageClock:
             for owner, name, stage in ((LLMEngine, "_launch", "engine_launch"), (ModelRunner, "_launch", "runner_launch"),
                                        (ModelRunner, "_forward", "forward_glue"), (DecodeGraphs, "run", "graph_step"),
                                        (torch.cuda.CUDAGraph, "replay", "replay"), (StepStaging, "download", "download"),
-                                       (PersistentBatch, "record", "record"), (ModelRunner, "collect", "runner_collect"),
+                                       (PersistentBatch, "record", "record"),
+                                       (ModelRunner, "collect", "runner_collect"),
                                        (LLMEngine, "_collect", "engine_collect")):
                 self.wrap(owner, name, stage)
         try:
@@ -221,12 +222,12 @@ def host_profile(num_steps: int = 40, num_rounds: int = 5, cases=CASES, kernel_b
 
 
 def print_profile(result: dict, machine: str) -> None:
+    steps = ("the steps while a sequence ends every other step" if result.get("churn")
+             else f"{result['num_steps']} steps")
     print(f"host ms per decode step by stage ({machine}; tiny model on {result['device']}, kernels "
           f"{result['kernel_backend']}, forward {result.get('forward', 'real')}"
           f"{', %d MB read in each' % result['evict_mb'] if result.get('evict_mb') else ''}, "
-          f"medians of {result['num_rounds']} rounds of "
-          f"{'the steps while a sequence ends every other step' if result.get('churn') else '%d steps' % result['num_steps']}"
-          f"; model and sampling math excluded)")
+          f"medians of {result['num_rounds']} rounds of {steps}; model and sampling math excluded)")
     detail = tuple(s for s in DETAIL_STAGES if any(s in case for case in result["cases"]))
     head = ("seqs", "context") + HOST_STAGES + detail + ("host_ms", "model", "sampling", "cpu_team", "wait", "step_ms")
     print(" ".join(f"{h:>{max(7, len(h))}}" for h in head))
