@@ -200,11 +200,8 @@ class PersistentBatch:
         stay = [row for row, seq in enumerate(self.seqs)
                 if seq in item_of and row < len(written) and written[row][1] is seq.block_table
                 and lens[row] == seq.num_computed_tokens]
-        if len(stay) < len(self.seqs):
-            staying = {self.seqs[row] for row in stay}
-            new = [item.seq for item in batch.items if item.seq not in staying]
-        else:
-            new = [item.seq for item in batch.items if item.seq not in self.row_of] if len(stay) < len(item_of) else []
+        staying = {self.seqs[row] for row in stay}
+        new = [item.seq for item in batch.items if item.seq not in staying]
         if len(stay) < len(self.seqs) or new:
             seqs = self.seqs
             columns = [[seqs[row] for row in stay], [self.slots[row] for row in stay],
@@ -247,9 +244,7 @@ class PersistentBatch:
     def _move(self, sources: list[int]) -> None:
         """The rows in their new places: row i is the old row sources[i] (-1: added); padding rows past them."""
         n, old = len(sources), self.state[:, :len(self.seqs)].copy()
-        if n > self.capacity:
-            self.tables.make_room(n, self.tables.width)
-        self.tables.move(sources)
+        self.tables.move(sources)                              # (laying out a bigger buffer where n needs one)
         self.added = [row for row, source in enumerate(sources) if source < 0]
         state = self.state
         taken = [row for row, source in enumerate(sources) if source >= 0]
