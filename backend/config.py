@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
-WEIGHT_DTYPES = ("auto", "int8")           # int8: weight-only, quantized at load (kernels/quant.py)
-UNBUILT_WEIGHT_DTYPES = ("fp8", "int4")
+WEIGHT_DTYPES = ("auto", "int8", "int4")   # int8, int4: weight-only, quantized at load (kernels/quant.py)
+UNBUILT_WEIGHT_DTYPES = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "int8")         # int8: against scales calibrated at start (backend/model/calibration.py)
 UNBUILT_KV_CACHE_DTYPES = ("fp8",)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -47,7 +47,8 @@ class EngineConfig:
     model_dir: str
     dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32
     weight_dtype: str = "auto"                # the projections' weights: as the checkpoint has them (auto), or
-                                              # int8 weight-only (one scale per output channel), quantized at load
+                                              # int8 weight-only (one scale per output channel) or int4 (a scale
+                                              # and a zero point per group of 128 inputs), quantized at load
     kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 with a scale for K and one
                                               # for V per layer (half a bf16 cache's bytes a token)
     max_num_seqs: int = 64                    # sequences in one step

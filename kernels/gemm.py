@@ -1,20 +1,25 @@
-"""The Triton path's GEMMs: torch's over full-precision weights, ours over weight-only INT8 weights
-(kernels/quant.Int8Weight): each [BLOCK_K, BLOCK_N] tile of the weight loaded as int8 (a quarter of fp32's bytes,
-half of bf16's) and converted to the activations' dtype in registers (exact: |q| <= 127), tensor-core dots
-accumulated in fp32, the output channels' scales and the bias applied once at the store."""
+"""The Triton path's GEMMs: torch's over full-precision weights, ours over weight-only INT8 and INT4 weights
+(kernels/quant.Int8Weight, Int4Weight): each [BLOCK_K, BLOCK_N] tile of the weight loaded as int8 (a quarter of
+fp32's bytes, half of bf16's) or as bytes of two 4-bit values (a quarter of bf16's), converted to the activations'
+dtype in registers (exact: |q| <= 127, |q - zero| <= 16), tensor-core dots accumulated in fp32. INT8's output
+channels' scales and the bias applied once at the store; INT4's scales a group, so to each K step's dot (a tile
+never crosses a group: BLOCK_K divides the group size)."""
 import torch
 import triton
 import triton.language as tl
 
 from kernels import reference
 from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS
-from kernels.quant import Int8Weight
+from kernels.quant import Int4Weight, Int8Weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: kernels.reference.linear; an INT8 weight by int8_linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None
+           ) -> torch.Tensor:
+    """Semantics: kernels.reference.linear; an INT8 weight by int8_linear, an INT4 one by int4_linear."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
+    if isinstance(weight, Int4Weight):
+        return int4_linear(x, weight, bias)
     return reference.linear(x, weight, bias)
 
 
@@ -74,4 +79,65 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     _int8_gemm_kernel[grid](x, weight.data, weight.scale, bias if bias is not None else weight.scale, y, num_rows,
                             n_dim, k_dim, x.stride(0), weight.data.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                             DOT_FP32=DOT_FP32, **cfg)
+    return y
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_int4_gemm_kernel"])
+def _int4_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, num_rows, n_dim, k_dim, group_size,
+                      stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """y[rows, cols] = sum over K steps of (x[rows, ks] @ (q[cols, ks] - zero[g, cols]).T) * scale[g, cols]
+    (+ bias[cols]), g = the step's group, for this program's BLOCK_M rows and BLOCK_N output columns."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < num_rows, offs_n < n_dim
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    shifts = ((offs_k % 2) * 4)[:, None]                                      # k's nibble in its byte
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        packed = tl.load(w_cols + ((k0 + offs_k) // 2).to(tl.int64)[:, None], mask=n_mask[None, :], other=0)
+        group = (k0 // group_size).to(tl.int64) * n_dim
+        zero = tl.load(zero_ptr + group + offs_n, mask=n_mask, other=0).to(tl.int32)
+        scale = tl.load(scale_ptr + group + offs_n, mask=n_mask, other=0.0)
+        w = (packed.to(tl.int32) >> shifts) & 15                              # [BLOCK_K, BLOCK_N]
+        w -= zero[None, :]
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        acc += tl.dot(x, w, input_precision="ieee") * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def int4_config(num_rows: int, itemsize: int, group_size: int) -> dict:
+    """int8_config's tiles, K steps that divide the group size (a multiple of 32: each step within one group)."""
+    cfg = int8_config(num_rows, itemsize)
+    block_k = cfg["BLOCK_K"]
+    while group_size % block_k:
+        block_k //= 2
+    return cfg | {"BLOCK_K": block_k}
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x, weight.dequantize(torch.float32), bias) in fp32 (each group's dot scaled as a
+    whole), rounded once to x's dtype. x [num_rows, in_dim]; weight.data [out_dim, in_dim / 2] uint8 ->
+    [num_rows, out_dim]."""
+    x = x.contiguous()
+    num_rows, k_dim = x.shape
+    n_dim = weight.data.shape[0]
+    y = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return y
+    cfg = int4_config(num_rows, x.element_size(), weight.group_size)
+    grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), triton.cdiv(n_dim, cfg["BLOCK_N"]))
+    _int4_gemm_kernel[grid](x, weight.data, weight.scale, weight.zero, bias if bias is not None else weight.scale,
+                            y, num_rows, n_dim, k_dim, weight.group_size, x.stride(0), weight.data.stride(0),
+                            y.stride(0), HAS_BIAS=bias is not None, DOT_FP32=DOT_FP32, **cfg)
     return y

@@ -1,8 +1,10 @@
-"""Weight-only INT8 weights, as the GEMMs read them: each output channel's values rounded to int8 against one fp32
-scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only, vLLM's W8A16 by
-channel). Activations stay in the model's dtype; each backend's linear dequantizes as it reads. And the values that
-FP8, GPTQ and AWQ checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq). And the INT8 KV
-cache's values (quantize_kv, dequantize_kv)."""
+"""Weight-only INT8 and INT4 weights, as the GEMMs read them. INT8: each output channel's values rounded to int8
+against one fp32 scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only,
+vLLM's W8A16 by channel). INT4: groups of 128 input channels (64 or 32 where the width asks) of each output channel
+on a scale and a zero point, values 0..15 (asymmetric, as GPTQ and AWQ store them and llama.cpp's Q4_1). Activations
+stay in the model's dtype; each backend's linear dequantizes as it reads. And the values that FP8, GPTQ and AWQ
+checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq). And the INT8 KV cache's values
+(quantize_kv, dequantize_kv)."""
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,13 @@ class Int8Weight:
         out_dim, in_dim = self.shape
         return Int8Weight(self.data.view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2).contiguous(), self.scale)
 
+    def to(self, device) -> "Int8Weight":
+        return Int8Weight(self.data.to(device), self.scale.to(device))
+
+    def input_slice(self, lo: int, hi: int) -> "Int8Weight":
+        """Input channels lo:hi (a row-parallel rank's share), on the scales of the whole rows."""
+        return Int8Weight(self.data[:, lo:hi].contiguous(), self.scale)
+
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Semantics: scale = |weight|.amax(dim=1) / 127 (rows of zeros: scale 1); data = round(weight / scale) in int8,
@@ -44,6 +53,107 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(data, scale)
+
+
+INT4_GROUP_SIZES = (128, 64, 32)    # input channels a group of an INT4 weight: the first of these its width takes
+
+
+def int4_group_size(in_dim: int) -> int:
+    """The group size quantize_int4 picks for in_dim input channels."""
+    for size in INT4_GROUP_SIZES:
+        if in_dim % size == 0:
+            return size
+    raise ValueError(f"{in_dim} input channels: INT4 weights group them by {', '.join(map(str, INT4_GROUP_SIZES))}")
+
+
+@dataclass
+class Int4Weight:
+    """w[n, k] = (q[n, k] - zero[k // group_size, n]) * scale[k // group_size, n], q in 0..15."""
+    data: torch.Tensor      # [out, in / 2] uint8: q[n, 2j] in data[n, j]'s low nibble, q[n, 2j + 1] in its high;
+                            # or panels [out / PANEL, in, PANEL / 2] (the compiled CPU GEMM's): at each k of a
+                            # panel, byte j holds column j in its low nibble and column j + 8 in its high
+    scale: torch.Tensor     # [in / group_size, out] fp32
+    zero: torch.Tensor      # [in / group_size, out] uint8, 0..16 (GPTQ's first format reads a stored 15 as 16)
+    group_size: int
+
+    def __post_init__(self):
+        if self.group_size % 32 or self.shape[1] % self.group_size:
+            raise ValueError(f"INT4 groups of {self.group_size} input channels over {self.shape[1]}: groups are "
+                             "multiples of 32 that divide the input channels")
+
+    @property
+    def shape(self) -> torch.Size:
+        if self.data.dim() == 3:
+            return torch.Size((self.data.shape[0] * PANEL, self.data.shape[1]))
+        return torch.Size((self.data.shape[0], self.data.shape[1] * 2))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def values(self) -> torch.Tensor:
+        """q [out, in] uint8."""
+        low, high = self.data & 15, self.data >> 4
+        if self.data.dim() == 2:
+            return torch.stack((low, high), dim=-1).reshape(self.shape)
+        return torch.cat((low, high), dim=-1).transpose(1, 2).reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in dtype, computed in fp32."""
+        zero = self.zero.T.float().repeat_interleave(self.group_size, dim=1)         # [out, in]
+        scale = self.scale.T.repeat_interleave(self.group_size, dim=1)
+        return ((self.values().float() - zero) * scale).to(dtype)
+
+    def panels(self) -> "Int4Weight":
+        """The same weight in column panels (PANEL columns, each k's 16 values in 8 bytes)."""
+        out_dim, in_dim = self.shape
+        q = self.values().view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2)          # [P, in, 16]
+        half = PANEL // 2
+        return Int4Weight((q[..., :half] | (q[..., half:] << 4)).contiguous(), self.scale, self.zero,
+                          self.group_size)
+
+    def to(self, device) -> "Int4Weight":
+        return Int4Weight(self.data.to(device), self.scale.to(device), self.zero.to(device), self.group_size)
+
+    def input_slice(self, lo: int, hi: int) -> "Int4Weight":
+        """Input channels lo:hi (a row-parallel rank's share), whole groups only."""
+        if lo % self.group_size or hi % self.group_size:
+            raise ValueError(f"input channels {lo}:{hi} cut INT4 groups of {self.group_size}")
+        g = self.group_size
+        return Int4Weight(self.data[:, lo // 2:hi // 2].contiguous(), self.scale[lo // g:hi // g].contiguous(),
+                          self.zero[lo // g:hi // g].contiguous(), g)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int | None = None) -> Int4Weight:
+    """Semantics: per group of group_size input channels of a row (default int4_group_size(in)), lo = min(w, 0),
+    hi = max(w, 0), scale = (hi - lo) / 15 (1 where that is 0), zero = round(-lo / scale), q = clamp(round(w /
+    scale) + zero, 0, 15), computed in fp32 (round-to-nearest, min-max: GPTQ's grid without its error feedback).
+    weight [out, in] -> Int4Weight."""
+    w = weight.float()
+    out_dim, in_dim = w.shape
+    group_size = group_size or int4_group_size(in_dim)
+    groups = w.view(out_dim, in_dim // group_size, group_size)
+    lo, hi = groups.amin(dim=2).clamp(max=0), groups.amax(dim=2).clamp(min=0)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))                    # [out, groups]
+    zero = torch.round(-lo / scale).clamp_(0, 15)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp_(0, 15).to(torch.uint8)
+    q = q.view(out_dim, in_dim)
+    return Int4Weight((q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scale.T.contiguous(),
+                      zero.T.to(torch.uint8).contiguous(), group_size)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+QUANTIZED_WEIGHTS = (Int8Weight, Int4Weight)
+
+
+def quantize_weight(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | QuantizedWeight:
+    """weight [out, in] as weight_dtype keeps it: int8 (quantize_int8), int4 (quantize_int4), or as it is (auto)."""
+    if weight_dtype == "int8":
+        return quantize_int8(weight)
+    if weight_dtype == "int4":
+        return quantize_int4(weight)
+    return weight
 
 
 KV_INT8_MAX = 127

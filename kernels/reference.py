@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kernels.lora.executor import LoraExecutor as lora_executor  # noqa: F401 (an op)
 from kernels.lora.reference import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (LoRA's oracle)
 from kernels.metadata import AttentionMetadata, ExpertLora
-from kernels.quant import Int8Weight, dequantize_kv, quantize_kv
+from kernels.quant import QUANTIZED_WEIGHTS, QuantizedWeight, dequantize_kv, quantize_kv
 
 
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -25,9 +25,9 @@ def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return weights
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias); weight: [out_dim, in_dim], or INT8 dequantized into x's dtype for this call."""
-    if isinstance(weight, Int8Weight):
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias); weight: [out_dim, in_dim], or INT8 / INT4 dequantized into x's dtype for this call."""
+    if isinstance(weight, QUANTIZED_WEIGHTS):
         return F.linear(x, weight.dequantize(x.dtype), bias)
     return F.linear(x, weight, bias)
 

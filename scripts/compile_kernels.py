@@ -34,7 +34,8 @@ def attention_args(p: str, head_dim: int, block_size: int, group: int) -> dict:
     qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
     return dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32",
                 block_tables_ptr="*i32", query_starts_ptr="*i32", seq_lens_ptr="*i32", num_seqs=7, scale=0.125,
-                v_scale=1.0, window=0, softcap=50.0, stride_qt=qkv_width, stride_qh=head_dim, stride_ot=num_heads * head_dim, stride_oh=head_dim,
+                v_scale=1.0, window=0, softcap=50.0, stride_qt=qkv_width, stride_qh=head_dim,
+                stride_ot=num_heads * head_dim, stride_oh=head_dim,
                 stride_ch=num_blocks * block_size * head_dim, stride_cb=block_size * head_dim, stride_cs=head_dim,
                 stride_bt=max_blocks)
 
@@ -108,6 +109,7 @@ def configurations():
     yield from lora_configurations()
     yield from moe_configurations()
     yield from int8_configurations()
+    yield from int4_configurations()
 
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}   # hidden, inter, experts, k
@@ -167,6 +169,21 @@ def int8_configurations():
                int8_config(rows, 4 if dtype == "fp32" else 2) | {"HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
 
 
+def int4_configurations():
+    """The INT4 weight-only GEMM over the same projections (groups of 128; SmolLM2's qkv, groups of 64), the same
+    rows and dtypes."""
+    from kernels.gemm import int4_config
+    shapes = INT8_SHAPES | {"smollm2 qkv": (576, 960)}
+    for (shape, (k_dim, n_dim)), dtype, rows in itertools.product(shapes.items(), DTYPES, (16, 2048)):
+        p, group_size = DTYPES[dtype], 64 if shape.startswith("smollm2") else 128
+        args = dict(x_ptr=p, w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*u8", bias_ptr=p, y_ptr=p, num_rows=rows,
+                    n_dim=n_dim, k_dim=k_dim, group_size=group_size, stride_xm=k_dim, stride_wn=k_dim // 2,
+                    stride_ym=n_dim)
+        yield (f"int4_gemm {dtype} {shape} t{rows}", "kernels.gemm", "_int4_gemm_kernel", args,
+               int4_config(rows, 4 if dtype == "fp32" else 2, group_size)
+               | {"HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
+
+
 def lora_configurations():
     """Each projection of Llama-3.1-8B (and SmolLM2's qkv) as the launchers plan it for a decode step (16 rows) and
     a prompt chunk (512: 64-row items), max_lora_rank 64 and 16 (and 128 at 8B decode), in every dtype pairing; and
@@ -204,7 +221,7 @@ HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf
        "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128",   # an 8B decode
        "moe_gate_up bf16", "moe_down bf16", "moe_lora_shrink_gate_up bf16", "moe_lora_shrink_down bf16",  # step;
        "moe_lora_expand_gate_up bf16", "moe_lora_expand_down bf16",                            # a mixture's, adapted
-       "int8_gemm bf16")                                                                       # INT8 weights
+       "int8_gemm bf16", "int4_gemm bf16")                                             # INT8 and INT4 weights
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}

@@ -68,12 +68,12 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
 PY
 }
 self_check() {                            # the start-up self-check on this GPU at SmolLM2's and 8B's shapes, strict
-                                          # (with INT8 weights and an INT8 KV cache checked as well)
+                                          # (with INT8 and INT4 weights and an INT8 KV cache checked as well)
   "$PYTHON" - <<'PY'
 import torch
 from backend.device import resolve_dtype
 from backend.model.checkpoint import ModelConfig
-from backend.model.self_check import check_kernels
+from backend.model.self_check import check_kernels, gemm_checks
 from kernels.dispatch import load_ops
 device = torch.device("cuda")
 dtype = resolve_dtype("auto", device)
@@ -84,8 +84,11 @@ failed = 0
 for name, shape in shapes.items():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "num_hidden_layers": 1,
                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape})
-    for check in check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, weight_dtype="int8",
-                               kv_cache_dtype="int8"):            # the quantized paths too: INT8 GEMMs, INT8 KV
+    checks = check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, weight_dtype="int8",
+                           kv_cache_dtype="int8")                 # the quantized paths too: INT8 GEMMs, INT8 KV,
+    with torch.inference_mode():
+        checks += gemm_checks(load_ops("triton", device), cfg, dtype, device, "int4")    # and INT4 GEMMs
+    for check in checks:
         print(f"{'ok  ' if check.error is None else 'FAIL'} {name} {check.family}: {check.what}"
               + (f": {check.error}" if check.error else ""))
         failed += check.error is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from backend.model.checkpoint import CheckpointReader
-from kernels.quant import quantize_int8
+from kernels.quant import quantize_weight
 
 PEFT_PROJ = {0: ("self_attn.qkv_proj",), 1: ("self_attn.q_proj",), 2: ("self_attn.k_proj",),
              3: ("self_attn.v_proj",), 4: ("self_attn.o_proj",),
@@ -23,8 +23,8 @@ BaseWeight = Callable[[int, int], torch.Tensor]            # (layer, module_id) 
 def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, device="cpu",
                        weight_dtype: str = "auto") -> BaseWeight:
     """A base model's module weights as they are served: read from its safetensors (one at a time, its file closed
-    after; an FP8 checkpoint's dequantized), in dtype; with weight_dtype int8, quantized and dequantized as the
-    served weight is (each output row on its own scale, so a module alone rounds as it does inside a fused
+    after; an FP8 checkpoint's dequantized), in dtype; with weight_dtype int8 or int4, quantized and dequantized as
+    the served weight is (each output row on its own scales, so a module alone rounds as it does inside a fused
     projection)."""
     reader = CheckpointReader(model_dir)
 
@@ -36,7 +36,7 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype | None = None, 
         finally:
             reader.close()
         w = w if dtype is None else w.to(dtype)
-        return quantize_int8(w).dequantize(w.dtype) if weight_dtype == "int8" else w
+        return w if weight_dtype == "auto" else quantize_weight(w, weight_dtype).dequantize(w.dtype)
     return weight
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from backend.model.checkpoint import CheckpointReader, ModelConfig
-from kernels.quant import Int8Weight, quantize_int8
+from kernels.quant import QuantizedWeight, quantize_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,14 +203,14 @@ def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg:
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
                  tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True, weight_dtype: str = "auto",
-                 ) -> dict[str, torch.Tensor | Int8Weight]:
+                 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
     LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
-    weight_dtype int8: each dense projection (q/k/v, o, gate/up, down; not the experts, router, embeddings or LM
-    head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision; a
+    weight_dtype int8, int4: each dense projection (q/k/v, o, gate/up, down; not the experts, router, embeddings or
+    LM head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision; a
     row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each rank's share
-    has the scales of the whole rows: the ranks' partial sums add up to one rank's GEMM."""
+    has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's GEMM."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     reader = CheckpointReader(model_dir)
@@ -228,11 +228,18 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                                         tp_rank)
                 weights[name] = experts.to(device).to(dtype).contiguous()
                 continue
-            if weight_dtype == "int8" and source.split == "row" and tp_size > 1 and name.endswith("_proj"):
+            if weight_dtype != "auto" and source.split == "row" and tp_size > 1 and name.endswith("_proj"):
                 [key] = source.keys
-                whole = quantize_int8(_read_slice(reader, key, shapes[key], None, 1, 0).to(device).to(dtype))
-                columns = _sliced(whole.data, shapes[key], 1, tp_size, tp_rank, key).contiguous()
-                weights[name] = Int8Weight(columns, whole.scale)
+                whole = served_weight(name, _read_slice(reader, key, shapes[key], None, 1, 0).to(device).to(dtype),
+                                      weight_dtype)
+                in_dim = shapes[key][1]
+                if in_dim % tp_size:
+                    raise ValueError(f"{key}: dim 1 of size {in_dim} does not split into {tp_size} parts")
+                size = in_dim // tp_size
+                try:
+                    weights[name] = whole.input_slice(tp_rank * size, (tp_rank + 1) * size)
+                except ValueError as err:
+                    raise ValueError(f"{key} at tp_size {tp_size}: {err}") from None
                 continue
             parts = []
             for key in source.keys:
@@ -250,11 +257,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     return weights
 
 
-def served_weight(name: str, weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | Int8Weight:
-    """A dense projection's weight as weight_dtype serves it (int8: quantize_int8); any other as it is."""
-    if weight_dtype == "int8" and name.endswith("_proj"):
-        return quantize_int8(weight)
-    return weight
+def served_weight(name: str, weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | QuantizedWeight:
+    """A dense projection's weight as weight_dtype serves it (kernels.quant.quantize_weight); any other as it is."""
+    return quantize_weight(weight, weight_dtype) if name.endswith("_proj") else weight
 
 
 def refuse_unread_tensors(reader: CheckpointReader, table: dict[str, Source], cfg: ModelConfig) -> None:

@@ -28,7 +28,7 @@ from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
 from backend.model.self_check import check_kernels_or_fall_back
 from backend.openmp import TeamSizer
 from kernels.dispatch import load_ops, resolve_backend
-from kernels.quant import KV_INT8_MAX, Int8Weight
+from kernels.quant import KV_INT8_MAX, QUANTIZED_WEIGHTS, QuantizedWeight
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -345,6 +345,7 @@ class ModelRunner:
         return logits[:plan.num_rows]
 
 
-def weight_bytes(weight: torch.Tensor | Int8Weight) -> int:
-    """Bytes a served weight holds (an INT8 one's values and scales; a oneDNN-packed one's elements)."""
-    return weight.nbytes if isinstance(weight, Int8Weight) else weight.nelement() * weight.element_size()
+def weight_bytes(weight: torch.Tensor | QuantizedWeight) -> int:
+    """Bytes a served weight holds (a quantized one's values, scales and zero points; a oneDNN-packed one's
+    elements)."""
+    return weight.nbytes if isinstance(weight, QUANTIZED_WEIGHTS) else weight.nelement() * weight.element_size()

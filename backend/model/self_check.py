@@ -21,7 +21,7 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
     moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
                and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
                experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
-    gemm:      with weight_dtype int8, the INT8 GEMM (linear) at every dense projection's shape, for 16 rows and 100;
+    gemm:      with weight_dtype int8 or int4, its GEMM (linear) at every dense projection's shape, for 16 rows and 100;
                where it fails, the torch reference dequantizes each weight per GEMM and LoRA runs after it
 """
 import logging
@@ -37,7 +37,7 @@ from backend.model.checkpoint import ModelConfig
 from kernels import reference
 from kernels.dispatch import KernelBackend
 from kernels.metadata import AttentionMetadata, ExpertLora
-from kernels.quant import KV_INT8_MAX, Int8Weight, quantize_int8, quantize_kv
+from kernels.quant import KV_INT8_MAX, quantize_kv, quantize_weight
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_executor",), "lora_overlap": (), "lora_fold": (),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora"),
@@ -282,22 +282,21 @@ def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) 
             for n in (8, 100) for adapted in (False, True)]
 
 
-def gemm_checks(ops, cfg: ModelConfig, dtype, device) -> list[Check]:
-    """The INT8 weight-only GEMM (ops.linear over kernels.quant.Int8Weight) at each dense projection's shape, for a
-    decode step's 16 rows and a prompt chunk's 100."""
+def gemm_checks(ops, cfg: ModelConfig, dtype, device, weight_dtype: str) -> list[Check]:
+    """The weight-only GEMM of weight_dtype (ops.linear over kernels.quant's Int8Weight or Int4Weight) at each dense
+    projection's shape, for a decode step's 16 rows and a prompt chunk's 100."""
     g = torch.Generator().manual_seed(3)
     checks = []
     for proj in ("qkv", "o", "gate_up", "down") if cfg.any_dense_mlp else ("qkv", "o"):
         in_dim, out_dim = proj_shape(cfg, proj)
-        weight = quantize_int8(torch.randn(out_dim, in_dim, generator=g) * in_dim ** -0.5)
-        weight = Int8Weight(weight.data.to(device), weight.scale.to(device))
+        weight = quantize_weight(torch.randn(out_dim, in_dim, generator=g) * in_dim ** -0.5, weight_dtype).to(device)
         for num_rows in (16, 100):
             x = torch.randn(num_rows, in_dim, generator=g).to(device, dtype)
 
             def run(x=x, weight=weight):
                 return [(ops.linear(x, weight, None), reference.linear(x.float(), weight, None))]
-            checks.append(compare("gemm", f"int8 {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}", run,
-                                  dtype))
+            checks.append(compare("gemm", f"{weight_dtype} {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}",
+                                  run, dtype))
     return checks
 
 
@@ -309,7 +308,7 @@ def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: 
                 lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
                 fused_checks(ops, cfg, dtype, device, block_size, kv_cache_dtype) +
                 moe_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
-                (gemm_checks(ops, cfg, dtype, device) if weight_dtype == "int8" else []))
+                (gemm_checks(ops, cfg, dtype, device, weight_dtype) if weight_dtype != "auto" else []))
 
 
 def apply_fallbacks(ops: KernelBackend, families: set[str]) -> None:

@@ -1,6 +1,7 @@
 // Projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
 // one 64-byte line in fp32 (a quarter line in INT8, whose panels are converted as they load and whose columns are
-// scaled once at the end: weight-only INT8, one scale per output channel). A 6 x 16 output tile lives in 12
+// scaled once at the end: weight-only INT8, one scale per output channel; an eighth in INT4, its values shifted by
+// their group's zero points and scaled as they load). A 6 x 16 output tile lives in 12
 // registers, fed per k by that line and 6 broadcasts of x.
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
@@ -23,29 +24,83 @@ constexpr int64_t kTileRows = 6;     // 12 accumulators + 2 panel vectors + 1 br
 constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in turn; with the next one, in L2
 constexpr int64_t kSideEvery = 8;            // k values between the points where a tile issues side prefetches
 
-// A panel's 16 values at one k as two 8-float vectors.
-inline void load_panel(const float* p, __m256& w0, __m256& w1) {
-  w0 = _mm256_loadu_ps(p);
-  w1 = _mm256_loadu_ps(p + 8);
-}
+// The weight's panels by their type: each reads a panel's 16 values at one k as two 8-float vectors (`Lines`,
+// one panel's k lines from k = 0 up), and says how many bytes one k of a panel takes.
+struct Fp32Panels {
+  static constexpr int64_t kRowBytes = kPanel * sizeof(float);
+  const float* data;
+  struct Lines {
+    const float* p;
+    void load(int64_t k, __m256& w0, __m256& w1) {
+      w0 = _mm256_loadu_ps(p + k * kPanel);
+      w1 = _mm256_loadu_ps(p + k * kPanel + 8);
+    }
+  };
+  Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
+};
 
-inline void load_panel(const int8_t* p, __m256& w0, __m256& w1) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-}
+// INT8: the values converted as they load; the output channels' scales applied once, at the store.
+struct Int8Panels {
+  static constexpr int64_t kRowBytes = kPanel;
+  const int8_t* data;
+  struct Lines {
+    const int8_t* p;
+    void load(int64_t k, __m256& w0, __m256& w1) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kPanel));
+      w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+      w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+    }
+  };
+  Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
+};
+
+// INT4: 8 bytes a k (byte j: column j in its low nibble, j + 8 in its high), each value (q - zero) * scale with
+// its group's zero points and scales ([groups, N]: a panel's 16 are contiguous), read again at every group start.
+struct Int4Panels {
+  static constexpr int64_t kRowBytes = kPanel / 2;
+  const uint8_t* data;
+  const float* scale;
+  const uint8_t* zero;
+  int64_t N, group;
+  struct Lines {
+    const uint8_t* p;
+    const float* scale;
+    const uint8_t* zero;
+    int64_t N, group, next_group = 0;
+    __m256 s0, s1, z0, z1;
+    Lines(const uint8_t* p, const float* scale, const uint8_t* zero, int64_t N, int64_t group)
+        : p(p), scale(scale), zero(zero), N(N), group(group) {}
+    void load(int64_t k, __m256& w0, __m256& w1) {
+      if (k == next_group) {
+        s0 = _mm256_loadu_ps(scale);
+        s1 = _mm256_loadu_ps(scale + 8);
+        z0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero))));
+        z1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero + 8))));
+        scale += N, zero += N, next_group += group;
+      }
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k * kRowBytes));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      w0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), z0), s0);
+      w1 = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), z1), s1);
+    }
+  };
+  Lines lines(int64_t panel, int64_t K) const {
+    return Lines(data + panel * K * kRowBytes, scale + panel * kPanel, zero + panel * kPanel, N, group);
+  }
+};
 
 // y[0:R, 0:16] = (x[0:R] @ panel) * scale (where given) + bias, x rows K apart, y rows N apart; meanwhile pulls
 // num_lines lines from prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
-template <int R, typename W>
-void tile(const float* x, int64_t K, const W* panel, const float* scale, const float* bias, float* y, int64_t N,
-          const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side) {
+template <int R, typename Panels>
+void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* scale, const float* bias, float* y,
+          int64_t N, const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   auto step = [&](int64_t k) {
     __m256 w0, w1;
-    load_panel(panel + k * kPanel, w0, w1);
+    panel.load(k, w0, w1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * K + k);
@@ -83,19 +138,19 @@ void tile(const float* x, int64_t K, const W* panel, const float* scale, const f
   }
 }
 
-template <typename W>
-using Tile = void (*)(const float*, int64_t, const W*, const float*, const float*, float*, int64_t, const char*,
-                      int64_t, vec::LineCursor&, int64_t);
-template <typename W>
-constexpr Tile<W> kTiles[kTileRows + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>, tile<4, W>, tile<5, W>,
-                                           tile<6, W>};
+template <typename Panels>
+using Tile = void (*)(const float*, int64_t, typename Panels::Lines, const float*, const float*, float*, int64_t,
+                      const char*, int64_t, vec::LineCursor&, int64_t);
+template <typename Panels>
+constexpr Tile<Panels> kTiles[kTileRows + 1] = {nullptr, tile<1, Panels>, tile<2, Panels>, tile<3, Panels>,
+                                                tile<4, Panels>, tile<5, Panels>, tile<6, Panels>};
 
-// y [M, N] = (x @ W^T) * scale (where given) + bias over panels of W's type; side: see panel_linear.
-template <typename W>
-void panel_gemm(const float* xp, int64_t M, int64_t K, const W* wp, int64_t num_panels, const float* sp,
+// y [M, N] = (x @ W^T) * scale (where given) + bias over the panels; side: see panel_linear.
+template <typename Panels>
+void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t num_panels, const float* sp,
                 const float* bp, float* yp, const std::vector<vec::Span>& side) {
   const int64_t N = num_panels * kPanel;
-  constexpr int64_t kPanelRowBytes = kPanel * sizeof(W);          // one k of a panel
+  constexpr int64_t kPanelRowBytes = Panels::kRowBytes;          // one k of a panel
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanelRowBytes));
   const int64_t num_groups = (num_panels + group - 1) / group;
   const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
@@ -109,7 +164,7 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const W* wp, int64_t num_
     const int thread = omp_get_thread_num();
     for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
       const int64_t first = g * group, last = std::min(num_panels, first + group);
-      const char* next = reinterpret_cast<const char*>(wp + last * K * kPanel);   // the next group, contiguous
+      const char* next = reinterpret_cast<const char*>(w.data) + last * K * kPanelRowBytes;  // the next group
       const int64_t num_next_lines = claims.is_next(thread, g + 1) ?
           (costs[g + 1] * K * kPanelRowBytes + vec::kLineBytes - 1) / vec::kLineBytes : 0;
       const int64_t side_line = num_side_lines * g / num_groups;
@@ -126,9 +181,9 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const W* wp, int64_t num_
           const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
           const int64_t num_side = std::min(side_left, side_per_call);
           side_left -= num_side;
-          kTiles<W>[rows](xp + m * K, K, wp + p * K * kPanel, sp ? sp + p * kPanel : nullptr,
-                          bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N, next + vec::kLineBytes * line,
-                          num_lines, cursor, num_side);
+          kTiles<Panels>[rows](xp + m * K, K, w.lines(p, K), sp ? sp + p * kPanel : nullptr,
+                               bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N,
+                               next + vec::kLineBytes * line, num_lines, cursor, num_side);
         }
       }
     }
@@ -156,8 +211,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || num_panels == 0) return y;
-  panel_gemm<float>(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), num_panels, nullptr,
-                    bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), side);
+  panel_gemm(x.data_ptr<float>(), M, K, Fp32Panels{panels.data_ptr<float>()}, num_panels, nullptr,
+             bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), side);
   return y;
 }
 
@@ -173,8 +228,32 @@ torch::Tensor int8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Te
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || num_panels == 0) return y;
-  panel_gemm<int8_t>(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), num_panels, scale.data_ptr<float>(),
-                     bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
+  panel_gemm(x.data_ptr<float>(), M, K, Int8Panels{panels.data_ptr<int8_t>()}, num_panels, scale.data_ptr<float>(),
+             bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
+  return y;
+}
+
+// Weight-only INT4: y = x @ ((q - zero) * scale)^T + bias, x fp32 [M, K], panels uint8 [N / 16, K, 8] (two values
+// a byte), scale [K / group_size, N] fp32, zero [K / group_size, N] uint8.
+torch::Tensor int4_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, torch::Tensor zero,
+                                int64_t group_size, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel / 2, "x [M, K], panels [N / 16, K, 8]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte, "x float32, panels uint8");
+  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
+  const int64_t num_groups = K / group_size;
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == num_groups && scale.size(1) == N && scale.is_contiguous() &&
+              scale.scalar_type() == at::kFloat, "scale [K / group_size, N] fp32");
+  TORCH_CHECK(zero.dim() == 2 && zero.size(0) == num_groups && zero.size(1) == N && zero.is_contiguous() &&
+              zero.scalar_type() == at::kByte, "zero [K / group_size, N] uint8");
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || num_panels == 0) return y;
+  panel_gemm(x.data_ptr<float>(), M, K, Int4Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                                   zero.data_ptr<uint8_t>(), N, group_size},
+             num_panels, nullptr, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
   return y;
 }
 

@@ -23,7 +23,7 @@ from kernels.lora.launch import plan_launch
 from kernels.lora.segments import LoraSegments
 from kernels.lora.triton_kernels import Prepared, lora_expand, lora_merge, lora_shrink, prepare_launch
 from kernels.metadata import ExpertLora
-from kernels.quant import Int8Weight
+from kernels.quant import QUANTIZED_WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ class CpuLoraExecutor(LoraExecutor):
         """Semantics: LoraExecutor.linear. Over fp32 panels one compiled call, whose GEMM pulls the adapter rows a
         decode step's LoRA reads into the cache as it computes."""
         proj = self.projections[layer][name]
-        if not isinstance(weight, Int8Weight) and weight.dim() == 3:
+        if not isinstance(weight, QUANTIZED_WEIGHTS) and weight.dim() == 3:
             return cpu_ext.linear_lora(x, weight, bias, proj, self.segments)
         out = self.ops.linear(x, weight, bias)
         self.apply(x, proj, out)

@@ -1,11 +1,11 @@
-"""Weight-only INT8 weights (kernels/quant.py): the quantization against its definition, and every backend's
-linear over them against F.linear over the dequantized weight."""
+"""Weight-only INT8 and INT4 weights (kernels/quant.py): the quantization against its definition, and every
+backend's linear over them against F.linear over the dequantized weight."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.quant import Int8Weight, quantize_int8
+from kernels.quant import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 from tests.helpers import CPU_BACKENDS, KERNEL_DEVICES
 
 
@@ -70,6 +70,90 @@ def test_the_triton_int8_gemm_matches_the_dequantized_weight(device, dtype, num_
     from kernels import gemm
     weight = quantize_int8(torch.randn(out_dim, in_dim) / in_dim ** 0.5)
     weight = Int8Weight(weight.data.to(device), weight.scale.to(device))
+    bias = torch.randn(out_dim).to(device, dtype) if with_bias else None
+    x = torch.randn(num_rows, in_dim).to(device, dtype)
+    got = gemm.linear(x, weight, bias)
+    want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
+    assert got.dtype == dtype and got.shape == (num_rows, out_dim)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_quantize_int4_rounds_each_group_between_its_extremes():
+    """Its own lines of the definition: per group of input channels, lo = min(w, 0), hi = max(w, 0), scale =
+    (hi - lo) / 15, zero = round(-lo / scale), q = round(w / scale) + zero in 0..15; a zero group keeps scale 1.
+    Every value within a step of the weight; two values a byte, the even channel in the low nibble."""
+    w = torch.randn(48, 192) * torch.linspace(0.01, 3.0, 48)[:, None]
+    w[5, 64:128] = 0.0
+    w[6] = w[6].abs()                                        # groups of positives only: lo = 0, zero = 0
+    q = quantize_int4(w)
+    assert q.group_size == 64 and q.data.dtype == torch.uint8 and q.data.shape == (48, 96)
+    groups = w.view(48, 3, 64)
+    lo, hi = groups.amin(dim=2).clamp(max=0), groups.amax(dim=2).clamp(min=0)
+    scale = (hi - lo) / 15
+    scale[5, 1] = 1.0
+    zero = torch.round(-lo / scale)
+    values = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, 15).view(48, 192)
+    torch.testing.assert_close(q.scale, scale.T)
+    assert torch.equal(q.zero, zero.T.to(torch.uint8)) and int(q.zero[:, 6].max()) == 0
+    assert torch.equal(q.data & 15, values[:, 0::2].to(torch.uint8))
+    assert torch.equal(q.data >> 4, values[:, 1::2].to(torch.uint8))
+    step = scale.repeat_interleave(64, dim=1)
+    assert bool(((q.dequantize(torch.float32) - w).abs() <= step + 1e-6).all())
+    assert q.nbytes == 48 * 96 + 3 * 48 * 5
+
+
+@pytest.mark.parametrize("in_dim,group_size", [(4096, 128), (576, 64), (1536, 128), (96, 32)])
+def test_int4_groups_take_the_largest_size_the_width_allows(in_dim, group_size):
+    assert quantize_int4(torch.randn(16, in_dim)).group_size == group_size
+
+
+def test_int4_refuses_a_width_of_no_group_and_a_slice_across_groups():
+    with pytest.raises(ValueError, match="40 input channels: INT4 weights group them by 128, 64, 32"):
+        quantize_int4(torch.randn(16, 40))
+    q = quantize_int4(torch.randn(16, 256))
+    torch.testing.assert_close(q.input_slice(128, 256).dequantize(torch.float32),
+                               q.dequantize(torch.float32)[:, 128:], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="input channels 64:192 cut INT4 groups of 128"):
+        q.input_slice(64, 192)
+
+
+def test_int4_panels_hold_the_same_weight():
+    q = quantize_int4(torch.randn(32, 64))
+    panels = q.panels()
+    assert panels.data.shape == (2, 64, 8) and panels.shape == (32, 64)
+    assert torch.equal(panels.dequantize(torch.float32), q.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (7, 48, 256), (33, 160, 576), (5, 24, 64),
+                                                     (300, 32, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_over_int4_weights_matches_the_dequantized_weight(backend, dtype, num_rows, out_dim, in_dim,
+                                                                 with_bias):
+    """As the INT8 test: groups of 32, 64 and 128 (one group or several), panels and not, the dequantized call."""
+    ops = ops_of(backend)
+    weight = quantize_int4(torch.randn(out_dim, in_dim) / in_dim ** 0.5)
+    bias = torch.randn(out_dim).to(dtype) if with_bias else None
+    x = torch.randn(num_rows, in_dim).to(dtype)
+    served = ops.prepare_weights({"layers.0.down_proj": weight})["layers.0.down_proj"]
+    assert isinstance(served, Int4Weight)
+    got = ops.linear(x, served, bias)
+    want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
+    assert got.dtype == dtype and got.shape == (num_rows, out_dim)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (13, 40, 256), (70, 96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_triton_int4_gemm_matches_the_dequantized_weight(device, dtype, num_rows, out_dim, in_dim, with_bias):
+    """Decode and prompt tiles, groups of 32 (K steps cut to 32), 64 and 128, N not a multiple of the tiles."""
+    from kernels import gemm
+    weight = quantize_int4(torch.randn(out_dim, in_dim) / in_dim ** 0.5).to(device)
     bias = torch.randn(out_dim).to(device, dtype) if with_bias else None
     x = torch.randn(num_rows, in_dim).to(device, dtype)
     got = gemm.linear(x, weight, bias)

@@ -137,7 +137,8 @@ def test_adapters_over_an_fp8_checkpoint_match_peft_on_the_model_it_encodes(chec
 def test_int8_serving_of_an_fp8_checkpoint_is_its_int8_rounding(checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
     fp8_dir, fp32_dir = checkpoints["compressed-tensors channel"]
-    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(fp32_dir, tmp_path / "int8"), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(fp32_dir, tmp_path / "int8", "int8"),
+                                              dtype=torch.float32)
     engine = engine_for(fp8_dir, "torch", weight_dtype="int8")
     prompts = random_prompts([7, 26, 11], engine.model_config.vocab_size, seed=6)
     assert engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id) == \

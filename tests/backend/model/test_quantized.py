@@ -1,6 +1,6 @@
-"""Weight-only INT8 weights (weight_dtype int8): the engine's greedy tokens equal transformers' on the model those
-weights encode, dequantized here by the test's own lines from the format's definition; adapters, DoRA among them,
-equal PEFT on that model."""
+"""Weight-only INT8 and INT4 weights (weight_dtype int8, int4): the engine's greedy tokens equal transformers' on
+the model those weights encode, dequantized here by the test's own lines from each format's definition; adapters,
+DoRA among them, equal PEFT on that model."""
 import shutil
 from pathlib import Path
 
@@ -11,38 +11,69 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from kernels.quant import Int8Weight
+from kernels.quant import Int4Weight, Int8Weight
 from tests.backend.lora.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters, peft_greedy,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
 PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the Triton kernels: the interpreter
+WEIGHT_TYPES = {"int8": Int8Weight, "int4": Int4Weight}
 
 
-def dequantized_copy(model_dir: Path, out: Path) -> Path:
-    """The model int8 weight-only encodes: every row of every projection rounded to a step of its own max |w| / 127
-    (an all-zero row stays zero), saved in fp32."""
+def int8_encoded(w: torch.Tensor) -> torch.Tensor:
+    """Every row rounded to a step of its own max |w| / 127 (an all-zero row stays zero)."""
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    step[step == 0] = 1.0
+    return (w / step).round().clamp(-127, 127) * step
+
+
+def int4_encoded(w: torch.Tensor) -> torch.Tensor:
+    """Every row's groups of 128 inputs (64, 32 where the width asks) rounded to one of 16 steps of (max - min) / 15
+    that span [min(w, 0), max(w, 0)], 0 among them."""
+    group = next(size for size in (128, 64, 32) if w.shape[1] % size == 0)
+    groups = w.view(w.shape[0], -1, group)
+    lo, hi = groups.amin(dim=2, keepdim=True).clamp(max=0), groups.amax(dim=2, keepdim=True).clamp(min=0)
+    step = (hi - lo) / 15
+    step[step == 0] = 1.0
+    zero = torch.round(-lo / step)
+    return ((torch.round(groups / step) + zero).clamp(0, 15) - zero).mul(step).view(w.shape)
+
+
+def dequantized_copy(model_dir: Path, out: Path, weight_dtype: str) -> Path:
+    """The model weight_dtype encodes: every projection's weight as that format rounds it, saved in fp32."""
+    encoded = {"int8": int8_encoded, "int4": int4_encoded}[weight_dtype]
     shutil.copytree(model_dir, out)
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
         for key, w in tensors.items():
             if key.endswith(tuple(f"{name}.weight" for name in ALL_MODULES)):
-                w = w.float()
-                step = w.abs().amax(dim=1, keepdim=True) / 127
-                step[step == 0] = 1.0
-                tensors[key] = (w / step).round().clamp(-127, 127) * step
+                tensors[key] = encoded(w.float())
         save_file(tensors, path, metadata={"format": "pt"})
     return out
 
 
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def weight_dtype(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def int8_dir(tiny_model_dir, tmp_path_factory):
-    return dequantized_copy(Path(tiny_model_dir), tmp_path_factory.mktemp("int8") / "model")
+def encoded_dir(tiny_model_dir, weight_dtype, tmp_path_factory):
+    return dequantized_copy(Path(tiny_model_dir), tmp_path_factory.mktemp(weight_dtype) / "model", weight_dtype)
 
 
-def int8_engine(model_dir, kernel_backend: str) -> LLMEngine:
-    return LLMEngine(model_dir, dtype="float32", weight_dtype="int8", kernel_backend=kernel_backend,
+def quantized_engine(model_dir, kernel_backend: str, weight_dtype: str) -> LLMEngine:
+    return LLMEngine(model_dir, dtype="float32", weight_dtype=weight_dtype, kernel_backend=kernel_backend,
                      kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=24)
+
+
+def quantized_bytes(out_dim: int, in_dim: int, weight_dtype: str) -> int:
+    """A projection's bytes in the format: INT8 a byte a value and an fp32 scale a row; INT4 half a byte a value,
+    an fp32 scale and a uint8 zero point a group of a row."""
+    if weight_dtype == "int8":
+        return out_dim * in_dim + 4 * out_dim
+    group = next(size for size in (128, 64, 32) if in_dim % size == 0)
+    return out_dim * in_dim // 2 + 5 * out_dim * (in_dim // group)
 
 
 def assert_tokens_match_transformers(engine: LLMEngine, encoded_dir: Path, original: LLMEngine | None = None) -> None:
@@ -72,33 +103,36 @@ def assert_adapters_match_peft(engine: LLMEngine, encoded_dir: Path, adapters: l
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
-def test_int8_weights_match_transformers_on_the_model_they_encode(tiny_model_dir, int8_dir, kernel_backend):
-    engine = int8_engine(tiny_model_dir, kernel_backend)
+def test_quantized_weights_match_transformers_on_the_model_they_encode(tiny_model_dir, encoded_dir, weight_dtype,
+                                                                       kernel_backend):
+    engine = quantized_engine(tiny_model_dir, kernel_backend, weight_dtype)
     full = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20)
-    assert all(isinstance(engine.runner.model.w[f"layers.{i}.{proj}_proj"], Int8Weight)
+    assert all(isinstance(engine.runner.model.w[f"layers.{i}.{proj}_proj"], WEIGHT_TYPES[weight_dtype])
                for i in range(engine.model_config.num_layers) for proj in ("qkv", "o", "gate_up", "down"))
     shapes = [w.shape for name, w in engine.runner.model.w.items() if name.endswith("_proj")]
-    saved = sum(4 * n * k - (n * k + 4 * n) for n, k in shapes)
-    assert engine.runner.weight_bytes == full.runner.weight_bytes - saved          # int8 values, fp32 scales
-    assert_tokens_match_transformers(engine, int8_dir, full)
+    saved = sum(4 * n * k - quantized_bytes(n, k, weight_dtype) for n, k in shapes)
+    assert engine.runner.weight_bytes == full.runner.weight_bytes - saved
+    assert_tokens_match_transformers(engine, encoded_dir, full)
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
-def test_adapters_over_int8_weights_match_peft_on_the_model_they_encode(tiny_model_dir, int8_dir, tiny_adapters,
-                                                                        kernel_backend):
-    assert_adapters_match_peft(int8_engine(tiny_model_dir, kernel_backend), int8_dir, tiny_adapters)
+def test_adapters_over_quantized_weights_match_peft_on_the_model_they_encode(tiny_model_dir, encoded_dir,
+                                                                             weight_dtype, tiny_adapters,
+                                                                             kernel_backend):
+    assert_adapters_match_peft(quantized_engine(tiny_model_dir, kernel_backend, weight_dtype), encoded_dir,
+                               tiny_adapters)
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
-def test_a_dora_adapter_normalizes_against_the_served_int8_weights(tiny_model_dir, int8_dir, tmp_path,
-                                                                   kernel_backend):
+def test_a_dora_adapter_normalizes_against_the_served_quantized_weights(tiny_model_dir, encoded_dir, weight_dtype,
+                                                                        tmp_path, kernel_backend):
     """Its magnitudes divide by ||W + s B A|| of the dequantized W, as PEFT on the model the weights encode takes
     them."""
     [path] = make_peft_adapters(tiny_model_dir, tmp_path, [dict(r=8, lora_alpha=16, use_dora=True,
                                                                 target_modules=ALL_MODULES)], seed=7)
-    peft = peft_model_with(int8_dir, [path])
+    peft = peft_model_with(encoded_dir, [path])
     prompts = random_prompts([6, 19, 12], 512, seed=8)
-    engine = int8_engine(tiny_model_dir, kernel_backend)
+    engine = quantized_engine(tiny_model_dir, kernel_backend, weight_dtype)
     engine.add_lora_dir(1, path)
     expected = [peft_greedy_alone(peft, p, "a0", MAX_NEW) for p in prompts]
     assert engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=[1] * len(prompts),
@@ -106,7 +140,7 @@ def test_a_dora_adapter_normalizes_against_the_served_int8_weights(tiny_model_di
 
 
 @pytest.mark.parametrize("settings,says", [
-    (dict(weight_dtype="fp8"), "weight_dtype fp8 is not built yet; built: auto, int8"),
+    (dict(weight_dtype="fp8"), "weight_dtype fp8 is not built yet; built: auto, int8, int4"),
     (dict(weight_dtype="int3"), "weight_dtype must be one of"),
 ])
 def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
@@ -114,9 +148,10 @@ def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
         EngineConfig(model_dir="unused", **settings)
 
 
-def test_the_openai_api_normalizes_a_dora_adapter_against_the_served_int8_weights(tiny_model_dir, tmp_path):
-    """The API's reader (frontend/tensors.read_tensors, --weight-dtype int8) sends the magnitudes the engine would
-    take from the same PEFT directory, not those of the checkpoint's own weights."""
+@pytest.mark.parametrize("weight_dtype", ["int8", "int4"])
+def test_the_openai_api_normalizes_a_dora_adapter_against_the_served_weights(tiny_model_dir, tmp_path, weight_dtype):
+    """The API's reader (frontend/tensors.read_tensors, --weight-dtype) sends the magnitudes the engine would take
+    from the same PEFT directory, not those of the checkpoint's own weights."""
     from backend.model.checkpoint import ModelConfig
     from backend.lora.dora import checkpoint_weights
     from backend.lora.peft import peft_to_trtllm
@@ -125,7 +160,7 @@ def test_the_openai_api_normalizes_a_dora_adapter_against_the_served_int8_weight
                                                                 target_modules=ALL_MODULES)], seed=9)
     model = ModelConfig.from_dir(tiny_model_dir)
     sent = {dtype: read_tensors(path, AdapterLimits(model, 64, str(tiny_model_dir), dtype))[0]
-            for dtype in ("auto", "int8")}
-    engine_takes, _ = peft_to_trtllm(path, "float16", checkpoint_weights(tiny_model_dir, weight_dtype="int8"))
-    assert np.array_equal(sent["int8"], engine_takes)
+            for dtype in ("auto", weight_dtype)}
+    engine_takes, _ = peft_to_trtllm(path, "float16", checkpoint_weights(tiny_model_dir, weight_dtype=weight_dtype))
+    assert np.array_equal(sent[weight_dtype], engine_takes)
     assert not np.array_equal(sent["auto"], engine_takes)

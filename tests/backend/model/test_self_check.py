@@ -17,7 +17,6 @@ from backend.serving.metrics import gauges
 from kernels.dispatch import load_ops
 from kernels.lora import executor
 from kernels.lora.executor import TritonLoraExecutor
-from kernels.quant import Int8Weight
 from tests.helpers import INTERPRETER_MARK, build_tiny, hf_greedy, random_prompts
 
 pytestmark = INTERPRETER_MARK
@@ -328,20 +327,22 @@ def test_lora_widths_that_are_no_multiple_of_16_are_served_by_the_triton_kernels
     assert served.generate(PROMPTS, max_new_tokens=4, lora_task_ids=[1, None, 1]) == want
 
 
-def test_int8_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, tmp_path, monkeypatch):
-    """weight_dtype int8: the INT8 GEMM passes at every projection's shape; broken (wrong values) it is served by the
-    torch reference, the tokens those of the model the int8 weights encode."""
+@pytest.mark.parametrize("weight_dtype", ["int8", "int4"])
+def test_quantized_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, tmp_path, monkeypatch,
+                                                                    weight_dtype):
+    """weight_dtype int8, int4: its GEMM passes at every projection's shape; broken (wrong values) it is served by
+    the torch reference, the tokens those of the model the quantized weights encode."""
     from transformers import AutoModelForCausalLM
-    from tests.backend.model.test_quantized import dequantized_copy
+    from tests.backend.model.test_quantized import WEIGHT_TYPES, dequantized_copy
     checks = check_kernels(load_ops("triton"), ModelConfig.from_dir(tiny_model_dir), torch.float32, torch.float16,
-                           torch.device("cpu"), 16, 64, weight_dtype="int8")
+                           torch.device("cpu"), 16, 64, weight_dtype=weight_dtype)
     assert [c.error for c in checks if c.family == "gemm"] == [None] * 8
     linear = triton_ops.linear
     monkeypatch.setattr(triton_ops, "linear", lambda x, weight, bias: linear(x, weight, bias) * (
-        1.5 if isinstance(weight, Int8Weight) else 1))                          # the INT8 GEMM alone broken
-    engine = LLMEngine(tiny_model_dir, dtype="float32", weight_dtype="int8", kernel_backend="triton",
+        1.5 if isinstance(weight, WEIGHT_TYPES[weight_dtype]) else 1))          # the quantized GEMM alone broken
+    engine = LLMEngine(tiny_model_dir, dtype="float32", weight_dtype=weight_dtype, kernel_backend="triton",
                        kernel_self_check="true", kv_cache_memory_bytes=1 << 20)
     assert set(engine.runner.kernel_fallbacks) == {"gemm"}
-    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(tiny_model_dir, tmp_path / "int8"),
+    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(tiny_model_dir, tmp_path / weight_dtype, weight_dtype),
                                               dtype=torch.float32).eval()
     assert engine.generate(PROMPTS, max_new_tokens=6) == [hf_greedy(hf, p, 6) for p in PROMPTS]

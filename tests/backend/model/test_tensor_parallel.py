@@ -22,8 +22,8 @@ from backend.serving.loop import EngineLoop
 from backend.text import load_tokenizer
 from tests.backend.serving.loop_streams import FakeStream, prompts
 from tests.backend.lora.test_lora_trtllm import hand_built_adapter
-from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, cpu_kernels_build, hf_greedy, kv_bytes_for_blocks,
-                           peft_greedy, peft_model_with, random_prompts)
+from tests.helpers import (CPU_BACKENDS, INTERPRETER_MARK, build_tiny, cpu_kernels_build, hf_greedy,
+                           kv_bytes_for_blocks, peft_greedy, peft_model_with, random_prompts)
 
 LOGITS_ATOL = 1e-4             # fp32: the all-reduce adds the ranks' partial sums in another order than one GEMM
 PEFT_MODULES = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
@@ -231,6 +231,53 @@ def test_int8_weights_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_
         finally:
             engine.close()
     assert answers[1] == answers[0]
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    """The tiny Llama 4x wider (hidden 256, intermediate 512): at two ranks each row-parallel share holds whole INT4
+    groups of 128."""
+    path = tmp_path_factory.mktemp("wide-llama")
+    build_tiny(path, seed=4, architecture="llama", hidden_size=256, intermediate_size=512)
+    return path
+
+
+def test_int4_shares_are_slices_of_one_ranks_int4_weights(wide_model_dir):
+    """Row-parallel projections' columns whole groups of one rank's weights (values, scales, zero points);
+    column-parallel ones' rows with their groups' scales."""
+    cfg = ModelConfig.from_dir(wide_model_dir)
+    whole = load_weights(wide_model_dir, cfg, torch.float32, weight_dtype="int4")
+    shares = [load_weights(wide_model_dir, cfg, torch.float32, tp_size=2, tp_rank=rank, weight_dtype="int4")
+              for rank in range(2)]
+    for name in ("layers.1.o_proj", "layers.1.down_proj"):
+        assert all(share[name].group_size == whole[name].group_size == 128 for share in shares)
+        assert torch.equal(torch.cat([share[name].data for share in shares], dim=1), whole[name].data)
+        for part in ("scale", "zero"):
+            assert torch.equal(torch.cat([getattr(share[name], part) for share in shares]), getattr(whole[name], part))
+    gate_up = torch.cat([share["layers.1.gate_up_proj"].scale for share in shares], dim=1).view(2, 2, 2, -1)
+    assert torch.equal(gate_up.transpose(1, 2).flatten(1), whole["layers.1.gate_up_proj"].scale)  # (gate, then up)
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_int4_weights_at_two_ranks_answer_one_ranks_tokens(wide_model_dir, kernel_backend):
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=58)
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(wide_model_dir, dtype="float32", kernel_backend=kernel_backend, weight_dtype="int4",
+                           tensor_parallel_size=tp_size, kv_cache_memory_bytes=1 << 20)
+        try:
+            answers.append(engine.generate(prompts, max_new_tokens=8))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0]
+
+
+def test_int4_shares_that_cut_a_group_are_refused_by_name(tiny_model_dir):
+    """The tiny model's o_proj reads 64 inputs, one group: two ranks would each hold half of it."""
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj.weight at tp_size 2: input channels "
+                                         r"0:32 cut INT4 groups of 64"):
+        load_weights(tiny_model_dir, ModelConfig.from_dir(tiny_model_dir), torch.float32, tp_size=2, tp_rank=0,
+                     weight_dtype="int4")
 
 
 def test_the_workers_end_with_the_engine(tiny_model_dir):
