@@ -115,6 +115,17 @@ class Int4Weight:
     def to(self, device) -> "Int4Weight":
         return Int4Weight(self.data.to(device), self.scale.to(device), self.zero.to(device), self.group_size)
 
+    def output_rows(self, rows) -> "Int4Weight":
+        """Output channels `rows` (a slice or an index list): a column-parallel rank's share, or a reordering."""
+        return Int4Weight(self.data[rows].contiguous(), self.scale[:, rows].contiguous(),
+                          self.zero[:, rows].contiguous(), self.group_size)
+
+    @staticmethod
+    def cat(parts: list["Int4Weight"]) -> "Int4Weight":
+        """The output channels of parts one after another (a fused projection's)."""
+        return Int4Weight(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts], dim=1),
+                          torch.cat([p.zero for p in parts], dim=1), parts[0].group_size)
+
     def input_slice(self, lo: int, hi: int) -> "Int4Weight":
         """Input channels lo:hi (a row-parallel rank's share), whole groups only."""
         if lo % self.group_size or hi % self.group_size:
@@ -215,6 +226,35 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     zeros = unpack_int(qzeros, bits) + zero_offset                              # [groups, out]
     g = g_idx.long()
     return (scales.float()[g] * (q - zeros[g]).float()).T.contiguous()
+
+
+def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                   zero_offset: int) -> Int4Weight | None:
+    """A 4-bit GPTQ checkpoint's weight kept packed, the values dequantize_gptq reads in our layout; None where
+    its groups are not runs of consecutive input channels (act order: its values are served dequantized) or not
+    a size Int4Weight takes."""
+    q = unpack_int(qweight.T.contiguous(), 4).T                                 # [in, out]
+    num_groups = scales.shape[0]
+    if q.shape[0] % num_groups or not torch.equal(g_idx.long(), torch.arange(q.shape[0]) // (q.shape[0] //
+                                                                                             num_groups)):
+        return None
+    return _int4_weight(q, unpack_int(qzeros, 4) + zero_offset, scales, q.shape[0] // num_groups)
+
+
+def int4_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                  group_size: int) -> Int4Weight | None:
+    """An AWQ (GEMM layout) checkpoint's weight kept packed, the values dequantize_awq reads in our layout; None
+    where its group size is not one Int4Weight takes."""
+    return _int4_weight(unpack_int(qweight, 4, AWQ_ORDER), unpack_int(qzeros, 4, AWQ_ORDER), scales, group_size)
+
+
+def _int4_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Weight | None:
+    """q [in, out], zeros and scales [groups, out] -> Int4Weight (None: a group size it does not take)."""
+    if group_size % 32 or q.shape[0] % group_size or int(zeros.max()) > 255:
+        return None
+    q = q.T.to(torch.uint8)                                                     # [out, in]
+    return Int4Weight((q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scales.float().contiguous(),
+                      zeros.to(torch.uint8).contiguous(), group_size)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

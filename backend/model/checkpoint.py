@@ -405,7 +405,8 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 class CheckpointReader:
     """A model directory's tensors by name, over its safetensors files (each opened once), as safetensors slices
     (get_shape, and indexing that reads only what it selects); a quantized checkpoint's weight (WeightStorage) as a
-    DequantizedSlice of the fp32 values it encodes."""
+    DequantizedSlice of the fp32 values it encodes, or, while keep_int4 is set, a 4-bit GPTQ or AWQ weight whose
+    groups are runs of input channels as an Int4Slice (kept packed)."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
@@ -413,6 +414,7 @@ class CheckpointReader:
         config = self.model_dir / "config.json"
         self.storage = weight_storage(json.loads(config.read_text())) if config.is_file() else None
         self.handles: dict[Path, object] = {}
+        self.keep_int4 = False
 
     def __contains__(self, key: str) -> bool:
         return key in self.key_files or self._is_packed(key)
@@ -451,11 +453,11 @@ class CheckpointReader:
         return (self.storage is not None and self.storage.packed and key.endswith(".weight")
                 and key not in self.key_files and key.removesuffix("weight") + "qweight" in self.key_files)
 
-    def _packed(self, key: str) -> "DequantizedSlice":
+    def _packed(self, key: str) -> "DequantizedSlice | Int4Slice":
         base = key.removesuffix("weight")
         import torch
 
-        from kernels.quant import dequantize_awq, dequantize_gptq
+        from kernels.quant import dequantize_awq, dequantize_gptq, int4_from_awq, int4_from_gptq
         storage = self.storage
         qweight, scales = self._file(base + "qweight").get_slice(base + "qweight"), self._tensor(base + "scales")
         in_dim, out_dim = qweight.get_shape()
@@ -463,16 +465,24 @@ class CheckpointReader:
             in_dim = in_dim * 32 // storage.bits
             g_idx = self._tensor(base + "g_idx") if base + "g_idx" in self.key_files else \
                 torch.arange(in_dim) // (storage.group_size if storage.group_size > 0 else in_dim)
+            kept = self.keep_int4 and storage.bits == 4 and int4_from_gptq(
+                qweight[:], self._tensor(base + "qzeros"), scales, g_idx, storage.zero_offset)
 
             def values():
                 return dequantize_gptq(qweight[:], self._tensor(base + "qzeros"), scales, g_idx, storage.bits,
                                        storage.zero_offset)
         else:
             out_dim = out_dim * 32 // storage.bits
+            group_size = storage.group_size if storage.group_size > 0 else in_dim
+            kept = self.keep_int4 and int4_from_awq(qweight[:], self._tensor(base + "qzeros"), scales, group_size)
 
             def values():
-                return dequantize_awq(qweight[:], self._tensor(base + "qzeros"), scales,
-                                      storage.group_size if storage.group_size > 0 else in_dim)
+                return dequantize_awq(qweight[:], self._tensor(base + "qzeros"), scales, group_size)
+        if kept:
+            if list(kept.shape) != [out_dim, in_dim]:
+                raise ValueError(f"checkpoint tensor {key}: packed as {list(kept.shape)}, its scales say "
+                                 f"{[out_dim, in_dim]}")
+            return Int4Slice(key, kept)
         return DequantizedSlice(key, [out_dim, in_dim], values)
 
     def _tensor(self, key: str):
@@ -505,3 +515,29 @@ class DequantizedSlice:
             except ValueError as err:
                 raise ValueError(f"checkpoint tensor {self.key}: {err}") from None
         return self.dequantized[index]
+
+
+class Int4Slice:
+    """A 4-bit weight kept packed (kernels.quant.Int4Weight) read as a safetensors slice is: get_shape(), and
+    indexing by output rows (`[lo:hi]`), input channels (`[:, lo:hi]`: whole groups, or else the fp32 values of
+    the slice, as a DequantizedSlice gives them) or whole (`[:]`)."""
+
+    def __init__(self, key: str, weight):
+        self.key, self.weight = key, weight
+
+    def get_shape(self) -> list[int]:
+        return list(self.weight.shape)
+
+    def __getitem__(self, index):
+        rows, columns = index if isinstance(index, tuple) else (index, slice(None))
+        if not (isinstance(rows, slice) and isinstance(columns, slice) and rows.step is None and columns.step is None
+                and (rows == slice(None) or columns == slice(None))):
+            raise ValueError(f"checkpoint tensor {self.key}: an INT4 weight is sliced by rows or by columns, "
+                             f"not by {index}")
+        if rows != slice(None):
+            return self.weight.output_rows(rows)
+        lo, hi = columns.start or 0, self.weight.shape[1] if columns.stop is None else columns.stop
+        if lo % self.weight.group_size or hi % self.weight.group_size:
+            import torch
+            return self.weight.dequantize(torch.float32)[:, lo:hi]
+        return self.weight.input_slice(lo, hi)

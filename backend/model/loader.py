@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from backend.model.checkpoint import CheckpointReader, ModelConfig
-from kernels.quant import QuantizedWeight, quantize_weight
+from kernels.quant import QUANTIZED_WEIGHTS, Int4Weight, QuantizedWeight, quantize_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +198,21 @@ def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg:
     for (lo, hi), (parts, index) in zip(zip(bounds, bounds[1:]), layout):
         size = (hi - lo) // parts
         pieces.append(tensor[lo + index * size:lo + (index + 1) * size])
-    return torch.cat(pieces)
+    return _cat_rows(pieces)
+
+
+def _cat_rows(parts: list, dtype: torch.dtype | None = None):
+    """The output rows of parts one after another: INT4 weights kept packed where every part is one (else
+    dequantized into dtype), tensors concatenated."""
+    if all(isinstance(part, Int4Weight) for part in parts):
+        return Int4Weight.cat(parts) if len(parts) > 1 else parts[0]
+    parts = [part.dequantize(dtype or torch.float32) if isinstance(part, Int4Weight) else part for part in parts]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _on_device(part, device, dtype: torch.dtype):
+    """A part as read, on the device: a tensor in dtype, an INT4 weight kept packed."""
+    return part.to(device) if isinstance(part, Int4Weight) else part.to(device).to(dtype)
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
@@ -210,7 +224,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     weight_dtype int8, int4: each dense projection (q/k/v, o, gate/up, down; not the experts, router, embeddings or
     LM head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision; a
     row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each rank's share
-    has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's GEMM."""
+    has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's GEMM.
+    weight_dtype auto or int4 over a 4-bit GPTQ or AWQ checkpoint: its dense projections kept as they are packed
+    (CheckpointReader.keep_int4), sliced and fused as INT4 weights."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     reader = CheckpointReader(model_dir)
@@ -222,6 +238,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         for name, source in table.items():
             if name == "lm_head" and not lm_head:
                 continue
+            reader.keep_int4 = weight_dtype in ("auto", "int4") and name.endswith("_proj") \
+                and "experts" not in source.split
             if "experts" in source.split:
                 read = lambda key: _checked_slice(reader, key, shapes[key])  # noqa: E731
                 experts = _read_experts(read, [(key, shapes[key]) for key in source.keys], source.split, tp_size,
@@ -230,8 +248,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 continue
             if weight_dtype != "auto" and source.split == "row" and tp_size > 1 and name.endswith("_proj"):
                 [key] = source.keys
-                whole = served_weight(name, _read_slice(reader, key, shapes[key], None, 1, 0).to(device).to(dtype),
-                                      weight_dtype)
+                whole = served_weight(name, _on_device(_read_slice(reader, key, shapes[key], None, 1, 0), device,
+                                                       dtype), weight_dtype)
                 in_dim = shapes[key][1]
                 if in_dim % tp_size:
                     raise ValueError(f"{key}: dim 1 of size {in_dim} does not split into {tp_size} parts")
@@ -249,17 +267,19 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                     part = _read_slice(reader, key, shapes[key], *_part(cfg, source.split, key, tp_size, tp_rank))
                 if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
                     part = part.float() + cfg.norm_offset
-                parts.append(part.to(device).to(dtype))
-            weights[name] = served_weight(name, reordered(cfg, name, torch.cat(parts, dim=0) if len(parts) > 1
-                                                          else parts[0], tp_size).contiguous(), weight_dtype)
+                parts.append(_on_device(part, device, dtype))
+            weights[name] = served_weight(name, reordered(cfg, name, _cat_rows(parts, dtype), tp_size), weight_dtype)
     finally:
         reader.close()
     return weights
 
 
-def served_weight(name: str, weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | QuantizedWeight:
-    """A dense projection's weight as weight_dtype serves it (kernels.quant.quantize_weight); any other as it is."""
-    return quantize_weight(weight, weight_dtype) if name.endswith("_proj") else weight
+def served_weight(name: str, weight: torch.Tensor | Int4Weight, weight_dtype: str) -> torch.Tensor | QuantizedWeight:
+    """A dense projection's weight as weight_dtype serves it (kernels.quant.quantize_weight; one kept packed from
+    the checkpoint as it is); any other as it is."""
+    if isinstance(weight, QUANTIZED_WEIGHTS):
+        return weight
+    return quantize_weight(weight.contiguous(), weight_dtype) if name.endswith("_proj") else weight.contiguous()
 
 
 def refuse_unread_tensors(reader: CheckpointReader, table: dict[str, Source], cfg: ModelConfig) -> None:
@@ -282,7 +302,8 @@ def reordered(cfg: ModelConfig, name: str, weight: torch.Tensor, tp_size: int) -
         return weight
     if name.endswith(("qkv_proj", "qkv_bias")):
         shard = cfg.shard(tp_size)
-        return weight[cfg.qk_row_order(shard.q_size, shard.kv_size, weight.shape[0])]
+        order = cfg.qk_row_order(shard.q_size, shard.kv_size, weight.shape[0])
+        return weight.output_rows(order) if isinstance(weight, Int4Weight) else weight[order]
     if name.endswith(("q_norm", "k_norm")):
         return weight[cfg.rotary_order()]
     return weight

@@ -1,7 +1,8 @@
 """GPTQ and AWQ checkpoints (integers packed in int32, a scale and a zero point per group of input channels): the
 engine's greedy tokens equal transformers' on the model the checkpoint encodes, dequantized here from the test's
 own integers (before its own packer packed them); adapters equal PEFT on that model; what is not read is refused by
-name."""
+name. 4-bit weights whose groups are runs of 32 or more input channels stay packed (kernels.quant.Int4Weight); act
+order, 8 bits and groups of 16 are served dequantized."""
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
+from kernels.quant import Int4Weight
 from tests.backend.model.test_fp8_checkpoints import engine_for
 from tests.backend.model.test_quantized import PATHS, assert_adapters_match_peft, assert_tokens_match_transformers
 from tests.helpers import ALL_MODULES
@@ -24,7 +26,12 @@ LAYOUTS = {                                      # name -> (quantization_config,
                        "checkpoint_format": "gptq_v2"}, 32, True, False),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}, 16, False,
             False),
+    "gptq 4-bit": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
+                    "checkpoint_format": "gptq"}, 32, False, False),
+    "awq groups of 64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+                         64, False, False),
 }
+KEPT = ("gptq 4-bit", "awq groups of 64")        # served packed: 4 bits, groups of 32s in order
 
 
 def pack(values: np.ndarray, bits: int, nibble_order=None) -> torch.Tensor:
@@ -108,8 +115,27 @@ def test_a_gptq_or_awq_checkpoint_matches_transformers_on_the_model_it_encodes(t
                                                                                kernel_backend):
     packed_dir, fp32_dir = checkpoints[layout]
     tells = LAYOUTS[layout][0]["bits"] == 4                              # (8-bit rounding changes no token here)
-    assert_tokens_match_transformers(engine_for(packed_dir, kernel_backend), fp32_dir,
-                                     engine_for(tiny_model_dir, kernel_backend) if tells else None)
+    engine = engine_for(packed_dir, kernel_backend)
+    projections = [w for name, w in engine.runner.model.w.items() if name.endswith("_proj")]
+    assert all(isinstance(w, Int4Weight) == (layout in KEPT) for w in projections)
+    assert_tokens_match_transformers(engine, fp32_dir, engine_for(tiny_model_dir, kernel_backend) if tells else None)
+
+
+@pytest.mark.parametrize("layout", KEPT)
+def test_a_packed_checkpoint_shares_its_groups_between_ranks(checkpoints, layout):
+    """At two ranks each row-parallel share holds whole groups of the checkpoint's own integers; the tokens are
+    one rank's."""
+    packed_dir, _ = checkpoints[layout]
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(packed_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=tp_size,
+                           kv_cache_memory_bytes=1 << 20)
+        try:
+            assert isinstance(engine.runner.model.w["layers.1.down_proj"], Int4Weight)
+            answers.append(engine.generate([[5, 9, 3, 71, 2, 8], [44, 11]], max_new_tokens=8))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0]
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)
