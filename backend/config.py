@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
-WEIGHT_DTYPES = ("auto", "int8", "int4")   # int8, int4: weight-only, quantized at load (kernels/quant.py)
-UNBUILT_WEIGHT_DTYPES = ("fp8",)
+WEIGHT_DTYPES = ("auto", "int8", "int4", "fp8")   # weight-only, quantized at load (kernels/quant.py); auto keeps
+                                                  # a checkpoint's FP8 or 4-bit GPTQ/AWQ weights as they are
 KV_CACHE_DTYPES = ("auto", "int8")         # int8: against scales calibrated at start (backend/model/calibration.py)
 UNBUILT_KV_CACHE_DTYPES = ("fp8",)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -47,8 +47,9 @@ class EngineConfig:
     model_dir: str
     dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32
     weight_dtype: str = "auto"                # the projections' weights: as the checkpoint has them (auto), or
-                                              # int8 weight-only (one scale per output channel) or int4 (a scale
-                                              # and a zero point per group of 128 inputs), quantized at load
+                                              # int8 weight-only (one scale per output channel), int4 (a scale
+                                              # and a zero point per group of 128 inputs) or fp8 (e4m3, a scale
+                                              # per output channel), quantized at load
     kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 with a scale for K and one
                                               # for V per layer (half a bf16 cache's bytes a token)
     max_num_seqs: int = 64                    # sequences in one step
@@ -95,8 +96,6 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.weight_dtype in UNBUILT_WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype {self.weight_dtype} is not built yet; built: {', '.join(WEIGHT_DTYPES)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.kv_cache_dtype in UNBUILT_KV_CACHE_DTYPES:

@@ -186,6 +186,13 @@ def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor
     return load().int4_panel_linear(x, panels, scale, zero, group_size, bias)
 
 
+def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, group_size: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x, Fp8Weight(panels, scale, group_size).dequantize(torch.float32), bias)
+    # x fp32 [M, K], panels uint8 [N / 16, K, 16] (e4m3 bits), scale fp32 [K / group_size, N] -> fp32 [M, N]"""
+    return load().fp8_panel_linear(x, panels, scale, group_size, bias)
+
+
 def expert_lora_add(out: torch.Tensor, x: torch.Tensor, rows_per_x: int, row_slots: torch.Tensor,
                     row_experts: torch.Tensor, num_experts: int, a: torch.Tensor, bs: list[torch.Tensor],
                     slot_ranks: torch.Tensor) -> None:

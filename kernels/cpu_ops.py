@@ -13,7 +13,7 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, rotary_and_cache, silu_and_mul
 from kernels.lora.executor import CpuLoraExecutor as lora_executor
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QUANTIZED_WEIGHTS, Int8Weight
+from kernels.quant import QUANTIZED_WEIGHTS, Int4Weight, Int8Weight
 from kernels import reference
 
 __all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
@@ -37,8 +37,8 @@ def _packable(dtype: torch.dtype) -> bool:
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The projections and lm_head in the layout their GEMM reads fastest: fp32 in column panels (whose kernel
     prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
-    ~10%), bf16 in oneDNN's blocked layout where the CPU has bf16, INT8 and INT4 in column panels too. Embeddings,
-    norms and biases stay as they are."""
+    ~10%), bf16 in oneDNN's blocked layout where the CPU has bf16, INT8, INT4 and FP8 in column panels too.
+    Embeddings, norms and biases stay as they are."""
     def prepared(name: str, w):
         if not (name.endswith("_proj") or name == "lm_head"):
             return w
@@ -51,17 +51,19 @@ def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weights left it (INT8, INT4: the
-    values it encodes, converted as the panel GEMM reads them; dequantized for the call from DEQUANTIZED_ROWS rows
-    of bf16/fp16)."""
+    """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weights left it (INT8, INT4, FP8:
+    the values it encodes, converted as the panel GEMM reads them; dequantized for the call from DEQUANTIZED_ROWS
+    rows of bf16/fp16)."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         if weight.data.dim() == 2 or (x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32):
             return reference.linear(x, weight, bias)
         bias32 = None if bias is None else bias.float()
         if isinstance(weight, Int8Weight):
             y = cpu_ext.int8_panel_linear(x.float(), weight.data, weight.scale, bias32)
-        else:
+        elif isinstance(weight, Int4Weight):
             y = cpu_ext.int4_panel_linear(x.float(), weight.data, weight.scale, weight.zero, weight.group_size, bias32)
+        else:
+            y = cpu_ext.fp8_panel_linear(x.float(), weight.data, weight.scale, weight.group_size, bias32)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     if weight.dim() == 3:
         return cpu_ext.panel_linear(x, weight, bias)

@@ -1,25 +1,25 @@
-"""The Triton path's GEMMs: torch's over full-precision weights, ours over weight-only INT8 and INT4 weights
-(kernels/quant.Int8Weight, Int4Weight): each [BLOCK_K, BLOCK_N] tile of the weight loaded as int8 (a quarter of
-fp32's bytes, half of bf16's) or as bytes of two 4-bit values (a quarter of bf16's), converted to the activations'
-dtype in registers (exact: |q| <= 127, |q - zero| <= 16), tensor-core dots accumulated in fp32. INT8's output
-channels' scales and the bias applied once at the store; INT4's scales a group, so to each K step's dot (a tile
-never crosses a group: BLOCK_K divides the group size)."""
+"""The Triton path's GEMMs: torch's over full-precision weights, ours over weight-only INT8, INT4 and FP8 weights
+(kernels/quant.Int8Weight, Int4Weight, Fp8Weight): each [BLOCK_K, BLOCK_N] tile of the weight loaded as int8 (a
+quarter of fp32's bytes, half of bf16's), as bytes of two 4-bit values (a quarter of bf16's) or as e4m3 bytes,
+converted to the activations' dtype in registers (exact: |q| <= 127, |q - zero| <= 16, e4m3 through fp16 by bit
+moves, on any GPU), tensor-core dots accumulated in fp32. INT8's output channels' scales and the bias applied once
+at the store; INT4's and FP8's scales a group, so to each K step's dot (a tile never crosses a group: BLOCK_K
+divides the group size, or a row is one group)."""
 import torch
 import triton
 import triton.language as tl
 
 from kernels import reference
 from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS
-from kernels.quant import Int4Weight, Int8Weight
+from kernels.quant import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None
-           ) -> torch.Tensor:
-    """Semantics: kernels.reference.linear; an INT8 weight by int8_linear, an INT4 one by int4_linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: kernels.reference.linear; an INT8 weight by int8_linear, an INT4 or FP8 one by grouped_linear."""
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias)
-    if isinstance(weight, Int4Weight):
-        return int4_linear(x, weight, bias)
+    if isinstance(weight, (Int4Weight, Fp8Weight)):
+        return grouped_linear(x, weight, bias)
     return reference.linear(x, weight, bias)
 
 
@@ -82,28 +82,37 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     return y
 
 
-@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_int4_gemm_kernel"])
-def _int4_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, num_rows, n_dim, k_dim, group_size,
-                      stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """y[rows, cols] = sum over K steps of (x[rows, ks] @ (q[cols, ks] - zero[g, cols]).T) * scale[g, cols]
-    (+ bias[cols]), g = the step's group, for this program's BLOCK_M rows and BLOCK_N output columns."""
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS["_grouped_scale_gemm_kernel"])
+def _grouped_scale_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, num_rows, n_dim, k_dim,
+                               group_size, stride_xm, stride_wn, stride_ym, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               DOT_FP32: tl.constexpr):
+    """y[rows, cols] = sum over K steps of (x[rows, ks] @ w[cols, ks].T) * scale[g, cols] (+ bias[cols]), g = the
+    step's group, for this program's BLOCK_M rows and BLOCK_N output columns; w = q - zero[g] (INT4: two values a
+    byte) or e4m3 * 2^-8 (FP8: its bits moved into an fp16's, whose exponent bias is 8 more; the 2^8 in the
+    scale)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < num_rows, offs_n < n_dim
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
-    shifts = ((offs_k % 2) * 4)[:, None]                                      # k's nibble in its byte
+    shifts = ((offs_k % 2) * 4)[:, None]                                      # INT4: k's nibble in its byte
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
-        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
-        packed = tl.load(w_cols + ((k0 + offs_k) // 2).to(tl.int64)[:, None], mask=n_mask[None, :], other=0)
+        k_mask = k0 + offs_k < k_dim
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         group = (k0 // group_size).to(tl.int64) * n_dim
-        zero = tl.load(zero_ptr + group + offs_n, mask=n_mask, other=0).to(tl.int32)
         scale = tl.load(scale_ptr + group + offs_n, mask=n_mask, other=0.0)
-        w = (packed.to(tl.int32) >> shifts) & 15                              # [BLOCK_K, BLOCK_N]
-        w -= zero[None, :]
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        if FP8:
+            bits = tl.load(w_cols + (k0 + offs_k).to(tl.int64)[:, None], mask=w_mask, other=0).to(tl.int32)
+            w = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            scale *= 256.0
+        else:
+            packed = tl.load(w_cols + ((k0 + offs_k) // 2).to(tl.int64)[:, None], mask=w_mask, other=0)
+            zero = tl.load(zero_ptr + group + offs_n, mask=n_mask, other=0).to(tl.int32)
+            w = ((packed.to(tl.int32) >> shifts) & 15) - zero[None, :]          # [BLOCK_K, BLOCK_N]
         if DOT_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -116,28 +125,31 @@ def _int4_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, num_ro
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def int4_config(num_rows: int, itemsize: int, group_size: int) -> dict:
-    """int8_config's tiles, K steps that divide the group size (a multiple of 32: each step within one group)."""
+def grouped_config(num_rows: int, itemsize: int, group_size: int, k_dim: int) -> dict:
+    """int8_config's tiles, K steps that divide the group size (a multiple of 32: each step within one group), or
+    any where a row is one group."""
     cfg = int8_config(num_rows, itemsize)
     block_k = cfg["BLOCK_K"]
-    while group_size % block_k:
+    while group_size != k_dim and group_size % block_k:
         block_k //= 2
     return cfg | {"BLOCK_K": block_k}
 
 
-def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: Int4Weight | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, weight.dequantize(torch.float32), bias) in fp32 (each group's dot scaled as a
-    whole), rounded once to x's dtype. x [num_rows, in_dim]; weight.data [out_dim, in_dim / 2] uint8 ->
-    [num_rows, out_dim]."""
+    whole), rounded once to x's dtype. x [num_rows, in_dim]; weight.data [out_dim, in_dim / 2] (INT4) or
+    [out_dim, in_dim] (FP8) uint8 -> [num_rows, out_dim]."""
     x = x.contiguous()
     num_rows, k_dim = x.shape
     n_dim = weight.data.shape[0]
     y = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    cfg = int4_config(num_rows, x.element_size(), weight.group_size)
+    fp8 = isinstance(weight, Fp8Weight)
+    cfg = grouped_config(num_rows, x.element_size(), weight.group_size, k_dim)
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), triton.cdiv(n_dim, cfg["BLOCK_N"]))
-    _int4_gemm_kernel[grid](x, weight.data, weight.scale, weight.zero, bias if bias is not None else weight.scale,
-                            y, num_rows, n_dim, k_dim, weight.group_size, x.stride(0), weight.data.stride(0),
-                            y.stride(0), HAS_BIAS=bias is not None, DOT_FP32=DOT_FP32, **cfg)
+    _grouped_scale_gemm_kernel[grid](x, weight.data, weight.scale, weight.data if fp8 else weight.zero,
+                                     bias if bias is not None else weight.scale, y, num_rows, n_dim, k_dim,
+                                     weight.group_size, x.stride(0), weight.data.stride(0), y.stride(0), FP8=fp8,
+                                     HAS_BIAS=bias is not None, DOT_FP32=DOT_FP32, **cfg)
     return y

@@ -49,4 +49,4 @@ UNSPECIALIZED_ARGS = {"_attention_kernel": ("num_seqs", "stride_bt"),
                       "_shrink_kernel": ("split_k", "blocks_per_split", "stride_ps"),
                       "_expand_kernel": (), "_merge_kernel": (), "_grouped_gemm_kernel": ("num_rows",),
                       "_int8_gemm_kernel": ("num_rows",),
-                      "_int4_gemm_kernel": ("num_rows",)}
+                      "_grouped_scale_gemm_kernel": ("num_rows",)}

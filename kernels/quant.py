@@ -5,7 +5,7 @@ on a scale and a zero point, values 0..15 (asymmetric, as GPTQ and AWQ store the
 stay in the model's dtype; each backend's linear dequantizes as it reads. And the values that FP8, GPTQ and AWQ
 checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq). And the INT8 KV cache's values
 (quantize_kv, dequantize_kv)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,8 +66,59 @@ def int4_group_size(in_dim: int) -> int:
     raise ValueError(f"{in_dim} input channels: INT4 weights group them by {', '.join(map(str, INT4_GROUP_SIZES))}")
 
 
+class GroupedWeight:
+    """What Int4Weight and Fp8Weight share: values with a scale (and INT4's zero point) per group of group_size
+    input channels of each output channel, those laid [in / group_size, out] (GROUPED: their names), values
+    VALUES_PER_BYTE a byte along the input channels, data [out, in / VALUES_PER_BYTE] or in the compiled CPU GEMM's
+    panels [out / PANEL, in, PANEL / VALUES_PER_BYTE]."""
+    GROUPED: tuple[str, ...] = ("scale",)
+    VALUES_PER_BYTE = 1
+
+    @property
+    def shape(self) -> torch.Size:
+        if self.data.dim() == 3:
+            return torch.Size((self.data.shape[0] * PANEL, self.data.shape[1]))
+        return torch.Size((self.data.shape[0], self.data.shape[1] * self.VALUES_PER_BYTE))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + sum(getattr(self, name).nbytes for name in self.GROUPED)
+
+    def _grouped(self, fn) -> dict:
+        return {name: fn(getattr(self, name)) for name in self.GROUPED}
+
+    def to(self, device):
+        return replace(self, data=self.data.to(device), **self._grouped(lambda t: t.to(device)))
+
+    def output_rows(self, rows):
+        """Output channels `rows` (a slice or an index list): a column-parallel rank's share, or a reordering."""
+        return replace(self, data=self.data[rows].contiguous(), **self._grouped(lambda t: t[:, rows].contiguous()))
+
+    @classmethod
+    def cat(cls, parts: list):
+        """The output channels of parts one after another (a fused projection's)."""
+        if len({part.group_size for part in parts}) > 1:
+            raise ValueError(f"parts grouped by {sorted({part.group_size for part in parts})} input channels")
+        return replace(parts[0], data=torch.cat([p.data for p in parts]),
+                       **{name: torch.cat([getattr(p, name) for p in parts], dim=1) for name in cls.GROUPED})
+
+    def input_slice(self, lo: int, hi: int):
+        """Input channels lo:hi (a row-parallel rank's share): whole groups, or any part of one group a row."""
+        in_dim, g, per_byte = self.shape[1], self.group_size, self.VALUES_PER_BYTE
+        data = self.data[:, lo // per_byte:hi // per_byte].contiguous()
+        if g == in_dim and lo % per_byte == 0 and hi % per_byte == 0:
+            return replace(self, data=data, group_size=hi - lo)
+        if lo % g or hi % g:
+            raise ValueError(f"input channels {lo}:{hi} cut groups of {g}")
+        return replace(self, data=data, **self._grouped(lambda t: t[lo // g:hi // g].contiguous()))
+
+    def _expanded(self, name: str) -> torch.Tensor:
+        """A grouped tensor as [out, in] fp32."""
+        return getattr(self, name).T.float().repeat_interleave(self.group_size, dim=1)
+
+
 @dataclass
-class Int4Weight:
+class Int4Weight(GroupedWeight):
     """w[n, k] = (q[n, k] - zero[k // group_size, n]) * scale[k // group_size, n], q in 0..15."""
     data: torch.Tensor      # [out, in / 2] uint8: q[n, 2j] in data[n, j]'s low nibble, q[n, 2j + 1] in its high;
                             # or panels [out / PANEL, in, PANEL / 2] (the compiled CPU GEMM's): at each k of a
@@ -75,21 +126,13 @@ class Int4Weight:
     scale: torch.Tensor     # [in / group_size, out] fp32
     zero: torch.Tensor      # [in / group_size, out] uint8, 0..16 (GPTQ's first format reads a stored 15 as 16)
     group_size: int
+    GROUPED = ("scale", "zero")
+    VALUES_PER_BYTE = 2
 
     def __post_init__(self):
         if self.group_size % 32 or self.shape[1] % self.group_size:
             raise ValueError(f"INT4 groups of {self.group_size} input channels over {self.shape[1]}: groups are "
                              "multiples of 32 that divide the input channels")
-
-    @property
-    def shape(self) -> torch.Size:
-        if self.data.dim() == 3:
-            return torch.Size((self.data.shape[0] * PANEL, self.data.shape[1]))
-        return torch.Size((self.data.shape[0], self.data.shape[1] * 2))
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes + self.scale.nbytes + self.zero.nbytes
 
     def values(self) -> torch.Tensor:
         """q [out, in] uint8."""
@@ -100,39 +143,78 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in dtype, computed in fp32."""
-        zero = self.zero.T.float().repeat_interleave(self.group_size, dim=1)         # [out, in]
-        scale = self.scale.T.repeat_interleave(self.group_size, dim=1)
-        return ((self.values().float() - zero) * scale).to(dtype)
+        return ((self.values().float() - self._expanded("zero")) * self._expanded("scale")).to(dtype)
 
     def panels(self) -> "Int4Weight":
         """The same weight in column panels (PANEL columns, each k's 16 values in 8 bytes)."""
         out_dim, in_dim = self.shape
         q = self.values().view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2)          # [P, in, 16]
         half = PANEL // 2
-        return Int4Weight((q[..., :half] | (q[..., half:] << 4)).contiguous(), self.scale, self.zero,
-                          self.group_size)
+        return replace(self, data=(q[..., :half] | (q[..., half:] << 4)).contiguous())
 
-    def to(self, device) -> "Int4Weight":
-        return Int4Weight(self.data.to(device), self.scale.to(device), self.zero.to(device), self.group_size)
 
-    def output_rows(self, rows) -> "Int4Weight":
-        """Output channels `rows` (a slice or an index list): a column-parallel rank's share, or a reordering."""
-        return Int4Weight(self.data[rows].contiguous(), self.scale[:, rows].contiguous(),
-                          self.zero[:, rows].contiguous(), self.group_size)
+FP8_MAX = 448.0             # e4m3's largest finite value
 
-    @staticmethod
-    def cat(parts: list["Int4Weight"]) -> "Int4Weight":
-        """The output channels of parts one after another (a fused projection's)."""
-        return Int4Weight(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts], dim=1),
-                          torch.cat([p.zero for p in parts], dim=1), parts[0].group_size)
 
-    def input_slice(self, lo: int, hi: int) -> "Int4Weight":
-        """Input channels lo:hi (a row-parallel rank's share), whole groups only."""
-        if lo % self.group_size or hi % self.group_size:
-            raise ValueError(f"input channels {lo}:{hi} cut INT4 groups of {self.group_size}")
-        g = self.group_size
-        return Int4Weight(self.data[:, lo // 2:hi // 2].contiguous(), self.scale[lo // g:hi // g].contiguous(),
-                          self.zero[lo // g:hi // g].contiguous(), g)
+@dataclass
+class Fp8Weight(GroupedWeight):
+    """w[n, k] = e4m3(data[n, k]) * scale[k // group_size, n]: one group a row (group_size = in: a scale per output
+    channel, or per tensor), or groups of 128 (an FP8 checkpoint's blocks, each block's scale repeated over its
+    rows)."""
+    data: torch.Tensor      # [out, in] uint8 (float8_e4m3fn's bits), or panels [out / PANEL, in, PANEL]
+    scale: torch.Tensor     # [in / group_size, out] fp32
+    group_size: int
+
+    def __post_init__(self):
+        in_dim = self.shape[1]
+        if in_dim % self.group_size or (self.group_size != in_dim and self.group_size % 32):
+            raise ValueError(f"FP8 groups of {self.group_size} input channels over {in_dim}: one group a row, or "
+                             "multiples of 32 that divide the input channels")
+
+    def values(self) -> torch.Tensor:
+        """The e4m3 values [out, in] in fp32."""
+        data = self.data if self.data.dim() == 2 else self.data.transpose(1, 2).reshape(self.shape)
+        return data.contiguous().view(torch.float8_e4m3fn).float()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in dtype, computed in fp32."""
+        return (self.values() * self._expanded("scale")).to(dtype)
+
+    def panels(self) -> "Fp8Weight":
+        """The same weight in column panels: data.view(out / 16, 16, in).transpose(1, 2)."""
+        out_dim, in_dim = self.shape
+        return replace(self, data=self.data.view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2).contiguous())
+
+
+def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
+    """Semantics: scale = |weight|.amax(dim=1) / 448 (rows of zeros: scale 1); data = (weight / scale) rounded to
+    float8_e4m3fn (torch's round to nearest even), computed in fp32. weight [out, in] -> Fp8Weight, one group a row
+    (vLLM's FP8 by channel)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return Fp8Weight(data.contiguous(), scale[None, :].contiguous(), w.shape[1])
+
+
+def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8Weight | None:
+    """An FP8 checkpoint's weight [rows, cols] (float8_e4m3fn) and its scale (as dequantize_fp8 takes them) kept in
+    e4m3: a scale per tensor or row as one group a row, block scales as groups of block[1] (each block's scale
+    repeated over its rows); None where the blocks are not groups Fp8Weight takes (a partial last block of
+    columns, or blocks not of 32s)."""
+    rows, cols = weight.shape
+    scale = scale.float()
+    data = weight.view(torch.uint8).contiguous()
+    if scale.numel() == 1:
+        return Fp8Weight(data, scale.reshape(1, 1).expand(1, rows).contiguous(), cols)
+    if tuple(scale.shape) == (rows, 1):
+        return Fp8Weight(data, scale.reshape(1, rows).contiguous(), cols)
+    if block is None or tuple(scale.shape) != (-(-rows // block[0]), -(-cols // block[1])):
+        raise ValueError(f"a scale of shape {list(scale.shape)} for a weight of shape {[rows, cols]}"
+                         + (f" in blocks of {list(block)}" if block else "") + " (one per tensor, row or block)")
+    if cols % block[1] or block[1] % 32:
+        return None
+    return Fp8Weight(data, scale.repeat_interleave(block[0], 0)[:rows].T.contiguous(), block[1])
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int | None = None) -> Int4Weight:
@@ -154,16 +236,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None) -> Int4We
                       zero.T.to(torch.uint8).contiguous(), group_size)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
-QUANTIZED_WEIGHTS = (Int8Weight, Int4Weight)
+QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
+QUANTIZED_WEIGHTS = (Int8Weight, Int4Weight, Fp8Weight)
 
 
 def quantize_weight(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | QuantizedWeight:
-    """weight [out, in] as weight_dtype keeps it: int8 (quantize_int8), int4 (quantize_int4), or as it is (auto)."""
+    """weight [out, in] as weight_dtype keeps it: int8 (quantize_int8), int4 (quantize_int4), fp8
+    (quantize_fp8), or as it is (auto)."""
     if weight_dtype == "int8":
         return quantize_int8(weight)
     if weight_dtype == "int4":
         return quantize_int4(weight)
+    if weight_dtype == "fp8":
+        return quantize_fp8(weight)
     return weight
 
 

@@ -109,7 +109,7 @@ def configurations():
     yield from lora_configurations()
     yield from moe_configurations()
     yield from int8_configurations()
-    yield from int4_configurations()
+    yield from grouped_configurations()
 
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}   # hidden, inter, experts, k
@@ -169,19 +169,22 @@ def int8_configurations():
                int8_config(rows, 4 if dtype == "fp32" else 2) | {"HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
 
 
-def int4_configurations():
-    """The INT4 weight-only GEMM over the same projections (groups of 128; SmolLM2's qkv, groups of 64), the same
-    rows and dtypes."""
-    from kernels.gemm import int4_config
+def grouped_configurations():
+    """The INT4 and FP8 weight-only GEMM over the same projections (INT4 in groups of 128, FP8 a scale a row and
+    in 128-wide blocks; SmolLM2's qkv: INT4 in groups of 64, FP8 a row of 576), the same rows and dtypes."""
+    from kernels.gemm import grouped_config
     shapes = INT8_SHAPES | {"smollm2 qkv": (576, 960)}
-    for (shape, (k_dim, n_dim)), dtype, rows in itertools.product(shapes.items(), DTYPES, (16, 2048)):
-        p, group_size = DTYPES[dtype], 64 if shape.startswith("smollm2") else 128
+    formats = {"int4": (False, 2, lambda k: 64 if k == 576 else 128), "fp8": (True, 1, lambda k: k),
+               "fp8 blocks": (True, 1, lambda k: 64 if k == 576 else 128)}
+    for (shape, (k_dim, n_dim)), dtype, rows, (name, (fp8, per_byte, group_of)) in itertools.product(
+            shapes.items(), DTYPES, (16, 2048), formats.items()):
+        p, group_size = DTYPES[dtype], group_of(k_dim)
         args = dict(x_ptr=p, w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*u8", bias_ptr=p, y_ptr=p, num_rows=rows,
-                    n_dim=n_dim, k_dim=k_dim, group_size=group_size, stride_xm=k_dim, stride_wn=k_dim // 2,
+                    n_dim=n_dim, k_dim=k_dim, group_size=group_size, stride_xm=k_dim, stride_wn=k_dim // per_byte,
                     stride_ym=n_dim)
-        yield (f"int4_gemm {dtype} {shape} t{rows}", "kernels.gemm", "_int4_gemm_kernel", args,
-               int4_config(rows, 4 if dtype == "fp32" else 2, group_size)
-               | {"HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
+        yield (f"{name.replace(' ', '_')}_gemm {dtype} {shape} t{rows}", "kernels.gemm", "_grouped_scale_gemm_kernel",
+               args, grouped_config(rows, 4 if dtype == "fp32" else 2, group_size, k_dim)
+               | {"FP8": fp8, "HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
 
 
 def lora_configurations():
@@ -221,7 +224,7 @@ HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf
        "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128",   # an 8B decode
        "moe_gate_up bf16", "moe_down bf16", "moe_lora_shrink_gate_up bf16", "moe_lora_shrink_down bf16",  # step;
        "moe_lora_expand_gate_up bf16", "moe_lora_expand_down bf16",                            # a mixture's, adapted
-       "int8_gemm bf16", "int4_gemm bf16")                                             # INT8 and INT4 weights
+       "int8_gemm bf16", "int4_gemm bf16", "fp8_gemm bf16")                    # INT8, INT4 and FP8 weights
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}

@@ -68,7 +68,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
 PY
 }
 self_check() {                            # the start-up self-check on this GPU at SmolLM2's and 8B's shapes, strict
-                                          # (with INT8 and INT4 weights and an INT8 KV cache checked as well)
+                                          # (with INT8, INT4 and FP8 weights and an INT8 KV cache checked too)
   "$PYTHON" - <<'PY'
 import torch
 from backend.device import resolve_dtype
@@ -86,8 +86,9 @@ for name, shape in shapes.items():
                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape})
     checks = check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, weight_dtype="int8",
                            kv_cache_dtype="int8")                 # the quantized paths too: INT8 GEMMs, INT8 KV,
-    with torch.inference_mode():
-        checks += gemm_checks(load_ops("triton", device), cfg, dtype, device, "int4")    # and INT4 GEMMs
+    with torch.inference_mode():                                  # and the INT4 and FP8 GEMMs
+        checks += [c for fmt in ("int4", "fp8") for c in gemm_checks(load_ops("triton", device), cfg, dtype, device,
+                                                                     fmt)]
     for check in checks:
         print(f"{'ok  ' if check.error is None else 'FAIL'} {name} {check.family}: {check.what}"
               + (f": {check.error}" if check.error else ""))

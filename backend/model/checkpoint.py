@@ -405,8 +405,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 class CheckpointReader:
     """A model directory's tensors by name, over its safetensors files (each opened once), as safetensors slices
     (get_shape, and indexing that reads only what it selects); a quantized checkpoint's weight (WeightStorage) as a
-    DequantizedSlice of the fp32 values it encodes, or, while keep_int4 is set, a 4-bit GPTQ or AWQ weight whose
-    groups are runs of input channels as an Int4Slice (kept packed)."""
+    DequantizedSlice of the fp32 values it encodes, or, for the formats named in `keep`, as a PackedSlice of the
+    weight kept as stored: "int4", a 4-bit GPTQ or AWQ weight whose groups are runs of 32s of input channels;
+    "fp8", an FP8 weight whose scales are one a tensor, a row, or a block of whole groups of 32s."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
@@ -414,7 +415,7 @@ class CheckpointReader:
         config = self.model_dir / "config.json"
         self.storage = weight_storage(json.loads(config.read_text())) if config.is_file() else None
         self.handles: dict[Path, object] = {}
-        self.keep_int4 = False
+        self.keep: tuple[str, ...] = ()
 
     def __contains__(self, key: str) -> bool:
         return key in self.key_files or self._is_packed(key)
@@ -428,8 +429,15 @@ class CheckpointReader:
         if self.storage is None or self.storage.method != "fp8" or raw.get_dtype() != "F8_E4M3":
             raise ValueError(f"checkpoint tensor {key} is {raw.get_dtype()} without a quantization_config that "
                              "says how to read it")
-        from kernels.quant import dequantize_fp8            # (torch on first use: the OpenAI API reads configs only)
+        from kernels.quant import dequantize_fp8, fp8_weight  # (torch on first use: the OpenAI API reads configs only)
         scale = self._tensor(key.removesuffix("weight") + self.storage.scale_suffix)
+        if "fp8" in self.keep and len(raw.get_shape()) == 2:
+            try:
+                kept = fp8_weight(raw[:], scale, self.storage.block)
+            except ValueError as err:
+                raise ValueError(f"checkpoint tensor {key}: {err}") from None
+            if kept is not None:
+                return PackedSlice(key, kept)
         return DequantizedSlice(key, raw.get_shape(), lambda: dequantize_fp8(raw[:], scale, self.storage.block))
 
     def read_keys(self, keys) -> set[str]:
@@ -453,7 +461,7 @@ class CheckpointReader:
         return (self.storage is not None and self.storage.packed and key.endswith(".weight")
                 and key not in self.key_files and key.removesuffix("weight") + "qweight" in self.key_files)
 
-    def _packed(self, key: str) -> "DequantizedSlice | Int4Slice":
+    def _packed(self, key: str) -> "DequantizedSlice | PackedSlice":
         base = key.removesuffix("weight")
         import torch
 
@@ -465,7 +473,7 @@ class CheckpointReader:
             in_dim = in_dim * 32 // storage.bits
             g_idx = self._tensor(base + "g_idx") if base + "g_idx" in self.key_files else \
                 torch.arange(in_dim) // (storage.group_size if storage.group_size > 0 else in_dim)
-            kept = self.keep_int4 and storage.bits == 4 and int4_from_gptq(
+            kept = "int4" in self.keep and storage.bits == 4 and int4_from_gptq(
                 qweight[:], self._tensor(base + "qzeros"), scales, g_idx, storage.zero_offset)
 
             def values():
@@ -474,7 +482,7 @@ class CheckpointReader:
         else:
             out_dim = out_dim * 32 // storage.bits
             group_size = storage.group_size if storage.group_size > 0 else in_dim
-            kept = self.keep_int4 and int4_from_awq(qweight[:], self._tensor(base + "qzeros"), scales, group_size)
+            kept = "int4" in self.keep and int4_from_awq(qweight[:], self._tensor(base + "qzeros"), scales, group_size)
 
             def values():
                 return dequantize_awq(qweight[:], self._tensor(base + "qzeros"), scales, group_size)
@@ -482,7 +490,7 @@ class CheckpointReader:
             if list(kept.shape) != [out_dim, in_dim]:
                 raise ValueError(f"checkpoint tensor {key}: packed as {list(kept.shape)}, its scales say "
                                  f"{[out_dim, in_dim]}")
-            return Int4Slice(key, kept)
+            return PackedSlice(key, kept)
         return DequantizedSlice(key, [out_dim, in_dim], values)
 
     def _tensor(self, key: str):
@@ -517,10 +525,10 @@ class DequantizedSlice:
         return self.dequantized[index]
 
 
-class Int4Slice:
-    """A 4-bit weight kept packed (kernels.quant.Int4Weight) read as a safetensors slice is: get_shape(), and
-    indexing by output rows (`[lo:hi]`), input channels (`[:, lo:hi]`: whole groups, or else the fp32 values of
-    the slice, as a DequantizedSlice gives them) or whole (`[:]`)."""
+class PackedSlice:
+    """A weight kept as stored (kernels.quant.GroupedWeight: INT4, FP8) read as a safetensors slice is:
+    get_shape(), and indexing by output rows (`[lo:hi]`), input channels (`[:, lo:hi]`: whole groups, or else the
+    fp32 values of the slice, as a DequantizedSlice gives them) or whole (`[:]`)."""
 
     def __init__(self, key: str, weight):
         self.key, self.weight = key, weight
@@ -532,12 +540,13 @@ class Int4Slice:
         rows, columns = index if isinstance(index, tuple) else (index, slice(None))
         if not (isinstance(rows, slice) and isinstance(columns, slice) and rows.step is None and columns.step is None
                 and (rows == slice(None) or columns == slice(None))):
-            raise ValueError(f"checkpoint tensor {self.key}: an INT4 weight is sliced by rows or by columns, "
+            raise ValueError(f"checkpoint tensor {self.key}: a packed weight is sliced by rows or by columns, "
                              f"not by {index}")
         if rows != slice(None):
             return self.weight.output_rows(rows)
         lo, hi = columns.start or 0, self.weight.shape[1] if columns.stop is None else columns.stop
-        if lo % self.weight.group_size or hi % self.weight.group_size:
+        try:
+            return self.weight.input_slice(lo, hi)
+        except ValueError:                                  # (a share that cuts a group)
             import torch
             return self.weight.dequantize(torch.float32)[:, lo:hi]
-        return self.weight.input_slice(lo, hi)

@@ -6,7 +6,10 @@ from pathlib import Path
 import torch
 
 from backend.model.checkpoint import CheckpointReader, ModelConfig
-from kernels.quant import QUANTIZED_WEIGHTS, Int4Weight, QuantizedWeight, quantize_weight
+from kernels.quant import QUANTIZED_WEIGHTS, GroupedWeight, QuantizedWeight, quantize_weight
+
+KEPT_FORMATS = {"auto": ("int4", "fp8"), "int4": ("int4",), "fp8": ("fp8",), "int8": ()}   # by weight_dtype: the
+                                              # checkpoint formats whose projections are kept as stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,17 +205,18 @@ def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg:
 
 
 def _cat_rows(parts: list, dtype: torch.dtype | None = None):
-    """The output rows of parts one after another: INT4 weights kept packed where every part is one (else
-    dequantized into dtype), tensors concatenated."""
-    if all(isinstance(part, Int4Weight) for part in parts):
-        return Int4Weight.cat(parts) if len(parts) > 1 else parts[0]
-    parts = [part.dequantize(dtype or torch.float32) if isinstance(part, Int4Weight) else part for part in parts]
+    """The output rows of parts one after another: weights kept as stored where every part is one of one type
+    (else dequantized into dtype), tensors concatenated."""
+    if all(isinstance(part, GroupedWeight) for part in parts) and len({type(p) for p in parts}) == 1 and \
+            len({p.group_size for p in parts}) == 1:
+        return type(parts[0]).cat(parts) if len(parts) > 1 else parts[0]
+    parts = [part.dequantize(dtype or torch.float32) if isinstance(part, GroupedWeight) else part for part in parts]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _on_device(part, device, dtype: torch.dtype):
-    """A part as read, on the device: a tensor in dtype, an INT4 weight kept packed."""
-    return part.to(device) if isinstance(part, Int4Weight) else part.to(device).to(dtype)
+    """A part as read, on the device: a tensor in dtype, a weight kept as stored as it is."""
+    return part.to(device) if isinstance(part, GroupedWeight) else part.to(device).to(dtype)
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
@@ -225,8 +229,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     LM head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision; a
     row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each rank's share
     has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's GEMM.
-    weight_dtype auto or int4 over a 4-bit GPTQ or AWQ checkpoint: its dense projections kept as they are packed
-    (CheckpointReader.keep_int4), sliced and fused as INT4 weights."""
+    weight_dtype auto over an FP8 or a 4-bit GPTQ or AWQ checkpoint (or fp8, int4 over its own format): its dense
+    projections kept as stored (CheckpointReader.keep: KEPT_FORMATS), sliced and fused as such."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     reader = CheckpointReader(model_dir)
@@ -238,8 +242,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         for name, source in table.items():
             if name == "lm_head" and not lm_head:
                 continue
-            reader.keep_int4 = weight_dtype in ("auto", "int4") and name.endswith("_proj") \
-                and "experts" not in source.split
+            dense = name.endswith("_proj") and "experts" not in source.split
+            reader.keep = KEPT_FORMATS[weight_dtype] if dense else ()
             if "experts" in source.split:
                 read = lambda key: _checked_slice(reader, key, shapes[key])  # noqa: E731
                 experts = _read_experts(read, [(key, shapes[key]) for key in source.keys], source.split, tp_size,
@@ -274,7 +278,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     return weights
 
 
-def served_weight(name: str, weight: torch.Tensor | Int4Weight, weight_dtype: str) -> torch.Tensor | QuantizedWeight:
+def served_weight(name: str, weight: torch.Tensor | GroupedWeight, weight_dtype: str
+                  ) -> torch.Tensor | QuantizedWeight:
     """A dense projection's weight as weight_dtype serves it (kernels.quant.quantize_weight; one kept packed from
     the checkpoint as it is); any other as it is."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
@@ -303,7 +308,7 @@ def reordered(cfg: ModelConfig, name: str, weight: torch.Tensor, tp_size: int) -
     if name.endswith(("qkv_proj", "qkv_bias")):
         shard = cfg.shard(tp_size)
         order = cfg.qk_row_order(shard.q_size, shard.kv_size, weight.shape[0])
-        return weight.output_rows(order) if isinstance(weight, Int4Weight) else weight[order]
+        return weight.output_rows(order) if isinstance(weight, GroupedWeight) else weight[order]
     if name.endswith(("q_norm", "k_norm")):
         return weight[cfg.rotary_order()]
     return weight

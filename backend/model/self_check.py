@@ -283,8 +283,8 @@ def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) 
 
 
 def gemm_checks(ops, cfg: ModelConfig, dtype, device, weight_dtype: str) -> list[Check]:
-    """The weight-only GEMM of weight_dtype (ops.linear over kernels.quant's Int8Weight or Int4Weight) at each dense
-    projection's shape, for a decode step's 16 rows and a prompt chunk's 100."""
+    """The weight-only GEMM of weight_dtype (ops.linear over kernels.quant's Int8Weight, Int4Weight or Fp8Weight) at
+    each dense projection's shape, for a decode step's 16 rows and a prompt chunk's 100."""
     g = torch.Generator().manual_seed(3)
     checks = []
     for proj in ("qkv", "o", "gate_up", "down") if cfg.any_dense_mlp else ("qkv", "o"):

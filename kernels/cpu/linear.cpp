@@ -1,7 +1,8 @@
 // Projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
 // one 64-byte line in fp32 (a quarter line in INT8, whose panels are converted as they load and whose columns are
 // scaled once at the end: weight-only INT8, one scale per output channel; an eighth in INT4, its values shifted by
-// their group's zero points and scaled as they load). A 6 x 16 output tile lives in 12
+// their group's zero points and scaled as they load; a quarter in FP8, converted through fp16 and scaled as they
+// load). A 6 x 16 output tile lives in 12
 // registers, fed per k by that line and 6 broadcasts of x.
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
@@ -87,6 +88,41 @@ struct Int4Panels {
   };
   Lines lines(int64_t panel, int64_t K) const {
     return Lines(data + panel * K * kRowBytes, scale + panel * kPanel, zero + panel * kPanel, N, group);
+  }
+};
+
+// FP8 (e4m3): 16 bytes a k, each value's bits moved into an fp16's (sign to bit 15, exponent and mantissa below,
+// the exponent's bias 7 short of fp16's 15, made up by the scale's 2^8) and converted by F16C, which reads fp16's
+// subnormals (e4m3's own) exactly; scaled by its group's scales ([groups, N]), read again at every group start.
+struct Fp8Panels {
+  static constexpr int64_t kRowBytes = kPanel;
+  const uint8_t* data;
+  const float* scale;
+  int64_t N, group;
+  struct Lines {
+    const uint8_t* p;
+    const float* scale;
+    int64_t N, group, next_group = 0;
+    __m256 s0, s1;
+    Lines(const uint8_t* p, const float* scale, int64_t N, int64_t group) : p(p), scale(scale), N(N), group(group) {}
+    void load(int64_t k, __m256& w0, __m256& w1) {
+      if (k == next_group) {
+        const __m256 bias_gap = _mm256_set1_ps(256.0f);                      // 2^(15 - 7)
+        s0 = _mm256_mul_ps(_mm256_loadu_ps(scale), bias_gap);
+        s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), bias_gap);
+        scale += N, next_group += group;
+      }
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kRowBytes));
+      // sign-extended and shifted by 7: bit 15 the sign, bits 13..7 exponent and mantissa; bit 14 (the sign
+      // again, or 0) cleared
+      const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+      w0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), s0);
+      w1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), s1);
+    }
+  };
+  Lines lines(int64_t panel, int64_t K) const {
+    return Lines(data + panel * K * kRowBytes, scale + panel * kPanel, N, group);
   }
 };
 
@@ -259,4 +295,24 @@ torch::Tensor int4_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Te
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
   return panel_linear(x, panels, bias, {});
+}
+
+// Weight-only FP8: y = x @ (e4m3(panels) * scale)^T + bias, x fp32 [M, K], panels uint8 [N / 16, K, 16] (e4m3
+// bits), scale [K / group_size, N] fp32.
+torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, int64_t group_size,
+                               std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte, "x float32, panels uint8");
+  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == K / group_size && scale.size(1) == N && scale.is_contiguous() &&
+              scale.scalar_type() == at::kFloat, "scale [K / group_size, N] fp32");
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || num_panels == 0) return y;
+  panel_gemm(x.data_ptr<float>(), M, K, Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), N, group_size},
+             num_panels, nullptr, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
+  return y;
 }

@@ -1,11 +1,11 @@
-"""Weight-only INT8 and INT4 weights (kernels/quant.py): the quantization against its definition, and every
+"""Weight-only INT8, INT4 and FP8 weights (kernels/quant.py): the quantization against its definition, and every
 backend's linear over them against F.linear over the dequantized weight."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.quant import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from kernels.quant import Fp8Weight, Int4Weight, Int8Weight, quantize_fp8, quantize_int4, quantize_int8
 from tests.helpers import CPU_BACKENDS, KERNEL_DEVICES
 
 
@@ -114,7 +114,7 @@ def test_int4_refuses_a_width_of_no_group_and_a_slice_across_groups():
     q = quantize_int4(torch.randn(16, 256))
     torch.testing.assert_close(q.input_slice(128, 256).dequantize(torch.float32),
                                q.dequantize(torch.float32)[:, 128:], atol=0, rtol=0)
-    with pytest.raises(ValueError, match="input channels 64:192 cut INT4 groups of 128"):
+    with pytest.raises(ValueError, match="input channels 64:192 cut groups of 128"):
         q.input_slice(64, 192)
 
 
@@ -125,20 +125,53 @@ def test_int4_panels_hold_the_same_weight():
     assert torch.equal(panels.dequantize(torch.float32), q.dequantize(torch.float32))
 
 
+def test_quantize_fp8_scales_each_row_to_e4m3s_range():
+    """scale = max |w| / 448 per row (a zero row: 1), values w / scale rounded to e4m3 by torch; one group a row."""
+    w = torch.randn(48, 80) * torch.linspace(0.01, 3.0, 48)[:, None]
+    w[5] = 0.0
+    q = quantize_fp8(w)
+    scale = w.abs().amax(dim=1) / 448
+    scale[5] = 1.0
+    assert q.data.dtype == torch.uint8 and q.group_size == 80 and q.scale.shape == (1, 48)
+    torch.testing.assert_close(q.scale[0], scale)
+    assert torch.equal(q.data.view(torch.float8_e4m3fn).float(), (w / scale[:, None]).to(torch.float8_e4m3fn).float())
+    assert q.nbytes == 48 * 80 + 48 * 4
+
+
+def every_e4m3_value(out_dim: int, in_dim: int) -> Fp8Weight:
+    """A weight whose rows run through every finite e4m3 value (subnormals, both zeros, both signs), scaled by
+    groups of 32 input channels."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)      # (0x7F: NaN)
+    data = codes[torch.arange(out_dim * in_dim) % len(codes)].view(out_dim, in_dim)
+    scale = torch.rand(in_dim // 32, out_dim) + 0.5
+    return Fp8Weight(data, scale / (448 * in_dim ** 0.5), 32)
+
+
+QUANTIZERS = {"int4": quantize_int4, "fp8": quantize_fp8, "fp8 every value": None}
+
+
+def grouped_weight(kind: str, out_dim: int, in_dim: int):
+    if kind == "fp8 every value":
+        return every_e4m3_value(out_dim, in_dim)
+    return QUANTIZERS[kind](torch.randn(out_dim, in_dim) / in_dim ** 0.5)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (7, 48, 256), (33, 160, 576), (5, 24, 64),
                                                      (300, 32, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_over_int4_weights_matches_the_dequantized_weight(backend, dtype, num_rows, out_dim, in_dim,
-                                                                 with_bias):
-    """As the INT8 test: groups of 32, 64 and 128 (one group or several), panels and not, the dequantized call."""
+def test_linear_over_grouped_weights_matches_the_dequantized_weight(backend, kind, dtype, num_rows, out_dim, in_dim,
+                                                                    with_bias):
+    """INT4 (groups of 32, 64, 128) and FP8 (a scale a row; every e4m3 value in groups of 32) as the INT8 test:
+    panels and not, the dequantized call."""
     ops = ops_of(backend)
-    weight = quantize_int4(torch.randn(out_dim, in_dim) / in_dim ** 0.5)
+    weight = grouped_weight(kind, out_dim, in_dim)
     bias = torch.randn(out_dim).to(dtype) if with_bias else None
     x = torch.randn(num_rows, in_dim).to(dtype)
     served = ops.prepare_weights({"layers.0.down_proj": weight})["layers.0.down_proj"]
-    assert isinstance(served, Int4Weight)
+    assert type(served) is type(weight)
     got = ops.linear(x, served, bias)
     want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
     assert got.dtype == dtype and got.shape == (num_rows, out_dim)
@@ -147,13 +180,16 @@ def test_linear_over_int4_weights_matches_the_dequantized_weight(backend, dtype,
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (13, 40, 256), (70, 96, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_triton_int4_gemm_matches_the_dequantized_weight(device, dtype, num_rows, out_dim, in_dim, with_bias):
-    """Decode and prompt tiles, groups of 32 (K steps cut to 32), 64 and 128, N not a multiple of the tiles."""
+def test_the_triton_grouped_gemm_matches_the_dequantized_weight(device, kind, dtype, num_rows, out_dim, in_dim,
+                                                                with_bias):
+    """Decode and prompt tiles, INT4 groups of 32 (K steps cut to 32), 64 and 128, FP8 rows of 96 or 576 (a last
+    K step partial), every e4m3 value; N not a multiple of the tiles."""
     from kernels import gemm
-    weight = quantize_int4(torch.randn(out_dim, in_dim) / in_dim ** 0.5).to(device)
+    weight = grouped_weight(kind, out_dim, in_dim).to(device)
     bias = torch.randn(out_dim).to(device, dtype) if with_bias else None
     x = torch.randn(num_rows, in_dim).to(device, dtype)
     got = gemm.linear(x, weight, bias)
@@ -161,3 +197,16 @@ def test_the_triton_int4_gemm_matches_the_dequantized_weight(device, dtype, num_
     assert got.dtype == dtype and got.shape == (num_rows, out_dim)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_an_fp8_weight_slices_along_its_rows_and_groups():
+    q = quantize_fp8(torch.randn(16, 256))
+    whole = q.dequantize(torch.float32)
+    part = q.input_slice(96, 224)                                           # one group a row: any cut
+    assert part.group_size == 128 and torch.equal(part.dequantize(torch.float32), whole[:, 96:224])
+    blocks = every_e4m3_value(16, 128)
+    assert torch.equal(blocks.input_slice(32, 96).dequantize(torch.float32), blocks.dequantize(torch.float32)[:, 32:96])
+    with pytest.raises(ValueError, match="input channels 16:80 cut groups of 32"):
+        blocks.input_slice(16, 80)
+    rows = Fp8Weight.cat([q.output_rows(slice(0, 5)), q.output_rows(slice(5, 16))])
+    assert torch.equal(rows.dequantize(torch.float32), whole)

@@ -1,7 +1,9 @@
 """FP8 checkpoints as published (quant_method fp8 with block scales, compressed-tensors float-quantized with channel or
 tensor scales): the engine's greedy tokens equal transformers' on the model the checkpoint encodes, dequantized
 here by the test's own lines from the format's definition; adapters equal PEFT on that model; int8 serving of an
-FP8 checkpoint equals its int8 rounding; what is not read is refused by name."""
+FP8 checkpoint equals its int8 rounding; what is not read is refused by name. Weights whose scales are one a
+tensor, a row or a block of 32s of columns stay in e4m3 (kernels.quant.Fp8Weight); blocks of 48 columns are served
+dequantized."""
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
 from backend.lora.dora import checkpoint_weights
+from kernels.quant import Fp8Weight
 from tests.backend.lora.test_lora_peft import MAX_NEW
 from tests.backend.model.test_quantized import (PATHS, assert_adapters_match_peft, assert_tokens_match_transformers,
                                           dequantized_copy)
@@ -22,6 +25,8 @@ BLOCK = (32, 48)                                           # rows x cols: 48 lea
 LAYOUTS = {
     "fp8 blocks": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                    "weight_block_size": list(BLOCK)},
+    "fp8 blocks of 32": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [16, 32]},
     "compressed-tensors channel": {
         "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": {
@@ -35,11 +40,15 @@ LAYOUTS = {
 }
 
 
+KEPT = ("fp8 blocks of 32", "compressed-tensors channel", "compressed-tensors tensor")
+
+
 def scale_groups(rows: int, cols: int, layout: str) -> list[tuple[slice, slice]]:
     """The (rows, cols) ranges that share one scale."""
-    if layout == "fp8 blocks":
-        return [(slice(r, r + BLOCK[0]), slice(c, c + BLOCK[1])) for r in range(0, rows, BLOCK[0])
-                for c in range(0, cols, BLOCK[1])]
+    if layout.startswith("fp8 blocks"):
+        block = LAYOUTS[layout]["weight_block_size"]
+        return [(slice(r, r + block[0]), slice(c, c + block[1])) for r in range(0, rows, block[0])
+                for c in range(0, cols, block[1])]
     if layout.endswith("channel"):
         return [(slice(r, r + 1), slice(0, cols)) for r in range(rows)]
     return [(slice(0, rows), slice(0, cols))]
@@ -51,7 +60,7 @@ def fp8_checkpoint(model_dir: Path, out: Path, layout: str) -> Path:
     shutil.copytree(model_dir, out)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"quantization_config": LAYOUTS[layout]}))
-    suffix = "weight_scale_inv" if layout == "fp8 blocks" else "weight_scale"
+    suffix = "weight_scale_inv" if layout.startswith("fp8 blocks") else "weight_scale"
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
         for key in [k for k in tensors if k.endswith(tuple(f"{m}.weight" for m in ALL_MODULES))]:
@@ -63,8 +72,9 @@ def fp8_checkpoint(model_dir: Path, out: Path, layout: str) -> Path:
                 q[g] = w[g] / scale
             tensors[key] = q.to(torch.float8_e4m3fn)
             rows, cols = w.shape
-            shape = {"fp8 blocks": (-(-rows // BLOCK[0]), -(-cols // BLOCK[1])),
-                     "compressed-tensors channel": (rows, 1), "compressed-tensors tensor": (1,)}[layout]
+            block = LAYOUTS[layout].get("weight_block_size")
+            shape = {"compressed-tensors channel": (rows, 1), "compressed-tensors tensor": (1,)}.get(
+                layout, block and (-(-rows // block[0]), -(-cols // block[1])))
             tensors[key.removesuffix("weight") + suffix] = scales.reshape(shape)
             if layout.endswith("channel"):
                 tensors[key.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
@@ -82,7 +92,7 @@ def dequantized(fp8_dir: Path, out: Path, layout: str) -> Path:
         tensors = load_file(path)
         for key in [k for k in tensors if tensors[k].dtype == torch.float8_e4m3fn]:
             q = tensors.pop(key).float()
-            scales = tensors.pop(key.removesuffix("weight") + ("weight_scale_inv" if layout == "fp8 blocks"
+            scales = tensors.pop(key.removesuffix("weight") + ("weight_scale_inv" if layout.startswith("fp8 blocks")
                                                                else "weight_scale")).flatten()
             tensors.pop(key.removesuffix("weight") + "input_scale", None)
             w = torch.empty_like(q)
@@ -114,8 +124,26 @@ def engine_for(model_dir, kernel_backend: str, **settings) -> LLMEngine:
 def test_an_fp8_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_model_dir, checkpoints, layout,
                                                                         kernel_backend):
     fp8_dir, fp32_dir = checkpoints[layout]
-    assert_tokens_match_transformers(engine_for(fp8_dir, kernel_backend), fp32_dir,
-                                     engine_for(tiny_model_dir, kernel_backend))
+    engine = engine_for(fp8_dir, kernel_backend)
+    projections = [w for name, w in engine.runner.model.w.items() if name.endswith("_proj")]
+    assert all(isinstance(w, Fp8Weight) == (layout in KEPT) for w in projections)
+    assert_tokens_match_transformers(engine, fp32_dir, engine_for(tiny_model_dir, kernel_backend))
+
+
+@pytest.mark.parametrize("layout", ["fp8 blocks of 32", "compressed-tensors channel"])
+def test_an_fp8_checkpoint_at_two_ranks_answers_one_ranks_tokens(checkpoints, layout):
+    """Row-parallel shares of whole blocks, or of rows with one scale each, kept in e4m3."""
+    fp8_dir, _ = checkpoints[layout]
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(fp8_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=tp_size,
+                           kv_cache_memory_bytes=1 << 20)
+        try:
+            assert isinstance(engine.runner.model.w["layers.1.o_proj"], Fp8Weight)
+            answers.append(engine.generate([[5, 9, 3, 71, 2, 8], [44, 11]], max_new_tokens=8))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0]
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)

@@ -1,5 +1,5 @@
-"""Weight-only INT8 and INT4 weights (weight_dtype int8, int4): the engine's greedy tokens equal transformers' on
-the model those weights encode, dequantized here by the test's own lines from each format's definition; adapters,
+"""Weight-only INT8, INT4 and FP8 weights (weight_dtype int8, int4, fp8): the engine's greedy tokens equal
+transformers' on the model those weights encode, dequantized here by the test's own lines from each format's definition; adapters,
 DoRA among them, equal PEFT on that model."""
 import shutil
 from pathlib import Path
@@ -11,13 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from backend import LLMEngine
 from backend.config import EngineConfig
-from kernels.quant import Int4Weight, Int8Weight
+from kernels.quant import Fp8Weight, Int4Weight, Int8Weight
 from tests.backend.lora.test_lora_peft import LENGTHS, MAX_NEW, TASKS, run_mixed
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, INTERPRETER_MARK, hf_greedy, make_peft_adapters, peft_greedy,
                            peft_greedy_alone, peft_model_with, random_prompts)
 
 PATHS = CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)]    # the Triton kernels: the interpreter
-WEIGHT_TYPES = {"int8": Int8Weight, "int4": Int4Weight}
+WEIGHT_TYPES = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
 
 
 def int8_encoded(w: torch.Tensor) -> torch.Tensor:
@@ -39,9 +39,16 @@ def int4_encoded(w: torch.Tensor) -> torch.Tensor:
     return ((torch.round(groups / step) + zero).clamp(0, 15) - zero).mul(step).view(w.shape)
 
 
+def fp8_encoded(w: torch.Tensor) -> torch.Tensor:
+    """Every row scaled to e4m3's range (max |w| -> 448), rounded to e4m3 (torch's float8_e4m3fn), scaled back."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 448
+    scale[scale == 0] = 1.0
+    return (w / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 def dequantized_copy(model_dir: Path, out: Path, weight_dtype: str) -> Path:
     """The model weight_dtype encodes: every projection's weight as that format rounds it, saved in fp32."""
-    encoded = {"int8": int8_encoded, "int4": int4_encoded}[weight_dtype]
+    encoded = {"int8": int8_encoded, "int4": int4_encoded, "fp8": fp8_encoded}[weight_dtype]
     shutil.copytree(model_dir, out)
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
@@ -52,7 +59,7 @@ def dequantized_copy(model_dir: Path, out: Path, weight_dtype: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "fp8"])
 def weight_dtype(request):
     return request.param
 
@@ -68,9 +75,9 @@ def quantized_engine(model_dir, kernel_backend: str, weight_dtype: str) -> LLMEn
 
 
 def quantized_bytes(out_dim: int, in_dim: int, weight_dtype: str) -> int:
-    """A projection's bytes in the format: INT8 a byte a value and an fp32 scale a row; INT4 half a byte a value,
-    an fp32 scale and a uint8 zero point a group of a row."""
-    if weight_dtype == "int8":
+    """A projection's bytes in the format: INT8 and FP8 a byte a value and an fp32 scale a row; INT4 half a byte a
+    value, an fp32 scale and a uint8 zero point a group of a row."""
+    if weight_dtype in ("int8", "fp8"):
         return out_dim * in_dim + 4 * out_dim
     group = next(size for size in (128, 64, 32) if in_dim % size == 0)
     return out_dim * in_dim // 2 + 5 * out_dim * (in_dim // group)
@@ -139,16 +146,12 @@ def test_a_dora_adapter_normalizes_against_the_served_quantized_weights(tiny_mod
                            end_id=engine.model_config.eos_token_id) == expected
 
 
-@pytest.mark.parametrize("settings,says", [
-    (dict(weight_dtype="fp8"), "weight_dtype fp8 is not built yet; built: auto, int8, int4"),
-    (dict(weight_dtype="int3"), "weight_dtype must be one of"),
-])
-def test_a_weight_dtype_not_served_is_refused_by_name(settings, says):
-    with pytest.raises(ValueError, match=says):
-        EngineConfig(model_dir="unused", **settings)
+def test_a_weight_dtype_not_served_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"weight_dtype must be one of \('auto', 'int8', 'int4', 'fp8'\), got 'int3'"):
+        EngineConfig(model_dir="unused", weight_dtype="int3")
 
 
-@pytest.mark.parametrize("weight_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "int4", "fp8"])
 def test_the_openai_api_normalizes_a_dora_adapter_against_the_served_weights(tiny_model_dir, tmp_path, weight_dtype):
     """The API's reader (frontend/tensors.read_tensors, --weight-dtype) sends the magnitudes the engine would take
     from the same PEFT directory, not those of the checkpoint's own weights."""

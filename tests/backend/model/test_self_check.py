@@ -327,7 +327,7 @@ def test_lora_widths_that_are_no_multiple_of_16_are_served_by_the_triton_kernels
     assert served.generate(PROMPTS, max_new_tokens=4, lora_task_ids=[1, None, 1]) == want
 
 
-@pytest.mark.parametrize("weight_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "int4", "fp8"])
 def test_quantized_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, tmp_path, monkeypatch,
                                                                     weight_dtype):
     """weight_dtype int8, int4: its GEMM passes at every projection's shape; broken (wrong values) it is served by

@@ -259,11 +259,13 @@ def test_int4_shares_are_slices_of_one_ranks_int4_weights(wide_model_dir):
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
-def test_int4_weights_at_two_ranks_answer_one_ranks_tokens(wide_model_dir, kernel_backend):
+@pytest.mark.parametrize("weight_dtype", ["int4", "fp8"])
+def test_grouped_weights_at_two_ranks_answer_one_ranks_tokens(wide_model_dir, kernel_backend, weight_dtype):
+    """INT4's shares of whole groups, FP8's of rows with one scale each."""
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=58)
     answers = []
     for tp_size in (1, 2):
-        engine = LLMEngine(wide_model_dir, dtype="float32", kernel_backend=kernel_backend, weight_dtype="int4",
+        engine = LLMEngine(wide_model_dir, dtype="float32", kernel_backend=kernel_backend, weight_dtype=weight_dtype,
                            tensor_parallel_size=tp_size, kv_cache_memory_bytes=1 << 20)
         try:
             answers.append(engine.generate(prompts, max_new_tokens=8))
@@ -272,12 +274,16 @@ def test_int4_weights_at_two_ranks_answer_one_ranks_tokens(wide_model_dir, kerne
     assert answers[1] == answers[0]
 
 
-def test_int4_shares_that_cut_a_group_are_refused_by_name(tiny_model_dir):
-    """The tiny model's o_proj reads 64 inputs, one group: two ranks would each hold half of it."""
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj.weight at tp_size 2: input channels "
-                                         r"0:32 cut INT4 groups of 64"):
-        load_weights(tiny_model_dir, ModelConfig.from_dir(tiny_model_dir), torch.float32, tp_size=2, tp_rank=0,
-                     weight_dtype="int4")
+def test_int4_shares_too_narrow_for_a_group_are_refused_by_name(tiny_model_dir):
+    """The tiny model's o_proj reads 64 inputs, one group a row: two ranks hold 32 of each row on its scale, four
+    would hold 16, narrower than any group."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    halves = [load_weights(tiny_model_dir, cfg, torch.float32, tp_size=2, tp_rank=rank, weight_dtype="int4")
+              for rank in range(2)]
+    assert [half["layers.0.o_proj"].group_size for half in halves] == [32, 32]
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj.weight at tp_size 4: INT4 groups of 16 "
+                                         r"input channels over 16"):
+        load_weights(tiny_model_dir, cfg, torch.float32, tp_size=4, tp_rank=0, weight_dtype="int4")
 
 
 def test_the_workers_end_with_the_engine(tiny_model_dir):
