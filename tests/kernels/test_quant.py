@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.quant import Fp8Weight, Int4Weight, Int8Weight, quantize_fp8, quantize_int4, quantize_int8
+from kernels.quant import Fp8Weight, Int8Weight, quantize_fp8, quantize_int4, quantize_int8
 from tests.helpers import CPU_BACKENDS, KERNEL_DEVICES
 
 

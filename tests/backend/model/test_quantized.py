@@ -1,6 +1,6 @@
 """Weight-only INT8, INT4 and FP8 weights (weight_dtype int8, int4, fp8): the engine's greedy tokens equal
-transformers' on the model those weights encode, dequantized here by the test's own lines from each format's definition; adapters,
-DoRA among them, equal PEFT on that model."""
+transformers' on the model those weights encode, dequantized here by the test's own lines from each format's
+definition; adapters, DoRA among them, equal PEFT on that model."""
 import shutil
 from pathlib import Path
 
