@@ -44,12 +44,13 @@ def layer_params(cfg: ModelConfig, dense_only: bool = False) -> int:
         for i in range(cfg.num_layers))
 
 
-QUANTIZED_WIDTHS = {"auto": None, "int8": 1.0, "int4": 0.5}     # bytes a dense projection's weight, scales aside
+QUANTIZED_WIDTHS = {"auto": None, "int8": 1.0, "int4": 0.5, "fp8": 1.0}   # bytes a dense projection's weight,
+                                                                           # scales aside
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, weight_dtype: str = "auto") -> float:
-    """Bytes one decode step reads at least: every layer weight and the lm_head (weight_dtype int8, int4: the dense
-    projections a byte or half a byte each, their scales and zero points aside)."""
+    """Bytes one decode step reads at least: every layer weight and the lm_head (weight_dtype int8, fp8, int4: the
+    dense projections a byte or half a byte each, their scales and zero points aside)."""
     width = torch.finfo(getattr(torch, dtype)).bits / 8
     total = (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * width
     quantized = QUANTIZED_WIDTHS[weight_dtype]

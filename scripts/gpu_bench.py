@@ -294,9 +294,9 @@ def main() -> None:
                         help="the HF + PEFT baselines' share of each workload (batches of 8 at ~20 s each at the "
                              "8B shape: its tok/s is a batch's, whatever the count)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8", "int4"),
-                        help="the engine's weight_dtype (int8, int4: weight-only; the HBM bound counts a byte or half "
-                             "a byte a weight)")
+    parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8", "int4", "fp8"),
+                        help="the engine's weight_dtype (int8, int4, fp8: weight-only; the HBM bound counts a byte "
+                             "or half a byte a weight)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
                         help="the engine's kv_cache_dtype (int8: the HBM bound counts a byte a cached value)")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
