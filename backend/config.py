@@ -7,8 +7,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 WEIGHT_DTYPES = ("auto", "int8", "int4", "fp8")   # weight-only, quantized at load (kernels/quant.py); auto keeps
                                                   # a checkpoint's FP8 or 4-bit GPTQ/AWQ weights as they are
-KV_CACHE_DTYPES = ("auto", "int8")         # int8: against scales calibrated at start (backend/model/calibration.py)
-UNBUILT_KV_CACHE_DTYPES = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # int8: against scales calibrated at start (backend/model/calibration.py);
+                                           # fp8: e4m3 against scales of 1.0 (TensorRT-LLM's default)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -50,8 +50,8 @@ class EngineConfig:
                                               # int8 weight-only (one scale per output channel), int4 (a scale
                                               # and a zero point per group of 128 inputs) or fp8 (e4m3, a scale
                                               # per output channel), quantized at load
-    kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 with a scale for K and one
-                                              # for V per layer (half a bf16 cache's bytes a token)
+    kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 or fp8 (e4m3) with a scale
+                                              # for K and one for V per layer (half a bf16 cache's bytes a token)
     max_num_seqs: int = 64                    # sequences in one step
     max_num_batched_tokens: int = 2048        # tokens (prefill chunks + decodes) in one step
     kv_block_size: int = 16
@@ -98,9 +98,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
-        if self.kv_cache_dtype in UNBUILT_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is not built yet; built: "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.guided_decoding_backend not in ("", "xgrammar"):

@@ -107,8 +107,8 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where this CPU has native bf16, else float32")
     parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8", "int4", "fp8"),
                         help="the engine's weight_dtype (int8, int4, fp8: weight-only, quantized at load)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
-                        help="the engine's kv_cache_dtype (int8: scales calibrated at start)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                        help="the engine's kv_cache_dtype (int8: scales calibrated at start; fp8: scales 1.0)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
                              "even ones the baselines first, then ours in reverse order); report each one's median "

@@ -5,6 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import fp32_to_e4m3
+from kernels.quant import cache_format
+
 
 @triton.jit
 def _lora_rows(delta_ptr, m_ptr, slots_ptr, token, stride_dt, stride_ms):
@@ -73,10 +76,13 @@ def _load_half(src, d, mask, delta_row, m_row, cols, has, HAS_DELTA: tl.constexp
 
 @triton.jit
 def _store(dst, x, mask, inv, QUANT: tl.constexpr):
-    """x (in the activations' dtype) stored as dst holds it: as it is, or (QUANT, an INT8 cache) floor(x * inv +
-    0.5) clamped to [-127, 127] (kernels/quant.quantize_kv)."""
-    if QUANT:
+    """x (in the activations' dtype) stored as dst holds it (kernels/quant.quantize_kv): as it is (QUANT 0), an
+    INT8 cache's floor(x * inv + 0.5) clamped to [-127, 127] (1), an FP8 cache's e4m3 bits of x * inv clamped to
+    [-448, 448] (2)."""
+    if QUANT == 1:
         x = tl.minimum(tl.maximum(tl.floor(x.to(tl.float32) * inv + 0.5), -127.0), 127.0)
+    elif QUANT == 2:
+        x = fp32_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv, -448.0), 448.0))
     tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
@@ -101,8 +107,8 @@ def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cach
     """Program (token, block of BLOCK_H heads) of the query heads followed by the key heads: a query head is rotated
     into q_out, a key head rotated into the cache with its value head copied beside it (tokens with slot -1,
     padding, write no cache). HAS_DELTA: q, k and v with the qkv projection's LoRA delta added as they load (its
-    columns: q's heads, then k's, then v's, 2 * HALF each). QUANT: an INT8 cache, K and V quantized against the
-    inverses of their scales, inv_k and inv_v."""
+    columns: q's heads, then k's, then v's, 2 * HALF each). QUANT: an INT8 (1) or FP8 (2) cache, K and V quantized
+    against the inverses of their scales, inv_k and inv_v (cache_format)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -119,8 +125,7 @@ def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cach
     is_kv = (heads >= num_heads) & (heads < num_heads + num_kv_heads) & (slot >= 0)
     q_head = tl.where(is_q, heads, 0).to(tl.int64)[:, None]
     _rotate(q_ptr + token * stride_qt + q_head * stride_qh, q_out_ptr + token * stride_ot + q_head * stride_oh,
-            cos, sin, d, is_q[:, None] & d_mask, delta_row, m_row, q_head * 2 * HALF, has, 1.0, HALF, HAS_DELTA,
-            False)
+            cos, sin, d, is_q[:, None] & d_mask, delta_row, m_row, q_head * 2 * HALF, has, 1.0, HALF, HAS_DELTA, 0)
     kv_head = tl.where(is_kv, heads - num_heads, 0).to(tl.int64)[:, None]
     kv_mask = is_kv[:, None] & d_mask
     cache_rows = kv_head * stride_ch + tl.maximum(slot, 0) * stride_cs
@@ -135,7 +140,7 @@ def _rotary_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cach
 
 
 def inverse_scales(kv_scales: tuple[float, float] | None) -> tuple[float, float]:
-    """1 / k_scale, 1 / v_scale of an INT8 cache (1.0 for a cache in the activations' dtype)."""
+    """1 / k_scale, 1 / v_scale of an INT8 or FP8 cache (1.0 for a cache in the activations' dtype)."""
     return (1.0, 1.0) if kv_scales is None else (1 / kv_scales[0], 1 / kv_scales[1])
 
 
@@ -150,11 +155,11 @@ def silu_config() -> dict:
 ROTARY_VALUES = 1024                # a rotary program's share of a token's heads: BLOCK_H x BLOCK_HALF values
 
 
-def rotary_config(head_dim: int, num_heads: int, int8_cache: bool = False) -> dict:
-    """num_heads: query and key heads together; int8_cache: half the values a program (the quantization's registers
-    beside a LoRA delta's spilled 16 bytes on sm_80 at 1024)."""
+def rotary_config(head_dim: int, num_heads: int, quantized_cache: bool = False) -> dict:
+    """num_heads: query and key heads together; quantized_cache (INT8 or FP8): half the values a program (the
+    quantization's registers beside a LoRA delta's spilled 16 bytes on sm_80 at 1024)."""
     block_half = triton.next_power_of_2(head_dim // 2)
-    values = ROTARY_VALUES // 2 if int8_cache else ROTARY_VALUES
+    values = ROTARY_VALUES // 2 if quantized_cache else ROTARY_VALUES
     block_h = min(triton.next_power_of_2(num_heads), max(values // block_half, 1))
     return {"HALF": head_dim // 2, "BLOCK_HALF": block_half, "BLOCK_H": block_h}
 
@@ -212,20 +217,21 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         q, k, v = add_qkv_delta(q, k, v, delta)           (kernels.reference: the qkv projection's LoRA, None: none)
         cos, sin = cos_sin[positions, :half], cos_sin[positions, half:]
         rotate(x) = cat(x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin)
-        if kv_scales: k, v = quantize_kv(rotate(k), kv_scales[0]), quantize_kv(v, kv_scales[1])   (kernels.quant)
+        if kv_scales: k, v = quantize_kv(rotate(k), kv_scales[0], k_cache.dtype), quantize_kv(v, ...)  (kernels.quant)
         for t, slot in enumerate(slot_mapping): if slot >= 0:
             k_cache[:, slot // block_size, slot % block_size] = rotate(k)[t]; v_cache[...same] = v[t]
         return rotate(q)
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-    caches: [num_kv_heads, num_blocks, block_size, head_dim] (int8 with kv_scales); cos_sin: [max_positions,
-    head_dim] fp32.
+    caches: [num_kv_heads, num_blocks, block_size, head_dim] (int8, or uint8 e4m3 bits, with kv_scales); cos_sin:
+    [max_positions, head_dim] fp32.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and head_dim % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert k_cache.shape[0] == num_kv_heads and k_cache.shape[3] == head_dim and k.dtype == v.dtype
-    assert k_cache.dtype == v_cache.dtype == (k.dtype if kv_scales is None else torch.int8)
+    assert k_cache.dtype == v_cache.dtype
+    quant = cache_format(k_cache.dtype, k.dtype, kv_scales)
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cfg = rotary_config(head_dim, num_heads + num_kv_heads, kv_scales is not None)
@@ -236,5 +242,5 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, d, m, slots, num_heads, num_kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
             q_out.stride(1), k_cache.stride(0), k_cache.stride(2), cos_sin.stride(0), stride_dt, stride_ms,
-            *inverse_scales(kv_scales), HAS_DELTA=delta is not None, QUANT=kv_scales is not None, **cfg)
+            *inverse_scales(kv_scales), HAS_DELTA=delta is not None, QUANT=quant, **cfg)
     return q_out

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import E4M3_FP16_GAP, e4m3_to_fp16
 from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS, AttentionMetadata
+from kernels.quant import cache_format
 
 TILE_N = 64                                       # keys per tile
 MAX_SPLITS = 16
@@ -87,10 +89,13 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, pa
         kv_mask = inside[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)   # [TILE_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT == 2:                                     # FP8: e4m3 / 2^8 as fp16, exact (the scales take 2^8)
+            k = e4m3_to_fp16(k)
+            v = e4m3_to_fp16(v)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        elif QUANT:                                        # INT8 values, exact in q's dtype
+        elif QUANT:                                        # INT8 or FP8 values, exact in q's dtype
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                 # [BLOCK_M, TILE_N]
@@ -191,7 +196,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         for s in range(num_seqs):
             tokens = range(query_starts[s], query_starts[s + 1]); L = seq_lens[s]
             K, V = the first L cached positions of sequence s (through block_tables[s]), head h reads KV head h // group
-            (an INT8 cache: dequantize_kv(K, kv_scales[0]), dequantize_kv(V, kv_scales[1]); kernels.quant)
+            (an INT8 or FP8 cache: dequantize_kv(K, kv_scales[0]), dequantize_kv(V, kv_scales[1]); kernels.quant)
             S = q[tokens] @ K^T * scale; if softcap: S = softcap * tanh(S / softcap)
             out[tokens] = softmax(S, causal: query i sits at position L - len(tokens) + i, and sees keys within
                                   sliding_window of it) @ V
@@ -203,7 +208,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads, _, block_size, _ = k_cache.shape
     num_seqs = meta.seq_lens.shape[0]
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.dtype == v_cache.dtype == (q.dtype if kv_scales is None else torch.int8)
+    assert k_cache.dtype == v_cache.dtype
+    quant = cache_format(k_cache.dtype, q.dtype, kv_scales)
+    k_scale, v_scale = (1.0, 1.0) if kv_scales is None else kv_scales
+    if quant == 2:
+        k_scale, v_scale = k_scale * E4M3_FP16_GAP, v_scale * E4M3_FP16_GAP
     assert num_heads % num_kv_heads == 0
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.stride(1) == 1
     out = torch.empty_like(q)
@@ -222,10 +231,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     _attention_kernel[(num_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.query_starts, meta.seq_lens, num_seqs,
-        scale * (kv_scales[0] if kv_scales else 1.0), kv_scales[1] if kv_scales else 1.0, sliding_window or 0,
+        scale * k_scale, v_scale, sliding_window or 0,
         softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), meta.block_tables.stride(0), NUM_SPLITS=num_splits, SOFTCAP=bool(softcap),
-        DOT_FP32=DOT_FP32, QUANT=kv_scales is not None, **cfg)
+        DOT_FP32=DOT_FP32, QUANT=quant, **cfg)
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0), out.stride(1),
                                                 HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], NUM_SPLITS=num_splits)

@@ -253,18 +253,35 @@ def quantize_weight(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor | Q
 
 
 KV_INT8_MAX = 127
+KV_CACHE_TYPES = {"int8": torch.int8, "fp8": torch.uint8}   # kv_cache_dtype -> the cache's storage (FP8: e4m3 bits)
 
 
-def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Semantics: floor(x * (1 / scale) + 0.5), clamped to [-127, 127], computed in fp32 (1 / scale rounded to fp32
-    once): x [..] (K or V as the model computed them) -> its INT8 cache values [..] int8. TensorRT-LLM's
-    kv_cache_scaling_factor: what the cache holds times `scale` is the value."""
+def cache_format(cache_dtype: torch.dtype, activation_dtype: torch.dtype, kv_scales) -> int:
+    """The Triton kernels' QUANT for a cache of cache_dtype: 0 in the activations' dtype (no kv_scales), 1 INT8,
+    2 FP8 (with kv_scales)."""
+    formats = {torch.int8: 1, torch.uint8: 2}
+    if kv_scales is None:
+        assert cache_dtype == activation_dtype, f"a {cache_dtype} cache without scales beside {activation_dtype}"
+        return 0
+    assert cache_dtype in formats, f"scales beside a {cache_dtype} cache (int8 or uint8: e4m3 bits)"
+    return formats[cache_dtype]
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """Semantics: an INT8 cache (int8): floor(x * (1 / scale) + 0.5), clamped to [-127, 127]; an FP8 cache (uint8:
+    e4m3 bits): x * (1 / scale) clamped to [-448, 448], rounded to e4m3 (nearest, ties to even); computed in fp32
+    (1 / scale rounded to fp32 once): x [..] (K or V as the model computed them) -> its cache values [..].
+    TensorRT-LLM's kv_cache_scaling_factor: what the cache holds times `scale` is the value."""
     inv = torch.tensor(1 / scale, dtype=torch.float32, device=x.device)
+    if cache_dtype == torch.uint8:
+        return (x.float() * inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.floor(x.float() * inv + 0.5).clamp_(-KV_INT8_MAX, KV_INT8_MAX).to(torch.int8)
 
 
 def dequantize_kv(values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Semantics: values * scale in fp32 (an INT8 cache's values [..] -> the K or V they stand for)."""
+    """Semantics: values * scale in fp32 (an INT8 or FP8 cache's values [..] -> the K or V they stand for)."""
+    if values.dtype == torch.uint8:
+        values = values.view(torch.float8_e4m3fn)
     return values.float() * torch.tensor(scale, dtype=torch.float32, device=values.device)
 
 

@@ -3,8 +3,9 @@
 Layouts shared with kernels/*.py:
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]; slot = block_id * block_size + offset
         (head-major: one head's context gathers into a contiguous [num_seqs, context, head_dim] batch)
-        an INT8 cache holds quantize_kv(x, scale) with one scale per layer for K and one for V (kv_scales: (k_scale,
-        v_scale), kernels/quant.py), which attention reads as dequantize_kv (fp32 math where the cache is INT8)
+        an INT8 (int8) or FP8 (uint8: e4m3 bits) cache holds quantize_kv(x, scale) with one scale per layer for K
+        and one for V (kv_scales: (k_scale, v_scale), kernels/quant.py), which attention reads as dequantize_kv
+        (fp32 math where the cache is quantized)
     block_tables: [num_seqs, max_blocks] int32 (entries past a sequence's blocks are never read, and cache
         positions past its length never reach a result: they may hold another request's stale values, or NaN)
     query_starts: [num_seqs + 1] int32, seq_lens: [num_seqs] int32 (context length including the new tokens)
@@ -35,10 +36,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_scales: tuple[float, float] | None = None) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens] (an INT8
-    cache: quantize_kv against kv_scales)."""
+    or FP8 cache: quantize_kv against kv_scales)."""
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     if kv_scales is not None:
-        k, v = quantize_kv(k, kv_scales[0]), quantize_kv(v, kv_scales[1])
+        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1], v_cache.dtype)
     k_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = k.transpose(0, 1)
     v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = v.transpose(0, 1)
 

@@ -40,17 +40,21 @@ def attention_args(p: str, head_dim: int, block_size: int, group: int) -> dict:
                 stride_bt=max_blocks)
 
 
+QUANTIZED_CACHES = {"int8": ("*i8", 1), "fp8": ("*u8", 2)}     # kv_cache_dtype -> the caches' pointer type, QUANT
+
+
 def attention_configurations(dtype: str, head_dim: int, block_size: int, group: int, splits=(1, 16),
-                             softcap: bool = False, int8_cache: bool = False):
+                             softcap: bool = False, cache: str | None = None):
     """The tiles a decode step and a step with prompt chunks choose, each unsplit and split (softcap: scores
-    soft-capped, Gemma 2; int8_cache: an INT8 KV cache)."""
+    soft-capped, Gemma 2; cache: an INT8 or FP8 KV cache)."""
     from kernels.paged_attention import attention_config
     p, tag = DTYPES[dtype], f"{dtype} d{head_dim} bs{block_size} g{group}" + (" softcap" if softcap else "")
-    tag += " int8-cache" if int8_cache else ""
-    caches = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"} if int8_cache else {}
+    tag += f" {cache}-cache" if cache else ""
+    pointer, quant = QUANTIZED_CACHES[cache] if cache else (p, 0)
+    caches = {"k_cache_ptr": pointer, "v_cache_ptr": pointer} if cache else {}
     for step, max_query_len in (("decode", 1), ("prefill", 512)):
         cfg = attention_config(head_dim, block_size, group, max_query_len) | {"DOT_FP32": False, "SOFTCAP": softcap,
-                                                                              "QUANT": int8_cache}
+                                                                              "QUANT": quant}
         for num_splits in splits:
             yield (f"attention {step} {tag} splits{num_splits}", "kernels.paged_attention", "_attention_kernel",
                    attention_args(p, head_dim, block_size, group) | caches, cfg | {"NUM_SPLITS": num_splits})
@@ -80,19 +84,21 @@ def configurations():
                             stride_dt=2 * 14336, stride_ms=2 * 14336), silu_config() | {"HAS_DELTA": lora})
     for dtype, head_dim in itertools.product(DTYPES, HEAD_DIMS):
         p, width = DTYPES[dtype], 48 * head_dim
-        for lora, int8_cache in itertools.product((False, True), (False, True)):
-            cache = "*i8" if int8_cache else p
+        for lora, cache in itertools.product((False, True), (None, "int8", "fp8")):
+            pointer, quant = QUANTIZED_CACHES[cache] if cache else (p, 0)
             yield (f"rotary_and_cache {dtype} d{head_dim}" + (" lora" if lora else "")
-                   + (" int8-cache" if int8_cache else ""), "kernels.fused", "_rotary_and_cache_kernel",
-                   dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=cache, v_cache_ptr=cache, pos_ptr="*i32",
+                   + (f" {cache}-cache" if cache else ""), "kernels.fused", "_rotary_and_cache_kernel",
+                   dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=pointer, v_cache_ptr=pointer,
+                        pos_ptr="*i32",
                         slot_ptr="*i32", cos_sin_ptr="*fp32", **lora_delta_args(p, lora), num_heads=32,
                         num_kv_heads=8, stride_qt=width, stride_qh=head_dim, stride_kt=width, stride_kh=head_dim,
                         stride_vt=width, stride_vh=head_dim, stride_ot=32 * head_dim, stride_oh=head_dim,
                         stride_ch=16000 * head_dim, stride_cs=head_dim, stride_cos=head_dim, stride_dt=width,
                         stride_ms=width, inv_k=8.0, inv_v=8.0),
-                   rotary_config(head_dim, 32 + 8, int8_cache) | {"HAS_DELTA": lora, "QUANT": int8_cache})
+                   rotary_config(head_dim, 32 + 8, cache is not None) | {"HAS_DELTA": lora, "QUANT": quant})
         yield from attention_configurations(dtype, head_dim, 16, 4)
-        yield from attention_configurations(dtype, head_dim, 16, 4, int8_cache=True)
+        for cache in QUANTIZED_CACHES:
+            yield from attention_configurations(dtype, head_dim, 16, 4, cache=cache)
         yield (f"attention_reduce {dtype} d{head_dim}", "kernels.paged_attention", "_reduce_kernel",
                dict(out_ptr=p, part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ot=32 * head_dim, stride_oh=head_dim),
                {"HEAD_DIM": head_dim, "BLOCK_D": 1 << (head_dim - 1).bit_length(), "NUM_SPLITS": 16})
@@ -105,7 +111,8 @@ def configurations():
     yield from attention_configurations("fp32", 64, 16, 3, splits=SPLITS[1:-1])
     for softcap in (False, True):                  # Gemma 3 4B's and Gemma 2 9B's heads: 256 wide, 2 to a KV head
         yield from attention_configurations("bf16", 256, 16, 2, softcap=softcap)
-        yield from attention_configurations("bf16", 256, 16, 2, softcap=softcap, int8_cache=True)
+        for cache in QUANTIZED_CACHES:
+            yield from attention_configurations("bf16", 256, 16, 2, softcap=softcap, cache=cache)
     yield from lora_configurations()
     yield from moe_configurations()
     yield from int8_configurations()

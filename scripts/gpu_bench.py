@@ -226,7 +226,7 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         print(f"  {shape} single-sequence attention: {results['single_sequence_attention']}", flush=True)
         free_memory(args.device)
     context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
-    kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * (1 if args.kv_cache_dtype == "int8" else 2)
+    kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * (1 if args.kv_cache_dtype in ("int8", "fp8") else 2)
     bound = bandwidth / (weight_bytes(cfg, "bfloat16", args.weight_dtype) + kv_bytes)
     for name in ("W3", "W3_own_engine"):
         results[name] |= {"bandwidth_bound_tok_s": bound, "bandwidth_frac": results[name]["tok_s"] / bound}
@@ -297,8 +297,8 @@ def main() -> None:
     parser.add_argument("--weight-dtype", default="auto", choices=("auto", "int8", "int4", "fp8"),
                         help="the engine's weight_dtype (int8, int4, fp8: weight-only; the HBM bound counts a byte "
                              "or half a byte a weight)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
-                        help="the engine's kv_cache_dtype (int8: the HBM bound counts a byte a cached value)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                        help="the engine's kv_cache_dtype (int8, fp8: the HBM bound counts a byte a cached value)")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                         help="off: every step eager (before/after)")
     parser.add_argument("--curve-seqs", type=int, default=64,

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEP, INIT, LOAD, COPY_KV, STOP, GRAPHS, KV_AMAX = range(7)
 NAMES = ("input_ids", "positions", "slot_mapping", "query_starts", "seq_lens", "block_tables", "logits_indices",
          "context_indices", "token_slots", "layout", "pairs", "num_blocks", "slot", "bucket", "capture", "kv_scales",
-         "num_tokens")
+         "num_tokens", "fp8")
 HEADER = 2 + 4 * len(NAMES)                  # command, entries; then (name, ndim, dim0, dim1) per entry
 
 

@@ -28,7 +28,7 @@ from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
 from backend.model.self_check import check_kernels_or_fall_back
 from backend.openmp import TeamSizer
 from kernels.dispatch import load_ops, resolve_backend
-from kernels.quant import KV_INT8_MAX, QUANTIZED_WEIGHTS, QuantizedWeight
+from kernels.quant import KV_CACHE_TYPES, KV_INT8_MAX, QUANTIZED_WEIGHTS, QuantizedWeight
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -56,7 +56,7 @@ class ModelRunner:
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
-        self.kv_cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        self.kv_cache_dtype = KV_CACHE_TYPES.get(config.kv_cache_dtype, self.dtype)   # int8, uint8 (e4m3 bits)
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
         if self.ops.checked and config.checks_at_start(self.device.type):      # (auto: CUDA) the kernels at the
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)     # model's shapes
@@ -86,6 +86,8 @@ class ModelRunner:
         cfg, budget = self.model_config, self.config.kv_cache_memory_bytes
         if self.kv_cache_dtype == torch.int8 and self.model.kv_scales is None:
             self.model.kv_scales = self._calibrate_kv_scales()
+        elif self.kv_cache_dtype == torch.uint8 and self.model.kv_scales is None:
+            self.model.kv_scales = [(1.0, 1.0)] * cfg.num_layers         # FP8: TensorRT-LLM's default scales
         if budget is None and self.device.type == "cuda":
             peak = self._activation_peak_bytes()
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -99,15 +101,16 @@ class ModelRunner:
 
     def _set_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None) -> None:
         """This rank's KV cache (its KV heads) of num_blocks blocks (in kv_cache_dtype unless `dtype`), and the
-        workers' theirs (an INT8 one with the model's scales)."""
+        workers' theirs (an INT8 or FP8 one with the model's scales)."""
         cfg, dtype = self.shard_config, dtype or self.kv_cache_dtype
         shape = (cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         self.kv_caches = []                                       # (the old cache freed before the new one)
         self.kv_caches = empty_kv_caches(cfg.num_layers, shape, dtype, self.device)
         if self.tp is not None:
             init = {"num_blocks": torch.tensor([num_blocks], dtype=torch.int32)}
-            if dtype == torch.int8:                               # (their bits: the messages carry int32)
+            if dtype in (torch.int8, torch.uint8):                # (their bits: the messages carry int32)
                 init["kv_scales"] = torch.tensor(self.model.kv_scales, dtype=torch.float32).view(torch.int32)
+                init["fp8"] = torch.tensor([dtype == torch.uint8], dtype=torch.int32)
             self.tp.send(INIT, init)
 
     def _calibrate_kv_scales(self) -> list[tuple[float, float]]:

@@ -7,7 +7,7 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
     attention: a decode step (contexts of 1 token, three pages and a half, 70 tokens), and the same beside a prompt
                chunk of 37 tokens after 20 cached ones, over the configured page size, GQA group and head dim, at
                every split count (on a GPU: every variant eager steps compile, warmed before the first request);
-               with kv_cache_dtype int8, over an INT8 cache too
+               with kv_cache_dtype int8 or fp8, over such a cache too
     lora:      every projection of layer 0 with three adapters (max_lora_rank, a quarter of it with DoRA
                magnitudes, and a half of it with a fused qkv module: its A once), on every module, and base rows,
                for 8 tokens (a decode step) and 100 (a prompt chunk), each split-K as planned
@@ -17,12 +17,12 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
     lora_fold: the same through its linear_deferred, its delta added as the op after the GEMM adds it; where it
                fails, graphs merge each product after its GEMM
     fused:     add_rms_norm, silu_and_mul, rotary_and_cache (the cache writes compared too; with kv_cache_dtype
-               int8, into an INT8 cache as well, as attention reads one then)
+               int8 or fp8, into such a cache as well, as attention reads one then)
     moe:       a mixture's experts (fused_moe) at the served expert count, top k and widths, for a decode step's rows
                and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
                experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
-    gemm:      with weight_dtype int8 or int4, its GEMM (linear) at every dense projection's shape, for 16 rows and 100;
-               where it fails, the torch reference dequantizes each weight per GEMM and LoRA runs after it
+    gemm:      with weight_dtype int8, int4 or fp8, its GEMM (linear) at every dense projection's shape, for 16 rows
+               and 100; where it fails, the torch reference dequantizes each weight per GEMM and LoRA runs after it
 """
 import logging
 from copy import copy
@@ -37,7 +37,7 @@ from backend.model.checkpoint import ModelConfig
 from kernels import reference
 from kernels.dispatch import KernelBackend
 from kernels.metadata import AttentionMetadata, ExpertLora
-from kernels.quant import KV_INT8_MAX, quantize_kv, quantize_weight
+from kernels.quant import FP8_MAX, KV_CACHE_TYPES, KV_INT8_MAX, quantize_kv, quantize_weight
 
 FAMILIES = {"attention": ("paged_attention",), "lora": ("lora_executor",), "lora_overlap": (), "lora_fold": (),
             "fused": ("add_rms_norm", "silu_and_mul", "rotary_and_cache"), "moe": ("fused_moe", "slot_lora"),
@@ -73,8 +73,8 @@ def compare(family: str, what: str, run, dtype: torch.dtype) -> Check:
 def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int,
                      kv_cache_dtype: str = "auto") -> list[Check]:
     """A decode step and a step with a prompt chunk (the two tile shapes), each at every split count a step can
-    choose (kv_cache_dtype int8: over an INT8 cache too): on a GPU this also compiles every variant eager steps will
-    use, before the first request."""
+    choose (kv_cache_dtype int8, fp8: over such a cache too): on a GPU this also compiles every variant eager steps
+    will use, before the first request."""
     g = torch.Generator().manual_seed(0)
     cases = {"decode": ([1, 3 * block_size + block_size // 2, 70], [1, 1, 1]),
              "prompt chunk": ([1, 3 * block_size + block_size // 2, 70, 57], [1, 1, 1, 37])}
@@ -84,9 +84,12 @@ def attention_checks(ops, cfg: ModelConfig, dtype, device, block_size: int,
         scale = cfg.head_dim ** -0.5
         cap = cfg.attn_logit_softcap
         caches = {"": (k_cache, v_cache, None)}
-        if kv_cache_dtype == "int8":
-            scales = tuple(c.float().abs().max().item() / KV_INT8_MAX for c in (k_cache, v_cache))
-            caches[", int8 cache"] = (quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1]), scales)
+        if kv_cache_dtype != "auto":
+            cache_dtype = KV_CACHE_TYPES[kv_cache_dtype]
+            largest = KV_INT8_MAX if cache_dtype == torch.int8 else FP8_MAX
+            scales = tuple(c.float().abs().max().item() / largest for c in (k_cache, v_cache))
+            caches[f", {kv_cache_dtype} cache"] = (quantize_kv(k_cache, scales[0], cache_dtype),
+                                                   quantize_kv(v_cache, scales[1], cache_dtype), scales)
         for tag, (k, v, kv_scales) in caches.items():
             want = reference.paged_attention(q.float(), k if kv_scales else k.float(), v if kv_scales else v.float(),
                                              meta, scale, softcap=cap, kv_scales=kv_scales)
@@ -211,16 +214,17 @@ def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int, kv_cache
         return [(got, want), (got_sum, want_sum)]
 
     def rotary(kv_scales=None):
-        """kv_scales: into an INT8 cache, compared with the reference's quantization of the kernel's own rounding
-        of K and V, a step of it weighing half the tolerance (a rounding tie may go either way)."""
+        """kv_scales: into an INT8 or FP8 cache, compared with the reference's quantization of the kernel's own
+        rounding of K and V, a step of it (an FP8 code's, in order of value) weighing half the tolerance (a rounding
+        tie may go either way)."""
         q, k, v = rand(n, cfg.num_heads, d), rand(n, cfg.num_kv_heads, d), rand(n, cfg.num_kv_heads, d)
         positions = torch.randint(0, 4096, (n,), generator=g, dtype=torch.int32).to(device)
         cos_sin = torch.randn(4096, d, generator=g).to(device)
         slot_mapping = torch.randperm(2 * block_size, generator=g)[:n].to(device, torch.int32)
         slot_mapping[0] = -1                                      # a graph's padding row: the kernel writes nothing
         shape = (cfg.num_kv_heads, 2, block_size, d)
-        caches = [torch.zeros(shape, dtype=dtype if kv_scales is None else torch.int8, device=device)
-                  for _ in range(2)]
+        cache_dtype = dtype if kv_scales is None else KV_CACHE_TYPES[kv_cache_dtype]
+        caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(2)]
         want_caches = [torch.zeros(shape, device=device, dtype=caches[0].dtype if kv_scales else torch.float32)
                        for _ in range(2)]
         got = ops.rotary_and_cache(q, k, v, positions, cos_sin, *caches, slot_mapping, kv_scales=kv_scales)
@@ -230,17 +234,25 @@ def fused_checks(ops, cfg: ModelConfig, dtype, device, block_size: int, kv_cache
             return [(got[1:], want_q), (caches[0], want_caches[0]), (caches[1], want_caches[1])]
         reference.write_kv_cache(want_k.to(dtype), v[1:], *want_caches, slot_mapping[1:], kv_scales)
         step = TOLERANCE[dtype] / 2
-        return [(got[1:], want_q)] + [(c.float() * step, w.float() * step) for c, w in zip(caches, want_caches)]
+        return [(got[1:], want_q)] + [(code_order(c) * step, code_order(w) * step) for c, w in zip(caches, want_caches)]
 
     tag = f"{n} tokens, hidden {hidden}, intermediate {inter}, {dtype}"
     checks = [compare("fused", f"add_rms_norm {tag}", norm, dtype),
               compare("fused", f"silu_and_mul {tag}", lambda: [(ops.silu_and_mul(gate_up),
                                                                 reference.silu_and_mul(gate_up.float()))], dtype),
               compare("fused", f"rotary_and_cache {tag}, head dim {d}", rotary, dtype)]
-    if kv_cache_dtype == "int8":
-        checks.append(compare("fused", f"rotary_and_cache {tag}, head dim {d}, int8 cache",
+    if kv_cache_dtype != "auto":
+        checks.append(compare("fused", f"rotary_and_cache {tag}, head dim {d}, {kv_cache_dtype} cache",
                               lambda: rotary((0.05, 0.03)), dtype))
     return checks
+
+
+def code_order(values: torch.Tensor) -> torch.Tensor:
+    """A quantized cache's values as fp32 numbers one apart between neighbours: INT8's as they are, FP8's e4m3 bits
+    as +-(bits & 0x7F) (e4m3's codes rise with their magnitudes)."""
+    if values.dtype == torch.int8:
+        return values.float()
+    return (values & 0x7F).float() * (1 - 2 * (values >> 7).float())
 
 
 def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) -> list[Check]:

@@ -69,7 +69,7 @@ class Worker:
             if command == STOP:
                 return
             if command == INIT:
-                self.allocate(int(t["num_blocks"]), t.get("kv_scales"))
+                self.allocate(int(t["num_blocks"]), t.get("kv_scales"), t.get("fp8"))
                 freeze_heap()                                  # the start-up, out of the collector's passes
             elif command == KV_AMAX:
                 amax = kv_amax(self.kv_caches, int(t["num_tokens"])).to(self.message_device)
@@ -85,16 +85,19 @@ class Worker:
             elif command == COPY_KV:
                 self.copy_kv(t["pairs"].to(self.device))
 
-    def allocate(self, num_blocks: int, kv_scales: torch.Tensor | None = None) -> None:
-        """The KV cache in dtype, or (kv_scales: [num_layers, 2] fp32 bits as int32) in int8 with those scales."""
+    def allocate(self, num_blocks: int, kv_scales: torch.Tensor | None = None, fp8: torch.Tensor | None = None
+                 ) -> None:
+        """The KV cache in dtype, or (kv_scales: [num_layers, 2] fp32 bits as int32) in int8, or e4m3 bits in
+        uint8 where fp8 ([1]) is set, with those scales."""
         shape = (self.cfg.num_kv_heads, num_blocks, self.args.block_size, self.cfg.head_dim)
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.model.kv_scales = None if kv_scales is None else [tuple(pair) for pair in
                                                                kv_scales.view(torch.float32).tolist()]
-        self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, self.dtype if kv_scales is None else torch.int8,
-                                         self.device)
+        cache_dtype = self.dtype if kv_scales is None else torch.uint8 if fp8 is not None and fp8.item() else \
+            torch.int8
+        self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, cache_dtype, self.device)
 
     @torch.inference_mode()
     def step(self, t: dict[str, torch.Tensor]) -> None:

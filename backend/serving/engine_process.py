@@ -342,7 +342,8 @@ def start_engine(args):
     engine = LLMEngine(**kwargs)
     log(f"weights {engine.runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}, "
         f"{str(engine.runner.dtype).removeprefix('torch.')} activations), KV cache {engine.runner.num_blocks} blocks "
-        f"({str(engine.runner.kv_cache_dtype).removeprefix('torch.')}), kernels {engine.runner.kernel_backend} on "
+        f"({engine.config.kv_cache_dtype}: {str(engine.runner.kv_cache_dtype).removeprefix('torch.')}), kernels "
+        f"{engine.runner.kernel_backend} on "
         f"{engine.runner.device}")
     return EngineLoop(engine, cancellation_check_period_s=args.cancellation_check_period_ms / 1e3,
                       max_steps_behind=args.responder_steps_behind or STEPS_BEHIND)

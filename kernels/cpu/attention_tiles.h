@@ -38,7 +38,7 @@ inline void score_block(const float* qt, int64_t width, const T* k, int64_t head
     __m256 q[V];
     for (int v = 0; v < V; ++v) q[v] = _mm256_loadu_ps(qt + d * width + 8 * v);
     for (int p = 0; p < P; ++p) {
-      const __m256 kp = _mm256_set1_ps(static_cast<float>(k[p * head_dim + d]));
+      const __m256 kp = _mm256_set1_ps(vec::load1(k + p * head_dim + d));
       for (int v = 0; v < V; ++v) acc[p][v] = _mm256_fmadd_ps(kp, q[v], acc[p][v]);
     }
   }

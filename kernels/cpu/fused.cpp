@@ -85,17 +85,26 @@ inline int8_t quantize(float x, float inv) {
   return static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::floor(scaled + 0.5f))));
 }
 
+// x as an FP8 KV cache holds it: the e4m3 bits of x * inv clamped to [-448, 448] (c10's rounding, torch's own:
+// nearest, ties to even; kernels/quant.quantize_kv).
+inline uint8_t quantize_fp8(float x, float inv) {
+  volatile float scaled = x * inv;
+  return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, static_cast<float>(scaled)))).x;
+}
+
 template <typename T, typename C>
 inline void store_row(C* cache, const T* x, int64_t n, float inv) {
   for (int64_t d = 0; d < n; ++d) {
     if constexpr (std::is_same_v<C, int8_t>)
       cache[d] = quantize(static_cast<float>(x[d]), inv);
+    else if constexpr (std::is_same_v<C, uint8_t>)
+      cache[d] = quantize_fp8(static_cast<float>(x[d]), inv);
     else
       cache[d] = x[d];
   }
 }
 
-// C: the caches' type, T or int8 (quantized against the inverses of K's and V's scales).
+// C: the caches' type, T, int8 or uint8 (e4m3 bits) (quantized against the inverses of K's and V's scales).
 template <typename T, typename C>
 void rotary_and_cache(T* q, T* k, const T* v, const int32_t* positions, const float* cos_sin, C* k_cache,
                       C* v_cache, const int32_t* slots, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
@@ -156,7 +165,7 @@ torch::Tensor silu_and_mul_op(torch::Tensor gate_up) {
 
 // q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] rotated in place (rows may be
 // views into one qkv row); k and v written to the cache slots [num_kv_heads, num_blocks, block_size, head_dim] (an
-// int8 cache: quantized against k_scale and v_scale).
+// int8 or uint8 (e4m3) cache: quantized against k_scale and v_scale).
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                          double k_scale, double v_scale) {
@@ -168,10 +177,10 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   TORCH_CHECK(positions.scalar_type() == torch::kInt32 && slots.scalar_type() == torch::kInt32, "int32 indices");
   positions = positions.contiguous();
   slots = slots.contiguous();
-  const bool int8_cache = k_cache.scalar_type() == torch::kInt8;
+  const bool int8_cache = k_cache.scalar_type() == torch::kInt8, fp8_cache = k_cache.scalar_type() == torch::kByte;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (int8_cache || k_cache.scalar_type() == q.scalar_type()),
-              "the caches in q's dtype or int8");
+                  (int8_cache || fp8_cache || k_cache.scalar_type() == q.scalar_type()),
+              "the caches in q's dtype, int8 or uint8 (e4m3 bits)");
   const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "rotary_and_cache", [&] {
     auto run = [&](auto* k_cache_data, auto* v_cache_data) {
@@ -182,6 +191,8 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     };
     if (int8_cache)
       run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else if (fp8_cache)
+      run(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
     else
       run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });

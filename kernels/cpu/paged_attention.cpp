@@ -198,16 +198,17 @@ void attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* bl
 // q [num_rows, num_heads, head_dim]; k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim];
 // block_tables [num_seqs, max_blocks], seq_lens [num_seqs] (context lengths, this step's rows included) and
 // query_starts [num_seqs + 1] (sequence s has rows [query_starts[s], query_starts[s + 1])), all int32; window <= 0:
-// none; softcap <= 0: none. Caches in q's dtype, or int8 (an INT8 KV cache: values times k_scale, v_scale).
+// none; softcap <= 0: none. Caches in q's dtype, or int8 or uint8 (an INT8 or FP8 KV cache, the FP8 one's bytes
+// e4m3 bits: values times k_scale, v_scale).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window,
                               double softcap, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  const bool int8_cache = k_cache.scalar_type() == torch::kInt8;
-  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || int8_cache) &&
+  const bool int8_cache = k_cache.scalar_type() == torch::kInt8, fp8_cache = k_cache.scalar_type() == torch::kByte;
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || int8_cache || fp8_cache) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "the caches in q's dtype or int8");
-  TORCH_CHECK(int8_cache || (k_scale == 1.0 && v_scale == 1.0), "scales belong to an INT8 cache");
+              "the caches in q's dtype, int8 or uint8 (e4m3 bits)");
+  TORCH_CHECK(int8_cache || fp8_cache || (k_scale == 1.0 && v_scale == 1.0), "scales belong to an INT8 or FP8 cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   for (const auto& t : {block_tables, seq_lens, query_starts})
     TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.device().is_cpu(), "int32 tables on the CPU");
@@ -236,6 +237,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       attention<scalar_t, int8_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
                                   tables, lens, starts, out.data_ptr<scalar_t>(), num_seqs, shape, k_scaled,
                                   static_cast<float>(v_scale), window);
+    else if (fp8_cache)
+      attention<scalar_t, uint8_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<uint8_t>(),
+                                   v_cache.data_ptr<uint8_t>(), tables, lens, starts, out.data_ptr<scalar_t>(),
+                                   num_seqs, shape, k_scaled, static_cast<float>(v_scale), window);
     else
       attention<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                     v_cache.data_ptr<scalar_t>(), tables, lens, starts, out.data_ptr<scalar_t>(),

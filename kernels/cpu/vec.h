@@ -1,6 +1,7 @@
 // Eight floats at a time for the compiled CPU kernels (x86-64-v3: AVX2, FMA, F16C): loads that convert bf16, fp16
 // and int8 on the way in, a horizontal sum of eight vectors at once, and exp.
 #pragma once
+#include <array>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -63,17 +64,42 @@ class LineCursor {
 inline __m256 m(vec8 x) { return reinterpret_cast<__m256>(x); }
 inline vec8 v(__m256 x) { return reinterpret_cast<vec8>(x); }
 
+// An FP8 KV cache's 256 e4m3 values by their bits (c10's conversion, once).
+inline const float* e4m3_values() {
+  static const auto table = [] {
+    std::array<float, 256> values{};
+    for (int b = 0; b < 256; ++b)
+      values[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return values;
+  }();
+  return table.data();
+}
+
+// One value as fp32: an FP8 cache's byte through e4m3_values, any other converted.
+template <typename T>
+inline float load1(const T* p) {
+  if constexpr (std::is_same_v<T, uint8_t>)
+    return e4m3_values()[*p];
+  else
+    return static_cast<float>(*p);
+}
+
 template <typename T>
 inline vec8 load8(const T* p) {
   if constexpr (std::is_same_v<T, int8_t>) {                      // an INT8 KV cache's values, as they are
     return v(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  } else if constexpr (std::is_same_v<T, uint8_t>) {              // an FP8 KV cache's e4m3 bits: moved into fp16s
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));   // (the sign to bit 15, exponent
+    const __m128i half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),   // and mantissa to 13..7),
+                                       _mm_set1_epi16(static_cast<int16_t>(0xBF80)));  // 2^-8 times the value
+    return v(_mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f)));
   } else if constexpr (std::is_same_v<T, float>) {
     return *reinterpret_cast<const vec8*>(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return v(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
   } else {
-    static_assert(std::is_same_v<T, c10::Half>, "float, bf16, fp16 or int8");
+    static_assert(std::is_same_v<T, c10::Half>, "float, bf16, fp16, int8 or uint8 (e4m3)");
     return v(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 }

@@ -12,7 +12,9 @@ import torch
 
 from kernels import cpu_ext, cpu_ops, reference
 from tests.helpers import cpu_kernels_build
-from tests.kernels.test_paged_attention import TOL, check_ignores_stale_cache, int8_caches, make_batch
+from tests.kernels.test_fused import assert_within_a_step
+from tests.kernels.test_paged_attention import (CACHE_KINDS, TOL, check_ignores_stale_cache, make_batch,
+                                               quantized_caches)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here "
                                                                 "(python -m kernels.cpu_ext says why)")
@@ -76,15 +78,16 @@ def test_compiled_path_never_lets_stale_cache_values_reach_a_result(query_lens):
     check_ignores_stale_cache(cpu_ops.paged_attention, query_lens, "cpu")
 
 
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4)])
 @pytest.mark.parametrize("rows", QUERY_LENS)
 @pytest.mark.parametrize("window,softcap", [(None, None), (12, 2.0)])
-def test_an_int8_cache_matches_reference(dtype, head_dim, group, rows, window, softcap):
-    """An INT8 cache (kv_scales): the values converted as they load, K's scale folded into the scores' and V's
-    applied to the sums, on the decode rows' path and the tiles'."""
+def test_a_quantized_cache_matches_reference(kind, dtype, head_dim, group, rows, window, softcap):
+    """An INT8 or FP8 cache (kv_scales): the values converted as they load (FP8 through fp16's bits), K's scale
+    folded into the scores' and V's applied to the sums, on the decode rows' path and the tiles'."""
     q, k_cache, v_cache, meta = make_batch(SEQ_LENS, QUERY_LENS[rows], 2 * group, 2, head_dim, 16, dtype)
-    k8, v8, scales = int8_caches(k_cache, v_cache)
+    k8, v8, scales = quantized_caches(k_cache, v_cache, kind)
     want = reference.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)
     got = cpu_ops.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)
     assert got.dtype == dtype
@@ -126,10 +129,11 @@ def test_silu_and_mul_holds_over_the_whole_float_range():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 1), (80, 4, 4)])
-@pytest.mark.parametrize("kv_scales", [None, (0.05, 0.03)])
-def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, kv_scales):
-    """RoPE rounded op by op as torch rounds; an INT8 cache (kv_scales): K and V quantized as the reference does
-    (K within one step, where the rotation's rounding differs)."""
+@pytest.mark.parametrize("cache", [None, "int8", "fp8"])
+def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, cache):
+    """RoPE rounded op by op as torch rounds; an INT8 or FP8 cache (kv_scales): K and V quantized as the reference
+    does (K within one step, where the rotation's rounding differs)."""
+    kv_scales = None if cache is None else (0.05, 0.03)
     from backend.model.checkpoint import ModelConfig
     from backend.model.rope import cos_sin as rope_cos_sin
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
@@ -139,7 +143,7 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     slots = torch.randperm(6 * 16)[:len(positions)].int()
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(len(positions), q_size + 2 * kv_size).to(dtype)     # q, k, v: views of one row, as in the model
-    cache_dtype = dtype if kv_scales is None else torch.int8
+    cache_dtype = dtype if cache is None else CACHE_KINDS[cache][0]
     caches = [torch.zeros(num_kv_heads, 6, 16, head_dim, dtype=cache_dtype) for _ in range(4)]
 
     def views(t):
@@ -155,7 +159,8 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     if kv_scales is None:
         torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
     else:
-        assert (caches[2].int() - caches[0].int()).abs().max() <= 1 and caches[2].any()
+        assert_within_a_step(caches[2], caches[0])
+        assert caches[2].any()
     assert torch.equal(caches[3], caches[1])                              # v is copied (or quantized) as it is
 
 

@@ -7,6 +7,7 @@ from backend.model.checkpoint import ModelConfig
 from backend.model.rope import cos_sin as rope_cos_sin
 from kernels import fused, reference
 from tests.helpers import KERNEL_DEVICES
+from tests.kernels.test_paged_attention import CACHE_KINDS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -48,14 +49,15 @@ def test_silu_and_mul_matches_reference(dtype, inter, device):
                                                                          (96, 8, 2, 16), (80, 10, 2, 16),
                                                                          (128, 18, 6, 16)])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("kv_scales", [None, (0.05, 0.03)])
+@pytest.mark.parametrize("cache", [None, "int8", "fp8"])
 def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size, slot_dtype,
-                                            kv_scales, device):
+                                            cache, device):
     """q, k, v sliced from one fused qkv row as the model has them; tokens land in shuffled slots across blocks, and
     a padding token (slot -1) writes nothing. 18 + 6 heads of 128: two programs a token, the second's block of
-    heads both query and key heads, its last masked. kv_scales: an INT8 cache, K rotated and rounded to the
+    heads both query and key heads, its last masked. An INT8 or FP8 cache (kv_scales): K rotated and rounded to the
     activations' dtype, then quantized (within one step of the reference's rotation's rounding), V quantized
-    exactly as the reference does."""
+    exactly as the reference does (FP8: e4m3 by bit moves == torch's rounding)."""
+    kv_scales = None if cache is None else (0.05, 0.03)
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
                       1e-5, 10000.0, None, False, False, None, None, None)
     cos_sin = rope_cos_sin(cfg).to(device)
@@ -70,7 +72,7 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
         q, k, v = t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
                 v.reshape(-1, num_kv_heads, head_dim))
-    cache_dtype = dtype if kv_scales is None else torch.int8
+    cache_dtype = dtype if cache is None else CACHE_KINDS[cache][0]
     caches = [torch.full((num_kv_heads, num_blocks, block_size, head_dim), 7, dtype=cache_dtype, device=device)
               for _ in range(4)]
     keep = slots >= 0
@@ -83,5 +85,16 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     if kv_scales is None:
         torch.testing.assert_close(caches[2], caches[0], atol=TOL[dtype], rtol=TOL[dtype])
     else:
-        assert (caches[2].int() - caches[0].int()).abs().max() <= 1 and (caches[2] != 7).any()
+        assert_within_a_step(caches[2], caches[0])
+        assert (caches[2] != 7).any()
     assert torch.equal(caches[3], caches[1])                          # v is copied as it is; slot -1 left 7
+
+
+def assert_within_a_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Quantized caches' values at most one step of their format apart: an int8 unit, or an e4m3 step (1/8 of the
+    value's power of two, 2^-9 among subnormals: a tiny value may round to either sign's zero)."""
+    if got.dtype == torch.int8:
+        assert (got.int() - want.int()).abs().max() <= 1
+        return
+    a, b = (t.view(torch.float8_e4m3fn).float() for t in (got, want))
+    assert bool(((a - b).abs() <= torch.maximum(a.abs(), b.abs()) / 8 + 2 ** -9).all())

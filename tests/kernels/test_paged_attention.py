@@ -186,33 +186,49 @@ def test_a_padding_row_with_no_context_gives_zeros_not_nan(device, num_splits):
     torch.testing.assert_close(got[:1], want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
-def int8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """The caches as an INT8 cache holds them, against scales of their largest magnitudes / 127."""
-    scales = (k_cache.float().abs().max().item() / 127, v_cache.float().abs().max().item() / 127)
-    return quantize_kv(k_cache, scales[0]), quantize_kv(v_cache, scales[1]), scales
+CACHE_KINDS = {"int8": (torch.int8, 127), "fp8": (torch.uint8, 448)}     # kv_cache_dtype -> storage, largest value
+
+
+def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, kind: str = "int8"
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The caches as an INT8 or FP8 cache holds them, against scales of their largest magnitudes / 127 (448)."""
+    cache_dtype, largest = CACHE_KINDS[kind]
+    scales = (k_cache.float().abs().max().item() / largest, v_cache.float().abs().max().item() / largest)
+    return quantize_kv(k_cache, scales[0], cache_dtype), quantize_kv(v_cache, scales[1], cache_dtype), scales
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20]])
-def test_the_reference_reads_an_int8_cache_as_its_dequantized_values(query_lens, device):
+def test_the_reference_reads_a_quantized_cache_as_its_dequantized_values(query_lens, kind, device):
     q, k_cache, v_cache, meta = make_batch([30, 9, 20], query_lens, 4, 2, 64, 16, torch.bfloat16, device)
-    k8, v8, scales = int8_caches(k_cache, v_cache)
+    k8, v8, scales = quantized_caches(k_cache, v_cache, kind)
     got = reference.paged_attention(q, k8, v8, meta, 0.125, 12, 3.0, kv_scales=scales)
     want = reference.paged_attention(q.float(), dequantize_kv(k8, scales[0]), dequantize_kv(v8, scales[1]), meta,
                                      0.125, 12, 3.0)
-    assert got.dtype == torch.bfloat16 and k8.dtype == torch.int8
+    assert got.dtype == torch.bfloat16 and k8.dtype == CACHE_KINDS[kind][0]
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)          # (rounded once to bf16)
 
 
+def test_an_fp8_cache_holds_e4m3_rounded_to_nearest():
+    """quantize_kv's FP8 values: x / scale clamped to 448 and rounded to e4m3 (torch's rounding), their bits."""
+    x = torch.tensor([0.0, 1.0, -3.3, 500.0, -1000.0, 1e-4, 0.0625 + 1e-6])
+    got = quantize_kv(x, 0.5, torch.uint8)
+    assert got.dtype == torch.uint8
+    assert torch.equal(dequantize_kv(got, 0.5), torch.tensor([0.0, 1.0, -3.25, 224.0, -224.0, 0.0, 0.0625]))
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("query_lens,group", [([1, 1, 1, 1], 4), ([37, 18, 1, 1], 3)])
-def test_an_int8_cache_matches_reference(dtype, num_splits, query_lens, group, device):
-    """An INT8 cache (kv_scales): K's scale folded into the scores' and V's applied to the sums, the values
-    converted to q's dtype exactly; decode steps and prompt chunks, split or not, soft-capped and windowed."""
+def test_a_quantized_cache_matches_reference(dtype, kind, num_splits, query_lens, group, device):
+    """An INT8 or FP8 cache (kv_scales): K's scale folded into the scores' and V's applied to the sums, the values
+    converted to q's dtype exactly (FP8 through fp16's bits); decode steps and prompt chunks, split or not,
+    soft-capped and windowed."""
     q, k_cache, v_cache, meta = make_batch([37, 50, 21, 100], query_lens, 2 * group, 2, 64, 16, dtype, device)
-    k8, v8, scales = int8_caches(k_cache, v_cache)
+    k8, v8, scales = quantized_caches(k_cache, v_cache, kind)
     for window, softcap in ((None, None), (12, 2.0)):
         meta.torch_plan = None
         want = reference.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)

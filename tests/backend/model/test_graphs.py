@@ -68,7 +68,7 @@ def test_a_step_replays_the_graph_of_its_rows_and_its_longest_context(tiny_model
 
 
 @INTERPRETER_MARK
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 def test_padded_decode_steps_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, monkeypatch, kv_cache_dtype):
     """Every decode step padded to its bucket (padding rows write no cache slot and read no context), with the
     attention's split count and the LoRA segment count fixed as a graph needs them: same tokens as eager steps, their
@@ -130,7 +130,7 @@ def test_a_decode_step_launches_a_fixed_number_of_kernels(tiny_model_dir, tiny_a
 
 
 @needs_cuda
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 def test_graph_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, kv_cache_dtype):
     prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=51)
     want = run(make_engine(tiny_model_dir, tiny_adapters, "cuda", cuda_graph_mode=False,

@@ -67,11 +67,12 @@ def test_piecewise_replays_give_the_eager_steps_tokens(tiny_model_dir, tiny_adap
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("quantized", [{"weight_dtype": "int8"}, {"kv_cache_dtype": "int8"}])
-def test_int8_weights_or_cache_through_the_pieces_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters, device,
-                                                                               quantized):
-    """INT8 weights (row-independent GEMMs: an eager step's rows do not change with its padding), or an INT8 KV
-    cache, through the pieces, uncaptured on CPU and captured on CUDA: the eager steps' tokens. (On an H200 at the 8B
+@pytest.mark.parametrize("quantized", [{"weight_dtype": "int8"}, {"weight_dtype": "int4"}, {"weight_dtype": "fp8"},
+                                       {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8"}])
+def test_quantized_weights_or_cache_through_the_pieces_give_the_eager_steps_tokens(tiny_model_dir, tiny_adapters,
+                                                                                    device, quantized):
+    """INT8, INT4 or FP8 weights (row-independent GEMMs: an eager step's rows do not change with its padding), or an
+    INT8 or FP8 KV cache, through the pieces, uncaptured on CPU and captured on CUDA: the eager steps' tokens. (On an H200 at the 8B
     shape in bf16 the self-check found INT8 weights' captured pieces 0.16 off the eager step, whose own noise was
     0.)"""
     prompts = random_prompts(PROMPT_LENS, 512, seed=53)

@@ -66,20 +66,22 @@ def test_the_kernels_pass_at_the_served_shapes(model, tiny_model_dir, smollm2_di
     assert [(c.what, c.error) for c in checks if c.error] == []
 
 
-def test_an_int8_cache_is_checked_too_and_a_kernel_that_ignores_its_scales_fails(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_cache_is_checked_too_and_a_kernel_that_ignores_its_scales_fails(tiny_model_dir, monkeypatch,
+                                                                                     kind):
     cfg = ModelConfig.from_dir(tiny_model_dir)
     checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64,
-                           kv_cache_dtype="int8")
-    int8 = [c for c in checks if "int8 cache" in c.what]
-    assert {c.family for c in int8} == {"attention", "fused"} and len(int8) == 2 * (1 + len(SPLITS)) + 1
+                           kv_cache_dtype=kind)
+    quantized = [c for c in checks if f"{kind} cache" in c.what]
+    assert {c.family for c in quantized} == {"attention", "fused"} and len(quantized) == 2 * (1 + len(SPLITS)) + 1
     assert [(c.what, c.error) for c in checks if c.error] == []
     attention = triton_ops.paged_attention
     monkeypatch.setattr(triton_ops, "paged_attention",
                         lambda *args, kv_scales=None, **kwargs: attention(*args, **kwargs, kv_scales=kv_scales and
                                                                          (kv_scales[0], 2 * kv_scales[1])))
     failed = [c for c in check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"),
-                                       16, 64, kv_cache_dtype="int8") if c.error]
-    assert failed and all("int8 cache" in c.what and c.family == "attention" for c in failed)
+                                       16, 64, kv_cache_dtype=kind) if c.error]
+    assert failed and all(f"{kind} cache" in c.what and c.family == "attention" for c in failed)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -330,7 +332,7 @@ def test_lora_widths_that_are_no_multiple_of_16_are_served_by_the_triton_kernels
 @pytest.mark.parametrize("weight_dtype", ["int8", "int4", "fp8"])
 def test_quantized_weights_are_checked_and_a_broken_gemm_falls_back(tiny_model_dir, tmp_path, monkeypatch,
                                                                     weight_dtype):
-    """weight_dtype int8, int4: its GEMM passes at every projection's shape; broken (wrong values) it is served by
+    """weight_dtype int8, int4, fp8: its GEMM passes at every projection's shape; broken (wrong values) it is served by
     the torch reference, the tokens those of the model the quantized weights encode."""
     from transformers import AutoModelForCausalLM
     from tests.backend.model.test_quantized import WEIGHT_TYPES, dequantized_copy
