@@ -41,6 +41,8 @@ class WeightStorage:
     group_size: int = 0                       # gptq, awq: input channels a group (-1: one group; GPTQ's g_idx,
                                               # where it has one, says each channel's)
     zero_offset: int = 0                      # gptq: 1 in its first format, which stores each zero point - 1
+    kv_scales: bool = False                   # compressed-tensors' kv_cache_scheme: each layer's FP8 KV cache
+                                              # scales, `self_attn.k_scale` and `v_scale` (kv_cache_dtype fp8)
 
     @property
     def packed(self) -> bool:
@@ -82,10 +84,17 @@ def weight_storage(hf: dict) -> WeightStorage | None:
 
 
 def compressed_tensors_storage(quant: dict) -> WeightStorage:
-    """compressed-tensors' float-quantized format: 8-bit float weights, symmetric, static, one block shape."""
-    for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    """compressed-tensors' float-quantized format: 8-bit float weights, symmetric, static, one block shape; an FP8
+    KV cache's scales per layer (kv_cache_scheme: float, 8 bits, per tensor)."""
+    for name in ("sparsity_config", "transform_config"):
         if quant.get(name):
             raise ValueError(f"quantization_config: compressed-tensors {name} is not read")
+    kv = quant.get("kv_cache_scheme")
+    if kv:
+        scheme = (kv.get("type"), kv.get("num_bits"), kv.get("strategy", "tensor"))
+        if scheme != ("float", 8, "tensor") or not kv.get("symmetric", True) or kv.get("dynamic"):
+            raise ValueError(f"quantization_config: compressed-tensors kv_cache_scheme {scheme} is not read (8-bit "
+                             "float, symmetric, static, a scale per tensor: k_scale and v_scale)")
     if quant.get("format") != "float-quantized":
         raise ValueError(f"quantization_config: compressed-tensors format {quant.get('format')!r} is not read; "
                          f"read: {'; '.join(READ_QUANTIZATION)}")
@@ -103,7 +112,7 @@ def compressed_tensors_storage(quant: dict) -> WeightStorage:
     if len(blocks) > 1:
         raise ValueError(f"quantization_config: config_groups of different block shapes {sorted(map(str, blocks))}"
                          " are not read")
-    return WeightStorage("fp8", "weight_scale", blocks.pop() if blocks else None)
+    return WeightStorage("fp8", "weight_scale", blocks.pop() if blocks else None, kv_scales=bool(kv))
 
 
 def refuse_unread(hf: dict) -> None:

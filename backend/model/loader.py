@@ -287,10 +287,35 @@ def served_weight(name: str, weight: torch.Tensor | GroupedWeight, weight_dtype:
     return quantize_weight(weight.contiguous(), weight_dtype) if name.endswith("_proj") else weight.contiguous()
 
 
+KV_SCALE_KEYS = ("model.layers.{}.self_attn.k_scale", "model.layers.{}.self_attn.v_scale")
+
+
+def checkpoint_kv_scales(model_dir: str | Path, cfg: ModelConfig) -> list[tuple[float, float]] | None:
+    """Each layer's FP8 KV cache scales (k_scale, v_scale) where the checkpoint has them (compressed-tensors'
+    kv_cache_scheme), else None."""
+    reader = CheckpointReader(model_dir)
+    try:
+        if reader.storage is None or not reader.storage.kv_scales:
+            return None
+        scales = []
+        for i in range(cfg.num_layers):
+            pair = [reader.get_slice(key.format(i))[:].float() for key in KV_SCALE_KEYS]
+            if any(t.numel() != 1 or not bool(t.reshape(()) > 0) for t in pair):
+                raise ValueError(f"checkpoint layer {i}'s KV scales {[t.tolist() for t in pair]}: one positive "
+                                 "value each (kv_cache_scheme strategy tensor)")
+            scales.append(tuple(float(t.reshape(())) for t in pair))
+        return scales
+    finally:
+        reader.close()
+
+
 def refuse_unread_tensors(reader: CheckpointReader, table: dict[str, Source], cfg: ModelConfig) -> None:
-    """Every checkpoint tensor is one we read (or a tied LM head's copy of the embeddings, or RoPE's cached
-    frequencies): a tensor we would leave out changes the model (a bias, a scale, a quantized weight's zeros)."""
+    """Every checkpoint tensor is one we read (or a tied LM head's copy of the embeddings, RoPE's cached
+    frequencies, or the FP8 KV cache's scales where the checkpoint declares them: checkpoint_kv_scales): a tensor we
+    would leave out changes the model (a bias, a scale, a quantized weight's zeros)."""
     read = reader.read_keys(key for source in table.values() for key in source.keys)
+    if reader.storage is not None and reader.storage.kv_scales:
+        read |= {key.format(i) for i in range(cfg.num_layers) for key in KV_SCALE_KEYS}
     if cfg.tie_word_embeddings:
         read.add("lm_head.weight")
     unread = sorted(key for key in reader.key_files if key not in read and not key.endswith("rotary_emb.inv_freq"))

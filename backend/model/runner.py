@@ -21,7 +21,7 @@ from backend.model.context import StepInputs
 from backend.model.graph_check import capture_checked
 from backend.model.graphs import DecodeGraphs
 from backend.model.llama import LlamaModel
-from backend.model.loader import load_weights
+from backend.model.loader import checkpoint_kv_scales, load_weights
 from backend.model.parallel import INIT, TensorParallelGroup, message_capacity
 from backend.model.piecewise import PiecewiseGraphs
 from backend.model.results import LaunchedStep, StepResults, collect, keep_chunk
@@ -86,8 +86,9 @@ class ModelRunner:
         cfg, budget = self.model_config, self.config.kv_cache_memory_bytes
         if self.kv_cache_dtype == torch.int8 and self.model.kv_scales is None:
             self.model.kv_scales = self._calibrate_kv_scales()
-        elif self.kv_cache_dtype == torch.uint8 and self.model.kv_scales is None:
-            self.model.kv_scales = [(1.0, 1.0)] * cfg.num_layers         # FP8: TensorRT-LLM's default scales
+        elif self.kv_cache_dtype == torch.uint8 and self.model.kv_scales is None:     # FP8: the checkpoint's, or
+            self.model.kv_scales = checkpoint_kv_scales(self.config.model_dir, cfg) or \
+                [(1.0, 1.0)] * cfg.num_layers                                         # TensorRT-LLM's default
         if budget is None and self.device.type == "cuda":
             peak = self._activation_peak_bytes()
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -222,8 +222,8 @@ def edited(fp8_dir: Path, out: Path, quantization: dict | None = None, tensors: 
 
 @pytest.mark.parametrize("case,quantization,tensors,says", [
     ("e5m2", LAYOUTS["fp8 blocks"] | {"fmt": "e5m2"}, None, "quantization_config: fmt 'e5m2' is not read"),
-    ("kv cache scheme", LAYOUTS["compressed-tensors tensor"] | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
-     None, "compressed-tensors kv_cache_scheme is not read"),
+    ("int kv cache scheme", LAYOUTS["compressed-tensors tensor"] | {"kv_cache_scheme": {"num_bits": 8, "type": "int"}},
+     None, r"compressed-tensors kv_cache_scheme \('int', 8, 'tensor'\) is not read"),
     ("int4 packed", LAYOUTS["compressed-tensors tensor"] | {"format": "pack-quantized"}, None,
      "compressed-tensors format 'pack-quantized' is not read; read: fp8"),
     ("int weights", {**LAYOUTS["compressed-tensors tensor"], "config_groups": {"group_0": {"weights": {
@@ -239,3 +239,29 @@ def test_what_an_fp8_checkpoint_holds_that_is_not_read_is_refused_by_name(checkp
     path = edited(checkpoints["fp8 blocks"][0], tmp_path / "edited", quantization, tensors)
     with pytest.raises(ValueError, match=says):
         engine_for(path, "torch")
+
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+def test_a_checkpoints_kv_scales_serve_an_fp8_cache(checkpoints, tmp_path, kernel_backend):
+    """compressed-tensors' kv_cache_scheme: each layer's k_scale and v_scale are an FP8 cache's scales (coarse ones
+    here, so that the rounding shows), the tokens transformers' with K and V rounded to e4m3 against them; a cache
+    in dtype reads the checkpoint all the same."""
+    from tests.backend.model.test_quantized_kv_cache import hf_model
+    fp8_dir, fp32_dir = checkpoints["compressed-tensors tensor"]
+    scales = [(8.0 * (i + 1), 16.0) for i in range(2)]
+    kv = {f"model.layers.{i}.self_attn.{name}": torch.tensor([value]) for i, pair in enumerate(scales)
+          for name, value in zip(("k_scale", "v_scale"), pair)}
+    path = edited(fp8_dir, tmp_path / "kv", LAYOUTS["compressed-tensors tensor"] | {"kv_cache_scheme": KV_SCHEME}, kv)
+    engine = engine_for(path, kernel_backend, kv_cache_dtype="fp8")
+    assert engine.runner.model.kv_scales == scales
+    prompts = random_prompts([7, 26, 11], engine.model_config.vocab_size, seed=6)
+    hf = hf_model(fp32_dir, scales, kind="fp8")
+    got = engine.generate(prompts, max_new_tokens=MAX_NEW, end_id=engine.model_config.eos_token_id)
+    assert got == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    plain = engine_for(path, kernel_backend)
+    assert plain.runner.model.kv_scales is None
+    assert plain.generate(prompts, max_new_tokens=MAX_NEW, end_id=plain.model_config.eos_token_id) != got, \
+        "the rounding changes some token here: the check can tell"
