@@ -1,10 +1,11 @@
-"""Weight-only INT8 and INT4 weights, as the GEMMs read them. INT8: each output channel's values rounded to int8
-against one fp32 scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8 weight-only,
-vLLM's W8A16 by channel). INT4: groups of 128 input channels (64 or 32 where the width asks) of each output channel
-on a scale and a zero point, values 0..15 (asymmetric, as GPTQ and AWQ store them and llama.cpp's Q4_1). Activations
-stay in the model's dtype; each backend's linear dequantizes as it reads. And the values that FP8, GPTQ and AWQ
-checkpoints' weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq). And the INT8 KV cache's values
-(quantize_kv, dequantize_kv)."""
+"""Weight-only INT8, INT4 and FP8 weights, as the GEMMs read them. INT8: each output channel's values rounded to
+int8 against one fp32 scale, its largest magnitude / 127 (symmetric, no zero point: TensorRT-LLM's int8
+weight-only, vLLM's W8A16 by channel). INT4: groups of 128 input channels (64 or 32 where the width asks) of each
+output channel on a scale and a zero point, values 0..15 (asymmetric, as GPTQ and AWQ store them). FP8: e4m3 values
+on a scale per group of input channels (one group a row at load; an FP8 checkpoint's blocks). Activations stay in
+the model's dtype; each backend's linear dequantizes as it reads. And the values that FP8, GPTQ and AWQ checkpoints'
+weights encode (dequantize_fp8, dequantize_gptq, dequantize_awq), or the weights kept as stored (fp8_weight,
+int4_from_gptq, int4_from_awq). And the INT8 and FP8 KV caches' values (quantize_kv, dequantize_kv)."""
 from dataclasses import dataclass, replace
 
 import torch

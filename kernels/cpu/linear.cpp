@@ -2,8 +2,7 @@
 // one 64-byte line in fp32 (a quarter line in INT8, whose panels are converted as they load and whose columns are
 // scaled once at the end: weight-only INT8, one scale per output channel; an eighth in INT4, its values shifted by
 // their group's zero points and scaled as they load; a quarter in FP8, converted through fp16 and scaled as they
-// load). A 6 x 16 output tile lives in 12
-// registers, fed per k by that line and 6 broadcasts of x.
+// load). A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
