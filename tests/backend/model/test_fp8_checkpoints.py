@@ -17,7 +17,7 @@ from backend.lora.dora import checkpoint_weights
 from kernels.quant import Fp8Weight
 from tests.backend.lora.test_lora_peft import MAX_NEW
 from tests.backend.model.test_quantized import (PATHS, assert_adapters_match_peft, assert_tokens_match_transformers,
-                                          dequantized_copy)
+                                                assert_two_ranks_keep_and_answer_one_ranks_tokens, dequantized_copy)
 from tests.helpers import ALL_MODULES, CPU_BACKENDS, build_tiny, hf_greedy, random_prompts
 
 FP8_MAX = 448.0                                            # e4m3's largest finite value
@@ -133,17 +133,7 @@ def test_an_fp8_checkpoint_matches_transformers_on_the_model_it_encodes(tiny_mod
 @pytest.mark.parametrize("layout", ["fp8 blocks of 32", "compressed-tensors channel"])
 def test_an_fp8_checkpoint_at_two_ranks_answers_one_ranks_tokens(checkpoints, layout):
     """Row-parallel shares of whole blocks, or of rows with one scale each, kept in e4m3."""
-    fp8_dir, _ = checkpoints[layout]
-    answers = []
-    for tp_size in (1, 2):
-        engine = LLMEngine(fp8_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=tp_size,
-                           kv_cache_memory_bytes=1 << 20)
-        try:
-            assert isinstance(engine.runner.model.w["layers.1.o_proj"], Fp8Weight)
-            answers.append(engine.generate([[5, 9, 3, 71, 2, 8], [44, 11]], max_new_tokens=8))
-        finally:
-            engine.close()
-    assert answers[1] == answers[0]
+    assert_two_ranks_keep_and_answer_one_ranks_tokens(checkpoints[layout][0], "layers.1.o_proj", Fp8Weight)
 
 
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)

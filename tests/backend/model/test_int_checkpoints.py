@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from backend import LLMEngine
 from kernels.quant import Int4Weight
 from tests.backend.model.test_fp8_checkpoints import engine_for
-from tests.backend.model.test_quantized import PATHS, assert_adapters_match_peft, assert_tokens_match_transformers
+from tests.backend.model.test_quantized import (PATHS, assert_adapters_match_peft, assert_tokens_match_transformers,
+                                                assert_two_ranks_keep_and_answer_one_ranks_tokens)
 from tests.helpers import ALL_MODULES
 
 AWQ_NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)          # AutoAWQ: nibble i of a word holds column 8m + AWQ_NIBBLES[i]
@@ -125,17 +126,7 @@ def test_a_gptq_or_awq_checkpoint_matches_transformers_on_the_model_it_encodes(t
 def test_a_packed_checkpoint_shares_its_groups_between_ranks(checkpoints, layout):
     """At two ranks each row-parallel share holds whole groups of the checkpoint's own integers; the tokens are
     one rank's."""
-    packed_dir, _ = checkpoints[layout]
-    answers = []
-    for tp_size in (1, 2):
-        engine = LLMEngine(packed_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=tp_size,
-                           kv_cache_memory_bytes=1 << 20)
-        try:
-            assert isinstance(engine.runner.model.w["layers.1.down_proj"], Int4Weight)
-            answers.append(engine.generate([[5, 9, 3, 71, 2, 8], [44, 11]], max_new_tokens=8))
-        finally:
-            engine.close()
-    assert answers[1] == answers[0]
+    assert_two_ranks_keep_and_answer_one_ranks_tokens(checkpoints[layout][0], "layers.1.down_proj", Int4Weight)
 
 
 @pytest.mark.parametrize("kernel_backend", PATHS)

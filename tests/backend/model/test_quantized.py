@@ -97,6 +97,21 @@ def assert_tokens_match_transformers(engine: LLMEngine, encoded_dir: Path, origi
             "the rounding changes some token here: the check can tell"
 
 
+def assert_two_ranks_keep_and_answer_one_ranks_tokens(model_dir: Path, kept: str, weight_type: type) -> None:
+    """At tensor_parallel_size 1 and 2 the weight named `kept` is a weight_type, and the two answer the same
+    greedy tokens."""
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(model_dir, dtype="float32", kernel_backend="torch", tensor_parallel_size=tp_size,
+                           kv_cache_memory_bytes=1 << 20)
+        try:
+            assert isinstance(engine.runner.model.w[kept], weight_type)
+            answers.append(engine.generate([[5, 9, 3, 71, 2, 8], [44, 11]], max_new_tokens=8))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0]
+
+
 def assert_adapters_match_peft(engine: LLMEngine, encoded_dir: Path, adapters: list[Path]) -> None:
     """Four adapters (ranks 4-64, one on attention only) and base rows mixed in one batch, requests joining as
     others decode: the engine's tokens == PEFT's on encoded_dir."""
