@@ -168,7 +168,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K), bias)   # fp32, x [M, K] -> [M, N]"""
+    """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K).float(), bias)
+    # x fp32 [M, K], panels fp32 or bf16 [N / 16, K, 16] -> fp32 [M, N]"""
     return load().panel_linear(x, panels, bias)
 
 

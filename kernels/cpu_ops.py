@@ -37,14 +37,19 @@ def _packable(dtype: torch.dtype) -> bool:
 def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The projections and lm_head in the layout their GEMM reads fastest: fp32 in column panels (whose kernel
     prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
-    ~10%), bf16 in oneDNN's blocked layout where the CPU has bf16, INT8, INT4 and FP8 in column panels too.
-    Embeddings, norms and biases stay as they are."""
+    ~10%), in bf16 panels where every value is a bf16's (a bf16 checkpoint served in fp32, as dtype auto does on a
+    CPU without bf16 arithmetic: half the bytes, the same values, widened as the GEMM loads them), bf16 in oneDNN's
+    blocked layout where the CPU has bf16, INT8, INT4 and FP8 in column panels too. Embeddings, norms and biases
+    stay as they are."""
     def prepared(name: str, w):
         if not (name.endswith("_proj") or name == "lm_head"):
             return w
         if isinstance(w, QUANTIZED_WEIGHTS):
             return w.panels() if w.shape[0] % PANEL == 0 else w
         if w.dtype == torch.float32 and w.shape[0] % PANEL == 0:
+            narrow = w.to(torch.bfloat16)
+            if torch.equal(narrow.float(), w):                        # a bf16 checkpoint's values, in fp32
+                return narrow.view(w.shape[0] // PANEL, PANEL, w.shape[1]).transpose(1, 2).contiguous()
             return cpu_ext.pack_linear(w)
         return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
     return {name: prepared(name, w) for name, w in weights.items()}

@@ -1,8 +1,8 @@
 // Projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
-// one 64-byte line in fp32 (a quarter line in INT8, whose panels are converted as they load and whose columns are
-// scaled once at the end: weight-only INT8, one scale per output channel; an eighth in INT4, its values shifted by
-// their group's zero points and scaled as they load; a quarter in FP8, converted through fp16 and scaled as they
-// load). A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
+// one 64-byte line in fp32, half a line in bf16 (widened as it loads), a quarter in INT8 (converted as it loads,
+// its columns scaled once at the end: weight-only INT8, one scale per output channel), an eighth in INT4 (shifted
+// by its group's zero points and scaled as it loads), a quarter in FP8 (converted through fp16 and scaled as it
+// loads). A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
@@ -34,6 +34,22 @@ struct Fp32Panels {
     void load(int64_t k, __m256& w0, __m256& w1) {
       w0 = _mm256_loadu_ps(p + k * kPanel);
       w1 = _mm256_loadu_ps(p + k * kPanel + 8);
+    }
+  };
+  Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
+};
+
+// bf16 (a bf16 checkpoint's weights beside fp32 activations, on CPUs without bf16 arithmetic): half fp32's bytes,
+// each value widened exactly by a 16-bit shift as it loads.
+struct Bf16Panels {
+  static constexpr int64_t kRowBytes = kPanel * sizeof(uint16_t);
+  const uint16_t* data;
+  struct Lines {
+    const uint16_t* p;
+    void load(int64_t k, __m256& w0, __m256& w1) {
+      const __m256i wide = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * kPanel));
+      w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(wide)), 16));
+      w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(wide, 1)), 16));
     }
   };
   Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
@@ -243,15 +259,22 @@ torch::Tensor pack_linear(torch::Tensor weight) {
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
                            const std::vector<vec::Span>& side) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "float32 only");
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (bf16 || panels.scalar_type() == at::kFloat),
+              "x float32, panels float32 or bfloat16");
   TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
   const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
   if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || num_panels == 0) return y;
-  panel_gemm(x.data_ptr<float>(), M, K, Fp32Panels{panels.data_ptr<float>()}, num_panels, nullptr,
-             bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), side);
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  if (bf16)
+    panel_gemm(x.data_ptr<float>(), M, K, Bf16Panels{reinterpret_cast<const uint16_t*>(panels.data_ptr())},
+               num_panels, nullptr, bp, y.data_ptr<float>(), side);
+  else
+    panel_gemm(x.data_ptr<float>(), M, K, Fp32Panels{panels.data_ptr<float>()}, num_panels, nullptr, bp,
+               y.data_ptr<float>(), side);
   return y;
 }
 

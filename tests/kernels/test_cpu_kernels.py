@@ -213,12 +213,14 @@ def test_lora_apply_matches_reference(dtype, weight_dtype, in_dim, widths, ranks
 @pytest.mark.parametrize("num_rows", [0, 1, 5, 6, 7, 32, 130])             # tiles of 6 rows and the rest
 @pytest.mark.parametrize("in_dim,out_dim", [(576, 960), (70, 48), (1536, 576), (64, 9 * 16 * 16)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
-    """Panel counts that split unevenly between threads and groups, K not a multiple of 8, a strided x."""
-    weight, bias = torch.randn(out_dim, in_dim), torch.randn(out_dim) if with_bias else None
+@pytest.mark.parametrize("panel_dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias, panel_dtype):
+    """Panel counts that split unevenly between threads and groups, K not a multiple of 8, a strided x; panels in
+    fp32, or in bf16 (values a bf16 holds, widened exactly)."""
+    weight, bias = torch.randn(out_dim, in_dim).to(panel_dtype).float(), torch.randn(out_dim) if with_bias else None
     x = torch.randn(num_rows, in_dim + 3)[:, 3:]
-    panels = cpu_ext.pack_linear(weight)
-    assert torch.equal(panels, weight.view(-1, 16, in_dim).transpose(1, 2))
+    panels = cpu_ext.pack_linear(weight).to(panel_dtype)
+    assert torch.equal(panels.float(), weight.view(-1, 16, in_dim).transpose(1, 2))
     torch.testing.assert_close(cpu_ext.panel_linear(x, panels, bias), torch.nn.functional.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-4)
 
@@ -275,7 +277,7 @@ def test_kernels_match_reference_when_more_threads_than_cores_claim_unevenly(op)
     torch.set_num_threads(7)
     try:
         if op == "panel_linear":
-            test_panel_linear_matches_f_linear(130, 576, 960, True)
+            test_panel_linear_matches_f_linear(130, 576, 960, True, torch.float32)
         elif op == "paged_attention":
             test_rows_match_reference(torch.float32, 64, 3, 16, "whole prompts")
         else:
@@ -314,14 +316,19 @@ def test_compiled_ops_let_other_python_threads_run_while_they_compute(op):
 
 
 @pytest.mark.parametrize("dtype,out_dim,layout", [(torch.float32, 960, "panels"), (torch.float32, 40, "dense"),
-                                                  (torch.float16, 960, "dense")])
+                                                  (torch.float16, 960, "dense"), ("bf16 values", 960, "bf16 panels")])
 def test_prepare_weights_puts_projections_in_panels_where_the_kernel_takes_them(dtype, out_dim, layout):
-    """fp32 with out_features a multiple of 16 goes into panels; the rest keeps a layout F.linear or oneDNN reads,
-    and ops.linear gives F.linear's result either way."""
-    weights = {"layers.0.qkv_proj": torch.randn(out_dim, 64).to(dtype), "layers.0.input_norm": torch.randn(64)}
+    """fp32 with out_features a multiple of 16 goes into panels, in bf16 where every value is a bf16's (a bf16
+    checkpoint served in fp32); the rest keeps a layout F.linear or oneDNN reads, and ops.linear gives F.linear's
+    result either way."""
+    weight = torch.randn(out_dim, 64)
+    weight = weight.to(torch.bfloat16).float() if dtype == "bf16 values" else weight.to(dtype)
+    dtype = weight.dtype
+    weights = {"layers.0.qkv_proj": weight, "layers.0.input_norm": torch.randn(64)}
     prepared = cpu_ops.prepare_weights(weights)
     got = prepared["layers.0.qkv_proj"]
-    assert (got.dim() == 3) == (layout == "panels")
+    assert (got.dim() == 3) == layout.endswith("panels")
+    assert (got.dtype == torch.bfloat16) == (layout == "bf16 panels")
     assert prepared["layers.0.input_norm"] is weights["layers.0.input_norm"]
     x = torch.randn(3, 64).to(dtype)
     want = torch.nn.functional.linear(x.float(), weights["layers.0.qkv_proj"].float())

@@ -207,3 +207,26 @@ def test_a_mixtures_stacked_experts_load_as_its_experts_one_by_one(tmp_path, tp_
     assert all(torch.equal(one_by_one[k], from_stacked[k]) for k in one_by_one)
     assert one_by_one["layers.1.experts_gate_up"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size // tp_size,
                                                             cfg.hidden_size)
+
+
+def test_a_bf16_checkpoint_served_in_fp32_keeps_its_projections_in_bf16(tiny_model_dir, tmp_path):
+    """dtype float32 (what auto picks on a CPU without bf16 arithmetic) over a bf16 checkpoint: the compiled CPU
+    backend keeps the projections and LM head in bf16 panels, half fp32's bytes, and its greedy tokens are
+    transformers' in fp32 on that checkpoint."""
+    from transformers import AutoModelForCausalLM
+    from tests.helpers import cpu_kernels_build, hf_greedy
+    if not cpu_kernels_build():
+        pytest.skip("the compiled CPU kernels did not build")
+    copy_model(tiny_model_dir, tmp_path / "bf16")
+    path = tmp_path / "bf16" / "model.safetensors"
+    save_file({key: t.to(torch.bfloat16) for key, t in load_file(path).items()}, path, metadata={"format": "pt"})
+    engine = LLMEngine(tmp_path / "bf16", dtype="float32", kernel_backend="cpu", kv_cache_memory_bytes=1 << 20)
+    full = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend="cpu", kv_cache_memory_bytes=1 << 20)
+    weights = engine.runner.model.w
+    panels = [name for name, w in weights.items() if name.endswith("_proj") or name == "lm_head"]
+    assert all(weights[name].dtype == torch.bfloat16 and weights[name].dim() == 3 for name in panels)
+    saved = sum(weights[name].numel() * 2 for name in panels)
+    assert engine.runner.weight_bytes == full.runner.weight_bytes - saved
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    prompts = random_prompts([5, 21, 9, 33], engine.model_config.vocab_size, seed=4)
+    assert engine.generate(prompts, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in prompts]
