@@ -225,10 +225,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
     LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
-    weight_dtype int8, int4: each dense projection (q/k/v, o, gate/up, down; not the experts, router, embeddings or
-    LM head) quantized as it is read (served_weight), so a whole model never lies in memory in full precision; a
-    row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each rank's share
-    has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's GEMM.
+    weight_dtype int8, int4, fp8: each dense projection (q/k/v, o, gate/up, down; not the experts, router,
+    embeddings or LM head) quantized as it is read (served_weight), so a whole model never lies in memory in full
+    precision; a row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each
+    rank's share has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's
+    GEMM.
     weight_dtype auto over an FP8 or a 4-bit GPTQ or AWQ checkpoint (or fp8, int4 over its own format): its dense
     projections kept as stored (CheckpointReader.keep: KEPT_FORMATS), sliced and fused as such."""
     if not 0 <= tp_rank < tp_size:

@@ -95,8 +95,10 @@ class Worker:
             torch.cuda.empty_cache()
         self.model.kv_scales = None if kv_scales is None else [tuple(pair) for pair in
                                                                kv_scales.view(torch.float32).tolist()]
-        cache_dtype = self.dtype if kv_scales is None else torch.uint8 if fp8 is not None and fp8.item() else \
-            torch.int8
+        if kv_scales is None:
+            cache_dtype = self.dtype
+        else:
+            cache_dtype = torch.uint8 if fp8 is not None and fp8.item() else torch.int8
         self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, cache_dtype, self.device)
 
     @torch.inference_mode()
