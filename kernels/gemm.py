@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.fp8 import E4M3_FP16_GAP, e4m3_to_fp16
+from kernels.fp8 import e4m3_to_fp16
 from kernels.metadata import DOT_FP32, UNSPECIALIZED_ARGS
 from kernels.quant import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
@@ -108,7 +108,7 @@ def _grouped_scale_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, y_pt
         w_mask = k_mask[:, None] & n_mask[None, :]
         if FP8:
             w = e4m3_to_fp16(tl.load(w_cols + (k0 + offs_k).to(tl.int64)[:, None], mask=w_mask, other=0))
-            scale *= E4M3_FP16_GAP
+            scale *= 256.0                                                      # (fp8.E4M3_FP16_GAP)
         else:
             packed = tl.load(w_cols + ((k0 + offs_k) // 2).to(tl.int64)[:, None], mask=w_mask, other=0)
             zero = tl.load(zero_ptr + group + offs_n, mask=n_mask, other=0).to(tl.int32)
