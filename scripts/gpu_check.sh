@@ -68,7 +68,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
 PY
 }
 self_check() {                            # the start-up self-check on this GPU at SmolLM2's and 8B's shapes, strict
-                                          # (with INT8, INT4 and FP8 weights and an INT8 KV cache checked too)
+                                          # (INT8, INT4 and FP8 weights and INT8 and FP8 KV caches checked too)
   "$PYTHON" - <<'PY'
 import torch
 from backend.device import resolve_dtype
@@ -86,6 +86,8 @@ for name, shape in shapes.items():
                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape})
     checks = check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, weight_dtype="int8",
                            kv_cache_dtype="int8")                 # the quantized paths too: INT8 GEMMs, INT8 KV,
+    checks += [c for c in check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64,
+                                        kv_cache_dtype="fp8") if "fp8 cache" in c.what]   # an FP8 KV cache
     with torch.inference_mode():                                  # and the INT4 and FP8 GEMMs
         checks += [c for fmt in ("int4", "fp8") for c in gemm_checks(load_ops("triton", device), cfg, dtype, device,
                                                                      fmt)]
