@@ -228,9 +228,11 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias, pan
 @pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
 @pytest.mark.parametrize("num_base_rows", [0, 7])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_lora_matches_linear_then_lora(layout, num_base_rows, with_bias):
+@pytest.mark.parametrize("panel_dtype", [torch.float32, torch.bfloat16])
+def test_linear_lora_matches_linear_then_lora(layout, num_base_rows, with_bias, panel_dtype):
     """cpu_ext.linear_lora, whose GEMM prefetches the adapter rows of the LoRA after it, against F.linear and the
-    reference LoRA: three bands (qkv) at their own ranks, fp16 adapters beside fp32, base-only rows before them."""
+    reference LoRA: three bands (qkv) at their own ranks, fp16 adapters beside fp32, base-only rows before them;
+    the weight's panels in fp32 or bf16 (a bf16 checkpoint's values)."""
     from tests.kernels.test_lora import segments_for
     in_dim, widths = 96, [64, 16, 16]
     band_ranks = [[8, 16, 0, 4], [0, 3, 0, 0], [8, 13, 16, 0]]
@@ -240,10 +242,11 @@ def test_linear_lora_matches_linear_then_lora(layout, num_base_rows, with_bias):
         "many": MANY_SEGMENTS}[layout]
     segments = segments_for(tokens)
     x = torch.randn(sum(n for n, _ in tokens), in_dim)
-    weight, bias = torch.randn(sum(widths), in_dim), torch.randn(sum(widths)) if with_bias else None
+    weight = torch.randn(sum(widths), in_dim).to(panel_dtype).float()
+    bias = torch.randn(sum(widths)) if with_bias else None
     want = torch.nn.functional.linear(x, weight, bias)
     reference.lora_apply(x, widened, segments, want)
-    got = cpu_ext.linear_lora(x, cpu_ext.pack_linear(weight), bias, proj, segments)
+    got = cpu_ext.linear_lora(x, cpu_ext.pack_linear(weight).to(panel_dtype), bias, proj, segments)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
