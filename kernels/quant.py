@@ -336,12 +336,11 @@ def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     """A 4-bit GPTQ checkpoint's weight kept packed, the values dequantize_gptq reads in our layout; None where
     its groups are not runs of consecutive input channels (act order: its values are served dequantized) or not
     a size Int4Weight takes."""
-    q = unpack_int(qweight.T.contiguous(), 4).T                                 # [in, out]
-    num_groups = scales.shape[0]
-    if q.shape[0] % num_groups or not torch.equal(g_idx.long(), torch.arange(q.shape[0]) // (q.shape[0] //
-                                                                                             num_groups)):
+    in_dim, num_groups = qweight.shape[0] * 8, scales.shape[0]
+    if in_dim % num_groups or not torch.equal(g_idx.long(), torch.arange(in_dim) // (in_dim // num_groups)):
         return None
-    return _int4_weight(q, unpack_int(qzeros, 4) + zero_offset, scales, q.shape[0] // num_groups)
+    q = unpack_int(qweight.T.contiguous(), 4).T                                 # [in, out]
+    return _int4_weight(q, unpack_int(qzeros, 4) + zero_offset, scales, in_dim // num_groups)
 
 
 def int4_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

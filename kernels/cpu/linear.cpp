@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <optional>
 
 #include "claims.h"
@@ -245,6 +246,42 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
   }
 }
 
+// What every panel GEMM's binding checks and makes: x fp32 [M, K] (made contiguous), panels [N / 16, K, width] of
+// the type `type` names (one of `types`), bias fp32 [N] where given, and y [M, N].
+struct PanelCall {
+  torch::Tensor x, y;
+  int64_t M, K, num_panels, N;
+  const float* bias;
+  PanelCall(torch::Tensor x_in, const torch::Tensor& panels, int64_t width, std::initializer_list<at::ScalarType> types,
+            const char* type, const std::optional<torch::Tensor>& b) {
+    TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == width, "x [M, K], panels [N / 16, K, ",
+                width, "]");
+    TORCH_CHECK(x_in.scalar_type() == at::kFloat &&
+                    std::find(types.begin(), types.end(), panels.scalar_type()) != types.end(),
+                "x float32, panels ", type);
+    TORCH_CHECK(x_in.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
+    M = x_in.size(0), K = x_in.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+    if (b) TORCH_CHECK(b->numel() == N && b->is_contiguous() && b->scalar_type() == at::kFloat, "bias [N]");
+    bias = b ? b->data_ptr<float>() : nullptr;
+    x = x_in.contiguous();
+    y = torch::empty({M, N}, x.options());
+  }
+  bool empty() const { return M == 0 || num_panels == 0; }
+  // A grouped weight's per-group tensor: [K / group_size, N], contiguous, of `dtype` (group_size dividing K);
+  // `what` says so when it is not.
+  void check_grouped(const torch::Tensor& t, int64_t group_size, at::ScalarType dtype, const char* what) const {
+    TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == K / group_size && t.size(1) == N && t.is_contiguous() &&
+                t.scalar_type() == dtype, what);
+  }
+  template <typename Panels>
+  torch::Tensor run(const Panels& panels, const float* scale, const std::vector<vec::Span>& side = {}) {
+    if (!empty())
+      panel_gemm(x.data_ptr<float>(), M, K, panels, num_panels, scale, bias, y.data_ptr<float>(), side);
+    return y;
+  }
+};
+
 }  // namespace
 
 torch::Tensor pack_linear(torch::Tensor weight) {
@@ -258,87 +295,41 @@ torch::Tensor pack_linear(torch::Tensor weight) {
 // of every thread's tile calls: a GEMM of a few rows is bound by its FMAs, with memory bandwidth to spare.
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias,
                            const std::vector<vec::Span>& side) {
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
-  const bool bf16 = panels.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && (bf16 || panels.scalar_type() == at::kFloat),
-              "x float32, panels float32 or bfloat16");
-  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
-  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
-  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
-  x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || num_panels == 0) return y;
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  if (bf16)
-    panel_gemm(x.data_ptr<float>(), M, K, Bf16Panels{reinterpret_cast<const uint16_t*>(panels.data_ptr())},
-               num_panels, nullptr, bp, y.data_ptr<float>(), side);
-  else
-    panel_gemm(x.data_ptr<float>(), M, K, Fp32Panels{panels.data_ptr<float>()}, num_panels, nullptr, bp,
-               y.data_ptr<float>(), side);
-  return y;
-}
-
-// Weight-only INT8: y = (x @ panels^T) * scale + bias, x fp32 [M, K], panels int8 [N / 16, K, 16], scale [N] fp32.
-torch::Tensor int8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale,
-                                std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kChar, "x float32, panels int8");
-  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
-  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
-  TORCH_CHECK(scale.numel() == N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
-  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
-  x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || num_panels == 0) return y;
-  panel_gemm(x.data_ptr<float>(), M, K, Int8Panels{panels.data_ptr<int8_t>()}, num_panels, scale.data_ptr<float>(),
-             bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
-  return y;
-}
-
-// Weight-only INT4: y = x @ ((q - zero) * scale)^T + bias, x fp32 [M, K], panels uint8 [N / 16, K, 8] (two values
-// a byte), scale [K / group_size, N] fp32, zero [K / group_size, N] uint8.
-torch::Tensor int4_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, torch::Tensor zero,
-                                int64_t group_size, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel / 2, "x [M, K], panels [N / 16, K, 8]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte, "x float32, panels uint8");
-  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
-  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
-  const int64_t num_groups = K / group_size;
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == num_groups && scale.size(1) == N && scale.is_contiguous() &&
-              scale.scalar_type() == at::kFloat, "scale [K / group_size, N] fp32");
-  TORCH_CHECK(zero.dim() == 2 && zero.size(0) == num_groups && zero.size(1) == N && zero.is_contiguous() &&
-              zero.scalar_type() == at::kByte, "zero [K / group_size, N] uint8");
-  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
-  x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || num_panels == 0) return y;
-  panel_gemm(x.data_ptr<float>(), M, K, Int4Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                                   zero.data_ptr<uint8_t>(), N, group_size},
-             num_panels, nullptr, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
-  return y;
+  PanelCall call(x, panels, kPanel, {at::kFloat, at::kBFloat16}, "float32 or bfloat16", bias);
+  if (panels.scalar_type() == at::kBFloat16)
+    return call.run(Bf16Panels{reinterpret_cast<const uint16_t*>(panels.data_ptr())}, nullptr, side);
+  return call.run(Fp32Panels{panels.data_ptr<float>()}, nullptr, side);
 }
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<torch::Tensor> bias) {
   return panel_linear(x, panels, bias, {});
 }
 
+// Weight-only INT8: y = (x @ panels^T) * scale + bias, x fp32 [M, K], panels int8 [N / 16, K, 16], scale [N] fp32.
+torch::Tensor int8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale,
+                                std::optional<torch::Tensor> bias) {
+  PanelCall call(x, panels, kPanel, {at::kChar}, "int8", bias);
+  TORCH_CHECK(scale.numel() == call.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "scale [N] fp32");
+  return call.run(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>());
+}
+
+// Weight-only INT4: y = x @ ((q - zero) * scale)^T + bias, x fp32 [M, K], panels uint8 [N / 16, K, 8] (two values
+// a byte), scale [K / group_size, N] fp32, zero [K / group_size, N] uint8.
+torch::Tensor int4_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, torch::Tensor zero,
+                                int64_t group_size, std::optional<torch::Tensor> bias) {
+  PanelCall call(x, panels, kPanel / 2, {at::kByte}, "uint8", bias);
+  call.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
+  call.check_grouped(zero, group_size, at::kByte, "zero [K / group_size, N] uint8");
+  return call.run(Int4Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(), call.N,
+                             group_size}, nullptr);
+}
+
 // Weight-only FP8: y = x @ (e4m3(panels) * scale)^T + bias, x fp32 [M, K], panels uint8 [N / 16, K, 16] (e4m3
 // bits), scale [K / group_size, N] fp32.
 torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, int64_t group_size,
                                std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel, "x [M, K], panels [N / 16, K, 16]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte, "x float32, panels uint8");
-  TORCH_CHECK(x.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
-  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == K / group_size && scale.size(1) == N && scale.is_contiguous() &&
-              scale.scalar_type() == at::kFloat, "scale [K / group_size, N] fp32");
-  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
-  x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || num_panels == 0) return y;
-  panel_gemm(x.data_ptr<float>(), M, K, Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), N, group_size},
-             num_panels, nullptr, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), {});
-  return y;
+  PanelCall call(x, panels, kPanel, {at::kByte}, "uint8", bias);
+  call.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
+  return call.run(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), call.N, group_size}, nullptr);
 }

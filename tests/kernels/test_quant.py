@@ -32,10 +32,13 @@ def test_quantize_int8_rounds_each_row_against_its_largest_value():
     assert q.nbytes == 48 * 80 + 48 * 4
 
 
-def test_panels_hold_the_same_weight():
-    q = quantize_int8(torch.randn(32, 24))
+@pytest.mark.parametrize("quantize,in_dim,panel_bytes", [(quantize_int8, 24, 16), (quantize_int4, 64, 8),
+                                                          (quantize_fp8, 40, 16)])
+def test_panels_hold_the_same_weight(quantize, in_dim, panel_bytes):
+    """The compiled CPU GEMM's column panels: PANEL columns a k in panel_bytes (INT4: two values a byte)."""
+    q = quantize(torch.randn(32, in_dim))
     panels = q.panels()
-    assert panels.data.shape == (2, 24, 16) and panels.shape == (32, 24)
+    assert panels.data.shape == (2, in_dim, panel_bytes) and panels.shape == (32, in_dim)
     assert torch.equal(panels.dequantize(torch.float32), q.dequantize(torch.float32))
 
 
@@ -76,13 +79,6 @@ def test_int4_refuses_a_width_of_no_group_and_a_slice_across_groups():
                                q.dequantize(torch.float32)[:, 128:], atol=0, rtol=0)
     with pytest.raises(ValueError, match="input channels 64:192 cut groups of 128"):
         q.input_slice(64, 192)
-
-
-def test_int4_panels_hold_the_same_weight():
-    q = quantize_int4(torch.randn(32, 64))
-    panels = q.panels()
-    assert panels.data.shape == (2, 64, 8) and panels.shape == (32, 64)
-    assert torch.equal(panels.dequantize(torch.float32), q.dequantize(torch.float32))
 
 
 def test_quantize_fp8_scales_each_row_to_e4m3s_range():
