@@ -168,29 +168,30 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K).float(), bias)
-    # x fp32 [M, K], panels fp32 or bf16 [N / 16, K, 16] -> fp32 [M, N]"""
+    """Semantics: F.linear(x.float(), panels.transpose(1, 2).reshape(N, K).float(), bias).to(x.dtype)
+    # x [M, K], panels fp32 or bf16 [N / 16, K, 16] -> [M, N] in x's dtype (computed in fp32)"""
     return load().panel_linear(x, panels, bias)
 
 
 def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, panels.transpose(1, 2).reshape(N, K).float() * scale[:, None], bias)
-    # x fp32 [M, K], panels int8 [N / 16, K, 16], scale fp32 [N] -> fp32 [M, N]"""
+    """Semantics: F.linear(x.float(), panels.transpose(1, 2).reshape(N, K).float() * scale[:, None], bias).to(x.dtype)
+    # x [M, K] fp32/bf16/fp16, panels int8 [N / 16, K, 16], scale fp32 [N] -> [M, N] in x's dtype"""
     return load().int8_panel_linear(x, panels, scale, bias)
 
 
 def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                       group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, Int4Weight(panels, scale, zero, group_size).dequantize(torch.float32), bias)
-    # x fp32 [M, K], panels uint8 [N / 16, K, 8], scale fp32 / zero uint8 [K / group_size, N] -> fp32 [M, N]"""
+    """Semantics: F.linear(x.float(), Int4Weight(panels, scale, zero, group_size).dequantize(torch.float32),
+    bias).to(x.dtype)
+    # x [M, K] fp32/bf16/fp16, panels uint8 [N / 16, K, 8], scale fp32 / zero uint8 [K / group_size, N] -> [M, N]"""
     return load().int4_panel_linear(x, panels, scale, zero, group_size, bias)
 
 
 def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, group_size: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, Fp8Weight(panels, scale, group_size).dequantize(torch.float32), bias)
-    # x fp32 [M, K], panels uint8 [N / 16, K, 16] (e4m3 bits), scale fp32 [K / group_size, N] -> fp32 [M, N]"""
+    """Semantics: F.linear(x.float(), Fp8Weight(panels, scale, group_size).dequantize(torch.float32), bias).to(x.dtype)
+    # x [M, K] fp32/bf16/fp16, panels uint8 [N / 16, K, 16] (e4m3 bits), scale fp32 [K / group_size, N] -> [M, N]"""
     return load().fp8_panel_linear(x, panels, scale, group_size, bias)
 
 

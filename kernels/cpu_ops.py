@@ -64,12 +64,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             return reference.linear(x, weight, bias)
         bias32 = None if bias is None else bias.float()
         if isinstance(weight, Int8Weight):
-            y = cpu_ext.int8_panel_linear(x.float(), weight.data, weight.scale, bias32)
-        elif isinstance(weight, Int4Weight):
-            y = cpu_ext.int4_panel_linear(x.float(), weight.data, weight.scale, weight.zero, weight.group_size, bias32)
-        else:
-            y = cpu_ext.fp8_panel_linear(x.float(), weight.data, weight.scale, weight.group_size, bias32)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+            return cpu_ext.int8_panel_linear(x, weight.data, weight.scale, bias32)
+        if isinstance(weight, Int4Weight):
+            return cpu_ext.int4_panel_linear(x, weight.data, weight.scale, weight.zero, weight.group_size, bias32)
+        return cpu_ext.fp8_panel_linear(x, weight.data, weight.scale, weight.group_size, bias32)
     if weight.dim() == 3:
         return cpu_ext.panel_linear(x, weight, bias)
     if weight.is_mkldnn:

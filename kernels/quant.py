@@ -56,6 +56,8 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(data, scale)
 
 
+PANEL_NIBBLES = [*range(0, PANEL, 2), *range(1, PANEL, 2)]   # the column of an INT4 panel in nibble n of a k's
+                                                            # 64-bit word: 2n, then 2(n - 8) + 1 (cpu/linear.cpp)
 INT4_GROUP_SIZES = (128, 64, 32)    # input channels a group of an INT4 weight: the first of these its width takes
 
 
@@ -122,8 +124,8 @@ class GroupedWeight:
 class Int4Weight(GroupedWeight):
     """w[n, k] = (q[n, k] - zero[k // group_size, n]) * scale[k // group_size, n], q in 0..15."""
     data: torch.Tensor      # [out, in / 2] uint8: q[n, 2j] in data[n, j]'s low nibble, q[n, 2j + 1] in its high;
-                            # or panels [out / PANEL, in, PANEL / 2] (the compiled CPU GEMM's): at each k of a
-                            # panel, byte j holds column j in its low nibble and column j + 8 in its high
+                            # or panels [out / PANEL, in, PANEL / 2] (the compiled CPU GEMM's): each k of a panel
+                            # one 64-bit word, its nibble n (bits 4n..4n+3) column PANEL_NIBBLES[n]
     scale: torch.Tensor     # [in / group_size, out] fp32
     zero: torch.Tensor      # [in / group_size, out] uint8, 0..16 (GPTQ's first format reads a stored 15 as 16)
     group_size: int
@@ -137,10 +139,12 @@ class Int4Weight(GroupedWeight):
 
     def values(self) -> torch.Tensor:
         """q [out, in] uint8."""
-        low, high = self.data & 15, self.data >> 4
+        nibbles = torch.stack((self.data & 15, self.data >> 4), dim=-1).flatten(-2)
         if self.data.dim() == 2:
-            return torch.stack((low, high), dim=-1).reshape(self.shape)
-        return torch.cat((low, high), dim=-1).transpose(1, 2).reshape(self.shape)
+            return nibbles.reshape(self.shape)
+        columns = torch.empty_like(nibbles)
+        columns[..., PANEL_NIBBLES] = nibbles
+        return columns.transpose(1, 2).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in dtype, computed in fp32."""
@@ -149,9 +153,8 @@ class Int4Weight(GroupedWeight):
     def panels(self) -> "Int4Weight":
         """The same weight in column panels (PANEL columns, each k's 16 values in 8 bytes)."""
         out_dim, in_dim = self.shape
-        q = self.values().view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2)          # [P, in, 16]
-        half = PANEL // 2
-        return replace(self, data=(q[..., :half] | (q[..., half:] << 4)).contiguous())
+        q = self.values().view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2)[..., PANEL_NIBBLES]  # [P, in, 16]
+        return replace(self, data=(q[..., 0::2] | (q[..., 1::2] << 4)).contiguous())
 
 
 FP8_MAX = 448.0             # e4m3's largest finite value

@@ -2,7 +2,8 @@
 // one 64-byte line in fp32, half a line in bf16 (widened as it loads), a quarter in INT8 (converted as it loads,
 // its columns scaled once at the end: weight-only INT8, one scale per output channel), an eighth in INT4 (shifted
 // by its group's zero points and scaled as it loads), a quarter in FP8 (converted through fp16 and scaled as it
-// loads). A 6 x 16 output tile lives in 12 registers, fed per k by that line and 6 broadcasts of x.
+// loads). A 6 x 16 output tile lives in registers (AVX2: 12; AVX-512: 6 x 4, see tile), fed per k by that line and
+// 6 broadcasts of x.
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
@@ -12,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <initializer_list>
 #include <optional>
 
@@ -20,22 +22,70 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;       // output columns per panel: two 8-float vectors
-constexpr int64_t kTileRows = 6;     // 12 accumulators + 2 panel vectors + 1 broadcast of the 16 registers
+constexpr int64_t kPanel = 16;       // output columns per panel: one 16-float vector, or two of 8
+constexpr int64_t kTileRows = 6;     // AVX2: 12 accumulators + 2 panel vectors + 1 broadcast of its 16 registers
 constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in turn; with the next one, in L2
 constexpr int64_t kSideEvery = 8;            // k values between the points where a tile issues side prefetches
 
-// The weight's panels by their type: each reads a panel's 16 values at one k as two 8-float vectors (`Lines`,
-// one panel's k lines from k = 0 up), and says how many bytes one k of a panel takes.
+// One k of a panel: 16 floats, in one register where the CPU has AVX-512, in two of AVX2's otherwise; the few
+// operations the tile and the panel types need.
+#ifdef __AVX512F__
+struct Line {
+  __m512 v;
+};
+inline Line line_zero() { return {_mm512_setzero_ps()}; }
+inline Line line_set(float a) { return {_mm512_set1_ps(a)}; }
+inline Line line_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void line_store(float* p, Line a) { _mm512_storeu_ps(p, a.v); }
+inline Line line_add(Line a, Line b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Line line_mul(Line a, Line b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Line line_fmadd(Line a, Line b, Line c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Line line_fmsub(Line a, Line b, Line c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
+inline Line line_u16_high(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
+inline Line line_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
+inline Line line_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }
+inline Line line_fp16(__m256i h) { return {_mm512_cvtph_ps(h)}; }
+constexpr int kSums = 4;    // sums over k a row (k mod 4), added at the end: 24 of the 32 registers (see tile)
+#else
+struct Line {
+  __m256 lo, hi;
+};
+inline Line line_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Line line_set(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline Line line_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void line_store(float* p, Line a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+inline Line line_add(Line a, Line b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Line line_mul(Line a, Line b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Line line_fmadd(Line a, Line b, Line c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Line line_fmsub(Line a, Line b, Line c) {
+  return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)};
+}
+inline Line line_u16_high(__m256i h) {
+  const auto widen = [](__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); };
+  return {widen(_mm256_castsi256_si128(h)), widen(_mm256_extracti128_si256(h, 1))};
+}
+inline Line line_i8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline Line line_u8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline Line line_fp16(__m256i h) {
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+}
+constexpr int kSums = 1;    // 6 rows x 2 registers fill AVX2's 16
+#endif
+
+// The weight's panels by their type: each reads a panel's 16 values at one k as a Line (`Lines`, one panel's k
+// lines from k = 0 up), and says how many bytes one k of a panel takes.
 struct Fp32Panels {
   static constexpr int64_t kRowBytes = kPanel * sizeof(float);
   const float* data;
   struct Lines {
     const float* p;
-    void load(int64_t k, __m256& w0, __m256& w1) {
-      w0 = _mm256_loadu_ps(p + k * kPanel);
-      w1 = _mm256_loadu_ps(p + k * kPanel + 8);
-    }
+    Line load(int64_t k) { return line_load(p + k * kPanel); }
   };
   Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
 };
@@ -47,10 +97,8 @@ struct Bf16Panels {
   const uint16_t* data;
   struct Lines {
     const uint16_t* p;
-    void load(int64_t k, __m256& w0, __m256& w1) {
-      const __m256i wide = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * kPanel));
-      w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(wide)), 16));
-      w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(wide, 1)), 16));
+    Line load(int64_t k) {
+      return line_u16_high(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * kPanel)));
     }
   };
   Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
@@ -62,18 +110,16 @@ struct Int8Panels {
   const int8_t* data;
   struct Lines {
     const int8_t* p;
-    void load(int64_t k, __m256& w0, __m256& w1) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kPanel));
-      w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-      w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-    }
+    Line load(int64_t k) { return line_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kPanel))); }
   };
   Lines lines(int64_t panel, int64_t K) const { return {data + panel * K * kPanel}; }
 };
 
-// INT4: 8 bytes a k (byte j: column j in its low nibble, j + 8 in its high), each value q * scale - zero * scale
-// (one FMA) with its group's scales and zero points ([groups, N]: a panel's 16 are contiguous), read again at every
-// group start. (zero * scale is exact where the scales are fp16's, as GPTQ's and AWQ's are: 5 bits times 11.)
+// INT4: 8 bytes a k, read as one 64-bit word whose nibble n holds column 2n (n < 8) or 2(n - 8) + 1: each of
+// its 64-bit lanes shifted right by 4 x its index and masked gives columns 2e and 2e + 1 in its two 32-bit halves,
+// in order. Each value q * scale - zero * scale (one FMA) with its group's scales and zero points ([groups, N]: a
+// panel's 16 are contiguous), read again at every group start. (zero * scale is exact where the scales are fp16's,
+// as GPTQ's and AWQ's are: 5 bits times 11.)
 struct Int4Panels {
   static constexpr int64_t kRowBytes = kPanel / 2;
   const uint8_t* data;
@@ -85,25 +131,28 @@ struct Int4Panels {
     const float* scale;
     const uint8_t* zero;
     int64_t N, group, next_group = 0;
-    __m256 s0, s1, zs0, zs1;
+    Line s, zs;
     Lines(const uint8_t* p, const float* scale, const uint8_t* zero, int64_t N, int64_t group)
         : p(p), scale(scale), zero(zero), N(N), group(group) {}
-    void load(int64_t k, __m256& w0, __m256& w1) {
+    Line load(int64_t k) {
       if (k == next_group) {
-        s0 = _mm256_loadu_ps(scale);
-        s1 = _mm256_loadu_ps(scale + 8);
-        const auto zeros = [](const uint8_t* z) {
-          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z))));
-        };
-        zs0 = _mm256_mul_ps(zeros(zero), s0);
-        zs1 = _mm256_mul_ps(zeros(zero + 8), s1);
+        s = line_load(scale);
+        zs = line_mul(line_u8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero))), s);
         scale += N, zero += N, next_group += group;
       }
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k * kRowBytes));
-      const __m128i nibble = _mm_set1_epi8(0x0F);
-      const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-      w0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), s0, zs0);
-      w1 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), s1, zs1);
+      int64_t word;
+      std::memcpy(&word, p + k * kRowBytes, sizeof(word));
+#ifdef __AVX512F__
+      const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(word),
+                                                           _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0)),
+                                         _mm512_set1_epi32(0x0F));
+      return line_fmsub({_mm512_cvtepi32_ps(q)}, s, zs);
+#else
+      const __m256i all = _mm256_set1_epi64x(word), nibble = _mm256_set1_epi32(0x0F);
+      const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(all, _mm256_set_epi64x(12, 8, 4, 0)), nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(all, _mm256_set_epi64x(28, 24, 20, 16)), nibble);
+      return line_fmsub({_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}, s, zs);
+#endif
     }
   };
   Lines lines(int64_t panel, int64_t K) const {
@@ -123,13 +172,11 @@ struct Fp8Panels {
     const uint8_t* p;
     const float* scale;
     int64_t N, group, next_group = 0;
-    __m256 s0, s1;
+    Line s;
     Lines(const uint8_t* p, const float* scale, int64_t N, int64_t group) : p(p), scale(scale), N(N), group(group) {}
-    void load(int64_t k, __m256& w0, __m256& w1) {
+    Line load(int64_t k) {
       if (k == next_group) {
-        const __m256 bias_gap = _mm256_set1_ps(256.0f);                      // 2^(15 - 7)
-        s0 = _mm256_mul_ps(_mm256_loadu_ps(scale), bias_gap);
-        s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), bias_gap);
+        s = line_mul(line_load(scale), line_set(256.0f));                   // 2^(15 - 7)
         scale += N, next_group += group;
       }
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kRowBytes));
@@ -137,8 +184,7 @@ struct Fp8Panels {
       // again, or 0) cleared
       const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
                                             _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-      w0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), s0);
-      w1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), s1);
+      return line_mul(line_fp16(half), s);
     }
   };
   Lines lines(int64_t panel, int64_t K) const {
@@ -148,21 +194,19 @@ struct Fp8Panels {
 
 // y[0:R, 0:16] = (x[0:R] @ panel) * scale (where given) + bias, x rows K apart, y rows N apart; meanwhile pulls
 // num_lines lines from prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
+// Each row keeps kSums sums, of the k values in turn (the rest of K / kSums in the first): a decode row's FMAs
+// then wait on no FMA's latency but each kSums-th's, and a row's result is the same for any R (M 1 or 32, alone or
+// beside others).
 template <int R, typename Panels>
 void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* scale, const float* bias, float* y,
           int64_t N, const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side) {
-  __m256 acc[R][2];
+  Line acc[kSums][R];
+#pragma GCC unroll 32
+  for (int i = 0; i < kSums * R; ++i) acc[i / R][i % R] = line_zero();
+  auto step = [&](int64_t k, Line (&sums)[R]) {
+    const Line w = panel.load(k);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  auto step = [&](int64_t k) {
-    __m256 w0, w1;
-    panel.load(k, w0, w1);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
-      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-    }
+    for (int r = 0; r < R; ++r) sums[r] = line_fmadd(line_set(x[r * K + k]), w, sums[r]);
   };
   const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / num_lines) : K + 1;
   int64_t countdown = every, num_issued = 0;
@@ -172,25 +216,31 @@ void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* 
       if (num_issued < num_lines) _mm_prefetch(prefetch + vec::kLineBytes * num_issued++, _MM_HINT_T0);
     }
   };
+  auto steps = [&](int64_t k, int64_t k_end) {
+    for (; k + kSums <= k_end; k += kSums) {
+#pragma GCC unroll 4
+      for (int i = 0; i < kSums; ++i) own_prefetch(), step(k + i, acc[i]);
+    }
+    for (; k < k_end; ++k) own_prefetch(), step(k, acc[0]);
+  };
   if (num_side == 0) {
-    for (int64_t k = 0; k < K; ++k) own_prefetch(), step(k);
+    steps(0, K);
   } else {                                         // every kSideEvery k values, the side lines due by then
     int64_t side_owed = 0;                         // x K, so that the loop needs no division
     for (int64_t k0 = 0; k0 < K; k0 += kSideEvery) {
       const int64_t k_end = std::min(K, k0 + kSideEvery);
       for (side_owed += num_side * (k_end - k0); side_owed >= K; side_owed -= K) side.prefetch_next();
-      for (int64_t k = k0; k < k_end; ++k) own_prefetch(), step(k);
+      steps(k0, k_end);
     }
   }
   for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + vec::kLineBytes * num_issued, _MM_HINT_T0);
-  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  const __m256 s0 = scale ? _mm256_loadu_ps(scale) : _mm256_set1_ps(1.0f);
-  const __m256 s1 = scale ? _mm256_loadu_ps(scale + 8) : _mm256_set1_ps(1.0f);
+  const Line b = bias ? line_load(bias) : line_zero();
+  const Line s = scale ? line_load(scale) : line_set(1.0f);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * N, _mm256_fmadd_ps(acc[r][0], s0, b0));
-    _mm256_storeu_ps(y + r * N + 8, _mm256_fmadd_ps(acc[r][1], s1, b1));
+    Line sum = acc[0][r];
+    if constexpr (kSums == 4) sum = line_add(line_add(acc[0][r], acc[1][r]), line_add(acc[2][r], acc[3][r]));
+    line_store(y + r * N, line_fmadd(sum, s, b));
   }
 }
 
@@ -246,24 +296,27 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
   }
 }
 
-// What every panel GEMM's binding checks and makes: x fp32 [M, K] (made contiguous), panels [N / 16, K, width] of
-// the type `type` names (one of `types`), bias fp32 [N] where given, and y [M, N].
+// What every panel GEMM's binding checks and makes: x [M, K] fp32, bf16 or fp16 (computed in fp32: converted and
+// made contiguous here, y converted back at the end, with no Python op on either side), panels [N / 16, K, width]
+// of the type `type` names (one of `types`), bias fp32 [N] where given, and y [M, N] in x's dtype.
 struct PanelCall {
   torch::Tensor x, y;
+  at::ScalarType dtype;
   int64_t M, K, num_panels, N;
   const float* bias;
   PanelCall(torch::Tensor x_in, const torch::Tensor& panels, int64_t width, std::initializer_list<at::ScalarType> types,
             const char* type, const std::optional<torch::Tensor>& b) {
     TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == width, "x [M, K], panels [N / 16, K, ",
                 width, "]");
-    TORCH_CHECK(x_in.scalar_type() == at::kFloat &&
+    dtype = x_in.scalar_type();
+    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                     std::find(types.begin(), types.end(), panels.scalar_type()) != types.end(),
-                "x float32, panels ", type);
+                "x float32, bfloat16 or float16, panels ", type);
     TORCH_CHECK(x_in.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
     M = x_in.size(0), K = x_in.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
     if (b) TORCH_CHECK(b->numel() == N && b->is_contiguous() && b->scalar_type() == at::kFloat, "bias [N]");
     bias = b ? b->data_ptr<float>() : nullptr;
-    x = x_in.contiguous();
+    x = x_in.to(at::kFloat).contiguous();
     y = torch::empty({M, N}, x.options());
   }
   bool empty() const { return M == 0 || num_panels == 0; }
@@ -278,7 +331,7 @@ struct PanelCall {
   torch::Tensor run(const Panels& panels, const float* scale, const std::vector<vec::Span>& side = {}) {
     if (!empty())
       panel_gemm(x.data_ptr<float>(), M, K, panels, num_panels, scale, bias, y.data_ptr<float>(), side);
-    return y;
+    return y.to(dtype);
   }
 };
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_ext, cpu_ops, reference
+from kernels.quant import quantize_weight
 from tests.helpers import cpu_kernels_build
 from tests.kernels.test_fused import assert_within_a_step
 from tests.kernels.test_paged_attention import (CACHE_KINDS, TOL, check_ignores_stale_cache, make_batch,
@@ -223,6 +224,28 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias, pan
     assert torch.equal(panels.float(), weight.view(-1, 16, in_dim).transpose(1, 2))
     torch.testing.assert_close(cpu_ext.panel_linear(x, panels, bias), torch.nn.functional.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-4)
+
+
+PANEL_GEMMS = {
+    "fp32": lambda w: (lambda x: cpu_ext.panel_linear(x, cpu_ext.pack_linear(w), None)),
+    "bf16": lambda w: (lambda x: cpu_ext.panel_linear(x, cpu_ext.pack_linear(w).bfloat16(), None)),
+    **{kind: (lambda w, kind=kind: (lambda x, q=quantize_weight(w, kind).panels(): cpu_ops.linear(x, q, None)))
+       for kind in ("int8", "int4", "fp8")}}
+
+
+@pytest.mark.parametrize("kind", list(PANEL_GEMMS))
+@pytest.mark.parametrize("in_dim", [576, 70])
+def test_a_panel_gemm_row_is_the_same_alone_or_beside_others(kind, in_dim):
+    """Each row's sums run in the same order whatever tile of rows holds it (kernels/cpu/linear.cpp's tile, whose
+    several sums a row keep one decode row's FMAs from waiting on each other): a request's logits do not depend on
+    the requests decoding beside it. Bit for bit, for every count of rows a tile takes and more."""
+    if kind == "int4" and in_dim % 32:
+        pytest.skip("int4: groups of 32s")
+    gemm = PANEL_GEMMS[kind](torch.randn(48, in_dim).bfloat16().float())
+    x = torch.randn(13, in_dim)
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(13)])
+    for num_rows in range(2, 14):
+        assert torch.equal(gemm(x[:num_rows]), alone[:num_rows]), num_rows
 
 
 @pytest.mark.parametrize("layout", ["decode", "mixed", "many"])

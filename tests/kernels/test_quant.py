@@ -117,15 +117,16 @@ def quantized_weight(kind: str, out_dim: int, in_dim: int):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("kind", list(QUANTIZERS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (7, 48, 256), (7, 48, 40), (33, 160, 576),
                                                      (5, 24, 64), (300, 32, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_over_quantized_weights_matches_the_dequantized_weight(backend, kind, dtype, num_rows, out_dim,
                                                                       in_dim, with_bias):
     """INT8, INT4 (groups of 32, 64, 128) and FP8 (a scale a row; every e4m3 value in groups of 32): decode rows
-    and more, out dims of 16s (panels on the compiled backend) and not (24: the reference's way), fp32 and bf16
-    activations; 300 rows of bf16: the compiled backend's dequantized call (DEQUANTIZED_ROWS)."""
+    and more, out dims of 16s (panels on the compiled backend) and not (24: the reference's way), fp32, bf16 and
+    fp16 activations (the panel GEMM's result in theirs); 300 rows of bf16 or fp16: the compiled backend's
+    dequantized call (DEQUANTIZED_ROWS)."""
     ops = ops_of(backend)
     weight = quantized_weight(kind, out_dim, in_dim)
     bias = torch.randn(out_dim).to(dtype) if with_bias else None
@@ -135,7 +136,7 @@ def test_linear_over_quantized_weights_matches_the_dequantized_weight(backend, k
     got = ops.linear(x, served, bias)
     want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
     assert got.dtype == dtype and got.shape == (num_rows, out_dim)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
