@@ -52,6 +52,8 @@ class EngineConfig:
                                               # per output channel), quantized at load
     kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 or fp8 (e4m3) with a scale
                                               # for K and one for V per layer (half a bf16 cache's bytes a token)
+    lm_head_dtype: str = "auto"               # the LM head: in dtype (auto, as TensorRT-LLM and vLLM leave it), or
+                                              # int8, int4, fp8 as weight_dtype's (llama.cpp's output tensor type)
     max_num_seqs: int = 64                    # sequences in one step
     max_num_batched_tokens: int = 2048        # tokens (prefill chunks + decodes) in one step
     kv_block_size: int = 16
@@ -98,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        if self.lm_head_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"lm_head_dtype must be one of {WEIGHT_DTYPES}, got {self.lm_head_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.guided_decoding_backend not in ("", "xgrammar"):

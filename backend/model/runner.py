@@ -63,7 +63,8 @@ class ModelRunner:
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
             weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size,
-                                                            weight_dtype=config.weight_dtype))
+                                                            weight_dtype=config.weight_dtype,
+                                                            lm_head_dtype=config.lm_head_dtype))
             self.model = LlamaModel(self.shard_config, weights, self.ops,
                                     all_reduce=self.tp.all_reduce if self.tp else None)
         except BaseException:

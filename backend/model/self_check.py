@@ -22,7 +22,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
                and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
                experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
     gemm:      with weight_dtype int8, int4 or fp8, its GEMM (linear) at every dense projection's shape, for 16 rows
-               and 100; where it fails, the torch reference dequantizes each weight per GEMM and LoRA runs after it
+               and 100 (lm_head_dtype's at the LM head's); where it fails, the torch reference dequantizes each
+               weight per GEMM and LoRA runs after it
 """
 import logging
 from copy import copy
@@ -294,33 +295,42 @@ def moe_checks(ops, cfg: ModelConfig, dtype, lora_dtype, device, max_rank: int) 
             for n in (8, 100) for adapted in (False, True)]
 
 
-def gemm_checks(ops, cfg: ModelConfig, dtype, device, weight_dtype: str) -> list[Check]:
+LM_HEAD_CHECK_COLUMNS = 4096   # of the vocabulary: the LM head's GEMM differs from a projection's only in columns
+
+
+def gemm_checks(ops, cfg: ModelConfig, dtype, device, weight_dtype: str, lm_head_dtype: str = "auto") -> list[Check]:
     """The weight-only GEMM of weight_dtype (ops.linear over kernels.quant's Int8Weight, Int4Weight or Fp8Weight) at
-    each dense projection's shape, for a decode step's 16 rows and a prompt chunk's 100."""
+    each dense projection's shape, and lm_head_dtype's at the LM head's (its first LM_HEAD_CHECK_COLUMNS), for a
+    decode step's 16 rows and a prompt chunk's 100."""
     g = torch.Generator().manual_seed(3)
+    shapes = []
+    if weight_dtype != "auto":
+        projs = ("qkv", "o", "gate_up", "down") if cfg.any_dense_mlp else ("qkv", "o")
+        shapes += [(proj, *proj_shape(cfg, proj), weight_dtype) for proj in projs]
+    if lm_head_dtype != "auto":
+        shapes.append(("lm_head", cfg.hidden_size, min(cfg.vocab_size, LM_HEAD_CHECK_COLUMNS), lm_head_dtype))
     checks = []
-    for proj in ("qkv", "o", "gate_up", "down") if cfg.any_dense_mlp else ("qkv", "o"):
-        in_dim, out_dim = proj_shape(cfg, proj)
-        weight = quantize_weight(torch.randn(out_dim, in_dim, generator=g) * in_dim ** -0.5, weight_dtype).to(device)
+    for proj, in_dim, out_dim, kind in shapes:
+        weight = quantize_weight(torch.randn(out_dim, in_dim, generator=g) * in_dim ** -0.5, kind).to(device)
         for num_rows in (16, 100):
             x = torch.randn(num_rows, in_dim, generator=g).to(device, dtype)
 
             def run(x=x, weight=weight):
                 return [(ops.linear(x, weight, None), reference.linear(x.float(), weight, None))]
-            checks.append(compare("gemm", f"{weight_dtype} {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}",
-                                  run, dtype))
+            checks.append(compare("gemm", f"{kind} {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}", run, dtype))
     return checks
 
 
 def check_kernels(ops, cfg: ModelConfig, dtype, lora_dtype, device, block_size: int,
-                  max_rank: int, weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> list[Check]:
+                  max_rank: int, weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
+                  lm_head_dtype: str = "auto") -> list[Check]:
     """Every op family of the Triton kernels once, at the served shapes (cfg: this rank's share)."""
     with torch.inference_mode():
         return (attention_checks(ops, cfg, dtype, device, block_size, kv_cache_dtype) +
                 lora_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
                 fused_checks(ops, cfg, dtype, device, block_size, kv_cache_dtype) +
                 moe_checks(ops, cfg, dtype, lora_dtype, device, max_rank) +
-                (gemm_checks(ops, cfg, dtype, device, weight_dtype) if weight_dtype != "auto" else []))
+                gemm_checks(ops, cfg, dtype, device, weight_dtype, lm_head_dtype))
 
 
 def apply_fallbacks(ops: KernelBackend, families: set[str]) -> None:
@@ -338,7 +348,7 @@ def check_kernels_or_fall_back(runner, config) -> dict[str, str]:
     with on(runner.device):
         checks = check_kernels(runner.ops, runner.shard_config, runner.dtype, runner.lora_dtype, runner.device,
                                runner.block_size, config.lora.max_lora_rank, config.weight_dtype,
-                               config.kv_cache_dtype)
+                               config.kv_cache_dtype, config.lm_head_dtype)
     fallbacks: dict[str, str] = {}
     for check in checks:
         if check.error is None:

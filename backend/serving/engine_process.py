@@ -340,7 +340,8 @@ def start_engine(args):
     from backend.serving.loop import EngineLoop
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in args.engine_kwargs.items()}
     engine = LLMEngine(**kwargs)
-    log(f"weights {engine.runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}, "
+    lm_head = "" if engine.config.lm_head_dtype == "auto" else f", LM head {engine.config.lm_head_dtype}"
+    log(f"weights {engine.runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}{lm_head}, "
         f"{str(engine.runner.dtype).removeprefix('torch.')} activations), KV cache {engine.runner.num_blocks} blocks "
         f"({engine.config.kv_cache_dtype}: {str(engine.runner.kv_cache_dtype).removeprefix('torch.')}), kernels "
         f"{engine.runner.kernel_backend} on "

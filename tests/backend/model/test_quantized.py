@@ -161,6 +161,75 @@ def test_a_dora_adapter_normalizes_against_the_served_quantized_weights(tiny_mod
                            end_id=engine.model_config.eos_token_id) == expected
 
 
+def lm_head_encoded_copy(model_dir: Path, out: Path, lm_head_dtype: str, tied: bool) -> tuple[Path, Path]:
+    """(the model, the model its weights encode with lm_head_dtype): the tiny model, tied (no lm_head.weight: the
+    embeddings serve) or not; beside it the same with only its LM head rounded by that format, untied."""
+    import json
+    encoded = {"int8": int8_encoded, "int4": int4_encoded, "fp8": fp8_encoded}[lm_head_dtype]
+    served, reference_dir = out / "served", out / "encoded"
+    for path, rounded in ((served, False), (reference_dir, True)):
+        shutil.copytree(model_dir, path)
+        config = json.loads((path / "config.json").read_text())
+        config["tie_word_embeddings"] = tied and not rounded
+        (path / "config.json").write_text(json.dumps(config))
+        [file] = path.glob("*.safetensors")
+        tensors = load_file(file)
+        if tied:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        head = tensors.pop("lm_head.weight")
+        if rounded or not tied:
+            tensors["lm_head.weight"] = encoded(head.float()) if rounded else head
+        save_file(tensors, file, metadata={"format": "pt"})
+    return served, reference_dir
+
+
+@pytest.mark.parametrize("kernel_backend", PATHS)
+@pytest.mark.parametrize("lm_head_dtype", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_quantized_lm_head_matches_transformers_on_the_model_it_encodes(tiny_model_dir, tmp_path, lm_head_dtype,
+                                                                          tied, kernel_backend):
+    """lm_head_dtype: the LM head alone in the format (the projections as stored), a tied one beside the
+    embeddings, which stay as they are; its bytes are the format's."""
+    served, encoded = lm_head_encoded_copy(Path(tiny_model_dir), tmp_path, lm_head_dtype, tied)
+    engine = LLMEngine(served, dtype="float32", lm_head_dtype=lm_head_dtype, kernel_backend=kernel_backend,
+                       kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=24)
+    full = LLMEngine(served, dtype="float32", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20)
+    w = engine.runner.model.w
+    assert isinstance(w["lm_head"], WEIGHT_TYPES[lm_head_dtype]) and w["embed_tokens"].dtype == torch.float32
+    assert isinstance(w["layers.0.qkv_proj"], torch.Tensor)
+    vocab, hidden = engine.model_config.vocab_size, engine.model_config.hidden_size
+    assert engine.runner.weight_bytes == full.runner.weight_bytes - 4 * vocab * hidden + quantized_bytes(
+        vocab, hidden, lm_head_dtype)
+    assert_tokens_match_transformers(engine, encoded)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(encoded, dtype=torch.float32).eval()
+    [prompt] = random_prompts([40], vocab, seed=9)
+    with torch.inference_mode():
+        want = hf(input_ids=torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]       # position i - 1 scores token i
+    torch.testing.assert_close(prompt_log_probs(engine, prompt), want, atol=1e-4, rtol=0)
+    assert float((prompt_log_probs(full, prompt) - want).abs().max()) > 1e-3, "the rounding shows: the check can tell"
+
+
+def prompt_log_probs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """The engine's log prob of each prompt token after the first, given those before it."""
+    engine.add_request(prompt, max_new_tokens=1, return_prompt_log_probs=True)
+    scored = []
+    while engine.has_unfinished:
+        scored += [out.prompt_log_probs for out in engine.step() if out.prompt_log_probs is not None]
+    return scored[0].log_probs[1:]
+
+
+def test_an_lm_head_dtype_the_head_cannot_take_is_refused_by_name(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"lm_head_dtype must be one of \('auto', 'int8', 'int4', 'fp8'\), got 'q4'"):
+        EngineConfig(model_dir="unused", lm_head_dtype="q4")
+    narrow = tmp_path / "narrow"
+    from scripts.prepare_model import build_tiny
+    build_tiny(narrow, seed=0, architecture="llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="lm_head_dtype int4: .*48 input channels"):
+        LLMEngine(narrow, dtype="float32", lm_head_dtype="int4", kernel_backend="torch")
+
+
 def test_a_weight_dtype_not_served_is_refused_by_name():
     with pytest.raises(ValueError, match=r"weight_dtype must be one of \('auto', 'int8', 'int4', 'fp8'\), got 'int3'"):
         EngineConfig(model_dir="unused", weight_dtype="int3")

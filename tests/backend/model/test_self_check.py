@@ -113,6 +113,18 @@ def test_a_mixtures_experts_are_checked_and_a_broken_kernel_falls_back(tmp_path,
     assert engine.generate(PROMPTS, max_new_tokens=6) == [hf_greedy(hf, p, 6) for p in PROMPTS]
 
 
+def test_a_quantized_lm_head_is_checked_at_its_shape(tiny_model_dir):
+    """lm_head_dtype alone (the projections as stored): one GEMM check pair at hidden -> the vocabulary's first
+    columns, in its format."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    checks = check_kernels(load_ops("triton"), cfg, torch.float32, torch.float16, torch.device("cpu"), 16, 64,
+                           lm_head_dtype="int4")
+    gemms = [c for c in checks if c.family == "gemm"]
+    assert [c.what for c in gemms] == [f"int4 lm_head {cfg.hidden_size}->{cfg.vocab_size}, {n} rows, torch.float32"
+                                       for n in (16, 100)]
+    assert [c.error for c in gemms] == [None, None]
+
+
 def adapter_engine(model_dir, adapters, backend: str) -> LLMEngine:
     """The tiny model checked at start on `backend`, with two adapters as tasks 1 and 2."""
     engine = LLMEngine(model_dir, dtype="float32", kernel_backend=backend, kernel_self_check="true",
