@@ -293,22 +293,40 @@ def served_weight(name: str, weight: torch.Tensor | GroupedWeight, weight_dtype:
     return quantize_weight(weight.contiguous(), weight_dtype) if quantized else weight.contiguous()
 
 
-KV_SCALE_KEYS = ("model.layers.{}.self_attn.k_scale", "model.layers.{}.self_attn.v_scale")
+KV_SCALE_LAYOUTS = (("self_attn.k_scale", "self_attn.v_scale"),   # each layer's FP8 KV cache scales: vLLM's and
+                    ("self_attn.kv_scale", "self_attn.kv_scale"))  # compressed-tensors'; AutoFP8's one for both
+
+
+def kv_scale_keys(reader: CheckpointReader, cfg: ModelConfig) -> list[tuple[str, str]] | None:
+    """Each layer's (K scale, V scale) keys where an FP8 checkpoint holds an FP8 KV cache's scales (a layout of
+    KV_SCALE_LAYOUTS in every layer), else None. compressed-tensors declares them (kv_cache_scheme); quant_method
+    fp8 does not: their presence does, as vLLM reads them."""
+    storage = reader.storage
+    if storage is None or storage.method != "fp8":
+        return None
+    for k_name, v_name in KV_SCALE_LAYOUTS:
+        keys = [(f"model.layers.{i}.{k_name}", f"model.layers.{i}.{v_name}") for i in range(cfg.num_layers)]
+        if all(k in reader and v in reader for k, v in keys):
+            return keys
+    if storage.kv_scales:
+        raise ValueError("quantization_config: kv_cache_scheme without each layer's self_attn.k_scale and v_scale")
+    return None
 
 
 def checkpoint_kv_scales(model_dir: str | Path, cfg: ModelConfig) -> list[tuple[float, float]] | None:
-    """Each layer's FP8 KV cache scales (k_scale, v_scale) where the checkpoint has them (compressed-tensors'
-    kv_cache_scheme), else None."""
+    """Each layer's FP8 KV cache scales (k_scale, v_scale) where the checkpoint has them (kv_scale_keys), else
+    None."""
     reader = CheckpointReader(model_dir)
     try:
-        if reader.storage is None or not reader.storage.kv_scales:
+        keys = kv_scale_keys(reader, cfg)
+        if keys is None:
             return None
         scales = []
-        for i in range(cfg.num_layers):
-            pair = [reader.get_slice(key.format(i))[:].float() for key in KV_SCALE_KEYS]
+        for i, layer_keys in enumerate(keys):
+            pair = [reader.get_slice(key)[:].float() for key in layer_keys]
             if any(t.numel() != 1 or not bool(t.reshape(()) > 0) for t in pair):
                 raise ValueError(f"checkpoint layer {i}'s KV scales {[t.tolist() for t in pair]}: one positive "
-                                 "value each (kv_cache_scheme strategy tensor)")
+                                 "value each (a scale per tensor)")
             scales.append(tuple(float(t.reshape(())) for t in pair))
         return scales
     finally:
@@ -317,11 +335,10 @@ def checkpoint_kv_scales(model_dir: str | Path, cfg: ModelConfig) -> list[tuple[
 
 def refuse_unread_tensors(reader: CheckpointReader, table: dict[str, Source], cfg: ModelConfig) -> None:
     """Every checkpoint tensor is one we read (or a tied LM head's copy of the embeddings, RoPE's cached
-    frequencies, or the FP8 KV cache's scales where the checkpoint declares them: checkpoint_kv_scales): a tensor we
+    frequencies, or the FP8 KV cache's scales where an FP8 checkpoint holds them: kv_scale_keys): a tensor we
     would leave out changes the model (a bias, a scale, a quantized weight's zeros)."""
     read = reader.read_keys(key for source in table.values() for key in source.keys)
-    if reader.storage is not None and reader.storage.kv_scales:
-        read |= {key.format(i) for i in range(cfg.num_layers) for key in KV_SCALE_KEYS}
+    read |= {key for layer_keys in kv_scale_keys(reader, cfg) or () for key in layer_keys}
     if cfg.tie_word_embeddings:
         read.add("lm_head.weight")
     unread = sorted(key for key in reader.key_files if key not in read and not key.endswith("rotary_emb.inv_freq"))

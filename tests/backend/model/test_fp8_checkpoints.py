@@ -234,17 +234,29 @@ def test_what_an_fp8_checkpoint_holds_that_is_not_read_is_refused_by_name(checkp
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 
 
+KV_LAYOUTS = {   # the checkpoint, its quantization_config, each layer's scale tensors
+    "compressed-tensors": ("compressed-tensors tensor", LAYOUTS["compressed-tensors tensor"] | {"kv_cache_scheme":
+                                                                                             KV_SCHEME},
+                           ("k_scale", "v_scale")),
+    "fp8 k_scale, v_scale": ("fp8 blocks", LAYOUTS["fp8 blocks"], ("k_scale", "v_scale")),      # vLLM's
+    "fp8 kv_scale": ("fp8 blocks", LAYOUTS["fp8 blocks"], ("kv_scale",)),                       # AutoFP8's: K's and V's
+}
+
+
 @pytest.mark.parametrize("kernel_backend", PATHS)
-def test_a_checkpoints_kv_scales_serve_an_fp8_cache(checkpoints, tmp_path, kernel_backend):
-    """compressed-tensors' kv_cache_scheme: each layer's k_scale and v_scale are an FP8 cache's scales (coarse ones
-    here, so that the rounding shows), the tokens transformers' with K and V rounded to e4m3 against them; a cache
-    in dtype reads the checkpoint all the same."""
+@pytest.mark.parametrize("layout", list(KV_LAYOUTS))
+def test_a_checkpoints_kv_scales_serve_an_fp8_cache(checkpoints, tmp_path, kernel_backend, layout):
+    """Each layer's k_scale and v_scale (compressed-tensors' kv_cache_scheme, or an FP8 checkpoint's as vLLM reads
+    them; AutoFP8's one kv_scale for both) are an FP8 cache's scales (coarse ones here, so that the rounding shows),
+    the tokens transformers' with K and V rounded to e4m3 against them; a cache in dtype reads the checkpoint all
+    the same."""
     from tests.backend.model.test_quantized_kv_cache import hf_model
-    fp8_dir, fp32_dir = checkpoints["compressed-tensors tensor"]
-    scales = [(8.0 * (i + 1), 16.0) for i in range(2)]
-    kv = {f"model.layers.{i}.self_attn.{name}": torch.tensor([value]) for i, pair in enumerate(scales)
-          for name, value in zip(("k_scale", "v_scale"), pair)}
-    path = edited(fp8_dir, tmp_path / "kv", LAYOUTS["compressed-tensors tensor"] | {"kv_cache_scheme": KV_SCHEME}, kv)
+    name, quantization, names = KV_LAYOUTS[layout]
+    fp8_dir, fp32_dir = checkpoints[name]
+    scales = [(8.0 * (i + 1), 16.0) if len(names) == 2 else (16.0, 16.0) for i in range(2)]
+    kv = {f"model.layers.{i}.self_attn.{tensor}": torch.tensor([value]) for i, pair in enumerate(scales)
+          for tensor, value in zip(names, pair)}
+    path = edited(fp8_dir, tmp_path / "kv", quantization, kv)
     engine = engine_for(path, kernel_backend, kv_cache_dtype="fp8")
     assert engine.runner.model.kv_scales == scales
     prompts = random_prompts([7, 26, 11], engine.model_config.vocab_size, seed=6)
@@ -255,3 +267,12 @@ def test_a_checkpoints_kv_scales_serve_an_fp8_cache(checkpoints, tmp_path, kerne
     assert plain.runner.model.kv_scales is None
     assert plain.generate(prompts, max_new_tokens=MAX_NEW, end_id=plain.model_config.eos_token_id) != got, \
         "the rounding changes some token here: the check can tell"
+
+
+def test_kv_scales_in_some_layers_only_are_refused_by_name(checkpoints, tmp_path):
+    path = edited(checkpoints["fp8 blocks"][0], tmp_path / "kv", None,
+                  {"model.layers.0.self_attn.k_scale": torch.tensor([2.0]),
+                   "model.layers.0.self_attn.v_scale": torch.tensor([2.0])})
+    with pytest.raises(ValueError, match=r"tensors this server does not read: model.layers.0.self_attn.k_scale, "
+                                         r"model.layers.0.self_attn.v_scale"):
+        engine_for(path, "torch", kv_cache_dtype="fp8")
