@@ -13,10 +13,10 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, rotary_and_cache, silu_and_mul
 from kernels.lora.executor import CpuLoraExecutor as lora_executor
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QUANTIZED_WEIGHTS, Int4Weight, Int8Weight
+from kernels.quant import QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, QuantizedWeight
 from kernels import reference
 
-__all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
+__all__ = ["prepare_weight", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
            "fused_moe", "slot_lora", "lora_executor"]
 
 
@@ -34,29 +34,28 @@ def _packable(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The projections and lm_head in the layout their GEMM reads fastest: fp32 in column panels (whose kernel
+def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    """A projection or the LM head in the layout its GEMM reads fastest: fp32 in column panels (whose kernel
     prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
     ~10%), in bf16 panels where every value is a bf16's (a bf16 checkpoint served in fp32, as dtype auto does on a
     CPU without bf16 arithmetic: half the bytes, the same values, widened as the GEMM loads them), bf16 in oneDNN's
     blocked layout where the CPU has bf16, INT8, INT4 and FP8 in column panels too. Embeddings, norms and biases
-    stay as they are."""
-    def prepared(name: str, w):
-        if not (name.endswith("_proj") or name == "lm_head"):
-            return w
-        if isinstance(w, QUANTIZED_WEIGHTS):
-            return w.panels() if w.shape[0] % PANEL == 0 else w
-        if w.dtype == torch.float32 and w.shape[0] % PANEL == 0:
-            narrow = w.to(torch.bfloat16)
-            if torch.equal(narrow.float(), w):                        # a bf16 checkpoint's values, in fp32
-                return narrow.view(w.shape[0] // PANEL, PANEL, w.shape[1]).transpose(1, 2).contiguous()
-            return cpu_ext.pack_linear(w)
-        return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
-    return {name: prepared(name, w) for name, w in weights.items()}
+    stay as they are. The loader prepares each weight as it completes (load_weights' `prepare`), so that a bf16
+    checkpoint served in fp32 never lies in memory in fp32 but one weight at a time."""
+    if not (name.endswith("_proj") or name == "lm_head"):
+        return w
+    if isinstance(w, QUANTIZED_WEIGHTS):
+        return w.panels() if w.shape[0] % PANEL == 0 else w
+    if w.dtype == torch.float32 and w.shape[0] % PANEL == 0:
+        narrow = w.to(torch.bfloat16)
+        if torch.equal(narrow.float(), w):                        # a bf16 checkpoint's values, in fp32
+            return narrow.view(w.shape[0] // PANEL, PANEL, w.shape[1]).transpose(1, 2).contiguous()
+        return cpu_ext.pack_linear(w)
+    return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weights left it (INT8, INT4, FP8:
+    """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
     the values it encodes, converted as the panel GEMM reads them; dequantized for the call from DEQUANTIZED_ROWS
     rows of bf16/fp16)."""
     if isinstance(weight, QUANTIZED_WEIGHTS):

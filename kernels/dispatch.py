@@ -39,7 +39,7 @@ class KernelBackend:
     lora: LoraFamily
     checked: bool
     graphs: bool
-    prepare_weights: Callable
+    prepare_weight: Callable
     linear: Callable
     add_rms_norm: Callable
     silu_and_mul: Callable

@@ -21,9 +21,9 @@ from kernels.metadata import AttentionMetadata, ExpertLora
 from kernels.quant import QUANTIZED_WEIGHTS, QuantizedWeight, dequantize_kv, quantize_kv
 
 
-def prepare_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights as `linear` takes them (here: as they are)."""
-    return weights
+def prepare_weight(name: str, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    """A weight as `linear` takes it (here: as it is), given its name in the model (backend/model/llama.py)."""
+    return weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,7 +5,7 @@ from kernels.gemm import linear
 from kernels.lora.executor import TritonLoraExecutor as lora_executor
 from kernels.moe import fused_moe, slot_lora
 from kernels.paged_attention import paged_attention
-from kernels.reference import prepare_weights
+from kernels.reference import prepare_weight
 
-__all__ = ["prepare_weights", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
+__all__ = ["prepare_weight", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
            "fused_moe", "slot_lora", "lora_executor"]

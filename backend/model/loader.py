@@ -1,6 +1,7 @@
 """Hugging Face safetensors -> our weights: a translation table, fused projections, experts stacked, tensor-parallel
 slices."""
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -221,7 +222,8 @@ def _on_device(part, device, dtype: torch.dtype):
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
                  tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True, weight_dtype: str = "auto",
-                 lm_head_dtype: str = "auto") -> dict[str, torch.Tensor | QuantizedWeight]:
+                 lm_head_dtype: str = "auto", prepare: Callable = lambda name, weight: weight,
+                 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
     LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
@@ -230,6 +232,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     precision; a row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each
     rank's share has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's
     GEMM. lm_head_dtype int8, int4, fp8: the LM head quantized so too (a tied one beside the embeddings it copies).
+    prepare(name, weight): each weight as the kernels take it (ops.prepare_weight), applied as soon as it is read,
+    so that a weight prepared into fewer bytes (a bf16 checkpoint's in bf16 panels beside fp32 activations) is never
+    held whole in the wider dtype.
     weight_dtype auto over an FP8 or a 4-bit GPTQ or AWQ checkpoint (or fp8, int4 over its own format): its dense
     projections kept as stored (CheckpointReader.keep: KEPT_FORMATS), sliced and fused as such."""
     if not 0 <= tp_rank < tp_size:
@@ -260,7 +265,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                     raise ValueError(f"{key}: dim 1 of size {in_dim} does not split into {tp_size} parts")
                 size = in_dim // tp_size
                 try:
-                    weights[name] = whole.input_slice(tp_rank * size, (tp_rank + 1) * size)
+                    weights[name] = prepare(name, whole.input_slice(tp_rank * size, (tp_rank + 1) * size))
                 except ValueError as err:
                     raise ValueError(f"{key} at tp_size {tp_size}: {err}") from None
                 continue
@@ -274,10 +279,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                     part = part.float() + cfg.norm_offset
                 parts.append(_on_device(part, device, dtype))
             weight = reordered(cfg, name, _cat_rows(parts, dtype), tp_size)
+            parameter, kind = ("lm_head_dtype", lm_head_dtype) if name == "lm_head" else ("weight_dtype", weight_dtype)
             try:
-                weights[name] = served_weight(name, weight, lm_head_dtype if name == "lm_head" else weight_dtype)
+                served = served_weight(name, weight, kind)
             except ValueError as err:
-                raise ValueError(f"lm_head_dtype {lm_head_dtype}: {err}") from None
+                raise ValueError(f"{parameter} {kind}: {err}") from None
+            weights[name] = prepare(name, served)
     finally:
         reader.close()
     return weights

@@ -62,9 +62,9 @@ class ModelRunner:
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)     # model's shapes
         self.tp = self._start_workers(config) if tp_size > 1 else None
         try:
-            weights = self.ops.prepare_weights(load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size,
-                                                            weight_dtype=config.weight_dtype,
-                                                            lm_head_dtype=config.lm_head_dtype))
+            weights = load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size,
+                                   weight_dtype=config.weight_dtype, lm_head_dtype=config.lm_head_dtype,
+                                   prepare=self.ops.prepare_weight)
             self.model = LlamaModel(self.shard_config, weights, self.ops,
                                     all_reduce=self.tp.all_reduce if self.tp else None)
         except BaseException:

@@ -50,9 +50,9 @@ class Worker:
         self.ops = load_ops(args.kernel_backend, self.device, bool(args.lora_overlap), bool(args.lora_fold),
                             tuple(set(args.broken_ops.split(",")) - {"none"}))
         apply_fallbacks(self.ops, set(args.kernel_fallbacks.split(",")) - {"none"})
-        weights = self.ops.prepare_weights(load_weights(args.model_dir, full, self.dtype, self.device, args.size,
-                                                        args.rank, lm_head=False,          # rank 0's logits
-                                                        weight_dtype=args.weight_dtype))
+        weights = load_weights(args.model_dir, full, self.dtype, self.device, args.size, args.rank,
+                               lm_head=False, weight_dtype=args.weight_dtype,            # rank 0's logits
+                               prepare=self.ops.prepare_weight)
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
                                  self.device, self.ops.lora)

@@ -343,21 +343,20 @@ def test_compiled_ops_let_other_python_threads_run_while_they_compute(op):
 
 @pytest.mark.parametrize("dtype,out_dim,layout", [(torch.float32, 960, "panels"), (torch.float32, 40, "dense"),
                                                   (torch.float16, 960, "dense"), ("bf16 values", 960, "bf16 panels")])
-def test_prepare_weights_puts_projections_in_panels_where_the_kernel_takes_them(dtype, out_dim, layout):
+def test_prepare_weight_puts_projections_in_panels_where_the_kernel_takes_them(dtype, out_dim, layout):
     """fp32 with out_features a multiple of 16 goes into panels, in bf16 where every value is a bf16's (a bf16
     checkpoint served in fp32); the rest keeps a layout F.linear or oneDNN reads, and ops.linear gives F.linear's
     result either way."""
     weight = torch.randn(out_dim, 64)
     weight = weight.to(torch.bfloat16).float() if dtype == "bf16 values" else weight.to(dtype)
     dtype = weight.dtype
-    weights = {"layers.0.qkv_proj": weight, "layers.0.input_norm": torch.randn(64)}
-    prepared = cpu_ops.prepare_weights(weights)
-    got = prepared["layers.0.qkv_proj"]
+    norm = torch.randn(64)
+    got = cpu_ops.prepare_weight("layers.0.qkv_proj", weight)
     assert (got.dim() == 3) == layout.endswith("panels")
     assert (got.dtype == torch.bfloat16) == (layout == "bf16 panels")
-    assert prepared["layers.0.input_norm"] is weights["layers.0.input_norm"]
+    assert cpu_ops.prepare_weight("layers.0.input_norm", norm) is norm
     x = torch.randn(3, 64).to(dtype)
-    want = torch.nn.functional.linear(x.float(), weights["layers.0.qkv_proj"].float())
+    want = torch.nn.functional.linear(x.float(), weight.float())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(cpu_ops.linear(x, got, None).float(), want, atol=tol, rtol=tol)
 

@@ -131,7 +131,7 @@ def test_linear_over_quantized_weights_matches_the_dequantized_weight(backend, k
     weight = quantized_weight(kind, out_dim, in_dim)
     bias = torch.randn(out_dim).to(dtype) if with_bias else None
     x = torch.randn(num_rows, in_dim).to(dtype)
-    served = ops.prepare_weights({"layers.0.down_proj": weight})["layers.0.down_proj"]
+    served = ops.prepare_weight("layers.0.down_proj", weight)
     assert type(served) is type(weight)
     got = ops.linear(x, served, bias)
     want = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())

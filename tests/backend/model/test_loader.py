@@ -230,3 +230,23 @@ def test_a_bf16_checkpoint_served_in_fp32_keeps_its_projections_in_bf16(tiny_mod
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
     prompts = random_prompts([5, 21, 9, 33], engine.model_config.vocab_size, seed=4)
     assert engine.generate(prompts, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_each_weight_is_prepared_as_it_is_read_not_after_the_whole_model(tiny_model_dir):
+    """load_weights' prepare (the kernels' layout: ops.prepare_weight) takes each weight as soon as it is read, and
+    the weight as read is dropped then: at no point are more than the last two read weights alive (a model read
+    whole before its weights are prepared, a bf16 checkpoint served in fp32 would lie in memory in fp32)."""
+    import weakref
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    read, most_alive = [], 0
+
+    def prepare(name, weight):
+        nonlocal most_alive
+        most_alive = max(most_alive, sum(ref() is not None for ref in read))
+        read.append(weakref.ref(weight))
+        return weight.to(torch.bfloat16)
+
+    weights = load_weights(tiny_model_dir, cfg, torch.float32, prepare=prepare)
+    assert len(read) == len(weights) and all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert most_alive <= 2
+    assert sum(ref() is not None for ref in read) <= 1
