@@ -296,14 +296,43 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
   }
 }
 
-// What every panel GEMM's binding checks and makes: x [M, K] fp32, bf16 or fp16 (computed in fp32: converted and
-// made contiguous here, y converted back at the end, with no Python op on either side), panels [N / 16, K, width]
-// of the type `type` names (one of `types`), bias fp32 [N] where given, and y [M, N] in x's dtype.
+// A narrow x's values in fp32, and y's fp32 sums rounded to nearest even into its dtype (torch's conversions).
+template <typename T>
+void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void narrow(const float* src, at::BFloat16* dst, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint32_t*>(src);
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {                     // branch-free, so that it vectorizes
+    const uint32_t u = bits[i];
+    const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    out[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded;
+  }
+}
+
+void narrow(const float* src, at::Half* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), half);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+// What every panel GEMM's binding checks and makes: x [M, K] fp32, bf16 or fp16 (computed in fp32: a narrow x
+// widened here, y's fp32 sums rounded into its dtype at the end, in buffers the calling thread keeps for decode
+// steps' few rows; no Python op on either side), panels [N / 16, K, width] of the type `type` names (one of
+// `types`), bias fp32 [N] where given, and y [M, N] in x's dtype.
 struct PanelCall {
-  torch::Tensor x, y;
+  static constexpr int64_t kScratchRows = 32;            // rows converted through the thread's buffers
+  torch::Tensor x, y, x32, y32;                          // x32, y32: fp32 copies beyond kScratchRows rows
   at::ScalarType dtype;
   int64_t M, K, num_panels, N;
   const float* bias;
+  const float* xp;
+  float* yp;
   PanelCall(torch::Tensor x_in, const torch::Tensor& panels, int64_t width, std::initializer_list<at::ScalarType> types,
             const char* type, const std::optional<torch::Tensor>& b) {
     TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == width, "x [M, K], panels [N / 16, K, ",
@@ -316,8 +345,25 @@ struct PanelCall {
     M = x_in.size(0), K = x_in.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
     if (b) TORCH_CHECK(b->numel() == N && b->is_contiguous() && b->scalar_type() == at::kFloat, "bias [N]");
     bias = b ? b->data_ptr<float>() : nullptr;
-    x = x_in.to(at::kFloat).contiguous();
+    x = x_in.contiguous();
     y = torch::empty({M, N}, x.options());
+    if (dtype == at::kFloat) {
+      xp = x.data_ptr<float>(), yp = y.data_ptr<float>();
+      return;
+    }
+    static thread_local std::vector<float> x_rows, y_rows;
+    if (M <= kScratchRows) {
+      x_rows.resize(std::max<size_t>(x_rows.size(), M * K)), y_rows.resize(std::max<size_t>(y_rows.size(), M * N));
+      xp = x_rows.data(), yp = y_rows.data();
+    } else {
+      x32 = torch::empty({M, K}, x.options().dtype(at::kFloat)), y32 = torch::empty({M, N}, x32.options());
+      xp = x32.data_ptr<float>(), yp = y32.data_ptr<float>();
+    }
+    float* wide = const_cast<float*>(xp);
+    if (dtype == at::kBFloat16)
+      widen(x.data_ptr<at::BFloat16>(), wide, M * K);
+    else
+      widen(x.data_ptr<at::Half>(), wide, M * K);
   }
   bool empty() const { return M == 0 || num_panels == 0; }
   // A grouped weight's per-group tensor: [K / group_size, N], contiguous, of `dtype` (group_size dividing K);
@@ -329,9 +375,13 @@ struct PanelCall {
   }
   template <typename Panels>
   torch::Tensor run(const Panels& panels, const float* scale, const std::vector<vec::Span>& side = {}) {
-    if (!empty())
-      panel_gemm(x.data_ptr<float>(), M, K, panels, num_panels, scale, bias, y.data_ptr<float>(), side);
-    return y.to(dtype);
+    if (empty()) return y;
+    panel_gemm(xp, M, K, panels, num_panels, scale, bias, yp, side);
+    if (dtype == at::kBFloat16)
+      narrow(yp, y.data_ptr<at::BFloat16>(), M * N);
+    else if (dtype == at::kHalf)
+      narrow(yp, y.data_ptr<at::Half>(), M * N);
+    return y;
   }
 };
 

@@ -248,6 +248,23 @@ def test_a_panel_gemm_row_is_the_same_alone_or_beside_others(kind, in_dim):
         assert torch.equal(gemm(x[:num_rows]), alone[:num_rows]), num_rows
 
 
+@pytest.mark.parametrize("kind", list(PANEL_GEMMS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_rows", [2, 32, 40])            # the thread's buffers up to 32 rows, tensors beyond
+def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
+    """x in bf16 or fp16 is widened exactly and y's fp32 sums rounded to nearest even: the same bits as the GEMM
+    over x in fp32 converted by torch, NaN and (fp16) sums past the format's range among them."""
+    gemm = PANEL_GEMMS[kind](torch.randn(64, 96).bfloat16().float())
+    x = torch.randn(num_rows, 96) * 4
+    x[0, 0] = float("nan")
+    x[-1] *= 2000.0                                       # fp16: sums past its largest value, finite in fp32
+    x = x.to(dtype)
+    got, want = gemm(x), gemm(x.float()).to(dtype)
+    assert got.dtype == dtype and bool(got[0].isnan().all())
+    assert bool(got[-1].isinf().any()) == (dtype == torch.float16)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)           # (NaN's bits are torch's own)
+
+
 @pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
 @pytest.mark.parametrize("num_base_rows", [0, 7])
 @pytest.mark.parametrize("with_bias", [False, True])
