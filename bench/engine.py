@@ -22,10 +22,10 @@ def own_cpu_seconds() -> float:
 
 def make_engine(model_dir: str, dtype: str, workload, device: str = "cpu", kv_reuse: bool | None = None,
                 kernel_backend: str = "auto", cuda_graph_mode: bool = True, tensor_parallel_size: int = 1,
-                weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> LLMEngine:
+                weight_dtype: str = "auto", kv_cache_dtype: str = "auto", lm_head_dtype: str = "auto") -> LLMEngine:
     """The engine as the workload wants it (kernels: auto picks the compiled CPU ones or Triton on CUDA)."""
     engine = LLMEngine(model_dir, dtype=dtype, device=device, kernel_backend=kernel_backend,
-                       weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype,
+                       weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, lm_head_dtype=lm_head_dtype,
                        cuda_graph_mode=cuda_graph_mode, tensor_parallel_size=tensor_parallel_size,
                        max_num_seqs=workload.max_num_seqs,
                        max_num_batched_tokens=2048, max_loras=workload.max_loras,

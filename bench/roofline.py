@@ -48,13 +48,14 @@ QUANTIZED_WIDTHS = {"auto": None, "int8": 1.0, "int4": 0.5, "fp8": 1.0}   # byte
                                                                            # scales aside
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, weight_dtype: str = "auto") -> float:
+def weight_bytes(cfg: ModelConfig, dtype: str, weight_dtype: str = "auto", lm_head_dtype: str = "auto") -> float:
     """Bytes one decode step reads at least: every layer weight and the lm_head (weight_dtype int8, fp8, int4: the
-    dense projections a byte or half a byte each, their scales and zero points aside)."""
+    dense projections a byte or half a byte each, lm_head_dtype so the lm_head, their scales and zero points
+    aside)."""
     width = torch.finfo(getattr(torch, dtype)).bits / 8
-    total = (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * width
-    quantized = QUANTIZED_WIDTHS[weight_dtype]
-    return total if quantized is None else total - layer_params(cfg, dense_only=True) * (width - quantized)
+    projections, head = QUANTIZED_WIDTHS[weight_dtype], QUANTIZED_WIDTHS[lm_head_dtype]
+    return (layer_params(cfg) * width - layer_params(cfg, dense_only=True) * (width - (projections or width))
+            + cfg.vocab_size * cfg.hidden_size * (head or width))
 
 
 def request_flops(cfg: ModelConfig, prompt_len: int, output_len: int) -> float:

@@ -47,7 +47,8 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     else:
         engine = make_engine(args.model_dir, args.dtype, workload, kv_reuse=kv_reuse,
                              kernel_backend=args.kernel_backend, tensor_parallel_size=args.tensor_parallel_size,
-                             weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
+                             weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+                             lm_head_dtype=args.lm_head_dtype)
         freeze_heap()                                    # as a server's engine loop does
         res = run_engine(engine, requests, name)
         if sweep and name in ("W1", "W2"):
@@ -61,7 +62,7 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     res["roofline_frac"] = workload_flops(cfg, requests) / res["seconds"] / 1e9 / roofline["roofline_gflops"]
     if name == "W3":
         res["bandwidth_bound_tok_s"] = (roofline["memory_gbps"] * 1e9
-                                        / weight_bytes(cfg, args.dtype, args.weight_dtype))
+                                        / weight_bytes(cfg, args.dtype, args.weight_dtype, args.lm_head_dtype))
         res["bandwidth_frac"] = res["tok_s"] / res["bandwidth_bound_tok_s"]
     label = name if kv_reuse is not False else f"{name} without KV reuse"
     print(f"{label}: {res['tok_s']:.1f} tok/s ({res['output_tokens']} tokens in {res['seconds']:.1f} s), "
@@ -109,6 +110,8 @@ def main(doc: str = __doc__) -> None:
                         help="the engine's weight_dtype (int8, int4, fp8: weight-only, quantized at load)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
                         help="the engine's kv_cache_dtype (int8: scales calibrated at start; fp8: scales 1.0)")
+    parser.add_argument("--lm-head-dtype", default="auto", choices=("auto", "int8", "int4", "fp8"),
+                        help="the engine's lm_head_dtype (the LM head quantized at load as well)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the workloads and their baselines N times in turn (ours first in odd rounds; in "
                              "even ones the baselines first, then ours in reverse order); report each one's median "
@@ -154,7 +157,7 @@ def main(doc: str = __doc__) -> None:
                      "model": Path(args.model_dir).name, "quick": args.quick}
     print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
           f"{roofline['memory_gbps']:.1f} GB/s; model weights "
-          f"{weight_bytes(cfg, args.dtype, args.weight_dtype) / 1e6:.0f} MB", flush=True)
+          f"{weight_bytes(cfg, args.dtype, args.weight_dtype, args.lm_head_dtype) / 1e6:.0f} MB", flush=True)
     samples: dict = {}
     rounds = []
     for i in range(args.repeat):

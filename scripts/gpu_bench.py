@@ -136,7 +136,8 @@ def w3_on_its_own_engine(model_dir: str, cfg: ModelConfig, shape: str, args) -> 
     """W3 on an engine set up as W3 asks (max_num_seqs 1, no adapters): BENCHMARKS.md's single stream, where the
     main run's W3 shares W1's engine (128 rows of graphs, 16 adapters resident)."""
     engine = make_engine(model_dir, "bfloat16", WORKLOADS["W3"], args.device, cuda_graph_mode=args.cuda_graphs == "on",
-                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
+                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         lm_head_dtype=args.lm_head_dtype)
     freeze_heap()
     try:
         requests = make_requests(WORKLOADS["W3"], cfg.vocab_size)
@@ -157,7 +158,8 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
     results = {}
     started = time.perf_counter()
     engine = make_engine(model_dir, "bfloat16", WORKLOADS["W1"], args.device, cuda_graph_mode=args.cuda_graphs == "on",
-                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
+                         weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         lm_head_dtype=args.lm_head_dtype)
     results["time_to_ready_s"] = time.perf_counter() - started          # weights, self-check, graph capture
     results["kernel_fallbacks"] = dict(engine.runner.kernel_fallbacks)    # overlap_steps among them if it failed
     freeze_heap()                                                       # as a server's engine loop does
@@ -227,7 +229,7 @@ def bench_model(shape: str, args, bandwidth: float) -> dict:
         free_memory(args.device)
     context = WORKLOADS["W3"].prompt_range[0] + WORKLOADS["W3"].output_tokens / 2
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * context * (1 if args.kv_cache_dtype in ("int8", "fp8") else 2)
-    bound = bandwidth / (weight_bytes(cfg, "bfloat16", args.weight_dtype) + kv_bytes)
+    bound = bandwidth / (weight_bytes(cfg, "bfloat16", args.weight_dtype, args.lm_head_dtype) + kv_bytes)
     for name in ("W3", "W3_own_engine"):
         results[name] |= {"bandwidth_bound_tok_s": bound, "bandwidth_frac": results[name]["tok_s"] / bound}
     if args.baseline == "hf":
@@ -299,6 +301,8 @@ def main() -> None:
                              "or half a byte a weight)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
                         help="the engine's kv_cache_dtype (int8, fp8: the HBM bound counts a byte a cached value)")
+    parser.add_argument("--lm-head-dtype", default="auto", choices=("auto", "int8", "int4", "fp8"),
+                        help="the engine's lm_head_dtype (the HBM bound counts the LM head's bytes so too)")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
                         help="off: every step eager (before/after)")
     parser.add_argument("--curve-seqs", type=int, default=64,

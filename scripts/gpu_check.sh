@@ -85,7 +85,8 @@ for name, shape in shapes.items():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "num_hidden_layers": 1,
                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape})
     checks = check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64, weight_dtype="int8",
-                           kv_cache_dtype="int8")                 # the quantized paths too: INT8 GEMMs, INT8 KV,
+                           kv_cache_dtype="int8", lm_head_dtype="int8")   # the quantized paths too: INT8 GEMMs
+                                                                          # (the LM head's too), INT8 KV,
     checks += [c for c in check_kernels(load_ops("triton", device), cfg, dtype, dtype, device, 16, 64,
                                         kv_cache_dtype="fp8") if "fp8 cache" in c.what]   # an FP8 KV cache
     with torch.inference_mode():                                  # and the INT4 and FP8 GEMMs
