@@ -188,6 +188,16 @@ def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor
     return load().int4_panel_linear(x, panels, scale, zero, group_size, bias)
 
 
+def dequantize_panels(weight, dtype: torch.dtype) -> torch.Tensor:
+    """Semantics: weight.dequantize(torch.float32).to(dtype)   # an Int8Weight, Int4Weight or Fp8Weight in panels
+    -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it"""
+    from kernels.quant import Int4Weight, Int8Weight
+    if isinstance(weight, Int8Weight):
+        return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype)
+    zero = weight.zero if isinstance(weight, Int4Weight) else None
+    return load().dequantize_panels(weight.data, weight.scale, zero, weight.group_size, dtype)
+
+
 def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, group_size: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x.float(), Fp8Weight(panels, scale, group_size).dequantize(torch.float32), bias).to(x.dtype)

@@ -21,10 +21,10 @@ __all__ = ["prepare_weight", "linear", "add_rms_norm", "silu_and_mul", "rotary_a
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear
-DEQUANTIZED_ROWS = 256      # from this many rows (prompt chunks) a quantized weight beside bf16/fp16 activations is
-                            # dequantized for the call and oneDNN's GEMM runs: the panel GEMM computes in fp32 at
-                            # 256 bits (W2 152 -> 239 tok/s, TTFT p50 7.1 -> 3.4 s at SmolLM2, AVX-512 EPYC;
-                            # at 32 rows the dequantization cost more than it saved: 140 tok/s)
+DEQUANTIZED_ROWS = 64       # from this many rows (prompt chunks) a quantized weight beside bf16/fp16 activations is
+                            # dequantized for the call (cpu_ext.dequantize_panels) and oneDNN's GEMM runs (AMX
+                            # where the CPU has it): the panel GEMM's fp32 FMAs take longer from ~48 rows (3072 x
+                            # 576, INT8 on a Xeon with AMX: 1.07 against 0.87 ms at 64 rows, 2.07 against 0.98 at 128)
 
 
 def _packable(dtype: torch.dtype) -> bool:
@@ -56,11 +56,13 @@ def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
-    the values it encodes, converted as the panel GEMM reads them; dequantized for the call from DEQUANTIZED_ROWS
-    rows of bf16/fp16)."""
+    the values it encodes, converted as the panel GEMM reads them; from DEQUANTIZED_ROWS rows of bf16/fp16, those
+    values rounded into x's dtype for oneDNN's GEMM)."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
-        if weight.data.dim() == 2 or (x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32):
+        if weight.data.dim() == 2:
             return reference.linear(x, weight, bias)
+        if x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32:
+            return F.linear(x, cpu_ext.dequantize_panels(weight, x.dtype), None if bias is None else bias.to(x.dtype))
         bias32 = None if bias is None else bias.float()
         if isinstance(weight, Int8Weight):
             return cpu_ext.int8_panel_linear(x, weight.data, weight.scale, bias32)

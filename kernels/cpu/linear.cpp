@@ -321,28 +321,71 @@ void narrow(const float* src, at::Half* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
 }
 
-// What every panel GEMM's binding checks and makes: x [M, K] fp32, bf16 or fp16 (computed in fp32: a narrow x
-// widened here, y's fp32 sums rounded into its dtype at the end, in buffers the calling thread keeps for decode
-// steps' few rows; no Python op on either side), panels [N / 16, K, width] of the type `type` names (one of
-// `types`), bias fp32 [N] where given, and y [M, N] in x's dtype.
-struct PanelCall {
+// A weight's panels as a binding checks them: [N / 16, K, width] of the type `type` names (one of `types`),
+// contiguous; and unpacked whole (dequantize_panels).
+struct PanelShape {
+  int64_t K, num_panels, N;
+  PanelShape(const torch::Tensor& panels, int64_t width, std::initializer_list<at::ScalarType> types,
+             const char* type) {
+    TORCH_CHECK(panels.dim() == 3 && panels.size(2) == width && panels.is_contiguous(), "panels [N / 16, K, ", width,
+                "], contiguous");
+    TORCH_CHECK(std::find(types.begin(), types.end(), panels.scalar_type()) != types.end(), "panels ", type);
+    K = panels.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+  }
+  // A grouped weight's per-group tensor: [K / group_size, N], contiguous, of `dtype` (group_size dividing K);
+  // `what` says so when it is not.
+  void check_grouped(const torch::Tensor& t, int64_t group_size, at::ScalarType dtype, const char* what) const {
+    TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == K / group_size && t.size(1) == N && t.is_contiguous() &&
+                t.scalar_type() == dtype, what);
+  }
+  // W [N, K] in bf16 or fp16: each panel's lines as the GEMM reads them (times `scale` per column where given),
+  // through a [K, 16] fp32 tile, then its columns rounded into W's rows; the threads take panels in turn.
+  template <typename Panels>
+  torch::Tensor unpack(const Panels& panels, const float* scale, at::ScalarType dtype) const {
+    torch::Tensor w = torch::empty({N, K}, torch::dtype(dtype));
+#pragma omp parallel
+    {
+      std::vector<float> tile(K * kPanel), row(K);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < num_panels; ++p) {
+        auto lines = panels.lines(p, K);
+        for (int64_t k = 0; k < K; ++k) line_store(tile.data() + k * kPanel, lines.load(k));
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const float s = scale ? scale[p * kPanel + c] : 1.0f;
+          for (int64_t k = 0; k < K; ++k) row[k] = tile[k * kPanel + c] * s;
+          const int64_t n = p * kPanel + c;
+          if (dtype == at::kBFloat16)
+            narrow(row.data(), w.data_ptr<at::BFloat16>() + n * K, K);
+          else
+            narrow(row.data(), w.data_ptr<at::Half>() + n * K, K);
+        }
+      }
+    }
+    return w;
+  }
+};
+
+// What every panel GEMM's binding checks and makes beside the panels' shape: x [M, K] fp32, bf16 or fp16 (computed
+// in fp32: a narrow x widened here, y's fp32 sums rounded into its dtype at the end, in buffers the calling thread
+// keeps for decode steps' few rows; no Python op on either side), bias fp32 [N] where given, and y [M, N] in x's
+// dtype.
+struct PanelCall : PanelShape {
   static constexpr int64_t kScratchRows = 32;            // rows converted through the thread's buffers
   torch::Tensor x, y, x32, y32;                          // x32, y32: fp32 copies beyond kScratchRows rows
   at::ScalarType dtype;
-  int64_t M, K, num_panels, N;
+  int64_t M;
   const float* bias;
   const float* xp;
   float* yp;
   PanelCall(torch::Tensor x_in, const torch::Tensor& panels, int64_t width, std::initializer_list<at::ScalarType> types,
-            const char* type, const std::optional<torch::Tensor>& b) {
-    TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == width, "x [M, K], panels [N / 16, K, ",
-                width, "]");
+            const char* type, const std::optional<torch::Tensor>& b)
+      : PanelShape(panels, width, types, type) {
+    TORCH_CHECK(x_in.dim() == 2, "x [M, K]");
     dtype = x_in.scalar_type();
-    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                    std::find(types.begin(), types.end(), panels.scalar_type()) != types.end(),
-                "x float32, bfloat16 or float16, panels ", type);
-    TORCH_CHECK(x_in.size(1) == panels.size(1) && panels.is_contiguous(), "x and the panels disagree on K");
-    M = x_in.size(0), K = x_in.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "x float32, bfloat16 or float16");
+    TORCH_CHECK(x_in.size(1) == K, "x and the panels disagree on K");
+    M = x_in.size(0);
     if (b) TORCH_CHECK(b->numel() == N && b->is_contiguous() && b->scalar_type() == at::kFloat, "bias [N]");
     bias = b ? b->data_ptr<float>() : nullptr;
     x = x_in.contiguous();
@@ -366,13 +409,6 @@ struct PanelCall {
       widen(x.data_ptr<at::Half>(), wide, M * K);
   }
   bool empty() const { return M == 0 || num_panels == 0; }
-  // A grouped weight's per-group tensor: [K / group_size, N], contiguous, of `dtype` (group_size dividing K);
-  // `what` says so when it is not.
-  void check_grouped(const torch::Tensor& t, int64_t group_size, at::ScalarType dtype, const char* what) const {
-    TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == K / group_size && t.size(1) == N && t.is_contiguous() &&
-                t.scalar_type() == dtype, what);
-  }
   template <typename Panels>
   torch::Tensor run(const Panels& panels, const float* scale, const std::vector<vec::Span>& side = {}) {
     if (empty()) return y;
@@ -435,4 +471,28 @@ torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Ten
   PanelCall call(x, panels, kPanel, {at::kByte}, "uint8", bias);
   call.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
   return call.run(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), call.N, group_size}, nullptr);
+}
+
+// The weight [N, K] that quantized panels encode, in dtype (bf16 or fp16), each value as their GEMM reads it,
+// rounded to nearest even: for the GEMMs of many rows, which oneDNN runs faster (AMX) than the panel GEMM's FMAs.
+// INT8: panels int8 [N / 16, K, 16], scale [N]; INT4: panels uint8 [N / 16, K, 8], scale and zero [K / group_size,
+// N]; FP8: panels uint8 [N / 16, K, 16], scale [K / group_size, N].
+torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
+                                int64_t group_size, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "dtype bfloat16 or float16");
+  if (panels.scalar_type() == at::kChar) {
+    PanelShape w(panels, kPanel, {at::kChar}, "int8");
+    TORCH_CHECK(scale.numel() == w.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
+    return w.unpack(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>(), dtype);
+  }
+  if (zero) {
+    PanelShape w(panels, kPanel / 2, {at::kByte}, "uint8");
+    w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
+    w.check_grouped(*zero, group_size, at::kByte, "zero [K / group_size, N] uint8");
+    return w.unpack(Int4Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero->data_ptr<uint8_t>(), w.N,
+                               group_size}, nullptr, dtype);
+  }
+  PanelShape w(panels, kPanel, {at::kByte}, "uint8");
+  w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
+  return w.unpack(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size}, nullptr, dtype);
 }

@@ -270,6 +270,8 @@ torch::Tensor int4_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Te
                                 int64_t group_size, std::optional<torch::Tensor> bias);
 torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, int64_t group_size,
                                std::optional<torch::Tensor> bias);
+torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
+                                int64_t group_size, at::ScalarType dtype);
 void expert_lora_add(torch::Tensor x, int64_t rows_per_x, torch::Tensor row_slots, torch::Tensor row_experts,
                      int64_t num_experts, torch::Tensor a, std::vector<torch::Tensor> bs, torch::Tensor slot_ranks,
                      torch::Tensor out);
@@ -289,6 +291,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_panel_linear", &int8_panel_linear, "(x @ W^T) * scale (+ bias) over an INT8 weight in panels", no_gil);
   m.def("int4_panel_linear", &int4_panel_linear, "x @ W^T (+ bias) over an INT4 weight in panels", no_gil);
   m.def("fp8_panel_linear", &fp8_panel_linear, "x @ W^T (+ bias) over an FP8 weight in panels", no_gil);
+  m.def("dequantize_panels", &dequantize_panels, "The weight quantized panels encode, [N, K] in bf16 or fp16", no_gil);
   m.def("expert_lora_add", &expert_lora_add, "Each row's LoRA through its own group's A and B, added (a mixture's)",
         no_gil);
   m.def("claim_order", [](const std::vector<int64_t>& costs, int num_threads, const std::vector<int>& turns) {

@@ -265,6 +265,24 @@ def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)           # (NaN's bits are torch's own)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "fp8 every value"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
+    """cpu_ext.dequantize_panels (the weight for oneDNN's GEMM from DEQUANTIZED_ROWS rows): INT8 and FP8 the format's
+    values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale, which the panels read as
+    q * scale - zero * scale."""
+    from tests.kernels.test_quant import quantized_weight
+    weight = quantized_weight(kind, 96, 256)
+    got = cpu_ext.dequantize_panels(weight.panels(), dtype)
+    want = weight.dequantize(torch.float32)
+    assert got.dtype == dtype and got.shape == (96, 256)
+    if kind == "int4":
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got.float(), want, rtol=eps, atol=1e-6 * float(want.abs().max()))
+    else:
+        assert torch.equal(got, want.to(dtype))
+
+
 @pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
 @pytest.mark.parametrize("num_base_rows", [0, 7])
 @pytest.mark.parametrize("with_bias", [False, True])
