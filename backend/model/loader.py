@@ -1,8 +1,8 @@
 """Hugging Face safetensors -> our weights: a translation table, fused projections, experts stacked, tensor-parallel
 slices."""
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -254,7 +254,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 read = lambda key: _checked_slice(reader, key, shapes[key])  # noqa: E731
                 experts = _read_experts(read, [(key, shapes[key]) for key in source.keys], source.split, tp_size,
                                         tp_rank)
-                weights[name] = experts.to(device).to(dtype).contiguous()
+                weights[name] = prepare(name, experts.to(device).to(dtype).contiguous())
                 continue
             if weight_dtype != "auto" and source.split == "row" and tp_size > 1 and name.endswith("_proj"):
                 [key] = source.keys
