@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kernels.lora.reference import add_lora_delta, add_qkv_delta
+from kernels.quant import Int4Weight, Int8Weight
 
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name
@@ -191,7 +192,6 @@ def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor
 def dequantize_panels(weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: weight.dequantize(torch.float32).to(dtype)   # an Int8Weight, Int4Weight or Fp8Weight in panels
     -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it"""
-    from kernels.quant import Int4Weight, Int8Weight
     if isinstance(weight, Int8Weight):
         return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype)
     zero = weight.zero if isinstance(weight, Int4Weight) else None

@@ -226,14 +226,19 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias, pan
                                atol=1e-4, rtol=1e-4)
 
 
-PANEL_GEMMS = {
-    "fp32": lambda w: (lambda x: cpu_ext.panel_linear(x, cpu_ext.pack_linear(w), None)),
-    "bf16": lambda w: (lambda x: cpu_ext.panel_linear(x, cpu_ext.pack_linear(w).bfloat16(), None)),
-    **{kind: (lambda w, kind=kind: (lambda x, q=quantize_weight(w, kind).panels(): cpu_ops.linear(x, q, None)))
-       for kind in ("int8", "int4", "fp8")}}
+PANEL_KINDS = ["fp32", "bf16", "int8", "int4", "fp8"]
 
 
-@pytest.mark.parametrize("kind", list(PANEL_GEMMS))
+def panel_gemm(kind: str, weight: torch.Tensor):
+    """x -> x @ weight.T by the panel GEMM over weight's panels in `kind`, packed once."""
+    if kind in ("fp32", "bf16"):
+        panels = cpu_ext.pack_linear(weight).to(torch.float32 if kind == "fp32" else torch.bfloat16)
+        return lambda x: cpu_ext.panel_linear(x, panels, None)
+    quantized = quantize_weight(weight, kind).panels()
+    return lambda x: cpu_ops.linear(x, quantized, None)
+
+
+@pytest.mark.parametrize("kind", PANEL_KINDS)
 @pytest.mark.parametrize("in_dim", [576, 70])
 def test_a_panel_gemm_row_is_the_same_alone_or_beside_others(kind, in_dim):
     """Each row's sums run in the same order whatever tile of rows holds it (kernels/cpu/linear.cpp's tile, whose
@@ -241,20 +246,20 @@ def test_a_panel_gemm_row_is_the_same_alone_or_beside_others(kind, in_dim):
     the requests decoding beside it. Bit for bit, for every count of rows a tile takes and more."""
     if kind == "int4" and in_dim % 32:
         pytest.skip("int4: groups of 32s")
-    gemm = PANEL_GEMMS[kind](torch.randn(48, in_dim).bfloat16().float())
+    gemm = panel_gemm(kind, torch.randn(48, in_dim).bfloat16().float())
     x = torch.randn(13, in_dim)
     alone = torch.cat([gemm(x[i:i + 1]) for i in range(13)])
     for num_rows in range(2, 14):
         assert torch.equal(gemm(x[:num_rows]), alone[:num_rows]), num_rows
 
 
-@pytest.mark.parametrize("kind", list(PANEL_GEMMS))
+@pytest.mark.parametrize("kind", PANEL_KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_rows", [2, 32, 40])            # the thread's buffers up to 32 rows, tensors beyond
 def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
     """x in bf16 or fp16 is widened exactly and y's fp32 sums rounded to nearest even: the same bits as the GEMM
     over x in fp32 converted by torch, NaN and (fp16) sums past the format's range among them."""
-    gemm = PANEL_GEMMS[kind](torch.randn(64, 96).bfloat16().float())
+    gemm = panel_gemm(kind, torch.randn(64, 96).bfloat16().float())
     x = torch.randn(num_rows, 96) * 4
     x[0, 0] = float("nan")
     x[-1] *= 2000.0                                       # fp16: sums past its largest value, finite in fp32
