@@ -174,6 +174,31 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return load().panel_linear(x, panels, bias)
 
 
+def amx_available() -> bool:
+    """Whether amx_linear runs here: a CPU with AMX-BF16 tiles, a build that reads them and a kernel that grants
+    them to this process."""
+    return load().amx_available()
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """Semantics: weight.view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    # bf16 [N, K] -> pair panels [N / 16, K / 2, 16, 2]: each row of a panel one k pair of its 16 columns"""
+    N, K = weight.shape
+    return weight.view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """Semantics: the weight [N, K] pack_pairs took."""
+    num_panels, half_k = pairs.shape[:2]
+    return pairs.permute(0, 2, 1, 3).reshape(num_panels * 16, half_k * 2)
+
+
+def amx_linear(x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x.float(), unpack_pairs(pairs).float(), bias).bfloat16()
+    # x bf16 [M, K] (K % 32 == 0), pairs bf16 [N / 16, K / 2, 16, 2], bias fp32 [N] -> [M, N] bf16, on AMX tiles"""
+    return load().amx_linear(x, pairs, bias)
+
+
 def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x.float(), panels.transpose(1, 2).reshape(N, K).float() * scale[:, None], bias).to(x.dtype)
@@ -189,13 +214,13 @@ def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor
     return load().int4_panel_linear(x, panels, scale, zero, group_size, bias)
 
 
-def dequantize_panels(weight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_panels(weight, dtype: torch.dtype, pairs: bool = False) -> torch.Tensor:
     """Semantics: weight.dequantize(torch.float32).to(dtype)   # an Int8Weight, Int4Weight or Fp8Weight in panels
-    -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it"""
+    -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it; pairs: pack_pairs of that (bf16)"""
     if isinstance(weight, Int8Weight):
-        return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype)
+        return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype, pairs)
     zero = weight.zero if isinstance(weight, Int4Weight) else None
-    return load().dequantize_panels(weight.data, weight.scale, zero, weight.group_size, dtype)
+    return load().dequantize_panels(weight.data, weight.scale, zero, weight.group_size, dtype, pairs)
 
 
 def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, group_size: int,

@@ -2,8 +2,9 @@
 (decode rows one by one, prompt rows in tiles), and the elementwise work of a layer fused into single passes, LoRA
 shrink + expand of all a projection's bands in one call (kernels/lora/executor.CpuLoraExecutor); fp32 GEMMs over
 weights in column panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches
-the adapter rows), other
-dtypes on weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
+the adapter rows), bf16
+GEMMs on AMX tiles over weights in pair panels where the CPU has them (cpu_ext.amx_linear), other dtypes on
+weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
 expert with tokens), its expert LoRA compiled (cpu_ext.expert_lora_add: the rows group by group, each row's
 matrices read in place)."""
 import torch
@@ -21,10 +22,11 @@ __all__ = ["prepare_weight", "linear", "add_rms_norm", "silu_and_mul", "rotary_a
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear
-DEQUANTIZED_ROWS = 64       # from this many rows (prompt chunks) a quantized weight beside bf16/fp16 activations is
-                            # dequantized for the call (cpu_ext.dequantize_panels) and oneDNN's GEMM runs (AMX
-                            # where the CPU has it): the panel GEMM's fp32 FMAs take longer from ~48 rows (3072 x
-                            # 576, INT8 on a Xeon with AMX: 1.07 against 0.87 ms at 64 rows, 2.07 against 0.98 at 128)
+DEQUANTIZED_ROWS = 48       # from this many rows (prompt chunks) a quantized weight beside bf16/fp16 activations is
+                            # dequantized for the call (cpu_ext.dequantize_panels) into pair panels for the AMX
+                            # tiles where the CPU has them, else for oneDNN's GEMM: the panel GEMM's fp32 FMAs take
+                            # longer from ~32-48 rows (3072 x 576 on a 2-core Xeon, INT8 / INT4 / FP8: 1.08 / 1.40 /
+                            # 1.43 ms at 64 rows against 0.73 / 0.66 / 0.67 on the tiles, 0.86 / 0.89 / 0.87 oneDNN)
 
 
 def _packable(dtype: torch.dtype) -> bool:
@@ -38,14 +40,19 @@ def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor
     """A projection or the LM head in the layout its GEMM reads fastest: fp32 in column panels (whose kernel
     prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
     ~10%), in bf16 panels where every value is a bf16's (a bf16 checkpoint served in fp32, as dtype auto does on a
-    CPU without bf16 arithmetic: half the bytes, the same values, widened as the GEMM loads them), bf16 in oneDNN's
-    blocked layout where the CPU has bf16, INT8, INT4 and FP8 in column panels too. Embeddings, norms and biases
-    stay as they are. The loader prepares each weight as it completes (load_weights' `prepare`), so that a bf16
-    checkpoint served in fp32 never lies in memory in fp32 but one weight at a time."""
+    CPU without bf16 arithmetic: half the bytes, the same values, widened as the GEMM loads them), bf16 in pair
+    panels where the CPU has AMX-BF16 tiles and K is a multiple of 32 (cpu_ext.amx_linear: the 30 layers' GEMMs of
+    SmolLM2 in 9.5 ms a decode step against oneDNN's 15.5, 10.7 against 17 at 32 rows, even at 512; Xeon, 2 cores),
+    else in oneDNN's blocked layout where the CPU has bf16; INT8, INT4 and FP8 in column panels too. Embeddings,
+    norms and biases stay as they are. The loader prepares each weight as it completes (load_weights' `prepare`), so
+    that a bf16 checkpoint served in fp32 never lies in memory in fp32 but one weight at a time."""
     if not (name.endswith("_proj") or name == "lm_head"):
         return w
     if isinstance(w, QUANTIZED_WEIGHTS):
         return w.panels() if w.shape[0] % PANEL == 0 else w
+    if w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] % PANEL == 0 and w.shape[1] % 32 == 0 \
+            and cpu_ext.amx_available():
+        return cpu_ext.pack_pairs(w)
     if w.dtype == torch.float32 and w.shape[0] % PANEL == 0:
         narrow = w.to(torch.bfloat16)
         if torch.equal(narrow.float(), w):                        # a bf16 checkpoint's values, in fp32
@@ -57,11 +64,15 @@ def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
     the values it encodes, converted as the panel GEMM reads them; from DEQUANTIZED_ROWS rows of bf16/fp16, those
-    values rounded into x's dtype for oneDNN's GEMM)."""
+    values rounded into x's dtype for the AMX tiles or oneDNN's GEMM); bf16 pair panels on AMX tiles for bf16 x,
+    unpacked for other dtypes."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         if weight.data.dim() == 2:
             return reference.linear(x, weight, bias)
         if x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32:
+            if x.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and cpu_ext.amx_available():
+                pairs = cpu_ext.dequantize_panels(weight, x.dtype, pairs=True)
+                return cpu_ext.amx_linear(x, pairs, None if bias is None else bias.float())
             return F.linear(x, cpu_ext.dequantize_panels(weight, x.dtype), None if bias is None else bias.to(x.dtype))
         bias32 = None if bias is None else bias.float()
         if isinstance(weight, Int8Weight):
@@ -69,6 +80,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if isinstance(weight, Int4Weight):
             return cpu_ext.int4_panel_linear(x, weight.data, weight.scale, weight.zero, weight.group_size, bias32)
         return cpu_ext.fp8_panel_linear(x, weight.data, weight.scale, weight.group_size, bias32)
+    if weight.dim() == 4:
+        if x.dtype != torch.bfloat16:
+            return F.linear(x, cpu_ext.unpack_pairs(weight).to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return cpu_ext.amx_linear(x, weight, None if bias is None else bias.float())
     if weight.dim() == 3:
         return cpu_ext.panel_linear(x, weight, bias)
     if weight.is_mkldnn:

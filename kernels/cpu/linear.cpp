@@ -3,14 +3,17 @@
 // its columns scaled once at the end: weight-only INT8, one scale per output channel), an eighth in INT4 (shifted
 // by its group's zero points and scaled as it loads), a quarter in FP8 (converted through fp16 and scaled as it
 // loads). A 6 x 16 output tile lives in registers (AVX2: 12; AVX-512: 6 x 4, see tile), fed per k by that line and
-// 6 broadcasts of x.
+// 6 broadcasts of x. Where the CPU has AMX-BF16, bf16 weights beside bf16 x are read by its tiles instead (amx_gemm).
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
 // loop, so memory and compute overlap for any number of rows (prefetching only in the first row tile's pass left it
 // memory-bound and the later passes compute-only: 32-row steps took 17% longer).
+#include <cpuid.h>
 #include <omp.h>
+#include <sys/syscall.h>
 #include <torch/extension.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -339,18 +342,28 @@ struct PanelShape {
     TORCH_CHECK(t.dim() == 2 && t.size(0) == K / group_size && t.size(1) == N && t.is_contiguous() &&
                 t.scalar_type() == dtype, what);
   }
-  // W [N, K] in bf16 or fp16: each panel's lines as the GEMM reads them (times `scale` per column where given),
-  // through a [K, 16] fp32 tile, then its columns rounded into W's rows; the threads take panels in turn.
+  // W [N, K] in bf16 or fp16 (or, `pairs`, bf16 in pair panels [N / 16, K / 2, 16, 2] for amx_gemm): each panel's
+  // lines as the GEMM reads them (times `scale` per column where given), through a [K, 16] fp32 tile, then its
+  // columns rounded into W's rows (or the tile's k pairs into the panel's); the threads take panels in turn.
   template <typename Panels>
-  torch::Tensor unpack(const Panels& panels, const float* scale, at::ScalarType dtype) const {
-    torch::Tensor w = torch::empty({N, K}, torch::dtype(dtype));
+  torch::Tensor unpack(const Panels& panels, const float* scale, at::ScalarType dtype, bool pairs) const {
+    TORCH_CHECK(!pairs || (dtype == at::kBFloat16 && K % 2 == 0), "pair panels: bf16, K even");
+    torch::Tensor w = pairs ? torch::empty({num_panels, K / 2, kPanel, 2}, torch::dtype(dtype))
+                            : torch::empty({N, K}, torch::dtype(dtype));
 #pragma omp parallel
     {
-      std::vector<float> tile(K * kPanel), row(K);
+      std::vector<float> tile(K * kPanel), row(pairs ? K * kPanel : K);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < num_panels; ++p) {
         auto lines = panels.lines(p, K);
         for (int64_t k = 0; k < K; ++k) line_store(tile.data() + k * kPanel, lines.load(k));
+        if (pairs) {
+          for (int64_t k = 0; k < K; ++k)
+            for (int64_t c = 0; c < kPanel; ++c)
+              row[(k / 2) * 2 * kPanel + c * 2 + k % 2] = tile[k * kPanel + c] * (scale ? scale[p * kPanel + c] : 1.0f);
+          narrow(row.data(), w.data_ptr<at::BFloat16>() + p * K * kPanel, K * kPanel);
+          continue;
+        }
         for (int64_t c = 0; c < kPanel; ++c) {
           const float s = scale ? scale[p * kPanel + c] : 1.0f;
           for (int64_t k = 0; k < K; ++k) row[k] = tile[k * kPanel + c] * s;
@@ -421,6 +434,123 @@ struct PanelCall : PanelShape {
   }
 };
 
+// bf16 on AMX tiles (CPUs with AMX-BF16): W [N, K] in pair panels [N / 16, K / 2, 16, 2], each row of a panel one k
+// pair of its 16 columns, (w[n][2j], w[n][2j + 1]): the layout the tile product reads as its second operand, 64
+// bytes a row; x's rows are the first operand as they lie. A block of up to 32 rows x 32 columns is four fp32 tiles
+// (tile 2b + c: rows block b, panel c; 4, 5: x's two rows blocks; 6, 7: the two panels), summed over K in steps of
+// 32. A row's sums take the same k order for any M, so its result is the same alone or beside others. Threads claim
+// groups of panel pairs (kGroupBytes, as panel_gemm) and every rows block meets a group in turn; one row is bound
+// by memory as the panel GEMM is, and many rows by the tiles, not the FMAs.
+#ifdef __AMX_BF16__
+constexpr int64_t kAmxK = 32;                 // k values a tile product sums: 16 pairs
+constexpr int64_t kAmxRows = 16;              // rows a tile holds
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tiles for a block of rows0 + rows1 rows (rows1 0: one rows block) and num_panels (1 or 2) panels; tiles a
+// block leaves out are configured empty, as the architecture asks.
+void configure_tiles(int rows0, int rows1, int num_panels) {
+  TileConfig cfg;
+  auto set = [&](int tile, int rows) { cfg.rows[tile] = rows, cfg.colsb[tile] = rows ? 64 : 0; };
+  set(0, rows0), set(4, rows0), set(6, kAmxRows);
+  set(2, rows1), set(5, rows1);
+  set(1, num_panels == 2 ? rows0 : 0), set(3, num_panels == 2 ? rows1 : 0), set(7, num_panels == 2 ? kAmxRows : 0);
+  _tile_loadconfig(&cfg);
+}
+
+// c [32, 32] fp32 (rows 128 bytes apart) = x[0:32] @ (panels w0, w1)^T, the tiles configure_tiles set up for
+// kRowsBlocks rows blocks and kPanels panels.
+template <int kRowsBlocks, int kPanels>
+void amx_block(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, float* c) {
+  constexpr int64_t kCStride = 2 * kPanel * sizeof(float);
+  _tile_zero(0);
+  if constexpr (kPanels == 2) _tile_zero(1);
+  if constexpr (kRowsBlocks == 2) _tile_zero(2);
+  if constexpr (kRowsBlocks == 2 && kPanels == 2) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kAmxK) {
+    _tile_loadd(4, x + k, K * 2);
+    _tile_loadd(6, w0 + k * kPanel, 64);                    // pair rows k / 2 .. k / 2 + 15
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kPanels == 2) {
+      _tile_loadd(7, w1 + k * kPanel, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (kRowsBlocks == 2) {
+      _tile_loadd(5, x + kAmxRows * K + k, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kPanels == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, kCStride);
+  if constexpr (kPanels == 2) _tile_stored(1, c + kPanel, kCStride);
+  if constexpr (kRowsBlocks == 2) _tile_stored(2, c + kAmxRows * 2 * kPanel, kCStride);
+  if constexpr (kRowsBlocks == 2 && kPanels == 2) _tile_stored(3, c + kAmxRows * 2 * kPanel + kPanel, kCStride);
+}
+
+// y [M, N] bf16 = x [M, K] bf16 @ W^T + bias (fp32 [N] where given), the sums rounded once into bf16.
+void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_panels, const float* bias,
+              at::BFloat16* y) {
+  const int64_t N = num_panels * kPanel, panel_elems = K * kPanel;
+  const int64_t num_pairs = (num_panels + 1) / 2;
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (2 * panel_elems * 2));    // pairs a group
+  const int64_t num_groups = (num_pairs + group - 1) / group;
+  std::vector<int64_t> costs(num_groups);
+  for (int64_t g = 0; g < num_groups; ++g) costs[g] = std::min(group, num_pairs - g * group);
+  const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
+  Claims claims(costs, num_threads);
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int thread = omp_get_thread_num();
+    alignas(64) float c[2 * kAmxRows * 2 * kPanel];
+    for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
+      const int64_t first = g * group * 2, last = std::min(num_panels, first + group * 2);
+      for (int64_t m = 0; m < M; m += 2 * kAmxRows) {
+        const int rows = static_cast<int>(std::min(2 * kAmxRows, M - m));
+        const int rows0 = std::min<int>(rows, kAmxRows), rows1 = rows - rows0;
+        int configured = 0;
+        for (int64_t p = first; p < last; p += 2) {
+          const int panels = static_cast<int>(std::min<int64_t>(2, last - p));
+          if (panels != configured) configure_tiles(rows0, rows1, panels), configured = panels;
+          const uint16_t* xm = x + m * K;
+          const uint16_t *w0 = w + p * panel_elems, *w1 = w0 + panel_elems;
+          if (rows1 && panels == 2) amx_block<2, 2>(xm, K, w0, w1, c);
+          else if (rows1) amx_block<2, 1>(xm, K, w0, w1, c);
+          else if (panels == 2) amx_block<1, 2>(xm, K, w0, w1, c);
+          else amx_block<1, 1>(xm, K, w0, w1, c);
+          for (int r = 0; r < rows; ++r) {
+            float* row = c + r * 2 * kPanel;
+            if (bias)
+              for (int64_t j = 0; j < panels * kPanel; ++j) row[j] += bias[p * kPanel + j];
+            narrow(row, y + (m + r) * N + p * kPanel, panels * kPanel);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
+// Whether the CPU has AMX-BF16, this build reads it and the kernel lets this process use its tiles (Linux asks a
+// process to request the tile data state: arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_ready() {
+#ifdef __AMX_BF16__
+  static const bool ready = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) || !(edx & (1u << 24))) return false;
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 torch::Tensor pack_linear(torch::Tensor weight) {
@@ -476,23 +606,48 @@ torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Ten
 // The weight [N, K] that quantized panels encode, in dtype (bf16 or fp16), each value as their GEMM reads it,
 // rounded to nearest even: for the GEMMs of many rows, which oneDNN runs faster (AMX) than the panel GEMM's FMAs.
 // INT8: panels int8 [N / 16, K, 16], scale [N]; INT4: panels uint8 [N / 16, K, 8], scale and zero [K / group_size,
-// N]; FP8: panels uint8 [N / 16, K, 16], scale [K / group_size, N].
+// N]; FP8: panels uint8 [N / 16, K, 16], scale [K / group_size, N]. `pairs`: in bf16 pair panels for amx_gemm.
 torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
-                                int64_t group_size, at::ScalarType dtype) {
+                                int64_t group_size, at::ScalarType dtype, bool pairs) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "dtype bfloat16 or float16");
   if (panels.scalar_type() == at::kChar) {
     PanelShape w(panels, kPanel, {at::kChar}, "int8");
     TORCH_CHECK(scale.numel() == w.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
-    return w.unpack(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>(), dtype);
+    return w.unpack(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>(), dtype, pairs);
   }
   if (zero) {
     PanelShape w(panels, kPanel / 2, {at::kByte}, "uint8");
     w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
     w.check_grouped(*zero, group_size, at::kByte, "zero [K / group_size, N] uint8");
     return w.unpack(Int4Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero->data_ptr<uint8_t>(), w.N,
-                               group_size}, nullptr, dtype);
+                               group_size}, nullptr, dtype, pairs);
   }
   PanelShape w(panels, kPanel, {at::kByte}, "uint8");
   w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
-  return w.unpack(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size}, nullptr, dtype);
+  return w.unpack(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size}, nullptr, dtype,
+                  pairs);
+}
+
+
+bool amx_available() { return amx_ready(); }
+
+// bf16 over AMX tiles: y = x @ W^T + bias, x bf16 [M, K] (K a multiple of 32), pairs bf16 [N / 16, K / 2, 16, 2]
+// (pack_pairs), bias fp32 [N] where given; y bf16 [M, N].
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor pairs, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_ready(), "amx_linear: this CPU, build or kernel gives no AMX-BF16 tiles");
+  TORCH_CHECK(pairs.dim() == 4 && pairs.size(2) == kPanel && pairs.size(3) == 2 && pairs.is_contiguous() &&
+              pairs.scalar_type() == at::kBFloat16, "pairs bf16 [N / 16, K / 2, 16, 2], contiguous");
+  const int64_t num_panels = pairs.size(0), K = pairs.size(1) * 2, N = num_panels * kPanel;
+  TORCH_CHECK(K % 32 == 0, "K a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16, "x bf16 [M, K]");
+  if (bias) TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
+  x = x.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), N}, x.options());
+#ifdef __AMX_BF16__
+  if (x.size(0) > 0 && N > 0)
+    amx_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), K,
+             reinterpret_cast<const uint16_t*>(pairs.data_ptr()), num_panels, bias ? bias->data_ptr<float>() : nullptr,
+             y.data_ptr<at::BFloat16>());
+#endif
+  return y;
 }

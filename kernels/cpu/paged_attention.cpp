@@ -270,8 +270,10 @@ torch::Tensor int4_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Te
                                 int64_t group_size, std::optional<torch::Tensor> bias);
 torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale, int64_t group_size,
                                std::optional<torch::Tensor> bias);
+bool amx_available();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor pairs, std::optional<torch::Tensor> bias);
 torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
-                                int64_t group_size, at::ScalarType dtype);
+                                int64_t group_size, at::ScalarType dtype, bool pairs);
 void expert_lora_add(torch::Tensor x, int64_t rows_per_x, torch::Tensor row_slots, torch::Tensor row_experts,
                      int64_t num_experts, torch::Tensor a, std::vector<torch::Tensor> bs, torch::Tensor slot_ranks,
                      torch::Tensor out);
@@ -292,6 +294,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_panel_linear", &int4_panel_linear, "x @ W^T (+ bias) over an INT4 weight in panels", no_gil);
   m.def("fp8_panel_linear", &fp8_panel_linear, "x @ W^T (+ bias) over an FP8 weight in panels", no_gil);
   m.def("dequantize_panels", &dequantize_panels, "The weight quantized panels encode, [N, K] in bf16 or fp16", no_gil);
+  m.def("amx_available", &amx_available, "Whether amx_linear runs here (AMX-BF16 tiles granted)");
+  m.def("amx_linear", &amx_linear, "x @ W^T (+ bias) in bf16 on AMX tiles over a weight in pair panels", no_gil);
   m.def("expert_lora_add", &expert_lora_add, "Each row's LoRA through its own group's A and B, added (a mixture's)",
         no_gil);
   m.def("claim_order", [](const std::vector<int64_t>& costs, int num_threads, const std::vector<int>& turns) {

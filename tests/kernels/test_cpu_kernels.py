@@ -226,6 +226,53 @@ def test_panel_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias, pan
                                atol=1e-4, rtol=1e-4)
 
 
+needs_amx = pytest.mark.skipif(not (cpu_kernels_build() and cpu_ext.amx_available()),
+                               reason="no AMX-BF16 tiles here (CPU, build or kernel): bf16 weights go to oneDNN")
+
+
+@needs_amx
+@pytest.mark.parametrize("num_rows", [0, 1, 5, 16, 17, 32, 33, 130])       # rows blocks of 16 and 32, and tails
+@pytest.mark.parametrize("in_dim,out_dim", [(576, 960), (64, 48), (1536, 576), (32, 16)])   # 48, 16: a lone panel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_matches_f_linear(num_rows, in_dim, out_dim, with_bias):
+    """bf16 on AMX tiles over pair panels: the fp32 sums of bf16 products rounded once into bf16 (within a bf16
+    rounding of the fp32 GEMM: a bf16 result's half ulp plus the sums' order), x a strided view."""
+    weight, bias = torch.randn(out_dim, in_dim).bfloat16(), torch.randn(out_dim) if with_bias else None
+    x = torch.randn(num_rows, in_dim + 3).bfloat16()[:, 3:]
+    pairs = cpu_ext.pack_pairs(weight)
+    assert pairs.shape == (out_dim // 16, in_dim // 2, 16, 2) and torch.equal(cpu_ext.unpack_pairs(pairs), weight)
+    got = cpu_ext.amx_linear(x, pairs, bias)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, out_dim)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3 * in_dim ** 0.5)
+
+
+@needs_amx
+def test_an_amx_row_is_the_same_alone_or_beside_others():
+    """Every row's tiles sum over k in the same order, whatever rows block holds it: bit for bit alone, in a block
+    of 16, of 32 and beside more."""
+    pairs = cpu_ext.pack_pairs(torch.randn(80, 576).bfloat16())
+    x = torch.randn(70, 576).bfloat16()
+    alone = torch.cat([cpu_ext.amx_linear(x[i:i + 1], pairs, None) for i in range(70)])
+    for num_rows in (2, 15, 16, 17, 31, 32, 33, 70):
+        assert torch.equal(cpu_ext.amx_linear(x[:num_rows], pairs, None), alone[:num_rows]), num_rows
+
+
+@needs_amx
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_projections_are_prepared_for_amx(x_dtype):
+    """cpu_ops.prepare_weight keeps a bf16 projection in pair panels where the tiles run (K a multiple of 32; else
+    oneDNN's layout), and cpu_ops.linear reads them: bf16 x on the tiles, other dtypes through the weight unpacked."""
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    prepared = cpu_ops.prepare_weight("gate_proj", weight)
+    assert prepared.dim() == 4 and cpu_ops.prepare_weight("gate_proj", torch.randn(96, 48).bfloat16()).is_mkldnn
+    x = torch.randn(3, 64).to(x_dtype)
+    got = cpu_ops.linear(x, prepared, bias)
+    assert got.dtype == x_dtype
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+
+
 PANEL_KINDS = ["fp32", "bf16", "int8", "int4", "fp8"]
 
 

@@ -1,10 +1,11 @@
-"""The optimized CPU path in bf16 (packed batch, LoRA grid of decode steps, paged decode attention) against
-transformers + PEFT in bf16 on SmolLM2."""
+"""The optimized CPU paths in bf16 (packed batch, LoRA grid of decode steps, paged decode attention; the torch
+reference and the compiled kernels, whose GEMMs run on AMX tiles where the CPU has them) against transformers + PEFT
+in bf16 on SmolLM2."""
 import pytest
 import torch
 
 from backend import LLMEngine
-from tests.helpers import ADAPTER_SPECS, make_peft_adapters, peft_greedy, peft_model_with
+from tests.helpers import ADAPTER_SPECS, CPU_BACKENDS, make_peft_adapters, peft_greedy, peft_model_with
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Water boils at a temperature of",
            "The three primary colors are", "Once upon a time, in a small village,", "import numpy as np\n",
@@ -14,7 +15,8 @@ MAX_NEW = 8
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_batch_matches_transformers_bf16(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_smollm2_bf16_batch_matches_transformers_bf16(smollm2_dir, tmp_path, kernel_backend):
     """Tolerance: bf16 rounds differently in the two (fused projections, the LoRA scale folded into B, batched
     adapter matmuls), so a greedy path may part after a near tie. Required: every first token agrees, and the
     first 4 tokens agree for at least 7 of the 8 requests."""
@@ -24,7 +26,7 @@ def test_smollm2_bf16_batch_matches_transformers_bf16(smollm2_dir, tmp_path):
     adapters = make_peft_adapters(smollm2_dir, tmp_path, specs=ADAPTER_SPECS[:3], scale=0.05)
     peft = peft_model_with(smollm2_dir, adapters, dtype=torch.bfloat16)
     expected = [peft_greedy(peft, p, "__base__" if t is None else f"a{t - 1}", MAX_NEW) for p, t in zip(prompts, TASKS)]
-    engine = LLMEngine(smollm2_dir, dtype="bfloat16", kernel_backend="torch", kv_cache_memory_bytes=64 << 20,
+    engine = LLMEngine(smollm2_dir, dtype="bfloat16", kernel_backend=kernel_backend, kv_cache_memory_bytes=64 << 20,
                        max_loras=4)
     for task_id, path in enumerate(adapters, start=1):
         engine.add_lora_dir(task_id, path)
