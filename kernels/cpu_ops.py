@@ -29,6 +29,10 @@ DEQUANTIZED_ROWS = 48       # from this many rows (prompt chunks) a quantized we
                             # 1.43 ms at 64 rows against 0.73 / 0.66 / 0.67 on the tiles, 0.86 / 0.89 / 0.87 oneDNN)
 
 
+DEQUANTIZED_COLUMNS = 8192    # output channels dequantized at a time for those rows: an LM head slice by slice (8192
+                              # x 4096 in bf16: 64 MiB for an 8B Llama, not its whole head's 1 GiB)
+
+
 def _packable(dtype: torch.dtype) -> bool:
     """oneDNN packs fp32 everywhere and bf16 where the CPU has bf16 support (AVX-512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
@@ -70,10 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if weight.data.dim() == 2:
             return reference.linear(x, weight, bias)
         if x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32:
-            if x.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and cpu_ext.amx_available():
-                pairs = cpu_ext.dequantize_panels(weight, x.dtype, pairs=True)
-                return cpu_ext.amx_linear(x, pairs, None if bias is None else bias.float())
-            return F.linear(x, cpu_ext.dequantize_panels(weight, x.dtype), None if bias is None else bias.to(x.dtype))
+            return _dequantized_linear(x, weight, bias)
         bias32 = None if bias is None else bias.float()
         if isinstance(weight, Int8Weight):
             return cpu_ext.int8_panel_linear(x, weight.data, weight.scale, bias32)
@@ -89,6 +90,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _dequantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear's many rows of bf16/fp16 over a quantized weight in panels: DEQUANTIZED_COLUMNS output channels at a
+    time dequantized into x's dtype (pair panels for the AMX tiles where they run), each slice's GEMM, the slices'
+    outputs side by side."""
+    out_dim, in_dim = weight.shape
+    tiles = x.dtype == torch.bfloat16 and in_dim % 32 == 0 and cpu_ext.amx_available()
+    outputs = []
+    for lo in range(0, out_dim, DEQUANTIZED_COLUMNS):
+        part = weight.output_panels(lo, min(out_dim, lo + DEQUANTIZED_COLUMNS))
+        b = None if bias is None else bias[lo:lo + DEQUANTIZED_COLUMNS]
+        if tiles:
+            outputs.append(cpu_ext.amx_linear(x, cpu_ext.dequantize_panels(part, x.dtype, pairs=True),
+                                              None if b is None else b.float()))
+        else:
+            outputs.append(F.linear(x, cpu_ext.dequantize_panels(part, x.dtype), None if b is None else b.to(x.dtype)))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

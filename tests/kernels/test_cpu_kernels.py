@@ -320,9 +320,9 @@ def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "fp8 every value"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
-    """cpu_ext.dequantize_panels (the weight for oneDNN's GEMM from DEQUANTIZED_ROWS rows): INT8 and FP8 the format's
-    values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale, which the panels read as
-    q * scale - zero * scale."""
+    """cpu_ext.dequantize_panels (the weight for the AMX tiles or oneDNN's GEMM from DEQUANTIZED_ROWS rows): INT8 and
+    FP8 the format's values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale, which the
+    panels read as q * scale - zero * scale; in bf16 also as pair panels, the same values in pack_pairs' layout."""
     from tests.kernels.test_quant import quantized_weight
     weight = quantized_weight(kind, 96, 256)
     got = cpu_ext.dequantize_panels(weight.panels(), dtype)
@@ -333,6 +333,25 @@ def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
         torch.testing.assert_close(got.float(), want, rtol=eps, atol=1e-6 * float(want.abs().max()))
     else:
         assert torch.equal(got, want.to(dtype))
+    if dtype == torch.bfloat16:
+        assert torch.equal(cpu_ext.dequantize_panels(weight.panels(), dtype, pairs=True), cpu_ext.pack_pairs(got))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_many_rows_over_a_quantized_weight_dequantize_it_slice_by_slice(kind, dtype, monkeypatch):
+    """From DEQUANTIZED_ROWS rows, DEQUANTIZED_COLUMNS output channels at a time are dequantized (an LM head's
+    vocabulary in slices, not whole): the same values as the weight's dequantized whole, bias included (bf16 on the
+    AMX tiles where they run, fp16 through oneDNN)."""
+    from tests.kernels.test_quant import quantized_weight
+    weight, bias = quantized_weight(kind, 96, 256), torch.randn(96)
+    x = torch.randn(cpu_ops.DEQUANTIZED_ROWS, 256).to(dtype)
+    whole = cpu_ops.linear(x, weight.panels(), bias)
+    monkeypatch.setattr(cpu_ops, "DEQUANTIZED_COLUMNS", 32)
+    sliced = cpu_ops.linear(x, weight.panels(), bias)
+    assert sliced.dtype == dtype and torch.equal(sliced, whole)
+    want = torch.nn.functional.linear(x.float(), weight.dequantize(torch.float32), bias)
+    torch.testing.assert_close(sliced.float(), want, rtol=2 ** -7, atol=2e-2)
 
 
 @pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
