@@ -44,6 +44,7 @@ inline Line line_add(Line a, Line b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Line line_mul(Line a, Line b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Line line_fmadd(Line a, Line b, Line c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Line line_fmsub(Line a, Line b, Line c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
+inline Line line_fnmadd(Line a, Line b, Line c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
 inline Line line_u16_high(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
 inline Line line_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
 inline Line line_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }
@@ -65,6 +66,9 @@ inline Line line_fmadd(Line a, Line b, Line c) {
 inline Line line_fmsub(Line a, Line b, Line c) {
   return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)};
 }
+inline Line line_fnmadd(Line a, Line b, Line c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
 inline Line line_u16_high(__m256i h) {
   const auto widen = [](__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); };
   return {widen(_mm256_castsi256_si128(h)), widen(_mm256_extracti128_si256(h, 1))};
@@ -84,6 +88,7 @@ constexpr int kSums = 1;    // 6 rows x 2 registers fill AVX2's 16
 // The weight's panels by their type: each reads a panel's 16 values at one k as a Line (`Lines`, one panel's k
 // lines from k = 0 up), and says how many bytes one k of a panel takes.
 struct Fp32Panels {
+  static constexpr bool kGroupSums = false;
   static constexpr int64_t kRowBytes = kPanel * sizeof(float);
   const float* data;
   struct Lines {
@@ -96,6 +101,7 @@ struct Fp32Panels {
 // bf16 (a bf16 checkpoint's weights beside fp32 activations, on CPUs without bf16 arithmetic): half fp32's bytes,
 // each value widened exactly by a 16-bit shift as it loads.
 struct Bf16Panels {
+  static constexpr bool kGroupSums = false;
   static constexpr int64_t kRowBytes = kPanel * sizeof(uint16_t);
   const uint16_t* data;
   struct Lines {
@@ -109,6 +115,7 @@ struct Bf16Panels {
 
 // INT8: the values converted as they load; the output channels' scales applied once, at the store.
 struct Int8Panels {
+  static constexpr bool kGroupSums = false;
   static constexpr int64_t kRowBytes = kPanel;
   const int8_t* data;
   struct Lines {
@@ -119,12 +126,22 @@ struct Int8Panels {
 };
 
 // INT4: 8 bytes a k, read as one 64-bit word whose nibble n holds column 2n (n < 8) or 2(n - 8) + 1: each of
-// its 64-bit lanes shifted right by 4 x its index and masked gives columns 2e and 2e + 1 in its two 32-bit halves,
-// in order. Each value q * scale - zero * scale (one FMA) with its group's scales and zero points ([groups, N]: a
-// panel's 16 are contiguous), read again at every group start. (zero * scale is exact where the scales are fp16's,
-// as GPTQ's and AWQ's are: 5 bits times 11.)
+// its 64-bit lanes moved by its index gives columns 2e and 2e + 1 in its two 32-bit halves, in order. Scales and
+// zero points [groups, N] (a panel's 16 contiguous).
+// AVX-512: each lane rotated so that both its nibbles land in the top of a float's mantissa, then masked and
+// or-ed with 1.0's bits in one ternary-logic op: the line is 1 + q / 16, exact. The tile sums x * (1 + q / 16)
+// over a group and applies the group's factors once (kGroupSums): (sum - (1 + zero / 16) * sum of x) * 16 * scale,
+// (q - zero) * scale summed; 3 vector ops a k (rotate, logic, FMA) where converting and scaling each value took 5.
+// AVX2 (no rotate, no ternary logic): each value q * scale - zero * scale (one FMA) as it loads, its group's scales
+// and zero points read again at every group start. (zero * scale is exact where the scales are fp16's, as GPTQ's
+// and AWQ's are: 5 bits times 11.)
 struct Int4Panels {
   static constexpr int64_t kRowBytes = kPanel / 2;
+#ifdef __AVX512F__
+  static constexpr bool kGroupSums = true;
+#else
+  static constexpr bool kGroupSums = false;
+#endif
   const uint8_t* data;
   const float* scale;
   const uint8_t* zero;
@@ -137,26 +154,40 @@ struct Int4Panels {
     Line s, zs;
     Lines(const uint8_t* p, const float* scale, const uint8_t* zero, int64_t N, int64_t group)
         : p(p), scale(scale), zero(zero), N(N), group(group) {}
+    int64_t word(int64_t k) const {
+      int64_t w;
+      std::memcpy(&w, p + k * kRowBytes, sizeof(w));
+      return w;
+    }
+#ifdef __AVX512F__
+    Line load(int64_t k) const {                                     // 1 + q / 16
+      const __m512i placed = _mm512_rolv_epi64(_mm512_set1_epi64(word(k)),
+                                               _mm512_set_epi64(55, 59, 63, 3, 7, 11, 15, 19));   // 19 - 4e, mod 64
+      return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(placed, _mm512_set1_epi32(0x00780000),
+                                                            _mm512_set1_epi32(0x3F800000), 0xEA))};  // (a & b) | c
+    }
+    // Group g's factors: 16 * scale and 1 + zero / 16.
+    std::pair<Line, Line> factors(int64_t g) const {
+      const Line z = line_u8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + g * N)));
+      return {line_mul(line_load(scale + g * N), line_set(16.0f)), line_fmadd(z, line_set(1.0f / 16), line_set(1.0f))};
+    }
+    Line value(int64_t k) const {                                    // (q - zero) * scale, rounded once
+      const auto [s16, z] = factors(k / group);
+      return line_mul(line_add(load(k), line_mul(z, line_set(-1.0f))), s16);
+    }
+#else
     Line load(int64_t k) {
       if (k == next_group) {
         s = line_load(scale);
         zs = line_mul(line_u8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero))), s);
         scale += N, zero += N, next_group += group;
       }
-      int64_t word;
-      std::memcpy(&word, p + k * kRowBytes, sizeof(word));
-#ifdef __AVX512F__
-      const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(word),
-                                                           _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0)),
-                                         _mm512_set1_epi32(0x0F));
-      return line_fmsub({_mm512_cvtepi32_ps(q)}, s, zs);
-#else
-      const __m256i all = _mm256_set1_epi64x(word), nibble = _mm256_set1_epi32(0x0F);
+      const __m256i all = _mm256_set1_epi64x(word(k)), nibble = _mm256_set1_epi32(0x0F);
       const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(all, _mm256_set_epi64x(12, 8, 4, 0)), nibble);
       const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(all, _mm256_set_epi64x(28, 24, 20, 16)), nibble);
       return line_fmsub({_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}, s, zs);
-#endif
     }
+#endif
   };
   Lines lines(int64_t panel, int64_t K) const {
     return Lines(data + panel * K * kRowBytes, scale + panel * kPanel, zero + panel * kPanel, N, group);
@@ -167,6 +198,7 @@ struct Int4Panels {
 // the exponent's bias 7 short of fp16's 15, made up by the scale's 2^8) and converted by F16C, which reads fp16's
 // subnormals (e4m3's own) exactly; scaled by its group's scales ([groups, N]), read again at every group start.
 struct Fp8Panels {
+  static constexpr bool kGroupSums = false;
   static constexpr int64_t kRowBytes = kPanel;
   const uint8_t* data;
   const float* scale;
@@ -199,19 +231,27 @@ struct Fp8Panels {
 // num_lines lines from prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
 // Each row keeps kSums sums, of the k values in turn (the rest of K / kSums in the first): a decode row's FMAs
 // then wait on no FMA's latency but each kSums-th's, and a row's result is the same for any R (M 1 or 32, alone or
-// beside others).
+// beside others). Panels with kGroupSums: the sums start again at each group, whose factors then fold them into
+// a total, with the rows' sums of x over the group (xsum, rows xsum_stride apart).
 template <int R, typename Panels>
 void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* scale, const float* bias, float* y,
-          int64_t N, const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side) {
+          int64_t N, const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side,
+          const float* xsum, int64_t xsum_stride) {
   Line acc[kSums][R];
+  auto clear = [&] {
 #pragma GCC unroll 32
-  for (int i = 0; i < kSums * R; ++i) acc[i / R][i % R] = line_zero();
+    for (int i = 0; i < kSums * R; ++i) acc[i / R][i % R] = line_zero();
+  };
+  auto row_sum = [&](int r) {
+    if constexpr (kSums == 4) return line_add(line_add(acc[0][r], acc[1][r]), line_add(acc[2][r], acc[3][r]));
+    return acc[0][r];
+  };
   auto step = [&](int64_t k, Line (&sums)[R]) {
     const Line w = panel.load(k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sums[r] = line_fmadd(line_set(x[r * K + k]), w, sums[r]);
   };
-  const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / num_lines) : K + 1;
+  const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / (kSums * num_lines)) : K + 1;   // in kSums k's
   int64_t countdown = every, num_issued = 0;
   auto own_prefetch = [&] {
     if (--countdown == 0) {
@@ -222,34 +262,51 @@ void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* 
   auto steps = [&](int64_t k, int64_t k_end) {
     for (; k + kSums <= k_end; k += kSums) {
 #pragma GCC unroll 4
-      for (int i = 0; i < kSums; ++i) own_prefetch(), step(k + i, acc[i]);
+      for (int i = 0; i < kSums; ++i) step(k + i, acc[i]);
+      own_prefetch();
     }
-    for (; k < k_end; ++k) own_prefetch(), step(k, acc[0]);
+    for (; k < k_end; ++k) step(k, acc[0]);
   };
-  if (num_side == 0) {
-    steps(0, K);
-  } else {                                         // every kSideEvery k values, the side lines due by then
-    int64_t side_owed = 0;                         // x K, so that the loop needs no division
-    for (int64_t k0 = 0; k0 < K; k0 += kSideEvery) {
-      const int64_t k_end = std::min(K, k0 + kSideEvery);
-      for (side_owed += num_side * (k_end - k0); side_owed >= K; side_owed -= K) side.prefetch_next();
-      steps(k0, k_end);
+  int64_t side_owed = 0;                           // x K, so that the loop needs no division
+  auto run = [&](int64_t k_begin, int64_t k_end) {
+    if (num_side == 0) return steps(k_begin, k_end);
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += kSideEvery) {   // every kSideEvery k values, the side lines due
+      const int64_t k1 = std::min(k_end, k0 + kSideEvery);
+      for (side_owed += num_side * (k1 - k0); side_owed >= K; side_owed -= K) side.prefetch_next();
+      steps(k0, k1);
     }
+  };
+  clear();
+  Line total[R];
+  if constexpr (Panels::kGroupSums) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) total[r] = line_zero();
+    for (int64_t g = 0; g * panel.group < K; ++g) {
+      run(g * panel.group, (g + 1) * panel.group);
+      const auto [s16, z] = panel.factors(g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        total[r] = line_fmadd(line_fnmadd(line_set(xsum[r * xsum_stride + g]), z, row_sum(r)), s16, total[r]);
+      clear();
+    }
+  } else {
+    run(0, K);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) total[r] = row_sum(r);
   }
   for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + vec::kLineBytes * num_issued, _MM_HINT_T0);
   const Line b = bias ? line_load(bias) : line_zero();
   const Line s = scale ? line_load(scale) : line_set(1.0f);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    Line sum = acc[0][r];
-    if constexpr (kSums == 4) sum = line_add(line_add(acc[0][r], acc[1][r]), line_add(acc[2][r], acc[3][r]));
-    line_store(y + r * N, line_fmadd(sum, s, b));
-  }
+  for (int r = 0; r < R; ++r) line_store(y + r * N, line_fmadd(total[r], s, b));
 }
 
 template <typename Panels>
 using Tile = void (*)(const float*, int64_t, typename Panels::Lines, const float*, const float*, float*, int64_t,
-                      const char*, int64_t, vec::LineCursor&, int64_t);
+                      const char*, int64_t, vec::LineCursor&, int64_t, const float*, int64_t);
+// Rows a tile: 6 (AVX-512: 24 sums of the 32 registers; AVX2: 12 of 16); kGroupSums' totals take 5 more a row.
+template <typename Panels>
+constexpr int64_t kRows = Panels::kGroupSums ? 5 : kTileRows;
 template <typename Panels>
 constexpr Tile<Panels> kTiles[kTileRows + 1] = {nullptr, tile<1, Panels>, tile<2, Panels>, tile<3, Panels>,
                                                 tile<4, Panels>, tile<5, Panels>, tile<6, Panels>};
@@ -258,6 +315,18 @@ constexpr Tile<Panels> kTiles[kTileRows + 1] = {nullptr, tile<1, Panels>, tile<2
 template <typename Panels>
 void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t num_panels, const float* sp,
                 const float* bp, float* yp, const std::vector<vec::Span>& side) {
+  constexpr int64_t kTileRows = kRows<Panels>;
+  std::vector<float> xsum;                               // kGroupSums: each row's sums of x over each group
+  int64_t num_k_groups = 0;
+  if constexpr (Panels::kGroupSums) {
+    num_k_groups = K / w.group;
+    xsum.resize(M * num_k_groups);
+    for (int64_t i = 0; i < M * num_k_groups; ++i) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < w.group; ++k) sum += xp[(i / num_k_groups) * K + (i % num_k_groups) * w.group + k];
+      xsum[i] = sum;
+    }
+  }
   const int64_t N = num_panels * kPanel;
   constexpr int64_t kPanelRowBytes = Panels::kRowBytes;          // one k of a panel
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanelRowBytes));
@@ -292,7 +361,8 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
           side_left -= num_side;
           kTiles<Panels>[rows](xp + m * K, K, w.lines(p, K), sp ? sp + p * kPanel : nullptr,
                                bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N,
-                               next + vec::kLineBytes * line, num_lines, cursor, num_side);
+                               next + vec::kLineBytes * line, num_lines, cursor, num_side,
+                               xsum.data() + m * num_k_groups, num_k_groups);
         }
       }
     }
@@ -356,7 +426,12 @@ struct PanelShape {
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < num_panels; ++p) {
         auto lines = panels.lines(p, K);
-        for (int64_t k = 0; k < K; ++k) line_store(tile.data() + k * kPanel, lines.load(k));
+        for (int64_t k = 0; k < K; ++k) {
+          if constexpr (Panels::kGroupSums)
+            line_store(tile.data() + k * kPanel, lines.value(k));
+          else
+            line_store(tile.data() + k * kPanel, lines.load(k));
+        }
         if (pairs) {
           for (int64_t k = 0; k < K; ++k)
             for (int64_t c = 0; c < kPanel; ++c)
