@@ -199,6 +199,16 @@ def amx_linear(x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None) 
     return load().amx_linear(x, pairs, bias)
 
 
+def amx_dequantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: amx_linear(x, pack_pairs(dequantize_panels(weight, torch.bfloat16)), bias)
+    # x bf16 [M, K] (K % 32 == 0), an Int8Weight, Int4Weight or Fp8Weight in panels -> [M, N] bf16; each group of
+    panels dequantized in the thread's cache-sized buffer, never the whole weight"""
+    if isinstance(weight, Int8Weight):
+        return load().amx_dequantized_linear(x, weight.data, weight.scale, None, 0, bias)
+    zero = weight.zero if isinstance(weight, Int4Weight) else None
+    return load().amx_dequantized_linear(x, weight.data, weight.scale, zero, weight.group_size, bias)
+
+
 def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x.float(), panels.transpose(1, 2).reshape(N, K).float() * scale[:, None], bias).to(x.dtype)
@@ -214,13 +224,13 @@ def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor
     return load().int4_panel_linear(x, panels, scale, zero, group_size, bias)
 
 
-def dequantize_panels(weight, dtype: torch.dtype, pairs: bool = False) -> torch.Tensor:
+def dequantize_panels(weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: weight.dequantize(torch.float32).to(dtype)   # an Int8Weight, Int4Weight or Fp8Weight in panels
-    -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it; pairs: pack_pairs of that (bf16)"""
+    -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it"""
     if isinstance(weight, Int8Weight):
-        return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype, pairs)
+        return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype)
     zero = weight.zero if isinstance(weight, Int4Weight) else None
-    return load().dequantize_panels(weight.data, weight.scale, zero, weight.group_size, dtype, pairs)
+    return load().dequantize_panels(weight.data, weight.scale, zero, weight.group_size, dtype)
 
 
 def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, group_size: int,

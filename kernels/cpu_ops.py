@@ -22,15 +22,16 @@ __all__ = ["prepare_weight", "linear", "add_rms_norm", "silu_and_mul", "rotary_a
 
 
 PANEL = 16                  # output columns per panel of cpu_ext.pack_linear
-DEQUANTIZED_ROWS = 48       # from this many rows (prompt chunks) a quantized weight beside bf16/fp16 activations is
-                            # dequantized for the call (cpu_ext.dequantize_panels) into pair panels for the AMX
-                            # tiles where the CPU has them, else for oneDNN's GEMM: the panel GEMM's fp32 FMAs take
-                            # longer from ~32-48 rows (3072 x 576 on a 2-core Xeon, INT8 / INT4 / FP8: 1.08 / 1.40 /
-                            # 1.43 ms at 64 rows against 0.73 / 0.66 / 0.67 on the tiles, 0.86 / 0.89 / 0.87 oneDNN)
-
-
-DEQUANTIZED_COLUMNS = 8192    # output channels dequantized at a time for those rows: an LM head slice by slice (8192
-                              # x 4096 in bf16: 64 MiB for an 8B Llama, not its whole head's 1 GiB)
+TILE_ROWS = 8               # from this many bf16 rows a quantized weight meets the AMX tiles where the CPU has them
+                            # (cpu_ext.amx_dequantized_linear, its panels dequantized group by group in the cache):
+                            # 3072 x 576 on a 2-core Xeon, INT8 / INT4 / FP8, 32 rows: 141 / 153 / 204 us against
+                            # the panel GEMM's 530 / 660 / 744; 4 rows: 113 / 122 / 151 against 90 / 100 / 111
+DEQUANTIZED_ROWS = 48       # without the tiles, from this many rows (prompt chunks) of bf16/fp16 a quantized weight
+                            # is dequantized for the call (cpu_ext.dequantize_panels) for oneDNN's GEMM: the panel
+                            # GEMM's fp32 FMAs take longer from ~48 rows (3072 x 576, INT8: 1.07 against 0.87 ms at
+                            # 64 rows)
+DEQUANTIZED_COLUMNS = 8192  # output channels dequantized at a time for those rows: an LM head slice by slice (8192
+                            # x 4096 in bf16: 64 MiB for an 8B Llama, not its whole head's 1 GiB)
 
 
 def _packable(dtype: torch.dtype) -> bool:
@@ -67,12 +68,15 @@ def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
-    the values it encodes, converted as the panel GEMM reads them; from DEQUANTIZED_ROWS rows of bf16/fp16, those
-    values rounded into x's dtype for the AMX tiles or oneDNN's GEMM); bf16 pair panels on AMX tiles for bf16 x,
-    unpacked for other dtypes."""
+    the values it encodes, converted as the panel GEMM reads them; from TILE_ROWS rows of bf16 those values
+    rounded into bf16 for the AMX tiles where they run, else from DEQUANTIZED_ROWS rows of bf16/fp16 for oneDNN's
+    GEMM); bf16 pair panels on AMX tiles for bf16 x, unpacked for other dtypes."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         if weight.data.dim() == 2:
             return reference.linear(x, weight, bias)
+        if x.dtype == torch.bfloat16 and x.shape[0] >= TILE_ROWS and weight.shape[1] % 32 == 0 \
+                and cpu_ext.amx_available():
+            return cpu_ext.amx_dequantized_linear(x, weight, None if bias is None else bias.float())
         if x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32:
             return _dequantized_linear(x, weight, bias)
         bias32 = None if bias is None else bias.float()
@@ -93,20 +97,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _dequantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear's many rows of bf16/fp16 over a quantized weight in panels: DEQUANTIZED_COLUMNS output channels at a
-    time dequantized into x's dtype (pair panels for the AMX tiles where they run), each slice's GEMM, the slices'
-    outputs side by side."""
-    out_dim, in_dim = weight.shape
-    tiles = x.dtype == torch.bfloat16 and in_dim % 32 == 0 and cpu_ext.amx_available()
+    """linear's many rows of bf16/fp16 over a quantized weight in panels, without AMX tiles: DEQUANTIZED_COLUMNS
+    output channels at a time dequantized into x's dtype for oneDNN's GEMM, the slices' outputs side by side."""
+    out_dim = weight.shape[0]
     outputs = []
     for lo in range(0, out_dim, DEQUANTIZED_COLUMNS):
         part = weight.output_panels(lo, min(out_dim, lo + DEQUANTIZED_COLUMNS))
-        b = None if bias is None else bias[lo:lo + DEQUANTIZED_COLUMNS]
-        if tiles:
-            outputs.append(cpu_ext.amx_linear(x, cpu_ext.dequantize_panels(part, x.dtype, pairs=True),
-                                              None if b is None else b.float()))
-        else:
-            outputs.append(F.linear(x, cpu_ext.dequantize_panels(part, x.dtype), None if b is None else b.to(x.dtype)))
+        b = None if bias is None else bias[lo:lo + DEQUANTIZED_COLUMNS].to(x.dtype)
+        outputs.append(F.linear(x, cpu_ext.dequantize_panels(part, x.dtype), b))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

@@ -412,17 +412,14 @@ struct PanelShape {
     TORCH_CHECK(t.dim() == 2 && t.size(0) == K / group_size && t.size(1) == N && t.is_contiguous() &&
                 t.scalar_type() == dtype, what);
   }
-  // W [N, K] in bf16 or fp16 (or, `pairs`, bf16 in pair panels [N / 16, K / 2, 16, 2] for amx_gemm): each panel's
-  // lines as the GEMM reads them (times `scale` per column where given), through a [K, 16] fp32 tile, then its
-  // columns rounded into W's rows (or the tile's k pairs into the panel's); the threads take panels in turn.
+  // W [N, K] in bf16 or fp16: each panel's lines as the GEMM reads them (times `scale` per column where given),
+  // through a [K, 16] fp32 tile, then its columns rounded into W's rows; the threads take panels in turn.
   template <typename Panels>
-  torch::Tensor unpack(const Panels& panels, const float* scale, at::ScalarType dtype, bool pairs) const {
-    TORCH_CHECK(!pairs || (dtype == at::kBFloat16 && K % 2 == 0), "pair panels: bf16, K even");
-    torch::Tensor w = pairs ? torch::empty({num_panels, K / 2, kPanel, 2}, torch::dtype(dtype))
-                            : torch::empty({N, K}, torch::dtype(dtype));
+  torch::Tensor unpack(const Panels& panels, const float* scale, at::ScalarType dtype) const {
+    torch::Tensor w = torch::empty({N, K}, torch::dtype(dtype));
 #pragma omp parallel
     {
-      std::vector<float> tile(K * kPanel), row(pairs ? K * kPanel : K);
+      std::vector<float> tile(K * kPanel), row(K);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < num_panels; ++p) {
         auto lines = panels.lines(p, K);
@@ -431,13 +428,6 @@ struct PanelShape {
             line_store(tile.data() + k * kPanel, lines.value(k));
           else
             line_store(tile.data() + k * kPanel, lines.load(k));
-        }
-        if (pairs) {
-          for (int64_t k = 0; k < K; ++k)
-            for (int64_t c = 0; c < kPanel; ++c)
-              row[(k / 2) * 2 * kPanel + c * 2 + k % 2] = tile[k * kPanel + c] * (scale ? scale[p * kPanel + c] : 1.0f);
-          narrow(row.data(), w.data_ptr<at::BFloat16>() + p * K * kPanel, K * kPanel);
-          continue;
         }
         for (int64_t c = 0; c < kPanel; ++c) {
           const float s = scale ? scale[p * kPanel + c] : 1.0f;
@@ -534,7 +524,8 @@ void configure_tiles(int rows0, int rows1, int num_panels) {
   set(0, rows0), set(4, rows0), set(6, kAmxRows);
   set(2, rows1), set(5, rows1);
   set(1, num_panels == 2 ? rows0 : 0), set(3, num_panels == 2 ? rows1 : 0), set(7, num_panels == 2 ? kAmxRows : 0);
-  _tile_loadconfig(&cfg);
+  // (GCC's _tile_loadconfig tells the compiler it reads 8 bytes, which let it drop the stores of the rest)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // c [32, 32] fp32 (rows 128 bytes apart) = x[0:32] @ (panels w0, w1)^T, the tiles configure_tiles set up for
@@ -566,8 +557,51 @@ void amx_block(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t*
   if constexpr (kRowsBlocks == 2 && kPanels == 2) _tile_stored(3, c + kAmxRows * 2 * kPanel + kPanel, kCStride);
 }
 
-// y [M, N] bf16 = x [M, K] bf16 @ W^T + bias (fp32 [N] where given), the sums rounded once into bf16.
-void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_panels, const float* bias,
+// Where amx_gemm finds a panel's pair rows: bf16 pair panels as stored, or a quantized weight's panel dequantized
+// into the thread's buffer as its group begins (each k's line as the panel GEMM reads it, times the columns'
+// scales where given; two k's lines rounded to nearest even and interleaved), so that a quantized weight's rows
+// meet the tiles without its whole bf16 copy.
+struct StoredPairs {
+  static constexpr bool kBuffered = false;
+  const uint16_t* w;
+  const uint16_t* panel(int64_t p, int64_t K, uint16_t*) const { return w + p * K * kPanel; }
+};
+
+template <typename Panels>
+struct DequantizedPairs {
+  static constexpr bool kBuffered = true;
+  Panels w;
+  const float* column_scale;
+  const uint16_t* panel(int64_t p, int64_t K, uint16_t* out) const {
+    auto lines = w.lines(p, K);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    auto put = [&](int64_t k, Line a, Line b) {                       // a: k's line, b: k + 1's
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b.v, a.v));
+      _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(interleave, halves));
+    };
+    if constexpr (Panels::kGroupSums) {
+      for (int64_t g = 0; g * w.group < K; ++g) {
+        const auto [s16, z] = lines.factors(g);
+        const Line minus_z = line_mul(z, line_set(-1.0f));
+        for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2)
+          put(k, line_mul(line_add(lines.load(k), minus_z), s16), line_mul(line_add(lines.load(k + 1), minus_z), s16));
+      }
+    } else {
+      const Line s = column_scale ? line_load(column_scale + p * kPanel) : line_set(1.0f);
+      for (int64_t k = 0; k < K; k += 2) {
+        const Line a = line_mul(lines.load(k), s);
+        put(k, a, line_mul(lines.load(k + 1), s));
+      }
+    }
+    return out;
+  }
+};
+
+// y [M, N] bf16 = x [M, K] bf16 @ W^T + bias (fp32 [N] where given), the sums rounded once into bf16; W's panels
+// from `source`.
+template <typename Source>
+void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const Source& source, int64_t num_panels, const float* bias,
               at::BFloat16* y) {
   const int64_t N = num_panels * kPanel, panel_elems = K * kPanel;
   const int64_t num_pairs = (num_panels + 1) / 2;
@@ -581,8 +615,12 @@ void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_
   {
     const int thread = omp_get_thread_num();
     alignas(64) float c[2 * kAmxRows * 2 * kPanel];
+    std::vector<uint16_t> buffer(Source::kBuffered ? 2 * group * panel_elems : 0);
+    std::vector<const uint16_t*> panels_at(2 * group);
     for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
       const int64_t first = g * group * 2, last = std::min(num_panels, first + group * 2);
+      for (int64_t p = first; p < last; ++p)
+        panels_at[p - first] = source.panel(p, K, buffer.data() + (p - first) * panel_elems);
       for (int64_t m = 0; m < M; m += 2 * kAmxRows) {
         const int rows = static_cast<int>(std::min(2 * kAmxRows, M - m));
         const int rows0 = std::min<int>(rows, kAmxRows), rows1 = rows - rows0;
@@ -591,7 +629,7 @@ void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_
           const int panels = static_cast<int>(std::min<int64_t>(2, last - p));
           if (panels != configured) configure_tiles(rows0, rows1, panels), configured = panels;
           const uint16_t* xm = x + m * K;
-          const uint16_t *w0 = w + p * panel_elems, *w1 = w0 + panel_elems;
+          const uint16_t *w0 = panels_at[p - first], *w1 = panels == 2 ? panels_at[p + 1 - first] : nullptr;
           if (rows1 && panels == 2) amx_block<2, 2>(xm, K, w0, w1, c);
           else if (rows1) amx_block<2, 1>(xm, K, w0, w1, c);
           else if (panels == 2) amx_block<1, 2>(xm, K, w0, w1, c);
@@ -681,26 +719,25 @@ torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Ten
 // The weight [N, K] that quantized panels encode, in dtype (bf16 or fp16), each value as their GEMM reads it,
 // rounded to nearest even: for the GEMMs of many rows, which oneDNN runs faster (AMX) than the panel GEMM's FMAs.
 // INT8: panels int8 [N / 16, K, 16], scale [N]; INT4: panels uint8 [N / 16, K, 8], scale and zero [K / group_size,
-// N]; FP8: panels uint8 [N / 16, K, 16], scale [K / group_size, N]. `pairs`: in bf16 pair panels for amx_gemm.
+// N]; FP8: panels uint8 [N / 16, K, 16], scale [K / group_size, N].
 torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
-                                int64_t group_size, at::ScalarType dtype, bool pairs) {
+                                int64_t group_size, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "dtype bfloat16 or float16");
   if (panels.scalar_type() == at::kChar) {
     PanelShape w(panels, kPanel, {at::kChar}, "int8");
     TORCH_CHECK(scale.numel() == w.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
-    return w.unpack(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>(), dtype, pairs);
+    return w.unpack(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>(), dtype);
   }
   if (zero) {
     PanelShape w(panels, kPanel / 2, {at::kByte}, "uint8");
     w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
     w.check_grouped(*zero, group_size, at::kByte, "zero [K / group_size, N] uint8");
     return w.unpack(Int4Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero->data_ptr<uint8_t>(), w.N,
-                               group_size}, nullptr, dtype, pairs);
+                               group_size}, nullptr, dtype);
   }
   PanelShape w(panels, kPanel, {at::kByte}, "uint8");
   w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
-  return w.unpack(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size}, nullptr, dtype,
-                  pairs);
+  return w.unpack(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size}, nullptr, dtype);
 }
 
 
@@ -721,8 +758,50 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor pairs, std::optional<tor
 #ifdef __AMX_BF16__
   if (x.size(0) > 0 && N > 0)
     amx_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), K,
-             reinterpret_cast<const uint16_t*>(pairs.data_ptr()), num_panels, bias ? bias->data_ptr<float>() : nullptr,
-             y.data_ptr<at::BFloat16>());
+             StoredPairs{reinterpret_cast<const uint16_t*>(pairs.data_ptr())}, num_panels,
+             bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>());
+#endif
+  return y;
+}
+
+// A quantized weight in panels (as dequantize_panels takes it) beside bf16 x on AMX tiles: y = x @ W^T + bias, each
+// group of panels dequantized into bf16 pair rows in the thread's buffer as its turn comes, bias fp32 [N] where
+// given; y bf16 [M, N]. The same values as amx_linear over dequantize_panels' weight in pair panels.
+torch::Tensor amx_dequantized_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale,
+                                     std::optional<torch::Tensor> zero, int64_t group_size,
+                                     std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_ready(), "amx_dequantized_linear: this CPU, build or kernel gives no AMX-BF16 tiles");
+  const bool int8 = panels.scalar_type() == at::kChar;
+  PanelShape w(panels, zero ? kPanel / 2 : kPanel, {int8 ? at::kChar : at::kByte}, int8 ? "int8" : "uint8");
+  TORCH_CHECK(w.K % 32 == 0, "K a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.scalar_type() == at::kBFloat16, "x bf16 [M, K]");
+  if (bias) TORCH_CHECK(bias->numel() == w.N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
+  if (int8) {
+    TORCH_CHECK(scale.numel() == w.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
+  } else {
+    w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
+  }
+  if (zero) w.check_grouped(*zero, group_size, at::kByte, "zero [K / group_size, N] uint8");
+  x = x.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), w.N}, x.options());
+#ifdef __AMX_BF16__
+  if (x.size(0) == 0 || w.N == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  if (int8)
+    amx_gemm(xp, x.size(0), w.K, DequantizedPairs<Int8Panels>{{panels.data_ptr<int8_t>()}, scale.data_ptr<float>()},
+             w.num_panels, bp, yp);
+  else if (zero)
+    amx_gemm(xp, x.size(0), w.K,
+             DequantizedPairs<Int4Panels>{{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                           zero->data_ptr<uint8_t>(), w.N, group_size}, nullptr},
+             w.num_panels, bp, yp);
+  else
+    amx_gemm(xp, x.size(0), w.K,
+             DequantizedPairs<Fp8Panels>{{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size},
+                                         nullptr},
+             w.num_panels, bp, yp);
 #endif
   return y;
 }

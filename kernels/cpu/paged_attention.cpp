@@ -272,8 +272,11 @@ torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Ten
                                std::optional<torch::Tensor> bias);
 bool amx_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor pairs, std::optional<torch::Tensor> bias);
+torch::Tensor amx_dequantized_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale,
+                                     std::optional<torch::Tensor> zero, int64_t group_size,
+                                     std::optional<torch::Tensor> bias);
 torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
-                                int64_t group_size, at::ScalarType dtype, bool pairs);
+                                int64_t group_size, at::ScalarType dtype);
 void expert_lora_add(torch::Tensor x, int64_t rows_per_x, torch::Tensor row_slots, torch::Tensor row_experts,
                      int64_t num_experts, torch::Tensor a, std::vector<torch::Tensor> bs, torch::Tensor slot_ranks,
                      torch::Tensor out);
@@ -296,6 +299,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_panels", &dequantize_panels, "The weight quantized panels encode, [N, K] in bf16 or fp16", no_gil);
   m.def("amx_available", &amx_available, "Whether amx_linear runs here (AMX-BF16 tiles granted)");
   m.def("amx_linear", &amx_linear, "x @ W^T (+ bias) in bf16 on AMX tiles over a weight in pair panels", no_gil);
+  m.def("amx_dequantized_linear", &amx_dequantized_linear,
+        "x @ W^T (+ bias) in bf16 on AMX tiles over a quantized weight in panels, dequantized group by group", no_gil);
   m.def("expert_lora_add", &expert_lora_add, "Each row's LoRA through its own group's A and B, added (a mixture's)",
         no_gil);
   m.def("claim_order", [](const std::vector<int64_t>& costs, int num_threads, const std::vector<int>& turns) {

@@ -281,8 +281,12 @@ def panel_gemm(kind: str, weight: torch.Tensor):
     if kind in ("fp32", "bf16"):
         panels = cpu_ext.pack_linear(weight).to(torch.float32 if kind == "fp32" else torch.bfloat16)
         return lambda x: cpu_ext.panel_linear(x, panels, None)
-    quantized = quantize_weight(weight, kind).panels()
-    return lambda x: cpu_ops.linear(x, quantized, None)
+    q = quantize_weight(weight, kind).panels()
+    if kind == "int8":
+        return lambda x: cpu_ext.int8_panel_linear(x, q.data, q.scale, None)
+    if kind == "int4":
+        return lambda x: cpu_ext.int4_panel_linear(x, q.data, q.scale, q.zero, q.group_size, None)
+    return lambda x: cpu_ext.fp8_panel_linear(x, q.data, q.scale, q.group_size, None)
 
 
 @pytest.mark.parametrize("kind", PANEL_KINDS)
@@ -320,9 +324,9 @@ def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "fp8 every value"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
-    """cpu_ext.dequantize_panels (the weight for the AMX tiles or oneDNN's GEMM from DEQUANTIZED_ROWS rows): INT8 and
-    FP8 the format's values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale, which the
-    panels read as q * scale - zero * scale; in bf16 also as pair panels, the same values in pack_pairs' layout."""
+    """cpu_ext.dequantize_panels (the weight for oneDNN's GEMM from DEQUANTIZED_ROWS rows): INT8 and FP8 the format's
+    values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale (the panel GEMM's INT4
+    lines: on AVX2 q * scale - zero * scale, on AVX-512 its 1 + q / 16 lines, from which the value is exact)."""
     from tests.kernels.test_quant import quantized_weight
     weight = quantized_weight(kind, 96, 256)
     got = cpu_ext.dequantize_panels(weight.panels(), dtype)
@@ -333,17 +337,16 @@ def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
         torch.testing.assert_close(got.float(), want, rtol=eps, atol=1e-6 * float(want.abs().max()))
     else:
         assert torch.equal(got, want.to(dtype))
-    if dtype == torch.bfloat16:
-        assert torch.equal(cpu_ext.dequantize_panels(weight.panels(), dtype, pairs=True), cpu_ext.pack_pairs(got))
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_many_rows_over_a_quantized_weight_dequantize_it_slice_by_slice(kind, dtype, monkeypatch):
-    """From DEQUANTIZED_ROWS rows, DEQUANTIZED_COLUMNS output channels at a time are dequantized (an LM head's
-    vocabulary in slices, not whole): the same values as the weight's dequantized whole, bias included (bf16 on the
-    AMX tiles where they run, fp16 through oneDNN)."""
+    """Without AMX tiles, from DEQUANTIZED_ROWS rows DEQUANTIZED_COLUMNS output channels at a time are dequantized
+    for oneDNN (an LM head's vocabulary in slices, not whole): the same values as the weight's dequantized whole,
+    bias included."""
     from tests.kernels.test_quant import quantized_weight
+    monkeypatch.setattr(cpu_ext, "amx_available", lambda: False)
     weight, bias = quantized_weight(kind, 96, 256), torch.randn(96)
     x = torch.randn(cpu_ops.DEQUANTIZED_ROWS, 256).to(dtype)
     whole = cpu_ops.linear(x, weight.panels(), bias)
@@ -352,6 +355,24 @@ def test_many_rows_over_a_quantized_weight_dequantize_it_slice_by_slice(kind, dt
     assert sliced.dtype == dtype and torch.equal(sliced, whole)
     want = torch.nn.functional.linear(x.float(), weight.dequantize(torch.float32), bias)
     torch.testing.assert_close(sliced.float(), want, rtol=2 ** -7, atol=2e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "fp8 every value"])
+@pytest.mark.parametrize("num_rows", [1, 8, 17, 33, 130])
+@pytest.mark.parametrize("out_dim", [48, 96, 1536])           # 48: a lone panel; 1536: groups of panels in turn
+def test_a_quantized_weight_on_amx_tiles_is_its_dequantized_weight_on_them(kind, num_rows, out_dim):
+    """cpu_ext.amx_dequantized_linear dequantizes each group of panels into bf16 pair rows in the thread's buffer:
+    bit for bit amx_linear over the whole weight dequantize_panels gives, in pair panels (bias included); and it is
+    what cpu_ops.linear runs from TILE_ROWS rows of bf16."""
+    from tests.kernels.test_quant import quantized_weight
+    weight, bias = quantized_weight(kind, out_dim, 256).panels(), torch.randn(out_dim)
+    x = torch.randn(num_rows, 256).bfloat16()
+    got = cpu_ext.amx_dequantized_linear(x, weight, bias)
+    want = cpu_ext.amx_linear(x, cpu_ext.pack_pairs(cpu_ext.dequantize_panels(weight, torch.bfloat16)), bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    if num_rows >= cpu_ops.TILE_ROWS:
+        assert torch.equal(cpu_ops.linear(x, weight, bias), got)
 
 
 @pytest.mark.parametrize("layout", ["decode", "mixed", "many"])
