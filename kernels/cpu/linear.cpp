@@ -316,6 +316,13 @@ template <typename Panels>
 constexpr Tile<Panels> kTiles[kTileRows + 1] = {nullptr, tile<1, Panels>, tile<2, Panels>, tile<3, Panels>,
                                                 tile<4, Panels>, tile<5, Panels>, tile<6, Panels>};
 
+// The items of each group of `group` in num_items (the last group the rest): what threads claim.
+std::vector<int64_t> group_costs(int64_t num_items, int64_t group) {
+  std::vector<int64_t> costs((num_items + group - 1) / group);
+  for (size_t g = 0; g < costs.size(); ++g) costs[g] = std::min<int64_t>(group, num_items - g * group);
+  return costs;
+}
+
 // y [M, N] = (x @ W^T) * scale (where given) + bias over the panels; side: see panel_linear.
 template <typename Panels>
 void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t num_panels, const float* sp,
@@ -335,11 +342,10 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
   const int64_t N = num_panels * kPanel;
   constexpr int64_t kPanelRowBytes = Panels::kRowBytes;          // one k of a panel
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanelRowBytes));
-  const int64_t num_groups = (num_panels + group - 1) / group;
+  const std::vector<int64_t> costs = group_costs(num_panels, group);
+  const int64_t num_groups = static_cast<int64_t>(costs.size());
   const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t num_side_lines = vec::num_lines(side);
-  std::vector<int64_t> costs(num_groups);
-  for (int64_t g = 0; g < num_groups; ++g) costs[g] = std::min(group, num_panels - g * group);
   const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
   Claims claims(costs, num_threads);
 #pragma omp parallel num_threads(num_threads)
@@ -611,9 +617,8 @@ void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const Source& source, int
   const int64_t N = num_panels * kPanel, panel_elems = K * kPanel;
   const int64_t num_pairs = (num_panels + 1) / 2;
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (2 * panel_elems * 2));    // pairs a group
-  const int64_t num_groups = (num_pairs + group - 1) / group;
-  std::vector<int64_t> costs(num_groups);
-  for (int64_t g = 0; g < num_groups; ++g) costs[g] = std::min(group, num_pairs - g * group);
+  const std::vector<int64_t> costs = group_costs(num_pairs, group);
+  const int64_t num_groups = static_cast<int64_t>(costs.size());
   const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
   Claims claims(costs, num_threads);
 #pragma omp parallel num_threads(num_threads)
