@@ -1,12 +1,11 @@
 """The CPU serving ops: the compiled kernels (kernels/cpu_ext.py) for attention, which reads the paged cache in place
 (decode rows one by one, prompt rows in tiles), and the elementwise work of a layer fused into single passes, LoRA
-shrink + expand of all a projection's bands in one call (kernels/lora/executor.CpuLoraExecutor); fp32 GEMMs over
-weights in column panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM prefetches
-the adapter rows), bf16
-GEMMs on AMX tiles over weights in pair panels where the CPU has them (cpu_ext.amx_linear), other dtypes on
-weights prepacked for oneDNN; a mixture of experts as the torch reference runs it (one GEMM pair per
-expert with tokens), its expert LoRA compiled (cpu_ext.expert_lora_add: the rows group by group, each row's
-matrices read in place)."""
+shrink + expand of all a projection's bands in one call (kernels/lora/executor.CpuLoraExecutor); fp32 and quantized
+GEMMs over weights in column panels (cpu_ext.panel_linear, and with a LoRA after it cpu_ext.linear_lora, whose GEMM
+prefetches the adapter rows), bf16 GEMMs on AMX tiles over weights in pair panels where the CPU has them
+(cpu_ext.amx_linear; quantized weights' too from TILE_ROWS rows), other dtypes on weights prepacked for oneDNN; a
+mixture of experts as the torch reference runs it (one GEMM pair per expert with tokens), its expert LoRA compiled
+(cpu_ext.expert_lora_add: the rows group by group, each row's matrices read in place)."""
 import torch
 import torch.nn.functional as F
 

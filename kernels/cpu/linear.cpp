@@ -1,9 +1,10 @@
 // Projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
 // one 64-byte line in fp32, half a line in bf16 (widened as it loads), a quarter in INT8 (converted as it loads,
 // its columns scaled once at the end: weight-only INT8, one scale per output channel), an eighth in INT4 (shifted
-// by its group's zero points and scaled as it loads), a quarter in FP8 (converted through fp16 and scaled as it
-// loads). A 6 x 16 output tile lives in registers (AVX2: 12; AVX-512: 6 x 4, see tile), fed per k by that line and
-// 6 broadcasts of x. Where the CPU has AMX-BF16, bf16 weights beside bf16 x are read by its tiles instead (amx_gemm).
+// by its group's zero points and scaled as it loads; on AVX-512 each group's sums instead), a quarter in FP8
+// (converted through fp16 and scaled as it loads). A 6 x 16 output tile lives in registers (AVX2: 12; AVX-512: 6 x 4,
+// see tile), fed per k by that line and 6 broadcasts of x. Where the CPU has AMX-BF16, bf16 weights beside bf16 x
+// are read by its tiles instead (amx_gemm), and quantized ones from a few rows (amx_dequantized_linear).
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
@@ -154,8 +155,7 @@ struct Int4Panels {
     const uint8_t* p;
     const float* scale;
     const uint8_t* zero;
-    int64_t N, group, next_group = 0;
-    Line s, zs;
+    int64_t N, group;
     Lines(const uint8_t* p, const float* scale, const uint8_t* zero, int64_t N, int64_t group)
         : p(p), scale(scale), zero(zero), N(N), group(group) {}
     int64_t word(int64_t k) const {
@@ -180,6 +180,8 @@ struct Int4Panels {
       return line_mul(line_add(load(k), line_mul(z, line_set(-1.0f))), s16);
     }
 #else
+    int64_t next_group = 0;
+    Line s, zs;                                                      // the group's scales, zero points x scales
     Line load(int64_t k) {
       if (k == next_group) {
         s = line_load(scale);
@@ -309,7 +311,7 @@ void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* 
 template <typename Panels>
 using Tile = void (*)(const float*, int64_t, typename Panels::Lines, const float*, const float*, float*, int64_t,
                       const char*, int64_t, vec::LineCursor&, int64_t, const float*, int64_t);
-// Rows a tile: 6 (AVX-512: 24 sums of the 32 registers; AVX2: 12 of 16); kGroupSums' totals take 5 more a row.
+// Rows a tile: 6 (AVX-512: 24 sums of the 32 registers; AVX2: 12 of 16), 5 with kGroupSums (a total a row more).
 template <typename Panels>
 constexpr int64_t kRows = Panels::kGroupSums ? 5 : kTileRows;
 template <typename Panels>
@@ -749,7 +751,6 @@ torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::
   w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
   return w.unpack(Fp8Panels{panels.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.N, group_size}, nullptr, dtype);
 }
-
 
 bool amx_available() { return amx_ready(); }
 
