@@ -203,10 +203,7 @@ def amx_dequantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -
     """Semantics: amx_linear(x, pack_pairs(dequantize_panels(weight, torch.bfloat16)), bias)
     # x bf16 [M, K] (K % 32 == 0), an Int8Weight, Int4Weight or Fp8Weight in panels -> [M, N] bf16; each group of
     panels dequantized in the thread's cache-sized buffer, never the whole weight"""
-    if isinstance(weight, Int8Weight):
-        return load().amx_dequantized_linear(x, weight.data, weight.scale, None, 0, bias)
-    zero = weight.zero if isinstance(weight, Int4Weight) else None
-    return load().amx_dequantized_linear(x, weight.data, weight.scale, zero, weight.group_size, bias)
+    return load().amx_dequantized_linear(x, *_panel_args(weight), bias)
 
 
 def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
@@ -224,13 +221,19 @@ def int4_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor
     return load().int4_panel_linear(x, panels, scale, zero, group_size, bias)
 
 
+def _panel_args(weight) -> tuple:
+    """An Int8Weight, Int4Weight or Fp8Weight in panels as the bindings that take any of them read it: panels,
+    scale, zero point (INT4's; else None) and group size (INT8: 0, a scale per output channel)."""
+    if isinstance(weight, Int8Weight):
+        return weight.data, weight.scale, None, 0
+    zero = weight.zero if isinstance(weight, Int4Weight) else None
+    return weight.data, weight.scale, zero, weight.group_size
+
+
 def dequantize_panels(weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: weight.dequantize(torch.float32).to(dtype)   # an Int8Weight, Int4Weight or Fp8Weight in panels
     -> [N, K] in bf16 or fp16, each value as the panel GEMM reads it"""
-    if isinstance(weight, Int8Weight):
-        return load().dequantize_panels(weight.data, weight.scale, None, 0, dtype)
-    zero = weight.zero if isinstance(weight, Int4Weight) else None
-    return load().dequantize_panels(weight.data, weight.scale, zero, weight.group_size, dtype)
+    return load().dequantize_panels(*_panel_args(weight), dtype)
 
 
 def fp8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, group_size: int,

@@ -418,6 +418,10 @@ struct PanelShape {
     TORCH_CHECK(std::find(types.begin(), types.end(), panels.scalar_type()) != types.end(), "panels ", type);
     K = panels.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
   }
+  // A per-output-channel tensor (INT8's scales, a bias): [N] fp32, contiguous; `what` says so when it is not.
+  void check_per_column(const torch::Tensor& t, const char* what) const {
+    TORCH_CHECK(t.numel() == N && t.is_contiguous() && t.scalar_type() == at::kFloat, what);
+  }
   // A grouped weight's per-group tensor: [K / group_size, N], contiguous, of `dtype` (group_size dividing K);
   // `what` says so when it is not.
   void check_grouped(const torch::Tensor& t, int64_t group_size, at::ScalarType dtype, const char* what) const {
@@ -477,7 +481,7 @@ struct PanelCall : PanelShape {
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "x float32, bfloat16 or float16");
     TORCH_CHECK(x_in.size(1) == K, "x and the panels disagree on K");
     M = x_in.size(0);
-    if (b) TORCH_CHECK(b->numel() == N && b->is_contiguous() && b->scalar_type() == at::kFloat, "bias [N]");
+    if (b) check_per_column(*b, "bias [N] fp32");
     bias = b ? b->data_ptr<float>() : nullptr;
     x = x_in.contiguous();
     y = torch::empty({M, N}, x.options());
@@ -703,8 +707,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, std::optional<
 torch::Tensor int8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor scale,
                                 std::optional<torch::Tensor> bias) {
   PanelCall call(x, panels, kPanel, {at::kChar}, "int8", bias);
-  TORCH_CHECK(scale.numel() == call.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
-              "scale [N] fp32");
+  call.check_per_column(scale, "scale [N] fp32");
   return call.run(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>());
 }
 
@@ -729,7 +732,8 @@ torch::Tensor fp8_panel_linear(torch::Tensor x, torch::Tensor panels, torch::Ten
 }
 
 // The weight [N, K] that quantized panels encode, in dtype (bf16 or fp16), each value as their GEMM reads it,
-// rounded to nearest even: for the GEMMs of many rows, which oneDNN runs faster (AMX) than the panel GEMM's FMAs.
+// rounded to nearest even: for the GEMMs of many rows on CPUs without AMX tiles, which oneDNN runs faster than the
+// panel GEMM's FMAs.
 // INT8: panels int8 [N / 16, K, 16], scale [N]; INT4: panels uint8 [N / 16, K, 8], scale and zero [K / group_size,
 // N]; FP8: panels uint8 [N / 16, K, 16], scale [K / group_size, N].
 torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::optional<torch::Tensor> zero,
@@ -737,7 +741,7 @@ torch::Tensor dequantize_panels(torch::Tensor panels, torch::Tensor scale, std::
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "dtype bfloat16 or float16");
   if (panels.scalar_type() == at::kChar) {
     PanelShape w(panels, kPanel, {at::kChar}, "int8");
-    TORCH_CHECK(scale.numel() == w.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
+    w.check_per_column(scale, "scale [N] fp32");
     return w.unpack(Int8Panels{panels.data_ptr<int8_t>()}, scale.data_ptr<float>(), dtype);
   }
   if (zero) {
@@ -786,12 +790,11 @@ torch::Tensor amx_dequantized_linear(torch::Tensor x, torch::Tensor panels, torc
   PanelShape w(panels, zero ? kPanel / 2 : kPanel, {int8 ? at::kChar : at::kByte}, int8 ? "int8" : "uint8");
   TORCH_CHECK(w.K % 32 == 0, "K a multiple of 32");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.scalar_type() == at::kBFloat16, "x bf16 [M, K]");
-  if (bias) TORCH_CHECK(bias->numel() == w.N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bias [N]");
-  if (int8) {
-    TORCH_CHECK(scale.numel() == w.N && scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale [N] fp32");
-  } else {
+  if (bias) w.check_per_column(*bias, "bias [N] fp32");
+  if (int8)
+    w.check_per_column(scale, "scale [N] fp32");
+  else
     w.check_grouped(scale, group_size, at::kFloat, "scale [K / group_size, N] fp32");
-  }
   if (zero) w.check_grouped(*zero, group_size, at::kByte, "zero [K / group_size, N] uint8");
   x = x.contiguous();
   torch::Tensor y = torch::empty({x.size(0), w.N}, x.options());
