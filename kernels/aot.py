@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SHARED_LIMIT = {80: 164 * 1024, 90: 228 * 1024}   # bytes per block (A100, H100)
+SHARED_LIMIT = {80: 164 * 1024, 89: 99 * 1024, 90: 228 * 1024}   # bytes per block (A100, L40S, H100)
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
 
 

@@ -177,6 +177,8 @@ class Fp8Weight(GroupedWeight):
     data: torch.Tensor      # [out, in] uint8 (float8_e4m3fn's bits), or panels [out / PANEL, in, PANEL]
     scale: torch.Tensor     # [in / group_size, out] fp32
     group_size: int
+    fp8_activations: bool = False   # x quantized a row at a time (quantize_fp8(x)) for e4m3 x e4m3 dots: set by
+                                    # the Triton path's prepare_weight on GPUs with FP8 tensor cores (sm_89+)
 
     def __post_init__(self):
         in_dim = self.shape[1]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels.lora.executor import LoraExecutor as lora_executor  # noqa: F401 (an op)
 from kernels.lora.reference import add_lora_delta, add_qkv_delta, lora_apply  # noqa: F401 (LoRA's oracle)
 from kernels.metadata import AttentionMetadata, ExpertLora
-from kernels.quant import QUANTIZED_WEIGHTS, QuantizedWeight, dequantize_kv, quantize_kv
+from kernels.quant import QUANTIZED_WEIGHTS, Fp8Weight, QuantizedWeight, dequantize_kv, quantize_fp8, quantize_kv
 
 
 def prepare_weight(name: str, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
@@ -27,7 +27,11 @@ def prepare_weight(name: str, weight: torch.Tensor | QuantizedWeight) -> torch.T
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias); weight: [out_dim, in_dim], or INT8 / INT4 dequantized into x's dtype for this call."""
+    """x @ weight.T (+ bias); weight: [out_dim, in_dim], or INT8 / INT4 / FP8 dequantized into x's dtype for this
+    call (an FP8 one with fp8_activations: x's rows quantized as kernels/gemm.fp8_rows does, both in fp32)."""
+    if isinstance(weight, Fp8Weight) and weight.fp8_activations:
+        rows = quantize_fp8(x).dequantize(torch.float32)
+        return F.linear(rows, weight.dequantize(torch.float32), None if bias is None else bias.float()).to(x.dtype)
     if isinstance(weight, QUANTIZED_WEIGHTS):
         return F.linear(x, weight.dequantize(x.dtype), bias)
     return F.linear(x, weight, bias)

@@ -178,20 +178,29 @@ def int8_configurations():
 
 def grouped_configurations():
     """The INT4 and FP8 weight-only GEMM over the same projections (INT4 in groups of 128, FP8 a scale a row and
-    in 128-wide blocks; SmolLM2's qkv: INT4 in groups of 64, FP8 a row of 576), the same rows and dtypes."""
-    from kernels.gemm import grouped_config
+    in 128-wide blocks; SmolLM2's qkv: INT4 in groups of 64, FP8 a row of 576), the same rows and dtypes; FP8's
+    e4m3 x e4m3 dots (sm_89 on: MIN_CAPABILITY) and the activations' quantization before them (fp8_rows)."""
+    from kernels.gemm import FP8_ROWS_BLOCK, grouped_config
     shapes = INT8_SHAPES | {"smollm2 qkv": (576, 960)}
     formats = {"int4": (False, 2, lambda k: 64 if k == 576 else 128), "fp8": (True, 1, lambda k: k),
                "fp8 blocks": (True, 1, lambda k: 64 if k == 576 else 128)}
-    for (shape, (k_dim, n_dim)), dtype, rows, (name, (fp8, per_byte, group_of)) in itertools.product(
-            shapes.items(), DTYPES, (16, 2048), formats.items()):
+    for (shape, (k_dim, n_dim)), dtype, rows, (name, (fp8, per_byte, group_of)), dots in itertools.product(
+            shapes.items(), DTYPES, (16, 2048), formats.items(), (False, True)):
+        if dots and not fp8:
+            continue
         p, group_size = DTYPES[dtype], group_of(k_dim)
-        args = dict(x_ptr=p, w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*u8", bias_ptr=p, y_ptr=p, num_rows=rows,
-                    n_dim=n_dim, k_dim=k_dim, group_size=group_size, stride_xm=k_dim, stride_wn=k_dim // per_byte,
-                    stride_ym=n_dim)
-        yield (f"{name.replace(' ', '_')}_gemm {dtype} {shape} t{rows}", "kernels.gemm", "_grouped_scale_gemm_kernel",
-               args, grouped_config(rows, 4 if dtype == "fp32" else 2, group_size, k_dim)
-               | {"FP8": fp8, "HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
+        args = dict(x_ptr="*u8" if dots else p, x_scale_ptr="*fp32", w_ptr="*u8", scale_ptr="*fp32", zero_ptr="*u8",
+                    bias_ptr=p, y_ptr=p, num_rows=rows, n_dim=n_dim, k_dim=k_dim, group_size=group_size,
+                    stride_xm=k_dim, stride_wn=k_dim // per_byte, stride_ym=n_dim)
+        label = name.replace("fp8", "fp8_dots") if dots else name
+        yield (f"{label.replace(' ', '_')}_gemm {dtype} {shape} t{rows}", "kernels.gemm",
+               "_grouped_scale_gemm_kernel", args,
+               grouped_config(rows, 4 if dtype == "fp32" and not dots else 1, group_size, k_dim)
+               | {"FP8": fp8, "FP8_DOTS": dots, "HAS_BIAS": shape == "8b qkv", "DOT_FP32": False})
+    for dtype, k_dim in itertools.product(DTYPES, (576, 4096, 14336)):
+        yield (f"fp8_rows {dtype} k{k_dim}", "kernels.gemm", "_fp8_rows_kernel",
+               dict(x_ptr=DTYPES[dtype], q_ptr="*u8", scale_ptr="*fp32", k_dim=k_dim, stride_xm=k_dim,
+                    stride_qm=k_dim), {"BLOCK_K": min(FP8_ROWS_BLOCK, 1 << (k_dim - 1).bit_length())})
 
 
 def lora_configurations():
@@ -231,7 +240,15 @@ HOT = ("attention decode bf16 d128 bs16 g4", "lora_shrink bf16", "lora_expand bf
        "lora_merge bf16", "add_rms_norm bf16", "silu_and_mul bf16", "rotary_and_cache bf16 d128",   # an 8B decode
        "moe_gate_up bf16", "moe_down bf16", "moe_lora_shrink_gate_up bf16", "moe_lora_shrink_down bf16",  # step;
        "moe_lora_expand_gate_up bf16", "moe_lora_expand_down bf16",                            # a mixture's, adapted
-       "int8_gemm bf16", "int4_gemm bf16", "fp8_gemm bf16")                    # INT8, INT4 and FP8 weights
+       "int8_gemm bf16", "int4_gemm bf16", "fp8_gemm bf16", "fp8_dots_gemm bf16",   # INT8, INT4 and FP8 weights
+       "fp8_rows bf16")
+MIN_CAPABILITY = {"fp8_dots": 89}                          # e4m3 tensor-core dots: Ada and Hopper on
+
+
+def supported(label: str, cc: int) -> bool:
+    return all(cc >= least for prefix, least in MIN_CAPABILITY.items() if label.startswith(prefix))
+
+
 def compile_one(job) -> tuple[str, int, int | None, str, dict]:
     label, module, kernel, args, constexprs, cc, with_resources = job
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
@@ -254,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     only = HOT if args.only == "hot" else tuple(args.only.split(",")) if args.only else ("",)
     jobs = [c + (int(cc), args.resources) for cc in args.targets.split(",") for c in configurations()
-            if c[0].startswith(only)]
+            if c[0].startswith(only) and supported(c[0], int(cc))]
     failures = 0
     with ProcessPoolExecutor(args.jobs) as pool:
         for label, cc, shared, error, report in pool.map(compile_one, jobs):

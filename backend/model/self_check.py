@@ -22,8 +22,8 @@ refuses to start. The graphs' check lives in backend/model/graph_check.py.
                and a prompt chunk's (16- and 64-row blocks), some experts idle; bare and with adapters on the
                experts (two slots at max_lora_rank, base rows beside); a router's LoRA (slot_lora)
     gemm:      with weight_dtype int8, int4 or fp8, its GEMM (linear) at every dense projection's shape, for 16 rows
-               and 100 (lm_head_dtype's at the LM head's); where it fails, the torch reference dequantizes each
-               weight per GEMM and LoRA runs after it
+               and 100 (lm_head_dtype's at the LM head's), the weight prepared as served (FP8 on sm_89+: e4m3 dots);
+               where it fails, the torch reference dequantizes each weight per GEMM and LoRA runs after it
 """
 import logging
 from copy import copy
@@ -312,12 +312,15 @@ def gemm_checks(ops, cfg: ModelConfig, dtype, device, weight_dtype: str, lm_head
     checks = []
     for proj, in_dim, out_dim, kind in shapes:
         weight = quantize_weight(torch.randn(out_dim, in_dim, generator=g) * in_dim ** -0.5, kind).to(device)
+        weight = ops.prepare_weight("lm_head" if proj == "lm_head" else f"layers.0.{proj}_proj", weight)
+        dots = ", e4m3 dots" if getattr(weight, "fp8_activations", False) else ""
         for num_rows in (16, 100):
             x = torch.randn(num_rows, in_dim, generator=g).to(device, dtype)
 
             def run(x=x, weight=weight):
                 return [(ops.linear(x, weight, None), reference.linear(x.float(), weight, None))]
-            checks.append(compare("gemm", f"{kind} {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}", run, dtype))
+            what = f"{kind} {proj} {in_dim}->{out_dim}, {num_rows} rows, {dtype}{dots}"
+            checks.append(compare("gemm", what, run, dtype))
     return checks
 
 

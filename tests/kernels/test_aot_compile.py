@@ -12,6 +12,7 @@ def test_every_kernel_configuration_compiles_for_a100_and_h100():
                          capture_output=True, text=True, env=env, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert " 0 failed" in run.stdout
+    assert "sm_80 fp8_dots" not in run.stdout                    # e4m3 dots: sm_89 on
     for label in ("sm_80 attention decode bf16 d128 bs32 g4 splits16",
                   "sm_90 attention prefill fp32 d80 bs16 g4 splits1",
                   "sm_90 attention prefill bf16 d128 bs4 g4 splits16",
@@ -22,7 +23,9 @@ def test_every_kernel_configuration_compiles_for_a100_and_h100():
                   "sm_80 lora_expand fp32 adapters fp16 8b down r64 t512",
                   "sm_90 lora_shrink bf16 adapters bf16 8b gate_up r64 t512",
                   "sm_80 lora_expand bf16 adapters bf16 8b qkv r128 t16",
-                  "sm_90 moe_gate_up bf16 qwen3-30b-a3b t64", "sm_80 moe_down fp32 mixtral-8x7b t2048"):
+                  "sm_90 moe_gate_up bf16 qwen3-30b-a3b t64", "sm_80 moe_down fp32 mixtral-8x7b t2048",
+                  "sm_90 fp8_dots_gemm bf16 8b gate_up t2048", "sm_90 fp8_dots_blocks_gemm fp16 8b o t16",
+                  "sm_80 fp8_gemm bf16 8b o t16", "sm_90 fp8_rows bf16 k4096"):
         assert label in run.stdout
 
 

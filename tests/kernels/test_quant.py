@@ -160,6 +160,76 @@ def test_the_triton_gemms_match_the_dequantized_weight(device, kind, dtype, num_
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("in_dim", [96, 576, 2100])
+def test_fp8_rows_quantize_each_row_as_quantize_fp8_does(device, dtype, in_dim):
+    """The FP8 dots' activations (kernels/gemm.fp8_rows, bit moves) == torch's e4m3 rounding of x / (max |x| / 448)
+    bit for bit: rows from 1e-3 to 1e2 (e4m3 subnormals among them), a zero row, rows wider than a K step."""
+    from kernels import gemm
+    x = torch.randn(11, in_dim) * torch.logspace(-3, 2, 11)[:, None]
+    x[3] = 0.0
+    x = x.to(device, dtype)
+    values, scale = gemm.fp8_rows(x)
+    largest = x.float().abs().amax(dim=1) / 448
+    largest[3] = 1.0
+    assert torch.equal(scale, largest)
+    assert torch.equal(values, (x.float() / largest[:, None]).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def fp8_dots_oracle(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Its own lines: each row of x on the scale max |row| / 448 rounded to e4m3 by torch, the e4m3 weight on its
+    groups' scales, the product in fp32."""
+    scale = x.float().abs().amax(dim=1, keepdim=True) / 448
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    rows = (x.float() / scale).to(torch.float8_e4m3fn).float() * scale
+    values = weight.data.view(torch.float8_e4m3fn).float()
+    w = values * weight.scale.T.repeat_interleave(weight.group_size, dim=1)
+    return F.linear(rows, w, None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("kind", ["fp8", "fp8 every value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,out_dim,in_dim", [(1, 64, 96), (13, 40, 256), (70, 96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_dots_match_activations_quantized_by_row(device, kind, dtype, num_rows, out_dim, in_dim, with_bias):
+    """An FP8 weight with fp8_activations (e4m3 x e4m3 dots, as prepare_weight marks it on sm_89+): the Triton
+    GEMM and the torch reference == the oracle, a decode step's tile and a prompt chunk's, a scale a row or groups
+    of 32 (every e4m3 value); and within e4m3's rounding of the weight-only product."""
+    from dataclasses import replace
+
+    from kernels import gemm
+    weight = replace(quantized_weight(kind, out_dim, in_dim), fp8_activations=True).to(device)
+    bias = torch.randn(out_dim).to(device, dtype) if with_bias else None
+    x = torch.randn(num_rows, in_dim).to(device, dtype)
+    want = fp8_dots_oracle(x, weight, bias)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for got in (gemm.linear(x, weight, bias), reference.linear(x, weight, bias)):
+        assert got.dtype == dtype and got.shape == (num_rows, out_dim)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    weight_only = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
+    assert (want - weight_only).abs().max() < 0.1 * weight_only.abs().max()
+
+
+def test_only_a_gpu_with_fp8_tensor_cores_prepares_fp8_dots(monkeypatch):
+    """prepare_weight marks an FP8 weight for e4m3 dots on sm_89 and later; CPU tensors, older GPUs and other
+    formats stay as they are."""
+    from kernels import gemm
+    weight = quantize_fp8(torch.randn(32, 64))
+    assert gemm.prepare_weight("layers.0.o_proj", weight) is weight
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here: the capability check on a device needs one")
+    on_gpu = weight.to("cuda")
+    capability = torch.cuda.get_device_capability()
+    assert gemm.prepare_weight("layers.0.o_proj", on_gpu).fp8_activations == (capability >= (8, 9))
+    for fake, marked in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, fake=fake: fake)
+        assert gemm.prepare_weight("layers.0.o_proj", on_gpu).fp8_activations == marked
+        int8 = quantize_int8(torch.randn(32, 64)).to("cuda")
+        assert gemm.prepare_weight("layers.0.o_proj", int8) is int8
+
+
 def test_an_fp8_weight_slices_along_its_rows_and_groups():
     q = quantize_fp8(torch.randn(16, 256))
     whole = q.dequantize(torch.float32)
