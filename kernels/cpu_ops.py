@@ -13,7 +13,7 @@ from kernels import cpu_ext
 from kernels.cpu_ext import add_rms_norm, rotary_and_cache, silu_and_mul
 from kernels.lora.executor import CpuLoraExecutor as lora_executor
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, QuantizedWeight
+from kernels.quant import QUANTIZED_WEIGHTS, GroupedWeight, Int4Weight, Int8Weight, QuantizedWeight
 from kernels import reference
 
 __all__ = ["prepare_weight", "linear", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "paged_attention",
@@ -69,8 +69,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
     the values it encodes, converted as the panel GEMM reads them; from TILE_ROWS rows of bf16 those values
     rounded into bf16 for the AMX tiles where they run, else from DEQUANTIZED_ROWS rows of bf16/fp16 for oneDNN's
-    GEMM); bf16 pair panels on AMX tiles for bf16 x, unpacked for other dtypes."""
+    GEMM; an INT4 weight in act order reads x's channels gathered into its order); bf16 pair panels on AMX tiles
+    for bf16 x, unpacked for other dtypes."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
+        if isinstance(weight, GroupedWeight):
+            x, weight = weight.in_stored_order(x)
         if weight.data.dim() == 2:
             return reference.linear(x, weight, bias)
         if x.dtype == torch.bfloat16 and x.shape[0] >= TILE_ROWS and weight.shape[1] % 32 == 0 \

@@ -77,9 +77,12 @@ class GroupedWeight:
     """What Int4Weight and Fp8Weight share: values with a scale (and INT4's zero point) per group of group_size
     input channels of each output channel, those laid [in / group_size, out] (GROUPED: their names), values
     VALUES_PER_BYTE a byte along the input channels, data [out, in / VALUES_PER_BYTE] or in the compiled CPU GEMM's
-    panels [out / PANEL, in, PANEL / VALUES_PER_BYTE]."""
+    panels [out / PANEL, in, PANEL / VALUES_PER_BYTE]. input_order (INT4 from a GPTQ checkpoint in act order): the
+    input channels as stored, sorted by group, so that each group is a run: stored channel j is x's channel
+    input_order[j], and the GEMMs read x in that order (in_stored_order)."""
     GROUPED: tuple[str, ...] = ("scale",)
     VALUES_PER_BYTE = 1
+    input_order: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -89,13 +92,29 @@ class GroupedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + sum(getattr(self, name).nbytes for name in self.GROUPED)
+        order = 0 if self.input_order is None else self.input_order.nbytes
+        return self.data.nbytes + sum(getattr(self, name).nbytes for name in self.GROUPED) + order
 
     def _grouped(self, fn) -> dict:
         return {name: fn(getattr(self, name)) for name in self.GROUPED}
 
     def to(self, device):
-        return replace(self, data=self.data.to(device), **self._grouped(lambda t: t.to(device)))
+        moved = replace(self, data=self.data.to(device), **self._grouped(lambda t: t.to(device)))
+        if self.input_order is not None:
+            moved.input_order = self.input_order.to(device)
+        return moved
+
+    def in_stored_order(self, x: torch.Tensor):
+        """x [rows, in] with its channels in the order the weight stores them, and the weight over them (the same
+        values, input_order None): what a GEMM that reads groups as runs takes."""
+        if self.input_order is None:
+            return x, self
+        return x.index_select(1, self.input_order), replace(self, input_order=None)
+
+    def same_input_order(self, other) -> bool:
+        if self.input_order is None or other.input_order is None:
+            return self.input_order is other.input_order
+        return torch.equal(self.input_order, other.input_order)
 
     def output_rows(self, rows):
         """Output channels `rows` (a slice or an index list): a column-parallel rank's share, or a reordering."""
@@ -106,12 +125,16 @@ class GroupedWeight:
         """The output channels of parts one after another (a fused projection's)."""
         if len({part.group_size for part in parts}) > 1:
             raise ValueError(f"parts grouped by {sorted({part.group_size for part in parts})} input channels")
+        if not all(parts[0].same_input_order(part) for part in parts):
+            raise ValueError("parts whose input channels are stored in different orders")
         return replace(parts[0], data=torch.cat([p.data for p in parts]),
                        **{name: torch.cat([getattr(p, name) for p in parts], dim=1) for name in cls.GROUPED})
 
     def input_slice(self, lo: int, hi: int):
         """Input channels lo:hi (a row-parallel rank's share): whole groups, or any part of one group a row."""
         in_dim, g, per_byte = self.shape[1], self.group_size, self.VALUES_PER_BYTE
+        if self.input_order is not None:
+            raise ValueError(f"input channels {lo}:{hi} of a weight stored in act order are no run of groups")
         data = self.data[:, lo // per_byte:hi // per_byte].contiguous()
         if g == in_dim and lo % per_byte == 0 and hi % per_byte == 0:
             return replace(self, data=data, group_size=hi - lo)
@@ -138,6 +161,7 @@ class Int4Weight(GroupedWeight):
     scale: torch.Tensor     # [in / group_size, out] fp32
     zero: torch.Tensor      # [in / group_size, out] uint8, 0..16 (GPTQ's first format reads a stored 15 as 16)
     group_size: int
+    input_order: torch.Tensor | None = None   # [in] int64 (GroupedWeight), or None: stored in x's order
     GROUPED = ("scale", "zero")
     VALUES_PER_BYTE = 2
 
@@ -156,8 +180,11 @@ class Int4Weight(GroupedWeight):
         return columns.transpose(1, 2).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """[out, in] in dtype, computed in fp32."""
-        return ((self.values().float() - self._expanded("zero")) * self._expanded("scale")).to(dtype)
+        """[out, in] in dtype (x's order of input channels), computed in fp32."""
+        w = (self.values().float() - self._expanded("zero")) * self._expanded("scale")
+        if self.input_order is not None:
+            w = torch.empty_like(w).index_copy_(1, self.input_order, w)
+        return w.to(dtype)
 
     def panels(self) -> "Int4Weight":
         """The same weight in column panels (PANEL columns, each k's 16 values in 8 bytes)."""
@@ -347,14 +374,20 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
 
 def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                    zero_offset: int) -> Int4Weight | None:
-    """A 4-bit GPTQ checkpoint's weight kept packed, the values dequantize_gptq reads in our layout; None where
-    its groups are not runs of consecutive input channels (act order: its values are served dequantized) or not
-    a size Int4Weight takes."""
+    """A 4-bit GPTQ checkpoint's weight kept packed, the values dequantize_gptq reads in our layout: in act order
+    (g_idx not ascending) its input channels sorted by group, with that order as input_order; None where its
+    groups are not of one size Int4Weight takes."""
     in_dim, num_groups = qweight.shape[0] * 8, scales.shape[0]
-    if in_dim % num_groups or not torch.equal(g_idx.long(), torch.arange(in_dim) // (in_dim // num_groups)):
+    if in_dim % num_groups:
+        return None
+    runs = torch.arange(in_dim) // (in_dim // num_groups)
+    order = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[order], runs):
         return None
     q = unpack_int(qweight.T.contiguous(), 4).T                                 # [in, out]
-    return _int4_weight(q, unpack_int(qzeros, 4) + zero_offset, scales, in_dim // num_groups)
+    in_order = torch.equal(order, torch.arange(in_dim))
+    return _int4_weight(q if in_order else q[order], unpack_int(qzeros, 4) + zero_offset, scales,
+                        in_dim // num_groups, None if in_order else order)
 
 
 def int4_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -364,13 +397,14 @@ def int4_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Ten
     return _int4_weight(unpack_int(qweight, 4, AWQ_ORDER), unpack_int(qzeros, 4, AWQ_ORDER), scales, group_size)
 
 
-def _int4_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Weight | None:
+def _int4_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 input_order: torch.Tensor | None = None) -> Int4Weight | None:
     """q [in, out], zeros and scales [groups, out] -> Int4Weight (None: a group size it does not take)."""
     if group_size % 32 or q.shape[0] % group_size or int(zeros.max()) > 255:
         return None
     q = q.T.to(torch.uint8)                                                     # [out, in]
     return Int4Weight((q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scales.float().contiguous(),
-                      zeros.to(torch.uint8).contiguous(), group_size)
+                      zeros.to(torch.uint8).contiguous(), group_size, input_order)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

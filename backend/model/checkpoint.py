@@ -553,6 +553,8 @@ class PackedSlice:
                              f"not by {index}")
         if rows != slice(None):
             return self.weight.output_rows(rows)
+        if columns == slice(None):
+            return self.weight
         lo, hi = columns.start or 0, self.weight.shape[1] if columns.stop is None else columns.stop
         try:
             return self.weight.input_slice(lo, hi)

@@ -206,10 +206,10 @@ def _read_fused(reader: CheckpointReader, key: str, shape: tuple[int, ...], cfg:
 
 
 def _cat_rows(parts: list, dtype: torch.dtype | None = None):
-    """The output rows of parts one after another: weights kept as stored where every part is one of one type
-    (else dequantized into dtype), tensors concatenated."""
+    """The output rows of parts one after another: weights kept as stored where every part is one of one type,
+    group size and input order (else dequantized into dtype), tensors concatenated."""
     if all(isinstance(part, GroupedWeight) for part in parts) and len({type(p) for p in parts}) == 1 and \
-            len({p.group_size for p in parts}) == 1:
+            len({p.group_size for p in parts}) == 1 and all(parts[0].same_input_order(p) for p in parts):
         return type(parts[0]).cat(parts) if len(parts) > 1 else parts[0]
     parts = [part.dequantize(dtype or torch.float32) if isinstance(part, GroupedWeight) else part for part in parts]
     return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.quant import Fp8Weight, quantize_fp8, quantize_int4, quantize_int8
+from kernels.quant import Fp8Weight, Int4Weight, quantize_fp8, quantize_int4, quantize_int8
 from tests.helpers import CPU_BACKENDS, KERNEL_DEVICES
 
 
@@ -228,6 +228,75 @@ def test_only_a_gpu_with_fp8_tensor_cores_prepares_fp8_dots(monkeypatch):
         assert gemm.prepare_weight("layers.0.o_proj", on_gpu).fp8_activations == marked
         int8 = quantize_int8(torch.randn(32, 64)).to("cuda")
         assert gemm.prepare_weight("layers.0.o_proj", int8) is int8
+
+
+def gptq_act_order(out_dim: int, in_dim: int, group_size: int, seed: int = 0):
+    """A 4-bit GPTQ weight in act order as its format defines it: groups of group_size input channels picked by a
+    permutation (g_idx), q [in, out] packed eight values an int32 along the input channels, zeros packed eight an
+    int32 along the output channels (GPTQ's first format: zero - 1 stored), fp16 scales; and the fp32 weight [out,
+    in] they encode."""
+    g = torch.Generator().manual_seed(seed)
+    num_groups = in_dim // group_size
+    g_idx = torch.empty(in_dim, dtype=torch.int32)
+    g_idx[torch.randperm(in_dim, generator=g)] = (torch.arange(in_dim) // group_size).int()
+    q = torch.randint(0, 16, (in_dim, out_dim), generator=g)
+    zeros = torch.randint(1, 16, (num_groups, out_dim), generator=g)
+    scales = (torch.rand(num_groups, out_dim, generator=g) * 0.02 + 0.01).half()
+    shifts = torch.arange(0, 32, 4)
+    qweight = (q.view(in_dim // 8, 8, out_dim) << shifts[None, :, None]).sum(1)
+    qzeros = ((zeros - 1).view(num_groups, out_dim // 8, 8) << shifts).sum(2)
+    weight = (scales.float()[g_idx.long()] * (q - zeros[g_idx.long()]).float()).T
+    as_int32 = lambda t: t.to(torch.int64).to(torch.uint32).view(torch.int32)            # noqa: E731
+    return as_int32(qweight), as_int32(qzeros), scales, g_idx, weight.contiguous()
+
+
+def act_order_case(num_rows: int):
+    """An act-order GPTQ weight kept packed (int4_from_gptq), checked against the format's definition and
+    dequantize_gptq; x and F.linear over the weight it encodes."""
+    from kernels.quant import dequantize_gptq, int4_from_gptq
+    qweight, qzeros, scales, g_idx, want_w = gptq_act_order(48, 256, 64)
+    weight = int4_from_gptq(qweight, qzeros, scales, g_idx, zero_offset=1)
+    assert weight.input_order is not None and weight.group_size == 64
+    assert torch.equal(g_idx[weight.input_order].long(), torch.arange(256) // 64)
+    torch.testing.assert_close(weight.dequantize(torch.float32), want_w, atol=0, rtol=0)
+    torch.testing.assert_close(dequantize_gptq(qweight, qzeros, scales, g_idx, 4, 1), want_w, atol=0, rtol=0)
+    x = torch.randn(num_rows, 256, dtype=torch.bfloat16)
+    return weight, x, F.linear(x.float(), want_w)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("num_rows", [1, 9, 70])
+def test_a_gptq_weight_in_act_order_stays_packed_and_reads_x_in_its_order(backend, num_rows):
+    """int4_from_gptq keeps an act-order weight packed, its input channels sorted by group (input_order), the same
+    values as the format's definition; linear gathers x into that order (the torch reference; the compiled
+    panels, AMX tiles from 8 rows, oneDNN over dequantized slices from 48 without them) == F.linear."""
+    weight, x, want = act_order_case(num_rows)
+    ops = ops_of(backend)
+    got = ops.linear(x, ops.prepare_weight("layers.0.down_proj", weight), None)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("num_rows", [1, 70])
+def test_the_triton_gemm_reads_x_in_a_gptq_weights_act_order(device, num_rows):
+    from kernels import gemm
+    weight, x, want = act_order_case(num_rows)
+    got = gemm.linear(x.to(device), weight.to(device), None)
+    assert got.device.type == device
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_act_orders_keep_apart_and_refuse_a_slice():
+    """Parts stored in different orders do not fuse into one weight; a row-parallel share of one is no run of
+    groups (the loader serves those dequantized)."""
+    from kernels.quant import int4_from_gptq
+    a, b = (int4_from_gptq(*gptq_act_order(32, 128, 32, seed)[:4], zero_offset=1) for seed in (0, 1))
+    assert Int4Weight.cat([a, a]).input_order is a.input_order
+    with pytest.raises(ValueError, match="stored in different orders"):
+        Int4Weight.cat([a, b])
+    with pytest.raises(ValueError, match="act order"):
+        a.input_slice(0, 64)
+    assert a.nbytes == 32 * 64 + 4 * 32 * 5 + 128 * 8
 
 
 def test_an_fp8_weight_slices_along_its_rows_and_groups():

@@ -1,8 +1,10 @@
 """GPTQ and AWQ checkpoints (integers packed in int32, a scale and a zero point per group of input channels): the
 engine's greedy tokens equal transformers' on the model the checkpoint encodes, dequantized here from the test's
 own integers (before its own packer packed them); adapters equal PEFT on that model; what is not read is refused by
-name. 4-bit weights whose groups are runs of 32 or more input channels stay packed (kernels.quant.Int4Weight); act
-order, 8 bits and groups of 16 are served dequantized."""
+name. 4-bit weights in groups of 32 or more input channels stay packed (kernels.quant.Int4Weight), in act order too
+(their channels sorted by group, x read in that order) where the parts of a fused projection share their order, as
+GPTQ's do (one input, one Hessian); 8 bits, groups of 16, fused parts in orders of their own and act-order shares of
+a row-parallel projection are served dequantized."""
 import json
 import shutil
 from pathlib import Path
@@ -20,19 +22,29 @@ from tests.backend.model.test_quantized import (PATHS, assert_adapters_match_pef
 from tests.helpers import ALL_MODULES
 
 AWQ_NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)          # AutoAWQ: nibble i of a word holds column 8m + AWQ_NIBBLES[i]
-LAYOUTS = {                                      # name -> (quantization_config, group size, symmetric, act order)
+LAYOUTS = {                                      # name -> (quantization_config, group size, symmetric, act order:
+                                                 # None, "per weight" or "per input" (a fused projection's parts
+                                                 # share theirs, as GPTQ's Hessian makes them))
     "gptq act order": ({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False,
-                        "checkpoint_format": "gptq"}, 16, False, True),
+                        "checkpoint_format": "gptq"}, 16, False, "per weight"),
+    "gptq act order by input": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                                 "sym": False, "checkpoint_format": "gptq"}, 32, False, "per input"),
+    "gptq act orders apart": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                               "sym": False, "checkpoint_format": "gptq"}, 32, False, "per weight"),
     "gptq_v2 8-bit": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": True,
-                       "checkpoint_format": "gptq_v2"}, 32, True, False),
+                       "checkpoint_format": "gptq_v2"}, 32, True, None),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}, 16, False,
-            False),
+            None),
     "gptq 4-bit": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
-                    "checkpoint_format": "gptq"}, 32, False, False),
+                    "checkpoint_format": "gptq"}, 32, False, None),
     "awq groups of 64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
-                         64, False, False),
+                         64, False, None),
 }
-KEPT = ("gptq 4-bit", "awq groups of 64")        # served packed: 4 bits, groups of 32s in order
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+KEPT = {"gptq 4-bit": PROJECTIONS, "awq groups of 64": PROJECTIONS,   # served packed: 4 bits, groups of 32s, the
+        "gptq act order by input": PROJECTIONS,                      # parts of a fused projection in one order
+        "gptq act orders apart": ("o_proj", "down_proj")}
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def pack(values: np.ndarray, bits: int, nibble_order=None) -> torch.Tensor:
@@ -79,12 +91,18 @@ def int_checkpoint(model_dir: Path, out: Path, fp32_out: Path, layout: str) -> t
     hf = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(hf | {"quantization_config": config}))
     generator = torch.Generator().manual_seed(3)
+    orders = {}                                                          # input -> its act order
     for path in out.glob("*.safetensors"):
         tensors, encoded = load_file(path), load_file(fp32_out / path.name)
         for key in [k for k in tensors if k.endswith(tuple(f"{m}.weight" for m in ALL_MODULES))]:
             w, base = tensors.pop(key).float(), key.removesuffix("weight")
             in_dim = w.shape[1]
-            order = torch.randperm(in_dim, generator=generator) if act_order else torch.arange(in_dim)
+            module = key.split(".")[-2]
+            input_of = key if act_order == "per weight" else \
+                f"{key.rsplit('.', 2)[0]}.{SHARED_INPUT.get(module, module)}"        # a fused projection's input
+            if input_of not in orders:
+                orders[input_of] = torch.randperm(in_dim, generator=generator) if act_order else torch.arange(in_dim)
+            order = orders[input_of]
             groups = torch.empty(in_dim, dtype=torch.long)
             groups[order] = torch.arange(in_dim) // group_size              # act order: groups by a permutation
             q, zeros, scales = quantized(w, groups, bits, symmetric)
@@ -117,22 +135,32 @@ def test_a_gptq_or_awq_checkpoint_matches_transformers_on_the_model_it_encodes(t
     packed_dir, fp32_dir = checkpoints[layout]
     tells = LAYOUTS[layout][0]["bits"] == 4                              # (8-bit rounding changes no token here)
     engine = engine_for(packed_dir, kernel_backend)
-    projections = [w for name, w in engine.runner.model.w.items() if name.endswith("_proj")]
-    assert all(isinstance(w, Int4Weight) == (layout in KEPT) for w in projections)
+    projections = {name: w for name, w in engine.runner.model.w.items() if name.endswith("_proj")}
+    assert projections and all(isinstance(w, Int4Weight) == name.endswith(KEPT.get(layout, ()))
+                               for name, w in projections.items())
+    if LAYOUTS[layout][3]:
+        assert all(w.input_order is not None for w in projections.values() if isinstance(w, Int4Weight))
     assert_tokens_match_transformers(engine, fp32_dir, engine_for(tiny_model_dir, kernel_backend) if tells else None)
 
 
-@pytest.mark.parametrize("layout", KEPT)
+@pytest.mark.parametrize("layout", ["gptq 4-bit", "awq groups of 64"])
 def test_a_packed_checkpoint_shares_its_groups_between_ranks(checkpoints, layout):
     """At two ranks each row-parallel share holds whole groups of the checkpoint's own integers; the tokens are
     one rank's."""
     assert_two_ranks_keep_and_answer_one_ranks_tokens(checkpoints[layout][0], "layers.1.down_proj", Int4Weight)
 
 
+def test_an_act_order_checkpoint_splits_between_ranks(checkpoints):
+    """At two ranks an act-order checkpoint's column-parallel shares stay packed in their order (its row-parallel
+    ones are served dequantized: a share of x's channels is no run of groups); the tokens are one rank's."""
+    packed_dir = checkpoints["gptq act order by input"][0]
+    assert_two_ranks_keep_and_answer_one_ranks_tokens(packed_dir, "layers.1.gate_up_proj", Int4Weight)
+
+
 @pytest.mark.parametrize("kernel_backend", PATHS)
 def test_adapters_over_a_gptq_checkpoint_match_peft_on_the_model_it_encodes(checkpoints, tiny_adapters,
                                                                             kernel_backend):
-    packed_dir, fp32_dir = checkpoints["gptq act order"]
+    packed_dir, fp32_dir = checkpoints["gptq act order by input"]           # packed, x read in its order
     assert_adapters_match_peft(engine_for(packed_dir, kernel_backend), fp32_dir, tiny_adapters)
 
 
