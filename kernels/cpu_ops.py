@@ -24,13 +24,10 @@ PANEL = 16                  # output columns per panel of cpu_ext.pack_linear
 TILE_ROWS = 8               # from this many bf16 rows a quantized weight meets the AMX tiles where the CPU has them
                             # (cpu_ext.amx_dequantized_linear, its panels dequantized group by group in the cache):
                             # 3072 x 576 on a 2-core Xeon, INT8 / INT4 / FP8, 32 rows: 141 / 153 / 204 us against
-                            # the panel GEMM's 530 / 660 / 744; 4 rows: 113 / 122 / 151 against 90 / 100 / 111
-DEQUANTIZED_ROWS = 48       # without the tiles, from this many rows (prompt chunks) of bf16/fp16 a quantized weight
-                            # is dequantized for the call (cpu_ext.dequantize_panels) for oneDNN's GEMM: the panel
-                            # GEMM's fp32 FMAs take longer from ~48 rows (3072 x 576, INT8: 1.07 against 0.87 ms at
-                            # 64 rows)
-DEQUANTIZED_COLUMNS = 8192  # output channels dequantized at a time for those rows: an LM head slice by slice (8192
-                            # x 4096 in bf16: 64 MiB for an 8B Llama, not its whole head's 1 GiB)
+                            # the panel GEMM's 530 / 660 / 744; 4 rows: 113 / 122 / 151 against 90 / 100 / 111.
+                            # Without the tiles every row count stays on the panel GEMM: dequantizing for oneDNN
+                            # took longer at each one measured (3072 x 576 INT8, 64 / 128 / 1024 rows: 1.87 / 3.04 /
+                            # 17.9 ms against 1.03 / 2.06 / 15.1; AMX left out of both)
 
 
 def _packable(dtype: torch.dtype) -> bool:
@@ -47,30 +44,35 @@ def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor
     CPU without bf16 arithmetic: half the bytes, the same values, widened as the GEMM loads them), bf16 in pair
     panels where the CPU has AMX-BF16 tiles and K is a multiple of 32 (cpu_ext.amx_linear: the 30 layers' GEMMs of
     SmolLM2 in 9.5 ms a decode step against oneDNN's 15.5, 10.7 against 17 at 32 rows, even at 512; Xeon, 2 cores),
-    else in oneDNN's blocked layout where the CPU has bf16; INT8, INT4 and FP8 in column panels too. Embeddings,
-    norms and biases stay as they are. The loader prepares each weight as it completes (load_weights' `prepare`), so
-    that a bf16 checkpoint served in fp32 never lies in memory in fp32 but one weight at a time."""
+    else in bf16 panels too (the panel GEMM's fp32 FMAs: without AMX the 30 layers and the LM head in 5.8 ms a
+    decode row against oneDNN's 9.4 on AVX-512 BF16, 164 against 187 ms at 128 rows); INT8, INT4 and FP8 in column
+    panels too. Embeddings, norms and biases stay as they are. The loader prepares each weight as it completes
+    (load_weights' `prepare`), so that a bf16 checkpoint served in fp32 never lies in memory in fp32 but one weight
+    at a time."""
     if not (name.endswith("_proj") or name == "lm_head"):
         return w
     if isinstance(w, QUANTIZED_WEIGHTS):
         return w.panels() if w.shape[0] % PANEL == 0 else w
-    if w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] % PANEL == 0 and w.shape[1] % 32 == 0 \
-            and cpu_ext.amx_available():
-        return cpu_ext.pack_pairs(w)
-    if w.dtype == torch.float32 and w.shape[0] % PANEL == 0:
+    if w.dim() != 2 or w.shape[0] % PANEL:
+        return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
+    if w.dtype == torch.bfloat16:
+        return cpu_ext.pack_pairs(w) if w.shape[1] % 32 == 0 and cpu_ext.amx_available() else _bf16_panels(w)
+    if w.dtype == torch.float32:
         narrow = w.to(torch.bfloat16)
-        if torch.equal(narrow.float(), w):                        # a bf16 checkpoint's values, in fp32
-            return narrow.view(w.shape[0] // PANEL, PANEL, w.shape[1]).transpose(1, 2).contiguous()
-        return cpu_ext.pack_linear(w)
-    return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
+        return _bf16_panels(narrow) if torch.equal(narrow.float(), w) else cpu_ext.pack_linear(w)
+    return w
+
+
+def _bf16_panels(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> the panel GEMM's bf16 panels [N / PANEL, K, PANEL]."""
+    return w.view(w.shape[0] // PANEL, PANEL, w.shape[1]).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
     the values it encodes, converted as the panel GEMM reads them; from TILE_ROWS rows of bf16 those values
-    rounded into bf16 for the AMX tiles where they run, else from DEQUANTIZED_ROWS rows of bf16/fp16 for oneDNN's
-    GEMM; an INT4 weight in act order reads x's channels gathered into its order); bf16 pair panels on AMX tiles
-    for bf16 x, unpacked for other dtypes."""
+    rounded into bf16 for the AMX tiles where they run; an INT4 weight in act order reads x's channels gathered
+    into its order); bf16 pair panels on AMX tiles for bf16 x, unpacked for other dtypes."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         if isinstance(weight, GroupedWeight):
             x, weight = weight.in_stored_order(x)
@@ -79,8 +81,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if x.dtype == torch.bfloat16 and x.shape[0] >= TILE_ROWS and weight.shape[1] % 32 == 0 \
                 and cpu_ext.amx_available():
             return cpu_ext.amx_dequantized_linear(x, weight, None if bias is None else bias.float())
-        if x.shape[0] >= DEQUANTIZED_ROWS and x.dtype != torch.float32:
-            return _dequantized_linear(x, weight, bias)
         bias32 = None if bias is None else bias.float()
         if isinstance(weight, Int8Weight):
             return cpu_ext.int8_panel_linear(x, weight.data, weight.scale, bias32)
@@ -92,22 +92,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             return F.linear(x, cpu_ext.unpack_pairs(weight).to(x.dtype), None if bias is None else bias.to(x.dtype))
         return cpu_ext.amx_linear(x, weight, None if bias is None else bias.float())
     if weight.dim() == 3:
-        return cpu_ext.panel_linear(x, weight, bias)
+        return cpu_ext.panel_linear(x, weight, None if bias is None else bias.float())
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-def _dequantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear's many rows of bf16/fp16 over a quantized weight in panels, without AMX tiles: DEQUANTIZED_COLUMNS
-    output channels at a time dequantized into x's dtype for oneDNN's GEMM, the slices' outputs side by side."""
-    out_dim = weight.shape[0]
-    outputs = []
-    for lo in range(0, out_dim, DEQUANTIZED_COLUMNS):
-        part = weight.output_panels(lo, min(out_dim, lo + DEQUANTIZED_COLUMNS))
-        b = None if bias is None else bias[lo:lo + DEQUANTIZED_COLUMNS].to(x.dtype)
-        outputs.append(F.linear(x, cpu_ext.dequantize_panels(part, x.dtype), b))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -45,10 +45,6 @@ class Int8Weight:
         """Input channels lo:hi (a row-parallel rank's share), on the scales of the whole rows."""
         return Int8Weight(self.data[:, lo:hi].contiguous(), self.scale)
 
-    def output_panels(self, lo: int, hi: int) -> "Int8Weight":
-        """Output channels lo:hi (multiples of PANEL) of a weight in panels, as views."""
-        return Int8Weight(self.data[lo // PANEL:hi // PANEL], self.scale[lo:hi])
-
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Semantics: scale = |weight|.amax(dim=1) / 127 (rows of zeros: scale 1); data = round(weight / scale) in int8,
@@ -141,11 +137,6 @@ class GroupedWeight:
         if lo % g or hi % g:
             raise ValueError(f"input channels {lo}:{hi} cut groups of {g}")
         return replace(self, data=data, **self._grouped(lambda t: t[lo // g:hi // g].contiguous()))
-
-    def output_panels(self, lo: int, hi: int):
-        """Output channels lo:hi (multiples of PANEL) of a weight in panels: its values as views."""
-        return replace(self, data=self.data[lo // PANEL:hi // PANEL],
-                       **self._grouped(lambda t: t[:, lo:hi].contiguous()))
 
     def _expanded(self, name: str) -> torch.Tensor:
         """A grouped tensor as [out, in] fp32."""

@@ -631,7 +631,9 @@ void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const Source& source, int
   {
     const int thread = omp_get_thread_num();
     alignas(64) float c[2 * kAmxRows * 2 * kPanel];
-    std::vector<uint16_t> buffer(Source::kBuffered ? 2 * group * panel_elems : 0);
+    static thread_local std::vector<uint16_t> buffer;         // kept: not zeroed again at every call
+    if (Source::kBuffered && buffer.size() < static_cast<size_t>(2 * group * panel_elems))
+      buffer.resize(2 * group * panel_elems);
     std::vector<const uint16_t*> panels_at(2 * group);
     for (int64_t g = claims.claim(thread); g >= 0; g = claims.claim(thread)) {
       const int64_t first = g * group * 2, last = std::min(num_panels, first + group * 2);

@@ -262,14 +262,31 @@ def test_an_amx_row_is_the_same_alone_or_beside_others():
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_projections_are_prepared_for_amx(x_dtype):
     """cpu_ops.prepare_weight keeps a bf16 projection in pair panels where the tiles run (K a multiple of 32; else
-    oneDNN's layout), and cpu_ops.linear reads them: bf16 x on the tiles, other dtypes through the weight unpacked."""
+    the panel GEMM's bf16 panels), and cpu_ops.linear reads them: bf16 x on the tiles, other dtypes through the
+    weight unpacked."""
     weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
     prepared = cpu_ops.prepare_weight("gate_proj", weight)
-    assert prepared.dim() == 4 and cpu_ops.prepare_weight("gate_proj", torch.randn(96, 48).bfloat16()).is_mkldnn
+    assert prepared.dim() == 4 and cpu_ops.prepare_weight("gate_proj", torch.randn(96, 48).bfloat16()).dim() == 3
     x = torch.randn(3, 64).to(x_dtype)
     got = cpu_ops.linear(x, prepared, bias)
     assert got.dtype == x_dtype
     want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 70])
+def test_bf16_projections_without_amx_are_bf16_panels(monkeypatch, num_rows):
+    """Without AMX tiles (an AVX-512 or AVX2 CPU) a bf16 projection goes into the panel GEMM's bf16 panels, not
+    oneDNN's layout (faster at every row count measured), and cpu_ops.linear reads them for bf16 x == F.linear."""
+    monkeypatch.setattr(cpu_ext, "amx_available", lambda: False)
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    prepared = cpu_ops.prepare_weight("layers.0.o_proj", weight)
+    assert prepared.dim() == 3 and prepared.dtype == torch.bfloat16
+    assert torch.equal(prepared.transpose(1, 2).reshape(96, 64), weight)
+    x = torch.randn(num_rows, 64).bfloat16()
+    got = cpu_ops.linear(x, prepared, bias)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
 
 
@@ -324,7 +341,7 @@ def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "fp8 every value"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
-    """cpu_ext.dequantize_panels (the weight for oneDNN's GEMM from DEQUANTIZED_ROWS rows): INT8 and FP8 the format's
+    """cpu_ext.dequantize_panels (the amx tiles' oracle below): INT8 and FP8 the format's
     values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale (the panel GEMM's INT4
     lines: on AVX2 q * scale - zero * scale, on AVX-512 its 1 + q / 16 lines, from which the value is exact)."""
     from tests.kernels.test_quant import quantized_weight
@@ -337,24 +354,6 @@ def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
         torch.testing.assert_close(got.float(), want, rtol=eps, atol=1e-6 * float(want.abs().max()))
     else:
         assert torch.equal(got, want.to(dtype))
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_many_rows_over_a_quantized_weight_dequantize_it_slice_by_slice(kind, dtype, monkeypatch):
-    """Without AMX tiles, from DEQUANTIZED_ROWS rows DEQUANTIZED_COLUMNS output channels at a time are dequantized
-    for oneDNN (an LM head's vocabulary in slices, not whole): the same values as the weight's dequantized whole,
-    bias included."""
-    from tests.kernels.test_quant import quantized_weight
-    monkeypatch.setattr(cpu_ext, "amx_available", lambda: False)
-    weight, bias = quantized_weight(kind, 96, 256), torch.randn(96)
-    x = torch.randn(cpu_ops.DEQUANTIZED_ROWS, 256).to(dtype)
-    whole = cpu_ops.linear(x, weight.panels(), bias)
-    monkeypatch.setattr(cpu_ops, "DEQUANTIZED_COLUMNS", 32)
-    sliced = cpu_ops.linear(x, weight.panels(), bias)
-    assert sliced.dtype == dtype and torch.equal(sliced, whole)
-    want = torch.nn.functional.linear(x.float(), weight.dequantize(torch.float32), bias)
-    torch.testing.assert_close(sliced.float(), want, rtol=2 ** -7, atol=2e-2)
 
 
 @needs_amx

@@ -125,8 +125,7 @@ def test_linear_over_quantized_weights_matches_the_dequantized_weight(backend, k
                                                                       in_dim, with_bias):
     """INT8, INT4 (groups of 32, 64, 128) and FP8 (a scale a row; every e4m3 value in groups of 32): decode rows
     and more, out dims of 16s (panels on the compiled backend) and not (24: the reference's way), fp32, bf16 and
-    fp16 activations (the panel GEMM's result in theirs); 300 rows of bf16 or fp16: the compiled backend's
-    dequantized call (DEQUANTIZED_ROWS)."""
+    fp16 activations (the panel GEMM's result in theirs); 300 rows of bf16: the AMX tiles where the CPU has them."""
     ops = ops_of(backend)
     weight = quantized_weight(kind, out_dim, in_dim)
     bias = torch.randn(out_dim).to(dtype) if with_bias else None
