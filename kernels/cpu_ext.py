@@ -2,9 +2,11 @@
 `python -m kernels.cpu_ext` (scripts/setup.sh runs it), loaded from that build afterwards.
 
 The build goes to .build/ in the repository (not kept in git); -march=native tunes it to the machine that builds
-it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C). -fopenmp is what makes at::parallel_for
-parallel (without it the loops run on one thread); the extension then shares torch's own libgomp, already loaded
-under the same soname."""
+it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C). LORA_LLM_CPU_FLAGS replaces -march=native
+(-march=x86-64-v3: what an AVX2 CPU runs, measured on a newer one; a build directory of its own). -fopenmp is what
+makes at::parallel_for parallel (without it the loops run on one thread); the extension then shares torch's own
+libgomp, already loaded under the same soname."""
+import hashlib
 import os
 import sys
 from contextlib import contextmanager
@@ -18,8 +20,10 @@ from kernels.quant import Int4Weight, Int8Weight
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp", "moe_lora.cpp")]
-BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+ARCH_FLAGS = os.environ.get("LORA_LLM_CPU_FLAGS", "-march=native")
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / (
+    NAME if ARCH_FLAGS == "-march=native" else f"{NAME}-{hashlib.sha1(ARCH_FLAGS.encode()).hexdigest()[:8]}")
+FLAGS = ["-O3", *ARCH_FLAGS.split(), "-fopenmp"]
 
 _module = None
 
