@@ -14,7 +14,9 @@ from server_process import QUICK_EXIT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM_ABORTS = ("proto_buffer_writer.h:65 ASSERTION FAILED", "sync.cc:105 ASSERTION FAILED: prior > 0",
-                   "GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")    # tritonserver 2.51's own gRPC aborts (docs/reliability.md)
+                   "GRPC_CALL_ERROR_TOO_MANY_OPERATIONS",    # tritonserver 2.51's own gRPC aborts, and its gRPC
+                   "a call into tritonserver (a response or a cancellation check) has run")  # frontend's deadlock
+                                                             # (docs/reliability.md)
 
 
 class SoakServer:
@@ -111,8 +113,11 @@ class SoakServer:
         """Once nothing runs or waits: KV blocks in use, adapter pins, host adapter bytes vs budget, liveness."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            in_flight = self.metric("lora_llm_sequences", state="running") + self.metric("lora_llm_sequences",
-                                                                                        state="waiting")
+            try:
+                in_flight = self.metric("lora_llm_sequences", state="running") + self.metric("lora_llm_sequences",
+                                                                                            state="waiting")
+            except (OSError, KeyError):                             # tritonserver restarting
+                in_flight = None
             if in_flight == 0:
                 break
             time.sleep(0.5)

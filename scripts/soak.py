@@ -98,6 +98,8 @@ class Soak:
 
     def run_one(self, client, kwargs: dict, cancel_after: int | None, retry: bool = True) -> None:
         import queue
+
+        from tritonclient.utils import InferenceServerException
         task_id = kwargs.get("lora_task_id")
         if task_id is not None and "lora_weights" not in kwargs and task_id not in self.sent_weights:
             kwargs = kwargs | dict(zip(("lora_weights", "lora_config"), self.adapters[task_id - 1]))
@@ -127,8 +129,10 @@ class Soak:
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     outcome = "finished"
                     break
-        finally:
-            client.stop_stream(cancel_requests=outcome == "cancelled by client")
+        except InferenceServerException as err:         # the stream broke as the request went (a server restart)
+            outcome = "error: " + error_kind(str(err))
+        finally:                       # (a stream left unanswered is cancelled too: closing it would wait for it)
+            client.stop_stream(cancel_requests=outcome in ("cancelled by client", "unanswered"))
         with self.lock:
             self.weight_bytes_in_flight -= weight_bytes
             self.outcomes[outcome] += 1
@@ -206,7 +210,10 @@ def main() -> None:
         samples = []                                                  # every 10 s: does memory plateau?
         while any(t.is_alive() for t in threads):
             if not samples or time.monotonic() - start >= samples[-1]["t"] + 10:
-                samples.append(sample(server, soak, time.monotonic() - start))
+                try:
+                    samples.append(sample(server, soak, time.monotonic() - start))
+                except (OSError, KeyError):                        # tritonserver restarting: sampled next second
+                    pass
             time.sleep(1)
         for t in threads:
             t.join()

@@ -5,13 +5,18 @@ Tritonserver keeps a Python model ready, and keeps serving its last metric value
 has died (an input whose declared shape overflows kills the stub inside tritonserver 2.51's own code, before the
 model sees the request): only a value that must keep changing tells the truth. `Heartbeat` publishes the time every
 `period_s` while the engine loop is alive and no step has run past `max_step_s`; `engine_health` reads it back from
-a metrics page (the supervisor's health check, the OpenAI API's /health)."""
+a metrics page (the supervisor's health check, the OpenAI API's /health). A stub's heartbeat watches its calls into
+tritonserver the same way (`InFlight`, SERVER_CALL_S): tritonserver 2.51's gRPC frontend can deadlock between a
+stream's cancellation check and its response (docs/reliability.md), after which no stream gets an answer while
+health and metrics stay fine; a response it has not taken for that long is that, and the heartbeat stops."""
 import os
 import re
 import signal
+import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +27,8 @@ STALE_S = 1.0                                 # a heartbeat older than this: the
 RESTART_STALE_S = 20.0                        # stale this long, tritonserver is restarted (the engine's process asks
                                               # for a new stub at once when one dies; that takes seconds)
 MAX_STEP_S = 120.0                            # a step running longer than this is stuck (no heartbeat while it runs)
+SERVER_CALL_S = 10.0                          # a stub's call into tritonserver (a response, a cancellation check)
+                                              # running longer: tritonserver is stuck (they take microseconds)
 HEARTBEAT = "lora_llm_engine_heartbeat_seconds"
 SUPERVISED_VAR = "LORA_LLM_SUPERVISED"        # set where a supervisor restarts tritonserver (scripts/launch_server.py)
 CORE_KEY_VAR = "LORA_LLM_CORE_KEY"            # the key tritonserver's exposed ports ask for (launch_server --expose-core)
@@ -31,15 +38,38 @@ RESTRICTED = "inference,model-repository,model-config,shared-memory,statistics,t
 ALIVE = "lora_llm_engine_alive"
 
 
+class InFlight:
+    """The calls running now, by thread (a stub's calls into tritonserver): `oldest()` is the monotonic start of the
+    longest-running one, or None, as Heartbeat's step_started."""
+
+    def __init__(self):
+        self.starts: dict[int, float] = {}
+
+    @contextmanager
+    def call(self):
+        ident = threading.get_ident()
+        self.starts[ident] = time.monotonic()
+        try:
+            yield
+        finally:
+            self.starts.pop(ident, None)
+
+    def oldest(self) -> float | None:
+        return min(self.starts.values(), default=None)
+
+
 class Heartbeat:
     """Calls `beat(unix_time)` every period_s on a thread of its own while `alive()`, and `step_started()` (the
-    monotonic start of the step running now, or None) is not older than max_step_s."""
+    monotonic start of the step running now, or None) is not older than max_step_s; says once on stderr when one
+    is, naming it (`what`)."""
 
     def __init__(self, beat: Callable[[float], None], alive: Callable[[], bool],
-                 step_started: Callable[[], float | None], period_s: float = PERIOD_S, max_step_s: float = MAX_STEP_S):
+                 step_started: Callable[[], float | None], period_s: float = PERIOD_S, max_step_s: float = MAX_STEP_S,
+                 what: str = "a step"):
         self.beat, self.alive, self.step_started = beat, alive, step_started
-        self.period_s, self.max_step_s = period_s, max_step_s
+        self.period_s, self.max_step_s, self.what = period_s, max_step_s, what
         self.num_errors = 0
+        self.said: float | None = None        # the start of the overlong one said so
         self._stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -53,7 +83,13 @@ class Heartbeat:
 
     def healthy(self) -> bool:
         started = self.step_started()
-        return self.alive() and (started is None or time.monotonic() - started <= self.max_step_s)
+        if started is not None and time.monotonic() - started > self.max_step_s:
+            if self.said != started:
+                self.said = started
+                print(f"[heartbeat] {self.what} has run {time.monotonic() - started:.0f} s (over {self.max_step_s:g}):"
+                      " stuck; no heartbeat until it ends", file=sys.stderr, flush=True)
+            return False
+        return self.alive()
 
     def _run(self) -> None:
         while not self._stopped.is_set():

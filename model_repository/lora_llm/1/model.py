@@ -21,7 +21,7 @@ from backend.core.request import RequestError                       # noqa: E402
 from backend.processes import end_stub, watchdog                    # noqa: E402
 from backend.serving.engine_client import EngineClient              # noqa: E402
 from backend.serving.engine_process import RESTARTS_PARAMETER       # noqa: E402
-from backend.serving.heartbeat import Heartbeat                     # noqa: E402
+from backend.serving.heartbeat import SERVER_CALL_S, Heartbeat, InFlight  # noqa: E402
 from backend.serving.metrics import ServerMetrics                   # noqa: E402
 from backend.serving.protocol import check_declared, parse_request  # noqa: E402
 from backend.serving.responses import ResponseStream, check_unary   # noqa: E402
@@ -68,6 +68,9 @@ def as_array(tensor) -> np.ndarray:
         return from_dlpack(tensor.to_dlpack()).float().numpy()
 
 
+CALLS = InFlight()                                 # this stub's calls into tritonserver, watched by its heartbeat
+
+
 class TritonSender:
     """A request's response sender as backend/serving/responses.py's ResponseStream uses it: arrays in, tensors out."""
 
@@ -76,13 +79,16 @@ class TritonSender:
 
     def send(self, arrays: dict[str, np.ndarray], final: bool) -> None:
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
-        self.sender.send(response, flags=FINAL if final else 0)
+        with CALLS.call():
+            self.sender.send(response, flags=FINAL if final else 0)
 
     def send_error(self, message: str) -> None:
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        with CALLS.call():
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
 
     def is_cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        with CALLS.call():
+            return self.sender.is_cancelled()
 
 
 def metric_family(name: str, description: str, kind: str):
@@ -112,7 +118,8 @@ class TritonPythonModel:
         self.engine = EngineClient(kwargs, args["model_name"], args["model_instance_name"],
                                    check_period_s=check_period_ms / 1e3, steps_behind=steps_behind,
                                    on_report=self.metrics.show, on_broken=self.metrics.show_broken)
-        self.heartbeat = Heartbeat(self.metrics.beat, lambda: self.engine.alive, lambda: None).start()
+        self.heartbeat = Heartbeat(self.metrics.beat, lambda: self.engine.alive, CALLS.oldest, max_step_s=SERVER_CALL_S,
+                                   what="a call into tritonserver (a response or a cancellation check)").start()
 
     def execute(self, requests):
         for request in requests:                   # every request is answered, whatever happens to the others
