@@ -197,7 +197,8 @@ def main() -> None:
         results["pairs"][precision] = {"ours": best_mine, "llama_cpp": best_theirs, "ours_runs": mine,
                                        "llama_cpp_runs": theirs, "ratio": best_mine["tok_s"] / best_theirs["tok_s"]}
         print(f"{precision:5s} ours ({dtypes[precision]}, {weight_dtype}, LM head {lm_head_dtype}) "
-              f"{best_mine['tok_s']:6.1f} tok/s (TTFT {best_mine['ttft_s'] * 1e3:.0f} ms, decode {best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
+              f"{best_mine['tok_s']:6.1f} tok/s (TTFT {best_mine['ttft_s'] * 1e3:.0f} ms, decode "
+              f"{best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
               f"{best_theirs['tok_s']:6.1f} tok/s (TTFT {best_theirs['ttft_s'] * 1e3:.0f} ms, decode "
               f"{best_theirs['decode_tok_s']:.1f}): {results['pairs'][precision]['ratio']:.2f}x", flush=True)
     print(f"{platform.machine()}, {results['machine']}, {threads} threads each, ISA {args.isa}")

@@ -161,10 +161,10 @@ def grouped_config(num_rows: int, itemsize: int, group_size: int, k_dim: int) ->
 
 
 def grouped_linear(x: torch.Tensor, weight: Int4Weight | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: F.linear(x, weight.dequantize(torch.float32), bias) in fp32 (each group's dot scaled as a
-    whole; fp8_activations: x as fp8_rows quantizes it, each row's scale applied at the end; an input_order: x's
-    channels gathered into it first), rounded once to x's dtype. x [num_rows, in_dim]; weight.data [out_dim, in_dim / 2] (INT4) or [out_dim, in_dim] (FP8) uint8 ->
-    [num_rows, out_dim]."""
+    """Semantics: F.linear(x, weight.dequantize(torch.float32), bias) in fp32 (each group's dot scaled as a whole;
+    fp8_activations: x as fp8_rows quantizes it, each row's scale applied at the end; an input_order: x's channels
+    gathered into it first), rounded once to x's dtype. x [num_rows, in_dim]; weight.data [out_dim, in_dim / 2]
+    (INT4) or [out_dim, in_dim] (FP8) uint8 -> [num_rows, out_dim]."""
     x, weight = weight.in_stored_order(x)
     x = x.contiguous()
     num_rows, k_dim = x.shape
