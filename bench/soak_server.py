@@ -17,6 +17,10 @@ UPSTREAM_ABORTS = ("proto_buffer_writer.h:65 ASSERTION FAILED", "sync.cc:105 ASS
                    "GRPC_CALL_ERROR_TOO_MANY_OPERATIONS",    # tritonserver 2.51's own gRPC aborts, and its gRPC
                    "a call into tritonserver (a response or a cancellation check) has run")  # frontend's deadlock
                                                              # (docs/reliability.md)
+UPSTREAM_DEATH = re.compile(r"tritonserver died \(killed by SIG(SEGV|ABRT|BUS|ILL|FPE)\)|Signal \((4|6|7|8|11)\) "
+                            r"received")                    # a fault in its own process (its handler's line, where
+                                                             # that handler hung): our code runs in the stub's and the
+                                                             # engine's
 
 
 class SoakServer:
@@ -74,8 +78,14 @@ class SoakServer:
         return sum("tritonserver died" in line for line in self.lines)
 
     def upstream_aborts(self) -> list[str]:
-        """tritonserver's log lines that say it aborted in its own gRPC code, a known 2.51 race."""
-        return [line.strip() for line in self.lines if any(abort in line for abort in UPSTREAM_ABORTS)]
+        """The log lines that say tritonserver failed in its own code: its 2.51 gRPC aborts and deadlock, or its
+        process dying of a fault signal."""
+        return [line.strip() for line in self.lines
+                if any(abort in line for abort in UPSTREAM_ABORTS) or UPSTREAM_DEATH.search(line)]
+
+    def restart_lines(self) -> list[str]:
+        """The supervisor's lines on each death or kill of tritonserver, and why."""
+        return [line.strip() for line in self.lines if "tritonserver died" in line or "cannot serve" in line]
 
     def server_pid(self) -> int:
         line = next(line for line in reversed(self.lines) if "tritonserver pid" in line)

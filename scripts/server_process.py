@@ -197,16 +197,18 @@ def is_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
         return False
 
 
-def engine_alive(metrics_port: int) -> bool:
+def engine_alive(metrics_port: int, timeout_s: float = 5.0) -> bool:
     """False once a model's engine cannot serve: it says so (lora_llm_engine_alive 0: its process gone, a
     tensor-parallel worker lost, steps failing in a row), or its heartbeat has been stale for RESTART_STALE_S (its stub
-    died and no new one came, its loop is stuck; see backend/serving/heartbeat.py). True while it serves, and when the
-    metrics cannot be read (readiness covers that)."""
+    died and no new one came, its loop is stuck; see backend/serving/heartbeat.py), or tritonserver's metrics page
+    does not answer within timeout_s (tritonserver hung: 2.51's handler of a fatal signal can deadlock in malloc,
+    leaving a process that neither dies nor serves, docs/reliability.md). True while it serves."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout_s) as r:
             text = r.read().decode()
-    except Exception:
-        return True
+    except Exception as err:
+        print(f"[launch_server] health check: tritonserver's metrics page did not answer ({err})", flush=True)
+        return False
     why = engine_health(text, stale_s=RESTART_STALE_S)
     if why is not None:
         print(f"[launch_server] health check: {why}", flush=True)

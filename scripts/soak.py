@@ -131,6 +131,7 @@ class Soak:
                     break
         except InferenceServerException as err:         # the stream broke as the request went (a server restart)
             outcome = "error: " + error_kind(str(err))
+            time.sleep(0.2)                               # (not a tight loop of such errors while it is down)
         finally:                       # (a stream left unanswered is cancelled too: closing it would wait for it)
             client.stop_stream(cancel_requests=outcome in ("cancelled by client", "unanswered"))
         with self.lock:
@@ -224,6 +225,7 @@ def main() -> None:
                   "outcomes": dict(soak.outcomes), "tokens_per_s": soak.num_tokens / elapsed,
                   "server_rss_start_mb": start_rss / 2**20, "server_rss_end_mb": server.rss_bytes() / 2**20,
                   "restarts": server.restarts(), "upstream_aborts": server.upstream_aborts(),
+                  "restart_lines": server.restart_lines(),
                   "server_rss_mb_samples": samples,
                   "rss_growth_second_half": second_half_growth(samples, args.duration), **end}
     print(json.dumps(report, indent=1))

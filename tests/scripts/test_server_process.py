@@ -44,3 +44,14 @@ def test_a_stale_heartbeat_is_an_engine_that_cannot_serve():
     body = (page % (time.time() - 60)).encode()
     stale = serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     assert not engine_alive(stale)
+
+
+def test_a_metrics_page_that_does_not_answer_is_a_hung_server():
+    """tritonserver 2.51 hung in its own fatal-signal handler accepts connections and answers nothing."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    try:
+        assert engine_alive(listener.getsockname()[1], timeout_s=0.5) is False
+    finally:
+        listener.close()

@@ -14,10 +14,11 @@ from tests.helpers import ROOT
 def soak(model_dir, out, duration_s: int) -> dict:
     """The soak's report. One that tritonserver 2.51 ended by aborting in its own gRPC code (a known race between a
     client's cancel and its stream's final response, docs/reliability.md: every restart came with that abort's
-    line), or by the deadlock of its gRPC frontend (the stub's line that a call into tritonserver ran too long, then
-    the supervisor's restart), soaks once more: what this module measures is our leaks, not those races. A request
-    unanswered for 240 s ends the soak by itself (exit status 1 and its report: outcomes, restarts, aborts; the
-    server stopped), well before this call's timeout, which would kill the soak and leave its server running."""
+    line), by the deadlock of its gRPC frontend (the stub's line that a call into tritonserver ran too long, then
+    the supervisor's restart), or by its process dying of a fault signal (SIGSEGV, SIGABRT: our code runs in the
+    stub's and the engine's processes) soaks once more: what this module measures is our leaks, not those races. A
+    request unanswered for 240 s ends the soak by itself (exit status 1 and its report: outcomes, restarts, aborts;
+    the server stopped), well before this call's timeout, which would kill the soak and leave its server running."""
     for attempt in (1, 2):
         out.unlink(missing_ok=True)
         run = subprocess.run([sys.executable, ROOT / "scripts" / "soak.py", "--streams", "12", "--duration",
