@@ -1,10 +1,17 @@
 """scripts/bench.py end to end in a tiny form (every workload, the HF baselines, a real tritonserver for W4 and W7,
 the plots), so that the one trusted way to measure the project cannot rot. Shapes only: speed lives in the figures."""
 import json
+import math
 import subprocess
 import sys
 
 from tests.helpers import ROOT
+
+
+def merged_every_answer(res: dict, num_requests: int) -> bool:
+    """Through the server, a stub whose sends fall behind merges queued tokens into one response: on a loaded box
+    every request may come back in one response, and there is no gap between responses to time."""
+    return res.get("responses") == num_requests
 
 
 def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
@@ -19,8 +26,9 @@ def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
     for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W6_no_reuse", "W7", "W8", "W9", "W10"):
         res = results[name]
         assert res["tok_s"] > 0 and res["output_tokens"] > 0 and res["roofline_frac"] > 0, name
-        for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
-            assert res[key] > 0, (name, key)
+        assert res["ttft_p50_s"] > 0 and res["ttft_p99_s"] > 0, name
+        for key in ("itl_p50_s", "itl_p99_s"):
+            assert res[key] > 0 or (merged_every_answer(res, 3) and math.isnan(res[key])), (name, key)
         if name not in ("W4", "W6", "W6_no_reuse", "W7", "W8", "W9", "W10"):
             assert results[f"{name}_hf"]["tok_s"] > 0
     assert [p["concurrency"] for p in results["W1"]["sweep"]] == [1, 2]
@@ -32,7 +40,9 @@ def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
         res = results[name]
         assert res["num_decode_steps"] > 0 and res["num_prefill_steps"] > 0 and res["decode_step_mean_s"] > 0
         assert res["num_decode_steps"] + res["num_prefill_steps"] == res["steps"] and res["prefill_step_seconds"] > 0
-    assert all(value > 0 for key, value in results["ratios"].items() if key != "W6_kv_reuse_hit_rate")
+    itl_unknown = merged_every_answer(results["W7"], 3)
+    assert all(value > 0 for key, value in results["ratios"].items()
+               if key != "W6_kv_reuse_hit_rate" and not (key == "W3_itl_over_W7" and itl_unknown))
     assert 0 <= results["ratios"]["W6_kv_reuse_hit_rate"] <= 1      # 3 requests: 3 adapters, nothing shared yet
     for png in ("throughput_vs_concurrency.png", "w4_latency_cdf.png", "w1_latency_cdf.png"):
         assert (plots / png).read_bytes()[:4] == b"\x89PNG"
