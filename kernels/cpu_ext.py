@@ -2,8 +2,8 @@
 `python -m kernels.cpu_ext` (scripts/setup.sh runs it), loaded from that build afterwards.
 
 The build goes to .build/ in the repository (not kept in git); -march=native tunes it to the machine that builds
-it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C). LORA_LLM_CPU_FLAGS replaces -march=native
-(-march=x86-64-v3: what an AVX2 CPU runs, measured on a newer one; a build directory of its own). -fopenmp is what
+it, which is the one that runs it (x86-64-v3 at least: AVX2, FMA, F16C); `target` builds for other flags instead
+(-march=x86-64-v3: what an AVX2 CPU runs, measured on a newer one; a build directory of their own). -fopenmp is what
 makes at::parallel_for parallel (without it the loops run on one thread); the extension then shares torch's own
 libgomp, already loaded under the same soname."""
 import hashlib
@@ -20,12 +20,22 @@ from kernels.quant import Int4Weight, Int8Weight
 NAME = "lora_llm_cpu"
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "fused.cpp", "lora.cpp", "linear.cpp", "moe_lora.cpp")]
-ARCH_FLAGS = os.environ.get("LORA_LLM_CPU_FLAGS", "-march=native")
-BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / (
-    NAME if ARCH_FLAGS == "-march=native" else f"{NAME}-{hashlib.sha1(ARCH_FLAGS.encode()).hexdigest()[:8]}")
-FLAGS = ["-O3", *ARCH_FLAGS.split(), "-fopenmp"]
+NATIVE = "-march=native"
+ARCH_FLAGS = NATIVE
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".build" / NAME
 
 _module = None
+
+
+def target(arch_flags: str) -> None:
+    """Build and load the kernels for `arch_flags` in place of -march=native (bench.llamacpp_baseline --isa), in a
+    build directory of their own. Before the first load."""
+    global ARCH_FLAGS, BUILD_DIR
+    if _module is not None and arch_flags != ARCH_FLAGS:
+        raise RuntimeError(f"the CPU kernels are loaded already, built with {ARCH_FLAGS}")
+    ARCH_FLAGS = arch_flags
+    BUILD_DIR = BUILD_DIR.parent / (NAME if arch_flags == NATIVE else
+                                    f"{NAME}-{hashlib.sha1(arch_flags.encode()).hexdigest()[:8]}")
 
 
 def load(verbose: bool = False):
@@ -37,7 +47,8 @@ def load(verbose: bool = False):
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         try:
             with build_lock(), pinned_ninja_first():
-                _module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS,
+                _module = cpp_extension.load(NAME, [str(s) for s in SOURCES],
+                                             extra_cflags=["-O3", *ARCH_FLAGS.split(), "-fopenmp"],
                                              extra_ldflags=["-fopenmp"], build_directory=str(BUILD_DIR),
                                              verbose=verbose)
         except Exception as err:
