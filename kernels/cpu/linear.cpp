@@ -1,10 +1,11 @@
 // Projections over weights kept in column panels: W [N, K] stored as [N / 16, K, 16], so each k of a panel is
 // one 64-byte line in fp32, half a line in bf16 (widened as it loads), a quarter in INT8 (converted as it loads,
-// its columns scaled once at the end: weight-only INT8, one scale per output channel), an eighth in INT4 (shifted
-// by its group's zero points and scaled as it loads; on AVX-512 each group's sums instead), a quarter in FP8
-// (converted through fp16 and scaled as it loads). A 6 x 16 output tile lives in registers (AVX2: 12; AVX-512: 6 x 4,
-// see tile), fed per k by that line and 6 broadcasts of x. Where the CPU has AMX-BF16, bf16 weights beside bf16 x
-// are read by its tiles instead (amx_gemm), and quantized ones from a few rows (amx_dequantized_linear).
+// its columns scaled once at the end: weight-only INT8, one scale per output channel), an eighth in INT4 (each
+// group's sums shifted by its zero points and scaled), a quarter in FP8 (converted through fp16 and scaled as it
+// loads). A 6 x 16 output tile lives in registers (AVX2: 12; AVX-512: 6 x 4, see tile), fed per k by that line
+// and 6 broadcasts of x; on AVX2 one or two rows take 4 or 2 panels at once. Where the CPU has AMX-BF16, bf16
+// weights beside bf16 x are read by its tiles instead (amx_gemm), and quantized ones from a few rows
+// (amx_dequantized_linear).
 // Threads claim groups of panels (claims.h); a group stays in L2 while each 6-row tile of x meets it in turn. A step
 // reads every weight from memory once (the layers are far larger than the caches), and those reads must hide behind
 // the FMAs: every tile call of a group prefetches its share of the thread's next group's lines, spread over its k
@@ -20,9 +21,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <utility>
 
 #include "claims.h"
 #include "vec.h"
@@ -55,6 +58,7 @@ inline Line line_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32
 inline Line line_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }
 inline Line line_fp16(__m256i h) { return {_mm512_cvtph_ps(h)}; }
 constexpr int kSums = 4;    // sums over k a row (k mod 4), added at the end: 24 of the 32 registers (see tile)
+constexpr int kWide[7] = {0, 1, 1, 1, 1, 1, 1};   // panels a tile of R rows takes at once (see tile)
 #else
 struct Line {
   __m256 lo, hi;
@@ -88,6 +92,7 @@ inline Line line_fp16(__m256i h) {
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
 }
 constexpr int kSums = 1;    // 6 rows x 2 registers fill AVX2's 16
+constexpr int kWide[7] = {0, 4, 2, 1, 1, 1, 1};   // 8 sums for 1 or 2 rows, 6 or more for more
 #endif
 
 // The weight's panels by their type: each reads a panel's 16 values at one k as a Line (`Lines`, one panel's k
@@ -133,20 +138,15 @@ struct Int8Panels {
 // INT4: 8 bytes a k, read as one 64-bit word whose nibble n holds column 2n (n < 8) or 2(n - 8) + 1: each of
 // its 64-bit lanes moved by its index gives columns 2e and 2e + 1 in its two 32-bit halves, in order. Scales and
 // zero points [groups, N] (a panel's 16 contiguous).
-// AVX-512: each lane rotated so that both its nibbles land in the top of a float's mantissa, then masked and
-// or-ed with 1.0's bits in one ternary-logic op: the line is 1 + q / 16, exact. The tile sums x * (1 + q / 16)
-// over a group and applies the group's factors once (kGroupSums): (sum - (1 + zero / 16) * sum of x) * 16 * scale,
-// (q - zero) * scale summed; 3 vector ops a k (rotate, logic, FMA) where converting and scaling each value took 5.
-// AVX2 (no rotate, no ternary logic): each value q * scale - zero * scale (one FMA) as it loads, its group's scales
-// and zero points read again at every group start. (zero * scale is exact where the scales are fp16's, as GPTQ's
-// and AWQ's are: 5 bits times 11.)
+// Each lane is moved so that both its nibbles land in the top of a float's mantissa, then masked and or-ed with
+// 1.0's bits: the line is 1 + q / 16, exact. The tile sums x * (1 + q / 16) over a group and applies the group's
+// factors once (kGroupSums): (sum - (1 + zero / 16) * sum of x) * 16 * scale, (q - zero) * scale summed.
+// AVX-512: a rotate and one ternary-logic op, 3 vector ops a k with the FMA where converting and scaling each value
+// took 5. AVX2 (no rotate, no ternary logic): the upper columns' lanes from the word shifted by 16; 7 vector ops
+// a k besides the FMAs (shifts, and, or) where converting and scaling took 8.
 struct Int4Panels {
   static constexpr int64_t kRowBytes = kPanel / 2;
-#ifdef __AVX512F__
   static constexpr bool kGroupSums = true;
-#else
-  static constexpr bool kGroupSums = false;
-#endif
   const uint8_t* data;
   const float* scale;
   const uint8_t* zero;
@@ -170,6 +170,15 @@ struct Int4Panels {
       return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(placed, _mm512_set1_epi32(0x00780000),
                                                             _mm512_set1_epi32(0x3F800000), 0xEA))};  // (a & b) | c
     }
+#else
+    Line load(int64_t k) const {                                     // 1 + q / 16
+      const __m256i all = _mm256_set1_epi64x(word(k)), shifts = _mm256_set_epi64x(7, 11, 15, 19);
+      const __m256i mask = _mm256_set1_epi32(0x00780000), one = _mm256_set1_epi32(0x3F800000);
+      const __m256i lo = _mm256_sllv_epi64(all, shifts), hi = _mm256_sllv_epi64(_mm256_srli_epi64(all, 16), shifts);
+      return {_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(lo, mask), one)),
+              _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(hi, mask), one))};
+    }
+#endif
     // Group g's factors: 16 * scale and 1 + zero / 16.
     std::pair<Line, Line> factors(int64_t g) const {
       const Line z = line_u8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + g * N)));
@@ -179,21 +188,6 @@ struct Int4Panels {
       const auto [s16, z] = factors(k / group);
       return line_mul(line_add(load(k), line_mul(z, line_set(-1.0f))), s16);
     }
-#else
-    int64_t next_group = 0;
-    Line s, zs;                                                      // the group's scales, zero points x scales
-    Line load(int64_t k) {
-      if (k == next_group) {
-        s = line_load(scale);
-        zs = line_mul(line_u8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero))), s);
-        scale += N, zero += N, next_group += group;
-      }
-      const __m256i all = _mm256_set1_epi64x(word(k)), nibble = _mm256_set1_epi32(0x0F);
-      const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(all, _mm256_set_epi64x(12, 8, 4, 0)), nibble);
-      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(all, _mm256_set_epi64x(28, 24, 20, 16)), nibble);
-      return line_fmsub({_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}, s, zs);
-    }
-#endif
   };
   Lines lines(int64_t panel, int64_t K) const {
     return Lines(data + panel * K * kRowBytes, scale + panel * kPanel, zero + panel * kPanel, N, group);
@@ -233,29 +227,42 @@ struct Fp8Panels {
   }
 };
 
-// y[0:R, 0:16] = (x[0:R] @ panel) * scale (where given) + bias, x rows K apart, y rows N apart; meanwhile pulls
-// num_lines lines from prefetch on into the cache, and num_side lines of `side`, each spread evenly over the k loop.
-// Each row keeps kSums sums, of the k values in turn (the rest of K / kSums in the first): a decode row's FMAs
-// then wait on no FMA's latency but each kSums-th's, and a row's result is the same for any R (M 1 or 32, alone or
-// beside others). Panels with kGroupSums: the sums start again at each group, whose factors then fold them into
-// a total, with the rows' sums of x over the group (xsum, rows xsum_stride apart).
-template <int R, typename Panels>
-void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* scale, const float* bias, float* y,
-          int64_t N, const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side,
+// The P panels from `first` on, as their Lines.
+template <typename Panels, size_t... I>
+std::array<typename Panels::Lines, sizeof...(I)> panel_lines(const Panels& w, int64_t first, int64_t K,
+                                                             std::index_sequence<I...>) {
+  return {w.lines(first + static_cast<int64_t>(I), K)...};
+}
+
+// y[0:R, 0:16P] = (x[0:R] @ panels first..first + P) * scale (where given) + bias, x rows K apart, y rows N apart;
+// scale and bias from the first panel's columns on. Meanwhile pulls num_lines lines from prefetch on into the cache,
+// and num_side lines of `side`, each spread evenly over the k loop. Each row keeps kSums sums a panel, of the k
+// values in turn (the rest of K / kSums in the first): a decode row's FMAs then wait on no FMA's latency but each
+// kSums-th's (AVX2, one sum: on the P panels' sums beside each other), and a column's result is the same for any
+// R and P (M 1 or 32, alone or beside others). Panels with kGroupSums: the sums start again at each group, whose
+// factors then fold them into a total, with the rows' sums of x over the group (xsum, rows xsum_stride apart).
+template <int R, int P, typename Panels>
+void tile(const float* x, int64_t K, const Panels& weight, int64_t first, const float* scale, const float* bias,
+          float* y, int64_t N, const char* prefetch, int64_t num_lines, vec::LineCursor& side, int64_t num_side,
           const float* xsum, int64_t xsum_stride) {
-  Line acc[kSums][R];
+  auto panel = panel_lines(weight, first, K, std::make_index_sequence<P>());
+  Line acc[kSums][R][P];
   auto clear = [&] {
 #pragma GCC unroll 32
-    for (int i = 0; i < kSums * R; ++i) acc[i / R][i % R] = line_zero();
+    for (int i = 0; i < kSums * R * P; ++i) acc[i / (R * P)][i / P % R][i % P] = line_zero();
   };
-  auto row_sum = [&](int r) {
-    if constexpr (kSums == 4) return line_add(line_add(acc[0][r], acc[1][r]), line_add(acc[2][r], acc[3][r]));
-    return acc[0][r];
+  auto sum_of = [&](int r, int p) {
+    if constexpr (kSums == 4)
+      return line_add(line_add(acc[0][r][p], acc[1][r][p]), line_add(acc[2][r][p], acc[3][r][p]));
+    return acc[0][r][p];
   };
-  auto step = [&](int64_t k, Line (&sums)[R]) {
-    const Line w = panel.load(k);
+  auto step = [&](int64_t k, Line (&sums)[R][P]) {
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const Line w = panel[p].load(k);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sums[r] = line_fmadd(line_set(x[r * K + k]), w, sums[r]);
+      for (int r = 0; r < R; ++r) sums[r][p] = line_fmadd(line_set(x[r * K + k]), w, sums[r][p]);
+    }
   };
   const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / (kSums * num_lines)) : K + 1;   // in kSums k's
   int64_t countdown = every, num_issued = 0;
@@ -270,7 +277,9 @@ void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* 
 #pragma GCC unroll 4
       for (int i = 0; i < kSums; ++i) step(k + i, acc[i]);
       own_prefetch();
-      _mm_prefetch(reinterpret_cast<const char*>(panel.p) + k * Panels::kRowBytes + kAheadBytes, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(panel[p].p) + k * Panels::kRowBytes + kAheadBytes, _MM_HINT_T0);
     }
     for (; k < k_end; ++k) step(k, acc[0]);
   };
@@ -284,39 +293,50 @@ void tile(const float* x, int64_t K, typename Panels::Lines panel, const float* 
     }
   };
   clear();
-  Line total[R];
+  Line total[R][P];
   if constexpr (Panels::kGroupSums) {
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; ++i) total[i / P][i % P] = line_zero();
+    for (int64_t g = 0; g * weight.group < K; ++g) {
+      run(g * weight.group, (g + 1) * weight.group);
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const auto [s16, z] = panel[p].factors(g);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) total[r] = line_zero();
-    for (int64_t g = 0; g * panel.group < K; ++g) {
-      run(g * panel.group, (g + 1) * panel.group);
-      const auto [s16, z] = panel.factors(g);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        total[r] = line_fmadd(line_fnmadd(line_set(xsum[r * xsum_stride + g]), z, row_sum(r)), s16, total[r]);
+        for (int r = 0; r < R; ++r)
+          total[r][p] = line_fmadd(line_fnmadd(line_set(xsum[r * xsum_stride + g]), z, sum_of(r, p)), s16,
+                                   total[r][p]);
+      }
       clear();
     }
   } else {
     run(0, K);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) total[r] = row_sum(r);
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; ++i) total[i / P][i % P] = sum_of(i / P, i % P);
   }
   for (; num_issued < num_lines; ++num_issued) _mm_prefetch(prefetch + vec::kLineBytes * num_issued, _MM_HINT_T0);
-  const Line b = bias ? line_load(bias) : line_zero();
-  const Line s = scale ? line_load(scale) : line_set(1.0f);
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+    const Line b = bias ? line_load(bias + p * kPanel) : line_zero();
+    const Line s = scale ? line_load(scale + p * kPanel) : line_set(1.0f);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) line_store(y + r * N, line_fmadd(total[r], s, b));
+    for (int r = 0; r < R; ++r) line_store(y + r * N + p * kPanel, line_fmadd(total[r][p], s, b));
+  }
 }
 
 template <typename Panels>
-using Tile = void (*)(const float*, int64_t, typename Panels::Lines, const float*, const float*, float*, int64_t,
+using Tile = void (*)(const float*, int64_t, const Panels&, int64_t, const float*, const float*, float*, int64_t,
                       const char*, int64_t, vec::LineCursor&, int64_t, const float*, int64_t);
 // Rows a tile: 6 (AVX-512: 24 sums of the 32 registers; AVX2: 12 of 16), 5 with kGroupSums (a total a row more).
 template <typename Panels>
 constexpr int64_t kRows = Panels::kGroupSums ? 5 : kTileRows;
 template <typename Panels>
-constexpr Tile<Panels> kTiles[kTileRows + 1] = {nullptr, tile<1, Panels>, tile<2, Panels>, tile<3, Panels>,
-                                                tile<4, Panels>, tile<5, Panels>, tile<6, Panels>};
+constexpr Tile<Panels> kTiles[kTileRows + 1] = {nullptr, tile<1, 1, Panels>, tile<2, 1, Panels>, tile<3, 1, Panels>,
+                                                tile<4, 1, Panels>, tile<5, 1, Panels>, tile<6, 1, Panels>};
+template <typename Panels>
+constexpr Tile<Panels> kWideTiles[kTileRows + 1] = {nullptr, tile<1, kWide[1], Panels>, tile<2, kWide[2], Panels>,
+                                                    tile<3, kWide[3], Panels>, tile<4, kWide[4], Panels>,
+                                                    tile<5, kWide[5], Panels>, tile<6, kWide[6], Panels>};
 
 // The items of each group of `group` in num_items (the last group the rest): what threads claim.
 std::vector<int64_t> group_costs(int64_t num_items, int64_t group) {
@@ -346,7 +366,6 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanelRowBytes));
   const std::vector<int64_t> costs = group_costs(num_panels, group);
   const int64_t num_groups = static_cast<int64_t>(costs.size());
-  const int64_t num_row_tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t num_side_lines = vec::num_lines(side);
   const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_groups));
   Claims claims(costs, num_threads);
@@ -360,22 +379,28 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
           (costs[g + 1] * K * kPanelRowBytes + vec::kLineBytes - 1) / vec::kLineBytes : 0;
       const int64_t side_line = num_side_lines * g / num_groups;
       const int64_t side_share = num_side_lines * (g + 1) / num_groups - side_line;
-      const int64_t num_calls = num_row_tiles * (last - first);
+      auto num_calls_of = [&](int64_t rows) {             // a row tile's calls: its wide tiles, then single panels
+        const int64_t n = last - first;
+        return n / kWide[rows] + n % kWide[rows];
+      };
+      const int64_t num_calls =
+          M / kTileRows * num_calls_of(kTileRows) + (M % kTileRows ? num_calls_of(M % kTileRows) : 0);
       const int64_t lines_per_call = (num_next_lines + num_calls - 1) / num_calls;
       const int64_t side_per_call = (side_share + num_calls - 1) / num_calls;
       vec::LineCursor cursor(side, side_line);
       int64_t call = 0, side_left = side_share;
       for (int64_t m = 0; m < M; m += kTileRows) {
         const int64_t rows = std::min(kTileRows, M - m);
-        for (int64_t p = first; p < last; ++p, ++call) {
+        for (int64_t p = first, width; p < last; p += width, ++call) {
+          width = p + kWide[rows] <= last ? kWide[rows] : 1;
           const int64_t line = std::min(num_next_lines, call * lines_per_call);
           const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
           const int64_t num_side = std::min(side_left, side_per_call);
           side_left -= num_side;
-          kTiles<Panels>[rows](xp + m * K, K, w.lines(p, K), sp ? sp + p * kPanel : nullptr,
-                               bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N,
-                               next + vec::kLineBytes * line, num_lines, cursor, num_side,
-                               xsum.data() + m * num_k_groups, num_k_groups);
+          (width == 1 ? kTiles<Panels> : kWideTiles<Panels>)[rows](
+              xp + m * K, K, w, p, sp ? sp + p * kPanel : nullptr, bp ? bp + p * kPanel : nullptr,
+              yp + m * N + p * kPanel, N, next + vec::kLineBytes * line, num_lines, cursor, num_side,
+              xsum.data() + m * num_k_groups, num_k_groups);
         }
       }
     }

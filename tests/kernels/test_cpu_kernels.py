@@ -310,11 +310,12 @@ def panel_gemm(kind: str, weight: torch.Tensor):
 @pytest.mark.parametrize("in_dim", [576, 70])
 def test_a_panel_gemm_row_is_the_same_alone_or_beside_others(kind, in_dim):
     """Each row's sums run in the same order whatever tile of rows holds it (kernels/cpu/linear.cpp's tile, whose
-    several sums a row keep one decode row's FMAs from waiting on each other): a request's logits do not depend on
-    the requests decoding beside it. Bit for bit, for every count of rows a tile takes and more."""
+    several sums a row, or on AVX2 its few rows' sums over several panels at once, keep one decode row's FMAs from
+    waiting on each other): a request's logits do not depend on the requests decoding beside it. Bit for bit, for
+    every count of rows a tile takes and more, over 5 panels (a tile of 4 panels and one alone, or 2, 2 and 1)."""
     if kind == "int4" and in_dim % 32:
         pytest.skip("int4: groups of 32s")
-    gemm = panel_gemm(kind, torch.randn(48, in_dim).bfloat16().float())
+    gemm = panel_gemm(kind, torch.randn(80, in_dim).bfloat16().float())
     x = torch.randn(13, in_dim)
     alone = torch.cat([gemm(x[i:i + 1]) for i in range(13)])
     for num_rows in range(2, 14):
@@ -343,7 +344,7 @@ def test_a_panel_gemm_over_narrow_x_rounds_as_torch_does(kind, dtype, num_rows):
 def test_dequantized_panels_are_the_values_the_panel_gemm_reads(kind, dtype):
     """cpu_ext.dequantize_panels (the amx tiles' oracle below): INT8 and FP8 the format's
     values rounded into dtype, bit for bit; INT4 within a rounding of (q - zero) * scale (the panel GEMM's INT4
-    lines: on AVX2 q * scale - zero * scale, on AVX-512 its 1 + q / 16 lines, from which the value is exact)."""
+    lines are 1 + q / 16, from which the value is exact)."""
     from tests.kernels.test_quant import quantized_weight
     weight = quantized_weight(kind, 96, 256)
     got = cpu_ext.dequantize_panels(weight.panels(), dtype)
