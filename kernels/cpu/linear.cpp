@@ -13,7 +13,9 @@
 // memory-bound and the later passes compute-only: 32-row steps took 17% longer). A thread's first group has no
 // group before it, and a small quantized weight is a group or two a thread: each tile also pulls its own stream
 // in kAheadBytes ahead (SmolLM2's 121 GEMMs of a decode row, INT4 with an INT8 head: 7.0 -> 5.0 ms; INT8 7.9 ->
-// 7.0, FP8 9.9 -> 8.7; 2-core Xeon).
+// 7.0, FP8 9.9 -> 8.7; 2-core Xeon). Where x is one row tile (decode) no group is met twice, and groups of
+// kGroupBytes left a small weight's threads uneven (INT4 o_proj's 36 panels: 28 and 8): there a thread's share
+// is kDecodeGroups groups (SmolLM2's INT4 projections at 1 / 2 / 4 rows 5-15% faster, AVX2 and AVX-512).
 #include <cpuid.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -37,6 +39,7 @@ constexpr int64_t kTileRows = 6;     // AVX2: 12 accumulators + 2 panel vectors 
 constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in turn; with the next one, in L2
 constexpr int64_t kSideEvery = 8;            // k values between the points where a tile issues side prefetches
 constexpr int64_t kAheadBytes = 4096;        // how far ahead of its k a tile pulls its own panel's stream in
+constexpr int64_t kDecodeGroups = 2;         // groups of a thread's share where x is one row tile (see above)
 
 // One k of a panel: 16 floats, in one register where the CPU has AVX-512, in two of AVX2's otherwise; the few
 // operations the tile and the panel types need.
@@ -264,7 +267,8 @@ void tile(const float* x, int64_t K, const Panels& weight, int64_t first, const 
       for (int r = 0; r < R; ++r) sums[r][p] = line_fmadd(line_set(x[r * K + k]), w, sums[r][p]);
     }
   };
-  const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / (kSums * num_lines)) : K + 1;   // in kSums k's
+  constexpr int64_t kChunk = std::max<int64_t>(kSums, vec::kLineBytes / Panels::kRowBytes);   // k's a line holds
+  const int64_t every = num_lines > 0 ? std::max<int64_t>(1, K / (kChunk * num_lines)) : K + 1;   // in chunks
   int64_t countdown = every, num_issued = 0;
   auto own_prefetch = [&] {
     if (--countdown == 0) {
@@ -272,14 +276,18 @@ void tile(const float* x, int64_t K, const Panels& weight, int64_t first, const 
       if (num_issued < num_lines) _mm_prefetch(prefetch + vec::kLineBytes * num_issued++, _MM_HINT_T0);
     }
   };
-  auto steps = [&](int64_t k, int64_t k_end) {
-    for (; k + kSums <= k_end; k += kSums) {
-#pragma GCC unroll 4
-      for (int i = 0; i < kSums; ++i) step(k + i, acc[i]);
+  auto steps = [&](int64_t k, int64_t k_end) {                    // a prefetch a line of each panel, not a k
+    for (; k + kChunk <= k_end; k += kChunk) {
+#pragma GCC unroll 16
+      for (int i = 0; i < kChunk; ++i) step(k + i, acc[i % kSums]);
       own_prefetch();
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(panel[p].p) + k * Panels::kRowBytes + kAheadBytes, _MM_HINT_T0);
+    }
+    for (; k + kSums <= k_end; k += kSums) {
+#pragma GCC unroll 4
+      for (int i = 0; i < kSums; ++i) step(k + i, acc[i]);
     }
     for (; k < k_end; ++k) step(k, acc[0]);
   };
@@ -363,7 +371,9 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
   }
   const int64_t N = num_panels * kPanel;
   constexpr int64_t kPanelRowBytes = Panels::kRowBytes;          // one k of a panel
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanelRowBytes));
+  const int64_t num_decode_groups = kDecodeGroups * omp_get_max_threads();
+  const int64_t group = std::max<int64_t>(1, std::min(kGroupBytes / (K * kPanelRowBytes), M > kTileRows ? num_panels :
+                                                      (num_panels + num_decode_groups - 1) / num_decode_groups));
   const std::vector<int64_t> costs = group_costs(num_panels, group);
   const int64_t num_groups = static_cast<int64_t>(costs.size());
   const int64_t num_side_lines = vec::num_lines(side);
