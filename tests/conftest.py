@@ -19,8 +19,9 @@ from tests.helpers import SMOLLM2_DIR, build_smollm2, build_tiny, is_complete  #
 # workers (pytest-xdist), which then finish together instead of one running these alone at the end. (The kernel
 # compile takes seconds where Triton's cache holds its kernels, minutes on a fresh machine such as CI's.)
 LONG_MODULES = ("tests/kernels/test_aot_compile.py", "tests/server/test_soak.py", "tests/server/test_bench.py",
-                "tests/server/test_replicas.py", "tests/server/test_supervision.py", "tests/server/test_health.py",
-                "tests/server/test_openai.py", "tests/server/test_openai_doors.py",
+                "tests/kernels/test_cpu_kernels.py", "tests/server/test_replicas.py",
+                "tests/server/test_supervision.py", "tests/server/test_health.py", "tests/server/test_openai.py",
+                "tests/server/test_openai_doors.py",
                 "tests/backend/model/test_tensor_parallel.py", "tests/backend/model/test_self_check.py",
                 "tests/backend/lora/test_dora.py", "tests/server/test_bundle.py")
 
