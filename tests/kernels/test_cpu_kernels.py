@@ -529,11 +529,11 @@ def test_a_build_lock_left_by_a_killed_build_is_taken_over_at_once():
 def test_the_kernels_built_for_avx2_pass_these_tests_too():
     """The kernels' AVX2 code (kernels/cpu/linear.cpp's two-register lines, its wide decode tiles, its INT4 lines)
     runs only on CPUs without AVX-512: built for x86-64-v3 (AVX2, FMA, F16C) in a directory of its own, this module's
-    tests and the quantized formats' run again over that build (the build-lock tests aside, which watch the native
-    build)."""
+    tests and the quantized formats' run again over that build (the build's own tests aside: locks and ninja, which
+    watch the native build)."""
     if cpu_ext.ARCH_FLAGS == cpu_ext.AVX2:
         pytest.skip("this is the AVX2 run")
-    tests = ["tests/kernels/test_cpu_kernels.py", "tests/kernels/test_quant.py", "-k", "not build_lock"]
+    tests = ["tests/kernels/test_cpu_kernels.py", "tests/kernels/test_quant.py", "-k", "not build_lock and not ninja"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                           "tests.kernels.avx2_build", *tests], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=1800)
