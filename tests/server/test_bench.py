@@ -35,7 +35,8 @@ def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
     assert set(results["ratios"]) >= {"W1_over_hf", "W2_over_hf", "W1_over_W2", "W4_over_W1", "W3_bandwidth_frac",
                                       "W1_roofline_frac", "W6_ttft_p50_gain", "W6_kv_reuse_hit_rate", "W3_itl_over_W7",
                                       "W4_over_W1_decode_step", "W4_over_W1_prefill_s", "W9_over_W4", "W10_over_W8"}
-    assert results["W9"]["frontend_cpu_seconds"] > 0 and results["W9"]["output_tokens"] == results["W4"]["output_tokens"]
+    assert results["W9"]["frontend_cpu_seconds"] > 0
+    assert results["W9"]["output_tokens"] == results["W4"]["output_tokens"]
     for name in ("W1", "W4"):                      # in process, and from the server's step histogram by kind
         res = results[name]
         assert res["num_decode_steps"] > 0 and res["num_prefill_steps"] > 0 and res["decode_step_mean_s"] > 0
