@@ -54,7 +54,6 @@ inline void line_store(float* p, Line a) { _mm512_storeu_ps(p, a.v); }
 inline Line line_add(Line a, Line b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Line line_mul(Line a, Line b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Line line_fmadd(Line a, Line b, Line c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline Line line_fmsub(Line a, Line b, Line c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
 inline Line line_fnmadd(Line a, Line b, Line c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
 inline Line line_u16_high(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
 inline Line line_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
@@ -74,9 +73,6 @@ inline Line line_add(Line a, Line b) { return {_mm256_add_ps(a.lo, b.lo), _mm256
 inline Line line_mul(Line a, Line b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Line line_fmadd(Line a, Line b, Line c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
-}
-inline Line line_fmsub(Line a, Line b, Line c) {
-  return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)};
 }
 inline Line line_fnmadd(Line a, Line b, Line c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
