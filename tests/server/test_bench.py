@@ -15,9 +15,9 @@ def merged_every_answer(res: dict, num_requests: int) -> bool:
 
 
 def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
-    out, plots = tmp_path / "results.json", tmp_path / "plots"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "all", "--quick", "--requests", "3",
-           "--model-dir", str(tiny_chat_model_dir), "--out", str(out), "--plot", str(plots)]
+    out, plots, num_requests = tmp_path / "results.json", tmp_path / "plots", 3
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "all", "--quick", "--requests",
+           str(num_requests), "--model-dir", str(tiny_chat_model_dir), "--out", str(out), "--plot", str(plots)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -28,7 +28,7 @@ def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
         assert res["tok_s"] > 0 and res["output_tokens"] > 0 and res["roofline_frac"] > 0, name
         assert res["ttft_p50_s"] > 0 and res["ttft_p99_s"] > 0, name
         for key in ("itl_p50_s", "itl_p99_s"):
-            assert res[key] > 0 or (merged_every_answer(res, 3) and math.isnan(res[key])), (name, key)
+            assert res[key] > 0 or (merged_every_answer(res, num_requests) and math.isnan(res[key])), (name, key)
         if name not in ("W4", "W6", "W6_no_reuse", "W7", "W8", "W9", "W10"):
             assert results[f"{name}_hf"]["tok_s"] > 0
     assert [p["concurrency"] for p in results["W1"]["sweep"]] == [1, 2]
@@ -41,7 +41,7 @@ def test_bench_all_workloads_quick(tiny_chat_model_dir, tmp_path):
         res = results[name]
         assert res["num_decode_steps"] > 0 and res["num_prefill_steps"] > 0 and res["decode_step_mean_s"] > 0
         assert res["num_decode_steps"] + res["num_prefill_steps"] == res["steps"] and res["prefill_step_seconds"] > 0
-    itl_unknown = merged_every_answer(results["W7"], 3)
+    itl_unknown = merged_every_answer(results["W7"], num_requests)
     assert all(value > 0 for key, value in results["ratios"].items()
                if key != "W6_kv_reuse_hit_rate" and not (key == "W3_itl_over_W7" and itl_unknown))
     assert 0 <= results["ratios"]["W6_kv_reuse_hit_rate"] <= 1      # 3 requests: 3 adapters, nothing shared yet
