@@ -15,7 +15,9 @@
 // in kAheadBytes ahead (SmolLM2's 121 GEMMs of a decode row, INT4 with an INT8 head: 7.0 -> 5.0 ms; INT8 7.9 ->
 // 7.0, FP8 9.9 -> 8.7; 2-core Xeon). Where x is one row tile (decode) no group is met twice, and groups of
 // kGroupBytes left a small weight's threads uneven (INT4 o_proj's 36 panels: 28 and 8): there a thread's share
-// is kDecodeGroups groups (SmolLM2's INT4 projections at 1 / 2 / 4 rows 5-15% faster, AVX2 and AVX-512).
+// is kDecodeGroups groups (SmolLM2's INT4 projections at 1 / 2 / 4 rows 5-15% faster, AVX2 and AVX-512). On AVX2
+// a group of narrow panels is widened into fp32 once where x has many row tiles (Widened), which then read it from
+// the cache instead of each converting it again.
 #include <cpuid.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -27,6 +29,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #include "claims.h"
@@ -40,6 +43,7 @@ constexpr int64_t kGroupBytes = 128 << 10;   // the panels one x tile meets in t
 constexpr int64_t kSideEvery = 8;            // k values between the points where a tile issues side prefetches
 constexpr int64_t kAheadBytes = 4096;        // how far ahead of its k a tile pulls its own panel's stream in
 constexpr int64_t kDecodeGroups = 2;         // groups of a thread's share where x is one row tile (see above)
+constexpr int64_t kWidenRows = 24;           // AVX2: from more rows, narrow panels are widened a group at a time
 
 // One k of a panel: 16 floats, in one register where the CPU has AVX-512, in two of AVX2's otherwise; the few
 // operations the tile and the panel types need.
@@ -61,6 +65,8 @@ inline Line line_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32
 inline Line line_fp16(__m256i h) { return {_mm512_cvtph_ps(h)}; }
 constexpr int kSums = 4;    // sums over k a row (k mod 4), added at the end: 24 of the 32 registers (see tile)
 constexpr int kWide[7] = {0, 1, 1, 1, 1, 1, 1};   // panels a tile of R rows takes at once (see tile)
+constexpr bool kWiden = false;   // narrow panels read as they are at any M (Widened: a 6-row tile's 64-byte fp32
+                                 // line a k outran L2, bf16 at 128 rows 17.3-18.5 -> 20.2-21.3 ms)
 #else
 struct Line {
   __m256 lo, hi;
@@ -92,6 +98,9 @@ inline Line line_fp16(__m256i h) {
 }
 constexpr int kSums = 1;    // 6 rows x 2 registers fill AVX2's 16
 constexpr int kWide[7] = {0, 4, 2, 1, 1, 1, 1};   // 8 sums for 1 or 2 rows, 6 or more for more
+constexpr bool kWiden = true;    // narrow panels widened a group at a time from kWidenRows rows (Widened: 576 x
+                                 // 1536 x 576 shapes at 128 rows, bf16 26.0-27.6 -> 22.8-23.8 ms, INT4 37.7-38.4 ->
+                                 // 31.3-31.7; at 13-16 rows 10-20% slower, even at 32)
 #endif
 
 // The weight's panels by their type: each reads a panel's 16 values at one k as a Line (`Lines`, one panel's k
@@ -226,6 +235,40 @@ struct Fp8Panels {
   }
 };
 
+// A group of a weight's panels widened once into fp32 lines in the thread's buffer (each k's 16 values as the
+// source's load gives them, from `first` on), for the row tiles of many rows to read from the cache: the source's
+// conversions are made once a group instead of once a row tile. The same values meet the same FMAs in the same
+// order, so a row's result is the one it gets alone (and a group's factors, kGroupSums, are still the source's).
+template <typename Panels>
+struct Widened {
+  static constexpr bool kGroupSums = Panels::kGroupSums;
+  static constexpr int64_t kRowBytes = kPanel * sizeof(float);
+  const Panels& source;
+  const float* data;
+  int64_t first, group;                                 // group: the source's (kGroupSums)
+  struct Lines {
+    const float* p;
+    typename Panels::Lines source;
+    Line load(int64_t k) const { return line_load(p + k * kPanel); }
+    auto factors(int64_t g) const { return source.factors(g); }
+  };
+  Lines lines(int64_t panel, int64_t K) const { return {data + (panel - first) * K * kPanel, source.lines(panel, K)}; }
+};
+
+// Panels first..last of w as Widened's buffer holds them, made in `buffer`.
+template <typename Panels>
+Widened<Panels> widen_group(const Panels& w, int64_t first, int64_t last, int64_t K, std::vector<float>& buffer) {
+  buffer.resize(std::max<size_t>(buffer.size(), (last - first) * K * kPanel));
+  for (int64_t p = first; p < last; ++p) {
+    auto lines = w.lines(p, K);
+    float* out = buffer.data() + (p - first) * K * kPanel;
+    for (int64_t k = 0; k < K; ++k) line_store(out + k * kPanel, lines.load(k));
+  }
+  int64_t group = 0;
+  if constexpr (Panels::kGroupSums) group = w.group;
+  return {w, buffer.data(), first, group};
+}
+
 // The P panels from `first` on, as their Lines.
 template <typename Panels, size_t... I>
 std::array<typename Panels::Lines, sizeof...(I)> panel_lines(const Panels& w, int64_t first, int64_t K,
@@ -349,7 +392,8 @@ std::vector<int64_t> group_costs(int64_t num_items, int64_t group) {
   return costs;
 }
 
-// y [M, N] = (x @ W^T) * scale (where given) + bias over the panels; side: see panel_linear.
+// y [M, N] = (x @ W^T) * scale (where given) + bias over the panels; side: see panel_linear. On AVX2, narrow
+// panels meet x of more than kWidenRows rows widened a group at a time (Widened).
 template <typename Panels>
 void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t num_panels, const float* sp,
                 const float* bp, float* yp, const std::vector<vec::Span>& side) {
@@ -395,19 +439,30 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
       const int64_t side_per_call = (side_share + num_calls - 1) / num_calls;
       vec::LineCursor cursor(side, side_line);
       int64_t call = 0, side_left = side_share;
-      for (int64_t m = 0; m < M; m += kTileRows) {
-        const int64_t rows = std::min(kTileRows, M - m);
-        for (int64_t p = first, width; p < last; p += width, ++call) {
-          width = p + kWide[rows] <= last ? kWide[rows] : 1;
-          const int64_t line = std::min(num_next_lines, call * lines_per_call);
-          const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
-          const int64_t num_side = std::min(side_left, side_per_call);
-          side_left -= num_side;
-          (width == 1 ? kTiles<Panels> : kWideTiles<Panels>)[rows](
-              xp + m * K, K, w, p, sp ? sp + p * kPanel : nullptr, bp ? bp + p * kPanel : nullptr,
-              yp + m * N + p * kPanel, N, next + vec::kLineBytes * line, num_lines, cursor, num_side,
-              xsum.data() + m * num_k_groups, num_k_groups);
+      auto row_tiles = [&](const auto& panels) {
+        using Source = std::decay_t<decltype(panels)>;
+        for (int64_t m = 0; m < M; m += kTileRows) {
+          const int64_t rows = std::min(kTileRows, M - m);
+          for (int64_t p = first, width; p < last; p += width, ++call) {
+            width = p + kWide[rows] <= last ? kWide[rows] : 1;
+            const int64_t line = std::min(num_next_lines, call * lines_per_call);
+            const int64_t num_lines = std::min(num_next_lines - line, lines_per_call);
+            const int64_t num_side = std::min(side_left, side_per_call);
+            side_left -= num_side;
+            (width == 1 ? kTiles<Source> : kWideTiles<Source>)[rows](
+                xp + m * K, K, panels, p, sp ? sp + p * kPanel : nullptr, bp ? bp + p * kPanel : nullptr,
+                yp + m * N + p * kPanel, N, next + vec::kLineBytes * line, num_lines, cursor, num_side,
+                xsum.data() + m * num_k_groups, num_k_groups);
+          }
         }
+      };
+      if constexpr (std::is_same_v<Panels, Fp32Panels> || !kWiden) {
+        row_tiles(w);
+      } else if (M > kWidenRows) {
+        static thread_local std::vector<float> buffer;
+        row_tiles(widen_group(w, first, last, K, buffer));
+      } else {
+        row_tiles(w);
       }
     }
   }
