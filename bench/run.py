@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from backend.device import resolve_dtype
+from backend.device import projection_dtype, resolve_dtype
 from backend.heap import freeze_heap, unfreeze_heap
 from backend.model.checkpoint import ModelConfig
 from bench import ROOT
@@ -17,6 +17,7 @@ from bench.report import combine_rounds, median_ratios, print_drift, print_table
 from bench.roofline import cpu_name, measure_roofline, workload_flops, weight_bytes
 from bench.vllm_baseline import run_vllm
 from bench.workloads import WORKLOADS, make_requests
+from kernels.dispatch import resolve_backend
 
 QUICK_REQUESTS = 32                           # --quick caps every workload at this many requests
 
@@ -62,7 +63,7 @@ def run_workload(name: str, args, cfg: ModelConfig, roofline: dict, samples: dic
     res["roofline_frac"] = workload_flops(cfg, requests) / res["seconds"] / 1e9 / roofline["roofline_gflops"]
     if name == "W3":
         res["bandwidth_bound_tok_s"] = (roofline["memory_gbps"] * 1e9
-                                        / weight_bytes(cfg, args.dtype, args.weight_dtype, args.lm_head_dtype))
+                                        / weight_bytes(cfg, args.served_dtype, args.weight_dtype, args.lm_head_dtype))
         res["bandwidth_frac"] = res["tok_s"] / res["bandwidth_bound_tok_s"]
     label = name if kv_reuse is not False else f"{name} without KV reuse"
     print(f"{label}: {res['tok_s']:.1f} tok/s ({res['output_tokens']} tokens in {res['seconds']:.1f} s), "
@@ -85,11 +86,11 @@ def run_baselines(names: list[str], args, cfg: ModelConfig) -> dict:
     results = {}
     for name in names:
         if args.baseline in ("hf", "both") and WORKLOADS[name].hf_baseline:
-            results[f"{name}_hf"] = run_hf(args.model_dir, requests[name], args.dtype, WORKLOADS[name])
+            results[f"{name}_hf"] = run_hf(args.model_dir, requests[name], args.compute_dtype, WORKLOADS[name])
             print(f"{name}_hf: {results[f'{name}_hf']['tok_s']:.1f} tok/s", flush=True)
     if args.baseline in ("vllm", "both"):
         runs = {name: (requests[name], WORKLOADS[name]) for name in names if not WORKLOADS[name].server}
-        results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.dtype).items()}
+        results |= {f"{name}_vllm": res for name, res in run_vllm(args.model_dir, runs, args.compute_dtype).items()}
     return results
 
 
@@ -141,7 +142,9 @@ def main(doc: str = __doc__) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     if args.host_profile:
         return run_host_profile(args)
-    args.dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+    compute_dtype = resolve_dtype(args.dtype, torch.device("cpu"))      # the engines take args.dtype as it is
+    served_dtype = projection_dtype(args.dtype, compute_dtype, resolve_backend(args.kernel_backend, "cpu"))
+    args.compute_dtype, args.served_dtype = (str(d).removeprefix("torch.") for d in (compute_dtype, served_dtype))
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -150,14 +153,16 @@ def main(doc: str = __doc__) -> None:
         parser.error("--repeat must be at least 1")
 
     cfg = ModelConfig.from_dir(args.model_dir)
-    roofline = measure_roofline(args.dtype)
-    results: dict = {"machine": f"{machine()}, {args.dtype}, kernels {args.kernel_backend}, "
+    roofline = measure_roofline(args.compute_dtype)
+    precision = args.compute_dtype if args.served_dtype == args.compute_dtype else \
+        f"{args.compute_dtype} over {args.served_dtype} weights"
+    results: dict = {"machine": f"{machine()}, {precision}, kernels {args.kernel_backend}, "
                                 f"tensor_parallel_size {args.tensor_parallel_size}",
                      **roofline,
                      "model": Path(args.model_dir).name, "quick": args.quick}
-    print(f"{results['machine']}: {args.dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
+    print(f"{results['machine']}: {args.compute_dtype} matmul {roofline['roofline_gflops']:.0f} GFLOP/s, memory copy "
           f"{roofline['memory_gbps']:.1f} GB/s; model weights "
-          f"{weight_bytes(cfg, args.dtype, args.weight_dtype, args.lm_head_dtype) / 1e6:.0f} MB", flush=True)
+          f"{weight_bytes(cfg, args.served_dtype, args.weight_dtype, args.lm_head_dtype) / 1e6:.0f} MB", flush=True)
     samples: dict = {}
     rounds = []
     for i in range(args.repeat):
@@ -175,7 +180,7 @@ def main(doc: str = __doc__) -> None:
     results["ratios"] = median_ratios(results, ratio_rounds)
     if args.repeat > 1:
         results["ratio_rounds"] = ratio_rounds
-    results["roofline_after"] = measure_roofline(args.dtype)
+    results["roofline_after"] = measure_roofline(args.compute_dtype)
     print_table(results, [n for name in names for n in (name, f"{name}_no_reuse") if n in results])
     print_drift(results)
     if args.out:

@@ -40,8 +40,8 @@ def _packable(dtype: torch.dtype) -> bool:
 def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
     """A projection or the LM head in the layout its GEMM reads fastest: fp32 in column panels (whose kernel
     prefetches ahead: a 32-row decode step's GEMMs ~20% faster than oneDNN's, one row ~30%, prompt chunks within
-    ~10%), in bf16 panels where every value is a bf16's (a bf16 checkpoint served in fp32, as dtype auto does on a
-    CPU without bf16 arithmetic: half the bytes, the same values, widened as the GEMM loads them), bf16 in pair
+    ~10%), in bf16 panels where every value is a bf16's (a bf16 checkpoint served in fp32: half the bytes, the same
+    values, widened as the GEMM loads them; bf16 weights beside dtype auto's fp32 arrive in bf16), bf16 in pair
     panels where the CPU has AMX-BF16 tiles and K is a multiple of 32 (cpu_ext.amx_linear: the 30 layers' GEMMs of
     SmolLM2 in 9.5 ms a decode step against oneDNN's 15.5, 10.7 against 17 at 32 rows, even at 512; Xeon, 2 cores),
     else in bf16 panels too (the panel GEMM's fp32 FMAs: without AMX the 30 layers and the LM head in 5.8 ms a
@@ -72,7 +72,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """Semantics: F.linear(x, weight, bias), weight [out_dim, in_dim] as prepare_weight left it (INT8, INT4, FP8:
     the values it encodes, converted as the panel GEMM reads them; from TILE_ROWS rows of bf16 those values
     rounded into bf16 for the AMX tiles where they run; an INT4 weight in act order reads x's channels gathered
-    into its order); bf16 pair panels on AMX tiles for bf16 x, unpacked for other dtypes."""
+    into its order); bf16 pair panels on AMX tiles for bf16 x, unpacked for other dtypes; a weight of another
+    dtype than x's that no panel holds (out_dim not a multiple of PANEL) converted into x's at each call."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         if isinstance(weight, GroupedWeight):
             x, weight = weight.in_stored_order(x)
@@ -94,8 +95,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.dim() == 3:
         return cpu_ext.panel_linear(x, weight, None if bias is None else bias.float())
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+        if weight.dtype == x.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        weight = weight.to_dense()
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

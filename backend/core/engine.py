@@ -93,7 +93,7 @@ class LLMEngine:
     def add_lora_dir(self, task_id: int, path) -> None:
         """Cache an adapter from an HF PEFT or TensorRT-LLM directory (a PEFT DoRA one's magnitudes normalized against
         the served base weights, on the engine's device)."""
-        weights, config = load_lora_dir(path, checkpoint_weights(self.config.model_dir, self.runner.dtype,
+        weights, config = load_lora_dir(path, checkpoint_weights(self.config.model_dir, self.runner.projection_dtype,
                                                                  self.runner.device, self.config.weight_dtype),
                                         self.model_config)
         self.add_lora(task_id, weights, config)

@@ -222,8 +222,8 @@ def _on_device(part, device, dtype: torch.dtype):
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu",
                  tp_size: int = 1, tp_rank: int = 0, lm_head: bool = True, weight_dtype: str = "auto",
-                 lm_head_dtype: str = "auto", prepare: Callable = lambda name, weight: weight,
-                 ) -> dict[str, torch.Tensor | QuantizedWeight]:
+                 lm_head_dtype: str = "auto", projection_dtype: torch.dtype | None = None,
+                 prepare: Callable = lambda name, weight: weight) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Read every parameter of the model, fused and sliced for this tensor-parallel rank, onto the device: one
     checkpoint tensor at a time passes through host memory, never the whole model. lm_head=False leaves out the
     LM head (a tensor-parallel worker's: rank 0 computes the logits; vocab x hidden, 1 GB on Llama-3.1-8B in bf16).
@@ -232,6 +232,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     precision; a row-parallel one (o, down) read whole and quantized before its columns are sliced, so that each
     rank's share has the scales of the whole rows (INT4: its groups): the ranks' partial sums add up to one rank's
     GEMM. lm_head_dtype int8, int4, fp8: the LM head quantized so too (a tied one beside the embeddings it copies).
+    projection_dtype: the dense projections and the LM head where not quantized, if not in dtype (bf16 weights
+    beside fp32 activations: backend.device.projection_dtype); quantized ones are quantized from dtype's values.
     prepare(name, weight): each weight as the kernels take it (ops.prepare_weight), applied as soon as it is read,
     so that a weight prepared into fewer bytes (a bf16 checkpoint's in bf16 panels beside fp32 activations) is never
     held whole in the wider dtype.
@@ -281,7 +283,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
             weight = reordered(cfg, name, _cat_rows(parts, dtype), tp_size)
             parameter, kind = ("lm_head_dtype", lm_head_dtype) if name == "lm_head" else ("weight_dtype", weight_dtype)
             try:
-                served = served_weight(name, weight, kind)
+                served = served_weight(name, weight, kind, projection_dtype)
             except ValueError as err:
                 raise ValueError(f"{parameter} {kind}: {err}") from None
             weights[name] = prepare(name, served)
@@ -290,14 +292,17 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     return weights
 
 
-def served_weight(name: str, weight: torch.Tensor | GroupedWeight, weight_dtype: str
-                  ) -> torch.Tensor | QuantizedWeight:
+def served_weight(name: str, weight: torch.Tensor | GroupedWeight, weight_dtype: str,
+                  projection_dtype: torch.dtype | None = None) -> torch.Tensor | QuantizedWeight:
     """A dense projection's weight or the LM head as weight_dtype serves it (kernels.quant.quantize_weight; one
-    kept packed from the checkpoint as it is); any other as it is."""
+    kept packed from the checkpoint as it is), in projection_dtype where not quantized and given; any other as it
+    is."""
     if isinstance(weight, QUANTIZED_WEIGHTS):
         return weight
-    quantized = name.endswith("_proj") or name == "lm_head"
-    return quantize_weight(weight.contiguous(), weight_dtype) if quantized else weight.contiguous()
+    if not (name.endswith("_proj") or name == "lm_head"):
+        return weight.contiguous()
+    served = quantize_weight(weight.contiguous(), weight_dtype)
+    return served.to(projection_dtype) if projection_dtype is not None and isinstance(served, torch.Tensor) else served
 
 
 KV_SCALE_LAYOUTS = (("self_attn.k_scale", "self_attn.v_scale"),   # each layer's FP8 KV cache scales: vLLM's and

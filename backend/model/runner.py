@@ -11,7 +11,8 @@ from backend.core.kv_cache import num_kv_blocks
 from backend.core.logprobs import PromptScores
 from backend.core.request import SamplingParams, Sequence
 from backend.core.scheduler import Batch, ScheduledSeq
-from backend.device import StepStaging, empty_kv_caches, on, pin, resolve_device, resolve_dtype
+from backend.device import (StepStaging, empty_kv_caches, on, pin, projection_dtype, resolve_device,
+                           resolve_dtype)
 from backend.lora.cache import LoraCache
 from backend.model import rope
 from backend.model.batch import LaunchRows, PersistentBatch
@@ -49,6 +50,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
+        self.projection_dtype = projection_dtype(config.dtype, self.dtype, self.kernel_backend)   # unquantized
         self.ops = load_ops(self.kernel_backend, self.device, config.lora_overlap, config.lora_fold,
                             config.inject_broken_ops)
         self.lora_dtype = self.ops.lora.adapter_dtype(config.lora.dtype, self.dtype)
@@ -64,7 +66,7 @@ class ModelRunner:
         try:
             weights = load_weights(config.model_dir, cfg, self.dtype, self.device, tp_size,
                                    weight_dtype=config.weight_dtype, lm_head_dtype=config.lm_head_dtype,
-                                   prepare=self.ops.prepare_weight)
+                                   projection_dtype=self.projection_dtype, prepare=self.ops.prepare_weight)
             self.model = LlamaModel(self.shard_config, weights, self.ops,
                                     all_reduce=self.tp.all_reduce if self.tp else None)
         except BaseException:
@@ -192,6 +194,7 @@ class ModelRunner:
         max_blocks = -(-cfg.max_position_embeddings // config.kv_block_size)
         capacity = message_capacity(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, cfg.num_layers)
         args = {"model_dir": config.model_dir, "dtype": str(self.dtype).removeprefix("torch."),
+                "projection_dtype": str(self.projection_dtype).removeprefix("torch."),
                 "lora_dtype": str(self.lora_dtype).removeprefix("torch."), "kernel_backend": self.kernel_backend,
                 "device": str(self.device), "block_size": config.kv_block_size, "max_loras": config.lora.max_loras,
                 "max_lora_rank": config.lora.max_lora_rank,

@@ -52,7 +52,7 @@ class Worker:
         apply_fallbacks(self.ops, set(args.kernel_fallbacks.split(",")) - {"none"})
         weights = load_weights(args.model_dir, full, self.dtype, self.device, args.size, args.rank,
                                lm_head=False, weight_dtype=args.weight_dtype,            # rank 0's logits
-                               prepare=self.ops.prepare_weight)
+                               projection_dtype=getattr(torch, args.projection_dtype), prepare=self.ops.prepare_weight)
         self.model = LlamaModel(self.cfg, weights, self.ops, all_reduce=dist.all_reduce)
         self.slots = DeviceSlots(self.cfg, args.max_loras, args.max_lora_rank, getattr(torch, args.lora_dtype),
                                  self.device, self.ops.lora)
@@ -144,8 +144,9 @@ class Worker:
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name, kind in (("rank", int), ("size", int), ("port", int), ("capacity", int), ("timeout-s", float),
-                       ("model_dir", str), ("dtype", str), ("lora_dtype", str), ("kernel_backend", str),
-                       ("device", str), ("block_size", int), ("max_loras", int), ("max_lora_rank", int),
+                       ("model_dir", str), ("dtype", str), ("projection_dtype", str), ("lora_dtype", str),
+                       ("kernel_backend", str), ("device", str), ("block_size", int), ("max_loras", int),
+                       ("max_lora_rank", int),
                        ("threads", int), ("kernel_fallbacks", str), ("lora_overlap", int), ("lora_fold", int),
                        ("broken_ops", str),
                        ("max_num_seqs", int), ("weight_dtype", str)):

@@ -340,12 +340,14 @@ def start_engine(args):
     from backend.serving.loop import EngineLoop
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in args.engine_kwargs.items()}
     engine = LLMEngine(**kwargs)
+    runner = engine.runner
     lm_head = "" if engine.config.lm_head_dtype == "auto" else f", LM head {engine.config.lm_head_dtype}"
-    log(f"weights {engine.runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}{lm_head}, "
-        f"{str(engine.runner.dtype).removeprefix('torch.')} activations), KV cache {engine.runner.num_blocks} blocks "
-        f"({engine.config.kv_cache_dtype}: {str(engine.runner.kv_cache_dtype).removeprefix('torch.')}), kernels "
-        f"{engine.runner.kernel_backend} on "
-        f"{engine.runner.device}")
+    beside = "" if runner.projection_dtype == runner.dtype else \
+        f", {str(runner.projection_dtype).removeprefix('torch.')} where not quantized"
+    log(f"weights {runner.weight_bytes / 2**20:.1f} MiB ({engine.config.weight_dtype}{lm_head}{beside}, "
+        f"{str(runner.dtype).removeprefix('torch.')} activations), KV cache {runner.num_blocks} blocks "
+        f"({engine.config.kv_cache_dtype}: {str(runner.kv_cache_dtype).removeprefix('torch.')}), kernels "
+        f"{runner.kernel_backend} on {runner.device}")
     return EngineLoop(engine, cancellation_check_period_s=args.cancellation_check_period_ms / 1e3,
                       max_steps_behind=args.responder_steps_behind or STEPS_BEHIND)
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from backend import LLMEngine
+from backend import device as device_module
 from backend.config import EngineConfig
 from backend.device import STAGING_RING, StepStaging, aligned_offsets, resolve_dtype
-from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, kv_bytes_for_blocks, needs_cuda, peft_greedy,
-                           peft_model_with, random_prompts)
+from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, cpu_kernels_build, kv_bytes_for_blocks, needs_cuda,
+                           peft_greedy, peft_model_with, random_prompts)
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
@@ -32,6 +33,41 @@ def test_dtype_auto_on_cuda_follows_the_compute_capability(monkeypatch, capabili
     """bf16 tl.dot needs sm_80: a T4 (sm_75) serves fp16."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert resolve_dtype("auto", torch.device("cuda", 0)) == dtype
+
+
+def test_dtype_auto_on_a_cpu_whose_aten_runs_at_avx2_is_fp32(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 (or a CPU without avx512_bf16 and AMX): no bf16 arithmetic to use."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("kernel_backend", [pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")), "torch"])
+def test_dtype_auto_without_bf16_arithmetic_serves_bf16_weights(monkeypatch, tiny_model_dir, tiny_adapters,
+                                                                kernel_backend):
+    """On a CPU without bf16 arithmetic dtype auto computes in fp32, and with the compiled kernels serves the
+    projections and the LM head in bf16 (what auto serves everywhere else; half the bytes a decode step reads),
+    widened as the GEMMs load them: greedy tokens, adapters mixed, == fp32 PEFT over the model whose projection
+    and LM head weights are rounded to bf16. The torch reference keeps them in fp32."""
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
+    engine = LLMEngine(tiny_model_dir, device="cpu", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20,
+                       max_num_batched_tokens=32)
+    served = torch.bfloat16 if kernel_backend == "cpu" else torch.float32
+    weights = engine.runner.model.w
+    assert engine.runner.dtype == torch.float32 and engine.runner.projection_dtype == served
+    assert {w.dtype for name, w in weights.items() if name.endswith("_proj") or name == "lm_head"} == {served}
+    assert weights["embed_tokens"].dtype == torch.float32
+    for task_id, path in enumerate(tiny_adapters, start=1):
+        engine.add_lora_dir(task_id, path)
+    prompts = random_prompts(PROMPT_LENGTHS, engine.model_config.vocab_size, seed=11)
+    tasks = [1, None, 2, 3, 4, 2]
+    outputs = engine.generate(prompts, max_new_tokens=8, lora_task_ids=tasks)
+    peft = peft_model_with(tiny_model_dir, tiny_adapters)
+    for name, module in peft.named_modules():
+        if isinstance(module, torch.nn.Linear) and (name.endswith("_proj.base_layer") or name.endswith("lm_head")):
+            module.weight.data = module.weight.data.to(served).float()
+    names = ["__base__" if t is None else f"a{t - 1}" for t in tasks]
+    assert outputs == [peft_greedy(peft, p, name, 8) for p, name in zip(prompts, names)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

@@ -312,13 +312,14 @@ def test_a_panel_gemm_row_is_the_same_alone_or_beside_others(kind, in_dim):
     """Each row's sums run in the same order whatever tile of rows holds it (kernels/cpu/linear.cpp's tile, whose
     several sums a row, or on AVX2 its few rows' sums over several panels at once, keep one decode row's FMAs from
     waiting on each other): a request's logits do not depend on the requests decoding beside it. Bit for bit, for
-    every count of rows a tile takes and more, over 5 panels (a tile of 4 panels and one alone, or 2, 2 and 1)."""
+    every count of rows a tile takes and more, over 5 panels (a tile of 4 panels and one alone, or 2, 2 and 1), and
+    for prompt chunks' rows (on AVX2 each group of narrow panels widened into fp32 first)."""
     if kind == "int4" and in_dim % 32:
         pytest.skip("int4: groups of 32s")
     gemm = panel_gemm(kind, torch.randn(80, in_dim).bfloat16().float())
-    x = torch.randn(13, in_dim)
-    alone = torch.cat([gemm(x[i:i + 1]) for i in range(13)])
-    for num_rows in range(2, 14):
+    x = torch.randn(40, in_dim)
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(40)])
+    for num_rows in [*range(2, 14), 25, 31, 40]:
         assert torch.equal(gemm(x[:num_rows]), alone[:num_rows]), num_rows
 
 
@@ -486,6 +487,25 @@ def test_prepare_weight_puts_projections_in_panels_where_the_kernel_takes_them(d
     want = torch.nn.functional.linear(x.float(), weight.float())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(cpu_ops.linear(x, got, None).float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("out_dim", [96, 40])                    # bf16 panels; no panel (not a multiple of 16)
+@pytest.mark.parametrize("num_rows", [1, 7, 70])
+@pytest.mark.parametrize("packable", [False, True])              # oneDNN's bf16 layout where the CPU has it
+def test_bf16_projections_serve_fp32_x(monkeypatch, out_dim, num_rows, packable):
+    """dtype auto on a CPU without bf16 arithmetic: bf16 weights (backend.device.projection_dtype) beside fp32
+    activations, in bf16 panels widened as the GEMM loads them, or (no panel) converted at the call; y in fp32."""
+    monkeypatch.setattr(cpu_ext, "amx_available", lambda: False)
+    if packable and not cpu_ops._packable(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 here")
+    monkeypatch.setattr(cpu_ops, "_packable", lambda dtype: packable and dtype == torch.bfloat16)
+    weight, bias = torch.randn(out_dim, 64).bfloat16(), torch.randn(out_dim)
+    prepared = cpu_ops.prepare_weight("lm_head", weight)
+    assert prepared.dtype == torch.bfloat16 and (prepared.dim() == 3) == (out_dim % 16 == 0)
+    x = torch.randn(num_rows, 64)
+    got = cpu_ops.linear(x, prepared, bias)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight.float(), bias), atol=1e-4, rtol=1e-4)
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(monkeypatch):

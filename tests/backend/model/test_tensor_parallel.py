@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from backend import LLMEngine
+from backend import device as device_module
 from backend.lora.format import LoraAdapter, parse_lora
 from backend.lora.peft import load_lora_dir
 from backend.lora.shard import ROW_MODULES, shard_adapter
@@ -225,6 +226,28 @@ def test_int8_weights_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_
         engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, weight_dtype="int8",
                            tensor_parallel_size=tp_size, kv_cache_memory_bytes=1 << 20)
         try:
+            for task_id, path in enumerate(tiny_adapters[:2], start=1):
+                engine.add_lora_dir(task_id, path)
+            answers.append(engine.generate(prompts, max_new_tokens=8, lora_task_ids=[1, None, 2, 1, None]))
+        finally:
+            engine.close()
+    assert answers[1] == answers[0]
+
+
+@pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")
+def test_bf16_weights_beside_fp32_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_adapters, monkeypatch):
+    """dtype auto on a CPU without bf16 arithmetic (backend.device.projection_dtype): every rank serves its
+    projections in bf16 beside fp32 activations, and two ranks answer one rank's tokens."""
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
+    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=59)
+    answers = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(tiny_model_dir, kernel_backend="cpu", tensor_parallel_size=tp_size,
+                           kv_cache_memory_bytes=1 << 20)
+        try:
+            assert engine.runner.projection_dtype == torch.bfloat16
+            workers = engine.runner.tp.workers if engine.runner.tp else []
+            assert len(workers) == tp_size - 1 and all("--projection_dtype=bfloat16" in w.args for w in workers)
             for task_id, path in enumerate(tiny_adapters[:2], start=1):
                 engine.add_lora_dir(task_id, path)
             answers.append(engine.generate(prompts, max_new_tokens=8, lora_task_ids=[1, None, 2, 1, None]))
