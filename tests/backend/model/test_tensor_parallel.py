@@ -217,21 +217,28 @@ def test_int8_shares_are_slices_of_one_ranks_int8_weights(tiny_model_dir):
     assert torch.equal(gate_up.transpose(0, 1).flatten(), whole["layers.1.gate_up_proj"].scale)  # (gate, then up)
 
 
-@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
-def test_int8_weights_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_adapters, kernel_backend):
-    """weight_dtype int8 over two ranks: the base model and a mixed batch of adapters, greedy, TP=1's tokens."""
-    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=57)
+def answers_at_one_and_two_ranks(model_dir, adapter_dirs, prompts, check=lambda engine: None, **kwargs):
+    """Greedy answers to the prompts (the base model and two adapters, mixed) at one rank and at two; check(engine)
+    before each."""
     answers = []
     for tp_size in (1, 2):
-        engine = LLMEngine(tiny_model_dir, dtype="float32", kernel_backend=kernel_backend, weight_dtype="int8",
-                           tensor_parallel_size=tp_size, kv_cache_memory_bytes=1 << 20)
+        engine = LLMEngine(model_dir, tensor_parallel_size=tp_size, kv_cache_memory_bytes=1 << 20, **kwargs)
         try:
-            for task_id, path in enumerate(tiny_adapters[:2], start=1):
+            check(engine)
+            for task_id, path in enumerate(adapter_dirs[:2], start=1):
                 engine.add_lora_dir(task_id, path)
             answers.append(engine.generate(prompts, max_new_tokens=8, lora_task_ids=[1, None, 2, 1, None]))
         finally:
             engine.close()
-    assert answers[1] == answers[0]
+    return answers
+
+
+@pytest.mark.parametrize("kernel_backend", CPU_BACKENDS)
+def test_int8_weights_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_adapters, kernel_backend):
+    """weight_dtype int8 over two ranks: the base model and a mixed batch of adapters, greedy, TP=1's tokens."""
+    one, two = answers_at_one_and_two_ranks(tiny_model_dir, tiny_adapters, random_prompts([7, 21, 12, 3, 30], 512, 57),
+                                            dtype="float32", kernel_backend=kernel_backend, weight_dtype="int8")
+    assert two == one
 
 
 @pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")
@@ -239,21 +246,14 @@ def test_bf16_weights_beside_fp32_at_two_ranks_answer_one_ranks_tokens(tiny_mode
     """dtype auto on a CPU without bf16 arithmetic (backend.device.projection_dtype): every rank serves its
     projections in bf16 beside fp32 activations, and two ranks answer one rank's tokens."""
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
-    prompts = random_prompts([7, 21, 12, 3, 30], 512, seed=59)
-    answers = []
-    for tp_size in (1, 2):
-        engine = LLMEngine(tiny_model_dir, kernel_backend="cpu", tensor_parallel_size=tp_size,
-                           kv_cache_memory_bytes=1 << 20)
-        try:
-            assert engine.runner.projection_dtype == torch.bfloat16
-            workers = engine.runner.tp.workers if engine.runner.tp else []
-            assert len(workers) == tp_size - 1 and all("--projection_dtype=bfloat16" in w.args for w in workers)
-            for task_id, path in enumerate(tiny_adapters[:2], start=1):
-                engine.add_lora_dir(task_id, path)
-            answers.append(engine.generate(prompts, max_new_tokens=8, lora_task_ids=[1, None, 2, 1, None]))
-        finally:
-            engine.close()
-    assert answers[1] == answers[0]
+
+    def served_in_bf16(engine):
+        workers = engine.runner.tp.workers if engine.runner.tp else []
+        assert engine.runner.projection_dtype == torch.bfloat16
+        assert all("--projection_dtype=bfloat16" in worker.args for worker in workers)
+    one, two = answers_at_one_and_two_ranks(tiny_model_dir, tiny_adapters, random_prompts([7, 21, 12, 3, 30], 512, 59),
+                                            served_in_bf16, kernel_backend="cpu")
+    assert two == one
 
 
 @pytest.fixture(scope="module")
