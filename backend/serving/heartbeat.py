@@ -40,19 +40,31 @@ ALIVE = "lora_llm_engine_alive"
 
 class InFlight:
     """The calls running now, by thread (a stub's calls into tritonserver): `oldest()` is the monotonic start of the
-    longest-running one, or None, as Heartbeat's step_started."""
+    longest-running one, or None, as Heartbeat's step_started. stuck_file (a test hook, the model's
+    inject_stuck_call_file): once it exists, the next call removes it and never returns, as a call into a deadlocked
+    tritonserver does."""
 
-    def __init__(self):
+    def __init__(self, stuck_file: str | None = None):
         self.starts: dict[int, float] = {}
+        self.stuck_file = stuck_file
 
     @contextmanager
     def call(self):
         ident = threading.get_ident()
         self.starts[ident] = time.monotonic()
         try:
+            if self.stuck_file is not None:
+                self._stick()
             yield
         finally:
             self.starts.pop(ident, None)
+
+    def _stick(self) -> None:
+        try:
+            os.remove(self.stuck_file)
+        except FileNotFoundError:
+            return
+        threading.Event().wait()
 
     def oldest(self) -> float | None:
         return min(self.starts.values(), default=None)

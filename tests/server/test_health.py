@@ -12,9 +12,9 @@ import numpy as np
 
 from backend.processes import running
 
-from backend.serving.heartbeat import STALE_S, engine_health, engines_dir
+from backend.serving.heartbeat import RESTART_STALE_S, SERVER_CALL_S, STALE_S, engine_health, engines_dir
 from tests.helpers import random_prompts
-from tests.server.conftest import engine_pid, free_ports
+from tests.server.conftest import TINY_ENV, engine_pid, free_ports
 from server_process import shm_regions                       # (scripts/ on the path: tests/server/conftest.py)
 from tests.server.streams import Stream, run, send_lie, trtllm_inputs
 from tests.server.test_faults import lora_inputs
@@ -146,6 +146,50 @@ def test_a_lie_with_streams_in_flight_restarts_tritonserver_not_the_engine(tiny_
         cached = run(url, trtllm_inputs(prompt, 5, True, lora_task_id=np.array([[8]], np.uint64)))
         print(f"served again {time.monotonic() - lied_at:.1f} s after the lie")
         assert cached.error is None and cached.tokens == adapter.tokens, "the engine survived tritonserver"
+        assert engine_pid(launcher.http_port) == engine
+    finally:
+        launcher.terminate()
+        assert launcher.wait(timeout=60) == 0
+
+
+def test_a_call_into_tritonserver_that_never_returns_restarts_it_not_the_engine(tiny_model_dir, tiny_adapters,
+                                                                               tmp_path):
+    """tritonserver 2.51's gRPC frontend can deadlock a stream's response and cancellation check, after which no
+    stream gets an answer (docs/reliability.md). Injected (the inject_stuck_call_file hook: the stub's next call into
+    tritonserver never returns): after SERVER_CALL_S the stub's heartbeat stops and says why, the metrics say the
+    engine cannot serve a second later, the supervisor kills tritonserver RESTART_STALE_S after that and starts it
+    again, and the new one serves with the same engine and its caches."""
+    stuck = tmp_path / "stuck"
+    launcher, grpc = start_launcher(tiny_model_dir, "--no-openai",
+                                    settings=TINY_ENV | {"LORA_LLM_INJECT_STUCK_CALL_FILE": str(stuck)})
+    lines: list[str] = []
+    url = f"127.0.0.1:{grpc}"
+    try:
+        read_until(launcher, "ready:", lines)
+        engine = engine_pid(launcher.http_port)
+        prompt = random_prompts([9], 512, seed=63)[0]
+        adapter = run(url, trtllm_inputs(prompt, 5, True) | lora_inputs(tiny_adapters, task_id=9))
+        assert adapter.error is None
+        stuck.touch()
+        stream = Stream(url).send(trtllm_inputs(prompt, 64, True))
+        stuck_at = time.monotonic()
+        while engine_health(metrics_text(launcher.metrics_port)) is None and time.monotonic() - stuck_at < 60:
+            time.sleep(0.1)
+        red_after = time.monotonic() - stuck_at
+        read_until(launcher, "cannot serve (its health check failed twice); killing it", lines, timeout_s=60)
+        killed_after = time.monotonic() - stuck_at
+        result = stream.collect(timeout_s=30)
+        stream.close()
+        read_until(launcher, "ready again after restart 1", lines)
+        cached = run(url, trtllm_inputs(prompt, 5, True, lora_task_id=np.array([[9]], np.uint64)))
+        print(f"red {red_after:.1f} s after the stuck call, tritonserver killed after {killed_after:.1f} s, serving "
+              f"again after {time.monotonic() - stuck_at:.1f} s")
+        assert not stuck.exists(), "a call took the hook"
+        assert SERVER_CALL_S < red_after < SERVER_CALL_S + 3, red_after
+        assert red_after + RESTART_STALE_S < killed_after < red_after + RESTART_STALE_S + 5, killed_after
+        assert "a call into tritonserver (a response or a cancellation check) has run" in stderr_tail(launcher, 1 << 20)
+        assert result.error is not None or result.num_final == 1, "the stuck stream ended"
+        assert cached.error is None and cached.tokens == adapter.tokens, "the engine and its adapter cache survived"
         assert engine_pid(launcher.http_port) == engine
     finally:
         launcher.terminate()

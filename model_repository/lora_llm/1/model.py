@@ -36,7 +36,7 @@ AUTO_PARAMS = ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size")   
 FLOAT_PARAMS = ("kv_cache_free_gpu_mem_fraction", "guided_decoding_compile_timeout_s")
 BOOL_PARAMS = ("enable_kv_cache_reuse", "cuda_graph_mode", "lora_overlap", "lora_fold")
 INT_LIST_PARAMS = ("inject_fault_steps",)
-PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir")
+PATH_PARAMS = ("model_dir", "lora_prefetch_dir", "tokenizer_dir", "inject_stuck_call_file")
 
 
 def engine_kwargs(model_config: dict) -> dict:
@@ -115,6 +115,7 @@ class TritonPythonModel:
         kwargs = engine_kwargs(config)
         check_period_ms = kwargs.pop("cancellation_check_period_ms", 100)
         steps_behind = kwargs.pop("responder_steps_behind", None)
+        CALLS.stuck_file = kwargs.pop("inject_stuck_call_file", None)
         self.engine = EngineClient(kwargs, args["model_name"], args["model_instance_name"],
                                    check_period_s=check_period_ms / 1e3, steps_behind=steps_behind,
                                    on_report=self.metrics.show, on_broken=self.metrics.show_broken)

@@ -28,6 +28,25 @@ def test_in_flight_calls_report_the_oldest_start():
     assert calls.oldest() is None
 
 
+def test_the_stuck_call_hook_holds_one_call_forever(tmp_path):
+    """inject_stuck_call_file: once the file exists, the next call takes it and never returns (still watched);
+    calls before and after run as usual."""
+    stuck = tmp_path / "stuck"
+    calls, done = InFlight(str(stuck)), []
+
+    def call():
+        with calls.call():
+            done.append(threading.get_ident())
+    call()
+    stuck.touch()
+    held = threading.Thread(target=call, daemon=True)
+    held.start()
+    held.join(timeout=0.5)
+    assert held.is_alive() and not stuck.exists() and calls.oldest() is not None
+    call()
+    assert len(done) == 2 and held.ident not in done
+
+
 def test_a_call_that_runs_too_long_stops_the_heartbeat_until_it_ends(capfd):
     calls, beats = InFlight(), []
     heartbeat = Heartbeat(beats.append, lambda: True, calls.oldest, period_s=0.02, max_step_s=0.3,
