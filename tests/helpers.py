@@ -105,6 +105,15 @@ def peft_model_with(base_dir, adapter_dirs: list[Path], dtype=torch.float32):
     return model.eval()
 
 
+def with_projections_rounded(model, dtype: torch.dtype):
+    """A PEFT model whose base projections and LM head hold values of dtype (in their own dtype): the model that
+    bf16 weights beside fp32 activations serve (backend.device.projection_dtype)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and (name.endswith("_proj.base_layer") or name.endswith("lm_head")):
+            module.weight.data = module.weight.data.to(dtype).to(module.weight.dtype)
+    return model
+
+
 @contextlib.contextmanager
 def adapter_active(model, adapter: str | None):
     """A PEFT model with one adapter active (None: none), in inference mode."""

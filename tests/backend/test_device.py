@@ -10,7 +10,7 @@ from backend import device as device_module
 from backend.config import EngineConfig
 from backend.device import STAGING_RING, StepStaging, aligned_offsets, resolve_dtype
 from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, cpu_kernels_build, kv_bytes_for_blocks, needs_cuda,
-                           peft_greedy, peft_model_with, random_prompts)
+                           peft_greedy, peft_model_with, random_prompts, with_projections_rounded)
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
@@ -62,10 +62,7 @@ def test_dtype_auto_without_bf16_arithmetic_serves_bf16_weights(monkeypatch, tin
     prompts = random_prompts(PROMPT_LENGTHS, engine.model_config.vocab_size, seed=11)
     tasks = [1, None, 2, 3, 4, 2]
     outputs = engine.generate(prompts, max_new_tokens=8, lora_task_ids=tasks)
-    peft = peft_model_with(tiny_model_dir, tiny_adapters)
-    for name, module in peft.named_modules():
-        if isinstance(module, torch.nn.Linear) and (name.endswith("_proj.base_layer") or name.endswith("lm_head")):
-            module.weight.data = module.weight.data.to(served).float()
+    peft = with_projections_rounded(peft_model_with(tiny_model_dir, tiny_adapters), served)
     names = ["__base__" if t is None else f"a{t - 1}" for t in tasks]
     assert outputs == [peft_greedy(peft, p, name, 8) for p, name in zip(prompts, names)]
 

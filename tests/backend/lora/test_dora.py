@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from backend import LLMEngine, RequestError
+from backend import device as device_module
 from backend.lora.dora import checkpoint_weights, normalized_magnitude
 from backend.lora.peft import load_lora_dir, peft_to_trtllm
-from tests.helpers import (ALL_MODULES, CPU_BACKENDS, CUDA_MARKS, INTERPRETER_MARK, ROOT, make_peft_adapters,
-                           peft_greedy_alone, peft_model_with, random_prompts)
+from tests.helpers import (ALL_MODULES, CPU_BACKENDS, CUDA_MARKS, INTERPRETER_MARK, ROOT, cpu_kernels_build,
+                           make_peft_adapters, peft_greedy_alone, peft_model_with, random_prompts,
+                           with_projections_rounded)
 
 SPECS = [dict(r=4, lora_alpha=8, target_modules=ALL_MODULES),                           # LoRA
          dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL_MODULES),          # DoRA
@@ -65,6 +67,35 @@ def test_the_dora_adapters_change_tokens_beyond_their_lora_parts(tiny_model_dir,
 @pytest.mark.parametrize("kernel_backend", CPU_BACKENDS + [pytest.param("triton", marks=INTERPRETER_MARK)])
 def test_a_mixed_lora_and_dora_batch_matches_peft(tiny_model_dir, adapters, expected, kernel_backend):
     assert engine_answers(tiny_model_dir, adapters, kernel_backend=kernel_backend) == expected
+
+
+@pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")
+def test_dora_over_bf16_weights_beside_fp32_matches_peft_over_those_weights(tiny_model_dir, adapters, monkeypatch):
+    """dtype auto on a CPU without bf16 arithmetic serves bf16 projections beside fp32 activations
+    (backend.device.projection_dtype): the magnitudes normalize against those (not the checkpoint's fp32 values),
+    as PEFT's do over the same weights."""
+    monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
+    engine = LLMEngine(tiny_model_dir, kernel_backend="cpu", kv_cache_memory_bytes=1 << 20)
+    sent, add_lora = {}, engine.add_lora
+
+    def add_and_keep(task_id, weights, config):
+        sent[task_id] = weights
+        add_lora(task_id, weights, config)
+    monkeypatch.setattr(engine, "add_lora", add_and_keep)
+    try:
+        assert engine.runner.projection_dtype == torch.bfloat16
+        for task_id, path in enumerate(adapters, start=1):
+            engine.add_lora_dir(task_id, path)
+        served, checkpoint = (load_lora_dir(adapters[1], checkpoint_weights(tiny_model_dir, dtype))[0]
+                              for dtype in (torch.bfloat16, torch.float32))
+        assert np.array_equal(sent[2], served) and not np.array_equal(sent[2], checkpoint)
+        prompts = random_prompts(LENGTHS, 512, seed=41)
+        got = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=TASKS)
+    finally:
+        engine.close()
+    peft = with_projections_rounded(peft_model_with(tiny_model_dir, adapters), torch.bfloat16)
+    names = [None if t is None else f"a{t - 1}" for t in TASKS]
+    assert got == [peft_greedy_alone(peft, p, name, MAX_NEW) for p, name in zip(prompts, names)]
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA_MARKS)])
