@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_ext, cpu_ops, reference
+from kernels.metadata import AttentionMetadata
 from kernels.quant import quantize_weight
 from tests.helpers import cpu_kernels_build
 from tests.kernels.test_fused import assert_within_a_step
@@ -93,6 +94,28 @@ def test_a_quantized_cache_matches_reference(kind, dtype, head_dim, group, rows,
     got = cpu_ops.paged_attention(q, k8, v8, meta, 0.125, window, softcap, kv_scales=scales)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("cache", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window,softcap", [(None, None), (12, 2.0)])
+def test_a_decode_row_alone_is_the_same_as_beside_others(cache, group, window, softcap):
+    """A decode row's attention does not depend on the rows decoding beside it (how the step's items fall to the
+    threads): alone it is bit for bit what it is in a batch of five, and the reference's within tolerance."""
+    seq_lens = [300, 70, 45, 17, 1]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, [1] * 5, 2 * group, 2, 64, 16, torch.bfloat16)
+    scales = None
+    if cache != "bf16":
+        k_cache, v_cache, scales = quantized_caches(k_cache, v_cache, cache)
+    batch = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125, window, softcap, kv_scales=scales)
+    for i, n in enumerate(seq_lens):
+        alone = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                                  meta.block_tables[i:i + 1], torch.zeros(0, dtype=torch.int32), [0, 1], [n], 1, n)
+        got = cpu_ops.paged_attention(q[i:i + 1], k_cache, v_cache, alone, 0.125, window, softcap, kv_scales=scales)
+        assert torch.equal(got, batch[i:i + 1]), i
+        want = reference.paged_attention(q[i:i + 1], k_cache, v_cache, alone, 0.125, window, softcap,
+                                         kv_scales=scales)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
