@@ -56,11 +56,17 @@ def prepare_weight(name: str, w: torch.Tensor | QuantizedWeight) -> torch.Tensor
     if w.dim() != 2 or w.shape[0] % PANEL:
         return torch.ops.mkldnn._reorder_linear_weight(w) if _packable(w.dtype) else w
     if w.dtype == torch.bfloat16:
-        return cpu_ext.pack_pairs(w) if w.shape[1] % 32 == 0 and cpu_ext.amx_available() else _bf16_panels(w)
+        return cpu_ext.pack_pairs(w) if w.shape[1] % 32 == 0 and _amx_beside_bf16() else _bf16_panels(w)
     if w.dtype == torch.float32:
         narrow = w.to(torch.bfloat16)
         return _bf16_panels(narrow) if torch.equal(narrow.float(), w) else cpu_ext.pack_linear(w)
     return w
+
+
+def _amx_beside_bf16() -> bool:
+    """AMX tiles, and bf16 activations for them (ATen at AVX-512: backend.device's dtype auto, held at fp32 by
+    ATEN_CPU_CAPABILITY=avx2, whose fp32 rows would unpack pair panels at every call)."""
+    return cpu_ext.amx_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def _bf16_panels(w: torch.Tensor) -> torch.Tensor:

@@ -517,8 +517,10 @@ def test_prepare_weight_puts_projections_in_panels_where_the_kernel_takes_them(d
 @pytest.mark.parametrize("packable", [False, True])              # oneDNN's bf16 layout where the CPU has it
 def test_bf16_projections_serve_fp32_x(monkeypatch, out_dim, num_rows, packable):
     """dtype auto on a CPU without bf16 arithmetic: bf16 weights (backend.device.projection_dtype) beside fp32
-    activations, in bf16 panels widened as the GEMM loads them, or (no panel) converted at the call; y in fp32."""
-    monkeypatch.setattr(cpu_ext, "amx_available", lambda: False)
+    activations, in bf16 panels widened as the GEMM loads them, or (no panel) converted at the call; y in fp32. Also
+    where the CPU has AMX tiles but ATen is held at AVX2 (its fp32 rows would unpack pair panels at every call)."""
+    monkeypatch.setattr(cpu_ext, "amx_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     if packable and not cpu_ops._packable(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 here")
     monkeypatch.setattr(cpu_ops, "_packable", lambda dtype: packable and dtype == torch.bfloat16)
