@@ -198,9 +198,9 @@ def main() -> None:
         best_mine, best_theirs = (max(runs, key=lambda r: r["tok_s"]) for runs in (mine, theirs))
         results["pairs"][precision] = {"ours": best_mine, "llama_cpp": best_theirs, "ours_runs": mine,
                                        "llama_cpp_runs": theirs, "ratio": best_mine["tok_s"] / best_theirs["tok_s"]}
-        served = {"auto": best_mine["projection_dtype"]}
-        print(f"{precision:5s} ours ({best_mine['dtype']} activations, {served.get(weight_dtype, weight_dtype)} weights, "
-              f"LM head {served.get(lm_head_dtype, lm_head_dtype)}) "
+        weights, head = (best_mine["projection_dtype"] if kind == "auto" else kind
+                         for kind in (weight_dtype, lm_head_dtype))
+        print(f"{precision:5s} ours ({best_mine['dtype']} activations, {weights} weights, LM head {head}) "
               f"{best_mine['tok_s']:6.1f} tok/s (TTFT {best_mine['ttft_s'] * 1e3:.0f} ms, decode "
               f"{best_mine['decode_tok_s']:.1f}); llama.cpp {ftype} "
               f"{best_theirs['tok_s']:6.1f} tok/s (TTFT {best_theirs['ttft_s'] * 1e3:.0f} ms, decode "

@@ -456,14 +456,14 @@ void panel_gemm(const float* xp, int64_t M, int64_t K, const Panels& w, int64_t 
           }
         }
       };
-      if constexpr (std::is_same_v<Panels, Fp32Panels> || !kWiden) {
-        row_tiles(w);
-      } else if (M > kWidenRows) {
-        static thread_local std::vector<float> buffer;
-        row_tiles(widen_group(w, first, last, K, buffer));
-      } else {
-        row_tiles(w);
+      if constexpr (kWiden && !std::is_same_v<Panels, Fp32Panels>) {
+        if (M > kWidenRows) {
+          static thread_local std::vector<float> buffer;
+          row_tiles(widen_group(w, first, last, K, buffer));
+          continue;
+        }
       }
+      row_tiles(w);
     }
   }
 }
