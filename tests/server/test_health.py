@@ -64,16 +64,21 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+def said_cannot_serve(metrics_port: int) -> bool:
+    """Whether the metrics say the engine cannot serve (a read refused on two busy cores says nothing yet)."""
+    try:
+        return engine_health(metrics_text(metrics_port)) is not None
+    except OSError:
+        return False
+
+
 def served_again(url: str, arrays: dict, metrics_port: int, timeout_s: float = 60,
                  headers: dict[str, str] | None = None) -> tuple[float, bool, object]:
     """Requests until one is answered: seconds it took, whether the metrics said the engine could not serve
     meanwhile (polled between requests), and the answer."""
     start, red = time.monotonic(), False
     while time.monotonic() - start < timeout_s:
-        try:
-            red = red or engine_health(metrics_text(metrics_port)) is not None
-        except OSError:                                  # (a metrics read refused on two busy cores: ask again)
-            pass
+        red = red or said_cannot_serve(metrics_port)
         result = run(url, arrays, headers=headers)
         if result.error is None:
             return time.monotonic() - start, red, result
@@ -173,7 +178,7 @@ def test_a_call_into_tritonserver_that_never_returns_restarts_it_not_the_engine(
         stuck.touch()
         stream = Stream(url).send(trtllm_inputs(prompt, 64, True))
         stuck_at = time.monotonic()
-        while engine_health(metrics_text(launcher.metrics_port)) is None and time.monotonic() - stuck_at < 60:
+        while not said_cannot_serve(launcher.metrics_port) and time.monotonic() - stuck_at < 60:
             time.sleep(0.1)
         red_after = time.monotonic() - stuck_at
         read_until(launcher, "cannot serve (its health check failed twice); killing it", lines, timeout_s=60)
