@@ -51,7 +51,7 @@ class EngineConfig:
                                               # int8 weight-only (one scale per output channel), int4 (a scale
                                               # and a zero point per group of 128 inputs) or fp8 (e4m3, a scale
                                               # per output channel), quantized at load
-    kv_cache_dtype: str = "auto"              # the KV cache: in dtype (auto), or int8 or fp8 (e4m3) with a scale
+    kv_cache_dtype: str = "auto"              # the KV cache: as the weights (auto), or int8 or fp8 (e4m3) with a scale
                                               # for K and one for V per layer (half a bf16 cache's bytes a token)
     lm_head_dtype: str = "auto"               # the LM head: in dtype (auto, as TensorRT-LLM and vLLM leave it), or
                                               # int8, int4, fp8 as weight_dtype's (llama.cpp's output tensor type)

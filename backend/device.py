@@ -61,10 +61,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def projection_dtype(name: str, dtype: torch.dtype, kernel_backend: str) -> torch.dtype:
-    """The projections' and the LM head's weights where not quantized: in dtype, but in bf16 beside dtype auto's
-    fp32 (a CPU without bf16 arithmetic) where the compiled CPU kernels serve: their GEMMs widen bf16 weights as they
-    load them, as llama.cpp's do on AVX2, so a decode step reads half the bytes (W3 on an AVX2 build: 36 -> 62
-    tok/s) and a model takes the precision it takes under auto everywhere else."""
+    """The projections' and the LM head's weights where not quantized, and the KV cache under kv_cache_dtype auto:
+    in dtype, but in bf16 beside dtype auto's fp32 (a CPU without bf16 arithmetic) where the compiled CPU kernels
+    serve: their GEMMs and attention widen bf16 as they load it, as llama.cpp's do on AVX2, so a decode step reads
+    half the bytes (W3 on an AVX2 build: 36 -> 62 tok/s), a cache holds twice the tokens, and a model takes the
+    precision it takes under auto everywhere else."""
     return torch.bfloat16 if name == "auto" and dtype == torch.float32 and kernel_backend == "cpu" else dtype
 
 

@@ -40,12 +40,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_scales: tuple[float, float] | None = None) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots named by slot_mapping [num_tokens] (an INT8
-    or FP8 cache: quantize_kv against kv_scales)."""
+    or FP8 cache: quantize_kv against kv_scales; a bf16 one beside fp32 k, v: rounded)."""
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     if kv_scales is not None:
         k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1], v_cache.dtype)
-    k_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = k.transpose(0, 1)
-    v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = v.transpose(0, 1)
+    k_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = v.transpose(0, 1).to(v_cache.dtype)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -288,9 +288,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _dequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_scales: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, K and V as attention computes with them: as they are, or in fp32 with an INT8 cache's values dequantized."""
+    """q, K and V as attention computes with them: in q's dtype (a bf16 cache beside fp32 q widened), or in fp32
+    with an INT8 or FP8 cache's values dequantized."""
     if kv_scales is None:
-        return q, k, v
+        return q, k.to(q.dtype), v.to(q.dtype)
     return q.float(), dequantize_kv(k, kv_scales[0]), dequantize_kv(v, kv_scales[1])
 
 

@@ -114,6 +114,21 @@ def with_projections_rounded(model, dtype: torch.dtype):
     return model
 
 
+def with_kv_rounded(model, dtype: torch.dtype):
+    """A transformers (or PEFT) model whose attention sees K (after RoPE) and V rounded to dtype, in their own dtype:
+    the model a KV cache of dtype beside fp32 activations serves."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        rounded = (t.to(dtype).to(t.dtype) for t in (key, value))
+        return sdpa_attention_forward(module, query, *rounded, *args, **kwargs)
+    name = f"kv_rounded_to_{str(dtype).removeprefix('torch.')}"
+    AttentionInterface.register(name, attention)
+    model.set_attn_implementation(name)
+    return model
+
+
 @contextlib.contextmanager
 def adapter_active(model, adapter: str | None):
     """A PEFT model with one adapter active (None: none), in inference mode."""

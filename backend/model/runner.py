@@ -58,7 +58,8 @@ class ModelRunner:
         tp_size = config.tensor_parallel_size
         self.shard_config = cfg.shard(tp_size)                 # this rank's heads and MLP columns
         self.block_size = config.kv_block_size
-        self.kv_cache_dtype = KV_CACHE_TYPES.get(config.kv_cache_dtype, self.dtype)   # int8, uint8 (e4m3 bits)
+        self.kv_cache_dtype = KV_CACHE_TYPES.get(config.kv_cache_dtype,            # int8, uint8 (e4m3 bits), or
+                                                 self.projection_dtype)             # auto: as the weights
         self.kernel_fallbacks: dict[str, str] = {}               # op family -> why the torch reference serves it
         if self.ops.checked and config.checks_at_start(self.device.type):      # (auto: CUDA) the kernels at the
             self.kernel_fallbacks = check_kernels_or_fall_back(self, config)     # model's shapes

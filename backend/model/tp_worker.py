@@ -87,8 +87,8 @@ class Worker:
 
     def allocate(self, num_blocks: int, kv_scales: torch.Tensor | None = None, fp8: torch.Tensor | None = None
                  ) -> None:
-        """The KV cache in dtype, or (kv_scales: [num_layers, 2] fp32 bits as int32) in int8, or e4m3 bits in
-        uint8 where fp8 ([1]) is set, with those scales."""
+        """The KV cache in projection_dtype, or (kv_scales: [num_layers, 2] fp32 bits as int32) in int8, or e4m3
+        bits in uint8 where fp8 ([1]) is set, with those scales."""
         shape = (self.cfg.num_kv_heads, num_blocks, self.args.block_size, self.cfg.head_dim)
         self.kv_caches = []
         if self.device.type == "cuda":
@@ -96,7 +96,7 @@ class Worker:
         self.model.kv_scales = None if kv_scales is None else [tuple(pair) for pair in
                                                                kv_scales.view(torch.float32).tolist()]
         if kv_scales is None:
-            cache_dtype = self.dtype
+            cache_dtype = getattr(torch, self.args.projection_dtype)      # (kv_cache_dtype auto: as the weights)
         else:
             cache_dtype = torch.uint8 if fp8 is not None and fp8.item() else torch.int8
         self.kv_caches = empty_kv_caches(self.cfg.num_layers, shape, cache_dtype, self.device)

@@ -100,11 +100,12 @@ inline void store_row(C* cache, const T* x, int64_t n, float inv) {
     else if constexpr (std::is_same_v<C, uint8_t>)
       cache[d] = quantize_fp8(static_cast<float>(x[d]), inv);
     else
-      cache[d] = x[d];
+      cache[d] = static_cast<C>(x[d]);
   }
 }
 
-// C: the caches' type, T, int8 or uint8 (e4m3 bits) (quantized against the inverses of K's and V's scales).
+// C: the caches' type, T, bf16 beside float T (rounded to nearest even, as torch's .to(bfloat16)), int8 or uint8
+// (e4m3 bits) (quantized against the inverses of K's and V's scales).
 template <typename T, typename C>
 void rotary_and_cache(T* q, T* k, const T* v, const int32_t* positions, const float* cos_sin, C* k_cache,
                       C* v_cache, const int32_t* slots, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
@@ -165,7 +166,7 @@ torch::Tensor silu_and_mul_op(torch::Tensor gate_up) {
 
 // q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] rotated in place (rows may be
 // views into one qkv row); k and v written to the cache slots [num_kv_heads, num_blocks, block_size, head_dim] (an
-// int8 or uint8 (e4m3) cache: quantized against k_scale and v_scale).
+// int8 or uint8 (e4m3) cache: quantized against k_scale and v_scale; a bf16 cache beside fp32 q, k, v: rounded).
 void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                          torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                          double k_scale, double v_scale) {
@@ -178,22 +179,27 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   positions = positions.contiguous();
   slots = slots.contiguous();
   const bool int8_cache = k_cache.scalar_type() == torch::kInt8, fp8_cache = k_cache.scalar_type() == torch::kByte;
+  const bool bf16_cache = k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat32;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (int8_cache || fp8_cache || k_cache.scalar_type() == q.scalar_type()),
-              "the caches in q's dtype, int8 or uint8 (e4m3 bits)");
+                  (int8_cache || fp8_cache || bf16_cache || k_cache.scalar_type() == q.scalar_type()),
+              "the caches in q's dtype, bf16 beside fp32 q, int8 or uint8 (e4m3 bits)");
   const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
+  auto run = [&](auto* q_data, auto* k_cache_data, auto* v_cache_data) {
+    using T = std::remove_pointer_t<decltype(q_data)>;
+    rotary_and_cache<T>(q_data, k.data_ptr<T>(), v.data_ptr<T>(), positions.data_ptr<int32_t>(),
+                        cos_sin.data_ptr<float>(), k_cache_data, v_cache_data, slots.data_ptr<int32_t>(), q.size(0),
+                        q.size(1), k.size(1), q.size(2), q.stride(0), k.stride(0), k_cache.stride(0), inv_k, inv_v);
+  };
+  if (bf16_cache) {
+    run(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+    return;
+  }
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "rotary_and_cache", [&] {
-    auto run = [&](auto* k_cache_data, auto* v_cache_data) {
-      rotary_and_cache<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                 positions.data_ptr<int32_t>(), cos_sin.data_ptr<float>(), k_cache_data, v_cache_data,
-                                 slots.data_ptr<int32_t>(), q.size(0), q.size(1), k.size(1), q.size(2), q.stride(0),
-                                 k.stride(0), k_cache.stride(0), inv_k, inv_v);
-    };
     if (int8_cache)
-      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
     else if (fp8_cache)
-      run(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
+      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
     else
-      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
 }

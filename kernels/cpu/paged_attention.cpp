@@ -1,8 +1,8 @@
 // Attention over the paged KV cache, read in place. A decode row runs alone: the GQA group of a KV head goes
 // together, so each page of K and V is read once per group, its scores, softmax and sums of V on one thread, rows
-// read 8 floats at a time (bf16, fp16 and int8 caches converted on load), K dots 8 positions at once so the sums do not
-// wait on each other. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim (row or tile,
-// KV head) items, shares of equal cost first (claims.h); nothing at or past a row's position is read.
+// read 8 floats at a time (bf16, fp16, int8 and e4m3 caches converted on load), K dots 8 positions at once so the
+// sums do not wait on each other. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim
+// (row or tile, KV head) items, shares of equal cost first (claims.h); nothing at or past a row's position is read.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -198,16 +198,17 @@ void attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* bl
 // q [num_rows, num_heads, head_dim]; k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim];
 // block_tables [num_seqs, max_blocks], seq_lens [num_seqs] (context lengths, this step's rows included) and
 // query_starts [num_seqs + 1] (sequence s has rows [query_starts[s], query_starts[s + 1])), all int32; window <= 0:
-// none; softcap <= 0: none. Caches in q's dtype, or int8 or uint8 (an INT8 or FP8 KV cache, the FP8 one's bytes
-// e4m3 bits: values times k_scale, v_scale).
+// none; softcap <= 0: none. Caches in q's dtype, bf16 beside fp32 q, or int8 or uint8 (an INT8 or FP8 KV cache, the
+// FP8 one's bytes e4m3 bits: values times k_scale, v_scale).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window,
                               double softcap, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   const bool int8_cache = k_cache.scalar_type() == torch::kInt8, fp8_cache = k_cache.scalar_type() == torch::kByte;
-  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || int8_cache || fp8_cache) &&
+  const bool bf16_cache = k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat32;
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || int8_cache || fp8_cache || bf16_cache) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "the caches in q's dtype, int8 or uint8 (e4m3 bits)");
+              "the caches in q's dtype, bf16 beside fp32 q, int8 or uint8 (e4m3 bits)");
   TORCH_CHECK(int8_cache || fp8_cache || (k_scale == 1.0 && v_scale == 1.0), "scales belong to an INT8 or FP8 cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   for (const auto& t : {block_tables, seq_lens, query_starts})
@@ -232,6 +233,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const auto lens = seq_lens.data_ptr<int32_t>();
   const auto starts = query_starts.data_ptr<int32_t>();
   const float k_scaled = static_cast<float>(scale * k_scale);
+  if (bf16_cache) {
+    attention<float, c10::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
+                                    v_cache.data_ptr<c10::BFloat16>(), tables, lens, starts, out.data_ptr<float>(),
+                                    num_seqs, shape, static_cast<float>(scale), 1.f, window);
+    return out;
+  }
   DISPATCH_KERNEL_TYPES(q.scalar_type(), "paged_attention", [&] {
     if (int8_cache)
       attention<scalar_t, int8_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),

@@ -10,7 +10,8 @@ from backend import device as device_module
 from backend.config import EngineConfig
 from backend.device import STAGING_RING, StepStaging, aligned_offsets, resolve_dtype
 from tests.helpers import (CUDA_MARKS, DEVICES, INTERPRETER_MARK, cpu_kernels_build, kv_bytes_for_blocks, needs_cuda,
-                           peft_greedy, peft_model_with, random_prompts, with_projections_rounded)
+                           peft_greedy, peft_model_with, random_prompts, with_kv_rounded,
+                           with_projections_rounded)
 
 PROMPT_LENGTHS = [9, 30, 4, 17, 23, 12]
 
@@ -43,12 +44,14 @@ def test_dtype_auto_on_a_cpu_whose_aten_runs_at_avx2_is_fp32(monkeypatch):
 
 @pytest.mark.parametrize("kernel_backend", [pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")), "torch"])
-def test_dtype_auto_without_bf16_arithmetic_serves_bf16_weights(monkeypatch, tiny_model_dir, tiny_adapters,
-                                                                kernel_backend):
+def test_dtype_auto_without_bf16_arithmetic_serves_bf16_weights_and_cache(monkeypatch, tiny_model_dir, tiny_adapters,
+                                                                          kernel_backend):
     """On a CPU without bf16 arithmetic dtype auto computes in fp32, and with the compiled kernels serves the
-    projections and the LM head in bf16 (what auto serves everywhere else; half the bytes a decode step reads),
-    widened as the GEMMs load them: greedy tokens, adapters mixed, == fp32 PEFT over the model whose projection
-    and LM head weights are rounded to bf16. The torch reference keeps them in fp32."""
+    projections, the LM head and the KV cache in bf16 (what auto serves everywhere else; half the bytes a decode step
+    reads, twice the tokens a cache holds), widened as the GEMMs and attention load them: greedy tokens, adapters
+    mixed, == fp32 PEFT over the model whose projection and LM head weights are rounded to bf16 and whose attention
+    sees K and V rounded to bf16 (without that rounding some token differs: the check can tell). The torch reference
+    keeps them in fp32."""
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
     engine = LLMEngine(tiny_model_dir, device="cpu", kernel_backend=kernel_backend, kv_cache_memory_bytes=1 << 20,
                        max_num_batched_tokens=32)
@@ -57,6 +60,7 @@ def test_dtype_auto_without_bf16_arithmetic_serves_bf16_weights(monkeypatch, tin
     assert engine.runner.dtype == torch.float32 and engine.runner.projection_dtype == served
     assert {w.dtype for name, w in weights.items() if name.endswith("_proj") or name == "lm_head"} == {served}
     assert weights["embed_tokens"].dtype == torch.float32
+    assert engine.runner.kv_cache_dtype == served and engine.runner.kv_caches[0][0].dtype == served
     for task_id, path in enumerate(tiny_adapters, start=1):
         engine.add_lora_dir(task_id, path)
     prompts = random_prompts(PROMPT_LENGTHS, engine.model_config.vocab_size, seed=11)
@@ -64,6 +68,9 @@ def test_dtype_auto_without_bf16_arithmetic_serves_bf16_weights(monkeypatch, tin
     outputs = engine.generate(prompts, max_new_tokens=8, lora_task_ids=tasks)
     peft = with_projections_rounded(peft_model_with(tiny_model_dir, tiny_adapters), served)
     names = ["__base__" if t is None else f"a{t - 1}" for t in tasks]
+    if served == torch.bfloat16:
+        assert outputs != [peft_greedy(peft, p, name, 8) for p, name in zip(prompts, names)]
+        peft = with_kv_rounded(peft, served)
     assert outputs == [peft_greedy(peft, p, name, 8) for p, name in zip(prompts, names)]
 
 
@@ -172,7 +179,8 @@ def test_bf16_is_as_close_to_fp32_peft_as_bf16_peft_is(tiny_model_dir, tiny_adap
     fp32 PEFT in 2 of these 6 rows on a CPU, and the engine on an H200 from bf16 PEFT in one), so bf16 PEFT is no
     oracle for bf16 tokens. fp32 PEFT is, with bf16 PEFT's own distance from it as the yardstick: the engine's
     first-token logits in bf16 stay within 4x that distance of fp32 PEFT's (on a CPU: 2.4x at most; a dropped
-    adapter is 50-100x), and its greedy token differs from fp32 PEFT's only where fp32 PEFT's two candidates are within it."""
+    adapter is 50-100x), and its greedy token differs from fp32 PEFT's only where fp32 PEFT's two candidates are
+    within it."""
     engine = engine_on(tiny_model_dir, device, dtype="bfloat16")
     for task_id, path in enumerate(tiny_adapters[:2], start=1):
         engine.add_lora_dir(task_id, path)

@@ -96,6 +96,21 @@ def test_a_quantized_cache_matches_reference(kind, dtype, head_dim, group, rows,
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4)])
+@pytest.mark.parametrize("rows", QUERY_LENS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (12, 2.0)])
+def test_a_bf16_cache_beside_fp32_rows_matches_reference(head_dim, group, rows, window, softcap):
+    """dtype auto on a CPU without bf16 arithmetic: fp32 queries over a bf16 cache, widened as it loads, on the
+    decode rows' path and the tiles'; as the reference computes over the cache's values in fp32."""
+    q, k_cache, v_cache, meta = make_batch(SEQ_LENS, QUERY_LENS[rows], 2 * group, 2, head_dim, 16, torch.float32)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    want = reference.paged_attention(q, k16.float(), v16.float(), meta, 0.125, window, softcap)
+    got = cpu_ops.paged_attention(q, k16, v16, meta, 0.125, window, softcap)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert torch.equal(reference.paged_attention(q, k16, v16, meta, 0.125, window, softcap), want)
+
+
 @pytest.mark.parametrize("cache", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("window,softcap", [(None, None), (12, 2.0)])
@@ -151,13 +166,14 @@ def test_silu_and_mul_holds_over_the_whole_float_range():
                                rtol=2e-7, equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,cache", [(dtype, cache) for dtype in DTYPES for cache in (None, "int8", "fp8")] +
+                         [(torch.float32, "bf16")])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 1), (80, 4, 4)])
-@pytest.mark.parametrize("cache", [None, "int8", "fp8"])
 def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_heads, cache):
     """RoPE rounded op by op as torch rounds; an INT8 or FP8 cache (kv_scales): K and V quantized as the reference
-    does (K within one step, where the rotation's rounding differs)."""
-    kv_scales = None if cache is None else (0.05, 0.03)
+    does (K within one step, where the rotation's rounding differs); a bf16 cache beside fp32: rounded as torch
+    rounds."""
+    kv_scales = None if cache in (None, "bf16") else (0.05, 0.03)
     from backend.model.checkpoint import ModelConfig
     from backend.model.rope import cos_sin as rope_cos_sin
     cfg = ModelConfig("LlamaForCausalLM", 32, head_dim * num_heads, 64, 1, num_heads, num_kv_heads, head_dim, 256,
@@ -167,7 +183,7 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     slots = torch.randperm(6 * 16)[:len(positions)].int()
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(len(positions), q_size + 2 * kv_size).to(dtype)     # q, k, v: views of one row, as in the model
-    cache_dtype = dtype if cache is None else CACHE_KINDS[cache][0]
+    cache_dtype = {None: dtype, "bf16": torch.bfloat16}[cache] if kv_scales is None else CACHE_KINDS[cache][0]
     caches = [torch.zeros(num_kv_heads, 6, 16, head_dim, dtype=cache_dtype) for _ in range(4)]
 
     def views(t):
@@ -181,6 +197,7 @@ def test_rotary_and_cache_matches_reference(dtype, head_dim, num_heads, num_kv_h
     tol = ELEMENTWISE_TOL[dtype]
     torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
     if kv_scales is None:
+        tol = ELEMENTWISE_TOL[cache_dtype]
         torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
     else:
         assert_within_a_step(caches[2], caches[0])

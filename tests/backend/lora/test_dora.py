@@ -17,7 +17,7 @@ from backend.lora.dora import checkpoint_weights, normalized_magnitude
 from backend.lora.peft import load_lora_dir, peft_to_trtllm
 from tests.helpers import (ALL_MODULES, CPU_BACKENDS, CUDA_MARKS, INTERPRETER_MARK, ROOT, cpu_kernels_build,
                            make_peft_adapters, peft_greedy_alone, peft_model_with, random_prompts,
-                           with_projections_rounded)
+                           with_kv_rounded, with_projections_rounded)
 
 SPECS = [dict(r=4, lora_alpha=8, target_modules=ALL_MODULES),                           # LoRA
          dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL_MODULES),          # DoRA
@@ -71,9 +71,9 @@ def test_a_mixed_lora_and_dora_batch_matches_peft(tiny_model_dir, adapters, expe
 
 @pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")
 def test_dora_over_bf16_weights_beside_fp32_matches_peft_over_those_weights(tiny_model_dir, adapters, monkeypatch):
-    """dtype auto on a CPU without bf16 arithmetic serves bf16 projections beside fp32 activations
-    (backend.device.projection_dtype): the magnitudes normalize against those (not the checkpoint's fp32 values),
-    as PEFT's do over the same weights."""
+    """dtype auto on a CPU without bf16 arithmetic serves bf16 projections (and a bf16 KV cache) beside fp32
+    activations (backend.device.projection_dtype): the magnitudes normalize against those (not the checkpoint's fp32
+    values), as PEFT's do over the same weights and K, V rounded alike."""
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
     engine = LLMEngine(tiny_model_dir, kernel_backend="cpu", kv_cache_memory_bytes=1 << 20)
     sent, add_lora = {}, engine.add_lora
@@ -93,7 +93,8 @@ def test_dora_over_bf16_weights_beside_fp32_matches_peft_over_those_weights(tiny
         got = engine.generate(prompts, max_new_tokens=MAX_NEW, lora_task_ids=TASKS)
     finally:
         engine.close()
-    peft = with_projections_rounded(peft_model_with(tiny_model_dir, adapters), torch.bfloat16)
+    peft = with_kv_rounded(with_projections_rounded(peft_model_with(tiny_model_dir, adapters), torch.bfloat16),
+                           torch.bfloat16)
     names = [None if t is None else f"a{t - 1}" for t in TASKS]
     assert got == [peft_greedy_alone(peft, p, name, MAX_NEW) for p, name in zip(prompts, names)]
 

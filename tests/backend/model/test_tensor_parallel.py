@@ -244,12 +244,12 @@ def test_int8_weights_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_
 @pytest.mark.skipif(not cpu_kernels_build(), reason="the compiled CPU kernels do not build here")
 def test_bf16_weights_beside_fp32_at_two_ranks_answer_one_ranks_tokens(tiny_model_dir, tiny_adapters, monkeypatch):
     """dtype auto on a CPU without bf16 arithmetic (backend.device.projection_dtype): every rank serves its
-    projections in bf16 beside fp32 activations, and two ranks answer one rank's tokens."""
+    projections and its KV cache in bf16 beside fp32 activations, and two ranks answer one rank's tokens."""
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
 
     def served_in_bf16(engine):
         workers = engine.runner.tp.workers if engine.runner.tp else []
-        assert engine.runner.projection_dtype == torch.bfloat16
+        assert engine.runner.projection_dtype == engine.runner.kv_caches[0][0].dtype == torch.bfloat16
         assert all("--projection_dtype=bfloat16" in worker.args for worker in workers)
     one, two = answers_at_one_and_two_ranks(tiny_model_dir, tiny_adapters, random_prompts([7, 21, 12, 3, 30], 512, 59),
                                             served_in_bf16, kernel_backend="cpu")
