@@ -55,25 +55,30 @@ def bench_linear(cfg: ModelConfig, rows: list[int], rounds: int) -> None:
               f"{gflop / ms * 1e3:6.1f} GFLOP/s")
 
 
-def bench_attention(cfg: ModelConfig, num_seqs: int, shuffle_pages: bool, rounds: int) -> None:
-    seq_lens = torch.randint(100, 300, (num_seqs,), dtype=torch.int32)
+def bench_attention(cfg: ModelConfig, num_seqs: int, context: int, shuffle_pages: bool, dtype: torch.dtype,
+                    cache_dtype: torch.dtype, rounds: int) -> None:
+    longest = context or 300
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32) if context else \
+        torch.randint(100, 300, (num_seqs,), dtype=torch.int32)
     starts = torch.arange(num_seqs + 1, dtype=torch.int32)           # one decode row each
-    max_blocks = 300 // BLOCK_SIZE + 1
+    max_blocks = longest // BLOCK_SIZE + 1
     num_blocks = num_seqs * max_blocks
     shape = (cfg.num_kv_heads, num_blocks, BLOCK_SIZE, cfg.head_dim)
     order = torch.randperm if shuffle_pages else torch.arange
-    layers = [(torch.randn(shape), torch.randn(shape), order(num_blocks).view(num_seqs, max_blocks).int())
-              for _ in range(cfg.num_layers)]
-    q = torch.randn(num_seqs, cfg.num_heads, cfg.head_dim)
-    kv_bytes = 2 * 4 * int(seq_lens.sum()) * cfg.kv_size * cfg.num_layers
+    layers = [(torch.randn(shape).to(cache_dtype), torch.randn(shape).to(cache_dtype),
+               order(num_blocks).view(num_seqs, max_blocks).int()) for _ in range(cfg.num_layers)]
+    q = torch.randn(num_seqs, cfg.num_heads, cfg.head_dim).to(dtype)
+    kv_bytes = 2 * cache_dtype.itemsize * int(seq_lens.sum()) * cfg.kv_size * cfg.num_layers
 
     def step():
         for k_cache, v_cache, tables in layers:
             cpu_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, cfg.head_dim ** -0.5, None)
     ms = median_ms(step, rounds)
     pages = "shuffled" if shuffle_pages else "in order"
-    print(f"attention {num_seqs:4d} seqs  {ms:7.1f} ms  {kv_bytes / ms / 1e6:5.1f} GB/s  "
-          f"(contexts 100-300, pages {pages})")
+    contexts = context if context else "100-300"
+    print(f"attention {num_seqs:4d} seqs  {ms:7.2f} ms  {kv_bytes / ms / 1e6:5.1f} GB/s  (contexts {contexts}, "
+          f"pages {pages}, {str(dtype).removeprefix('torch.')} q, {str(cache_dtype).removeprefix('torch.')} cache, "
+          f"{cfg.num_layers} layers)")
 
 
 def bench_lora(cfg: ModelConfig, rounds: int) -> None:
@@ -107,7 +112,11 @@ def main(doc: str = __doc__) -> None:
     parser.add_argument("--kernels", default="linear,attention,lora", help="a comma list of linear, attention, lora")
     parser.add_argument("--rows", default="1,16,32,128,512", help="the GEMMs' row counts")
     parser.add_argument("--seqs", type=int, default=32, help="decode attention's sequences")
+    parser.add_argument("--context", type=int, default=0, help="decode attention's context (0: 100-300 at random)")
     parser.add_argument("--shuffle-pages", action="store_true", help="each sequence's KV pages scattered")
+    parser.add_argument("--dtype", default="float32", help="decode attention's queries")
+    parser.add_argument("--cache-dtype", default=None, help="decode attention's cache (default: --dtype; bfloat16 "
+                        "beside float32 as dtype auto serves where the CPU has no bf16 arithmetic)")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     cfg = ModelConfig.from_hf(json.loads((Path(args.model_dir) / "config.json").read_text()))
@@ -116,7 +125,9 @@ def main(doc: str = __doc__) -> None:
     if "linear" in kernels:
         bench_linear(cfg, [int(m) for m in args.rows.split(",")], args.rounds)
     if "attention" in kernels:
-        bench_attention(cfg, args.seqs, args.shuffle_pages, args.rounds)
+        dtype = getattr(torch, args.dtype)
+        bench_attention(cfg, args.seqs, args.context, args.shuffle_pages, dtype,
+                        getattr(torch, args.cache_dtype) if args.cache_dtype else dtype, args.rounds)
     if "lora" in kernels:
         bench_lora(cfg, args.rounds)
 

@@ -1,7 +1,7 @@
 // Attention over the paged KV cache, read in place. A decode row runs alone: the GQA group of a KV head goes
-// together, so each page of K and V is read once per group, its scores, softmax and sums of V on one thread, rows
-// read 8 floats at a time (bf16, fp16, int8 and e4m3 caches converted on load), K dots 8 positions at once so the
-// sums do not wait on each other. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim
+// together, its scores, softmax and sums of V on one thread, each K and V row loaded 8 values at a time (bf16, fp16,
+// int8 and e4m3 caches converted on load) once for all the group's queries (GroupRow), their sums side by side so
+// none waits on another. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim
 // (row or tile, KV head) items, shares of equal cost first (claims.h); nothing at or past a row's position is read.
 #include <omp.h>
 #include <torch/extension.h>
@@ -49,50 +49,93 @@ class Ahead {
   int64_t num_lines_, num_units_, owed_ = 0;
 };
 
-// scores[g, p - first] = q[g] . k[p] for positions [first, len) of one (row, KV head), rows n = len - first apart;
-// q already scaled.
-template <typename T>
-void item_scores(const float* q, const T* k_head, const int32_t* table, int64_t first, int64_t len, const Shape& s,
-                 float* scores, Ahead& ahead) {
-  for_each_page(k_head, table, first, len, s, [&](const T* rows, int64_t p, int64_t stop) {
-    for (; p + 8 <= stop; p += 8, rows += 8 * s.head_dim)
-      for (int64_t g = 0; g < s.group; ++g) {
-        ahead.advance(8);
-        *reinterpret_cast<vec8*>(scores + g * (len - first) + (p - first)) =
-            vec::dot8(q + g * s.head_dim, rows, s.head_dim, s.head_dim);
-      }
-    for (; p < stop; ++p, rows += s.head_dim)
-      for (int64_t g = 0; g < s.group; ++g) {
-        ahead.advance(1);
-        scores[g * (len - first) + (p - first)] = vec::dot1(q + g * s.head_dim, rows, s.head_dim);
-      }
-  });
-}
+// G queries of a GQA group (1, 2, 3, 4 or 8) against the rows of one KV head: each K or V row is loaded and
+// converted once for all G (their sums side by side: G x kRows scores, G x kCols column sums), not once a query.
+template <int G>
+struct GroupRow {
+  static constexpr int kRows = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;    // K rows a pass: G x kRows <= 8 sums
+  static constexpr int kCols = G == 1 ? 8 : G <= 3 ? 4 : G == 4 ? 2 : 1;     // vec8 columns of V a pass
 
-// out[g] = v_scale * sum_p weights[g, p - first] * v[p], 64 columns at a time held in registers.
-template <typename C, typename T>
-void item_values(const float* weights, const C* v_head, const int32_t* table, int64_t first, int64_t len,
-                 const Shape& s, float v_scale, T* out, Ahead& ahead) {
-  constexpr int64_t kWidth = 8;                                   // vec8 columns per pass: 64 floats
-  const int64_t chunks = s.head_dim / 8;
-  for (int64_t g = 0; g < s.group; ++g) {
-    const float* w = weights + g * (len - first);
-    for (int64_t c0 = 0; c0 < chunks; c0 += kWidth) {
-      const int64_t width = std::min(kWidth, chunks - c0);
-      vec8 acc[kWidth] = {};
-      for_each_page(v_head, table, first, len, s, [&](const C* rows, int64_t p, int64_t stop) {
-        vec8 sum[kWidth];                          // a page's sums in registers (acc, captured, would be spilled)
-        for (int64_t c = 0; c < width; ++c) sum[c] = acc[c];
-        for (; p < stop; ++p, rows += s.head_dim) {
-          if (c0 == 0) ahead.advance(1);
-          const float wp = w[p - first];
-          for (int64_t c = 0; c < width; ++c) sum[c] += wp * vec::load8(rows + 8 * (c0 + c));
+  // scores[g, p - first] = q[g] . k[p] for positions [first, len), rows n = len - first apart; q already scaled.
+  template <typename C>
+  static void scores(const float* q, const C* k_head, const int32_t* table, int64_t first, int64_t len,
+                     const Shape& s, float* scores, Ahead& ahead) {
+    const int64_t n = len - first;
+    auto put = [&](vec8 sums, int rows, int64_t p) {
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < rows; ++r) scores[g * n + p - first + r] = sums[g * rows + r];
+    };
+    for_each_page(k_head, table, first, len, s, [&](const C* rows, int64_t p, int64_t stop) {
+      for (; p + kRows <= stop; p += kRows, rows += kRows * s.head_dim) {
+        ahead.advance(G * kRows);
+        put(vec::dot_tile<G, kRows>(q, s.head_dim, rows, s.head_dim, s.head_dim), kRows, p);
+      }
+      for (; p < stop; ++p, rows += s.head_dim) {
+        ahead.advance(G);
+        put(vec::dot_tile<G, 1>(q, s.head_dim, rows, s.head_dim, s.head_dim), 1, p);
+      }
+    });
+  }
+
+  // out[g] = v_scale * sum_p weights[g, p - first] * v[p], kCols x 8 columns at a time held in registers (the
+  // last pass moved back to end at head_dim: columns it computes again come out the same).
+  template <typename C, typename T>
+  static void values(const float* weights, const C* v_head, const int32_t* table, int64_t first, int64_t len,
+                     const Shape& s, float v_scale, T* out, Ahead& ahead) {
+    const int64_t chunks = s.head_dim / 8;
+    if (chunks < kCols) {
+      for (int64_t c0 = 0; c0 < chunks; ++c0)
+        columns<1>(c0, weights, v_head, table, first, len, s, v_scale, out, ahead);
+      return;
+    }
+    for (int64_t c0 = 0; c0 < chunks; c0 += kCols)
+      columns<kCols>(std::min(c0, chunks - kCols), weights, v_head, table, first, len, s, v_scale, out, ahead);
+  }
+
+  template <int W, typename C, typename T>
+  static void columns(int64_t c0, const float* weights, const C* v_head, const int32_t* table, int64_t first,
+                      int64_t len, const Shape& s, float v_scale, T* out, Ahead& ahead) {
+    const int64_t n = len - first;
+    vec8 acc[G][W] = {};
+    for_each_page(v_head, table, first, len, s, [&](const C* rows, int64_t p, int64_t stop) {
+      vec8 sum[G][W];                              // a page's sums in registers (acc, captured, would be spilled)
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < W; ++c) sum[g][c] = acc[g][c];
+      for (; p < stop; ++p, rows += s.head_dim) {
+        if (c0 == 0) ahead.advance(G);
+        for (int c = 0; c < W; ++c) {
+          const vec8 v = vec::load8(rows + 8 * (c0 + c));
+          for (int g = 0; g < G; ++g) sum[g][c] += weights[g * n + p - first] * v;
         }
-        for (int64_t c = 0; c < width; ++c) acc[c] = sum[c];
-      });
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < W; ++c) acc[g][c] = sum[g][c];
+    });
+    for (int g = 0; g < G; ++g) {
       T* o = out + g * s.head_dim + 8 * c0;
-      for (int64_t c = 0; c < width; ++c)
-        for (int i = 0; i < 8; ++i) o[8 * c + i] = static_cast<T>(acc[c][i] * v_scale);
+      for (int c = 0; c < W; ++c)
+        for (int i = 0; i < 8; ++i) o[8 * c + i] = static_cast<T>(acc[g][c][i] * v_scale);
+    }
+  }
+};
+
+// A group's queries in runs of 8, then 4, then the rest: f(GroupRow<G>{}, first query of the run). An fp32 cache's
+// rows need no conversion to share, so its queries go one at a time (fewer passes over V's columns).
+template <typename C, typename F>
+void for_group_rows(int64_t group, F&& f) {
+  for (int64_t g0 = 0; g0 < group;) {
+    const int64_t left = group - g0;
+    if (left >= 8) {
+      f(GroupRow<8>{}, g0), g0 += 8;
+    } else if (left >= 4) {
+      f(GroupRow<4>{}, g0), g0 += 4;
+    } else {
+      switch (left) {
+        case 1: f(GroupRow<1>{}, g0); break;
+        case 2: f(GroupRow<2>{}, g0); break;
+        default: f(GroupRow<3>{}, g0);
+      }
+      g0 += left;
     }
   }
 }
@@ -131,10 +174,17 @@ void run_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* tabl
   qf.resize(s.group * s.head_dim);
   scores.resize(std::max<size_t>(scores.size(), s.group * (t.hi - t.lo)));
   for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q[q_offset + i]) * scale;
-  item_scores(qf.data(), k_cache + head_offset, table, t.lo, t.hi, s, scores.data(), ahead);
-  cap_scores(scores.data(), s.group * (t.hi - t.lo), s.softcap);
-  softmax_rows(scores.data(), s.group, t.hi - t.lo);
-  item_values(scores.data(), v_cache + head_offset, table, t.lo, t.hi, s, v_scale, out + out_offset, ahead);
+  const int64_t n = t.hi - t.lo;
+  for_group_rows<C>(s.group, [&](auto rows, int64_t g0) {
+    rows.scores(qf.data() + g0 * s.head_dim, k_cache + head_offset, table, t.lo, t.hi, s, scores.data() + g0 * n,
+                ahead);
+  });
+  cap_scores(scores.data(), s.group * n, s.softcap);
+  softmax_rows(scores.data(), s.group, n);
+  for_group_rows<C>(s.group, [&](auto rows, int64_t g0) {
+    rows.values(scores.data() + g0 * n, v_cache + head_offset, table, t.lo, t.hi, s, v_scale,
+                out + out_offset + g0 * s.head_dim, ahead);
+  });
 }
 
 // The step's items: a sequence with one query row (decode) gives a row per KV head, one with more (a prompt

@@ -117,15 +117,15 @@ inline float sum1(vec8 a) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// [x_i . rows[r] for i < N, r < 8 / N] (i major) over n values (a multiple of 8): N vectors x_i, x_stride apart,
-// against 8 / N rows, row_stride apart. Eight sums side by side, so none waits on another, and each row is loaded
-// (and converted) once for all N. prefetch (or nullptr): the 8 / N rows (row_stride apart) read next, pulled into the
-// cache on the way a line at a time, so a run of rows streams from memory as in a GEMV.
-template <int N, typename X, typename R>
+// [x_i . rows[r] for i < N, r < kRows] (i major; lanes past N * kRows 0) over n values (a multiple of 8): N vectors
+// x_i, x_stride apart, against kRows rows (8 / N by default), row_stride apart. Up to eight sums side by side, so none
+// waits on another, and each row is loaded (and converted) once for all N. prefetch (or nullptr): the kRows rows
+// (row_stride apart) read next, pulled into the cache on the way a line at a time, so a run of rows streams from
+// memory as in a GEMV. Each sum's lanes add up in sum8's order, whichever lane it takes.
+template <int N, int kRows = 8 / N, typename X, typename R>
 inline vec8 dot_tile(const X* x, int64_t x_stride, const R* rows, int64_t row_stride, int64_t n,
                      const R* prefetch = nullptr) {
-  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N divides 8");
-  constexpr int kRows = 8 / N;
+  static_assert(N >= 1 && kRows >= 1 && N * kRows <= 8, "at most 8 sums");
   constexpr int64_t kLineValues = kLineBytes / sizeof(R);
   vec8 acc[8] = {};
   for (int64_t k = 0; k < n; k += 8) {

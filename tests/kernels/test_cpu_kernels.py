@@ -44,6 +44,23 @@ def test_rows_match_reference(dtype, head_dim, group, block_size, rows):
     check(*make_batch(SEQ_LENS, QUERY_LENS[rows], 2 * group, 2, head_dim, block_size, dtype), dtype)
 
 
+@pytest.mark.parametrize("group", [2, 5, 6, 7, 8, 16])
+@pytest.mark.parametrize("head_dim", [8, 16, 96])
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
+def test_decode_rows_of_every_group_size_match_reference(group, head_dim, cache):
+    """A decode row's GQA group goes in runs of 8, 4 and the rest, each K and V row loaded once a run; V's columns
+    in passes of up to 4 x 8 (the last moved back to end at head_dim), one 8 at a time where head_dim is narrower."""
+    q, k_cache, v_cache, meta = make_batch([1, 17, 45, 70], [1] * 4, 2 * group, 2, head_dim, 16, torch.float32)
+    scales = None
+    if cache == "bf16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    elif cache == "int8":
+        k_cache, v_cache, scales = quantized_caches(k_cache, v_cache, cache)
+    want = reference.paged_attention(q, k_cache, v_cache, meta, 0.125, kv_scales=scales)
+    got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125, kv_scales=scales)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("query_lens", [[37, 18, 1, 1], [1, 1, 1, 30]])
 def test_decode_rows_beside_prefill_chunks_match_reference(query_lens):
     seq_lens = [37, 50, 21, 40]
