@@ -17,9 +17,10 @@ namespace attention_tiles {
 constexpr int64_t kRows = 8;                 // prompt rows per tile
 
 // A tile's queries: rows [first_row, first_row + num_rows) of the step, at positions from first_pos on, for the
-// heads of KV head `head`; its context [lo, hi).
+// heads of KV head `head`; its context [lo, hi). part: where a decode row's part of a long context keeps its sums
+// (paged_attention.cpp), -1 for a whole one.
 struct Tile {
-  int64_t seq, head, first_row, num_rows, first_pos, lo, hi;
+  int64_t seq, head, first_row, num_rows, first_pos, lo, hi, part = -1;
 };
 
 // Per thread, reused from tile to tile.

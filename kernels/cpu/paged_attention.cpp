@@ -21,6 +21,9 @@ using vec::vec8;
 
 constexpr int64_t kItemCost = 16;       // an item's fixed work (its queries, its softmax's passes) in context positions
 constexpr int64_t kTileRowsPerRow = 3;  // a tile's rows cost as much as one decode row per this many (its GEMMs)
+constexpr int64_t kPartPositions = 512;  // a decode row's context longer than this goes in parts of about equal length
+                                         // (one sequence at 4096 positions: 8 parts for each of SmolLM2's 3 KV
+                                         // heads, where 3 items left one of 2 threads idle a third of the time)
 
 // The lines of an item's K and V rows, positions [first, len), page by page: what the item before it pulls into the
 // cache while it computes (a page at a time ahead left the reads of each item's first pages exposed, and a step's
@@ -140,8 +143,9 @@ void for_group_rows(int64_t group, F&& f) {
   }
 }
 
-// softmax(scores[g, 0:n]) in place for each of group rows, n apart.
-inline void softmax_rows(float* scores, int64_t group, int64_t n) {
+// softmax(scores[g, 0:n]) in place for each of group rows, n apart; or (stats: [2, group]) each row's exp(score -
+// its max) in place, the maxima and the sums of those in stats, for a part of a context.
+inline void softmax_rows(float* scores, int64_t group, int64_t n, float* stats = nullptr) {
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * n;
     const float top = *std::max_element(row, row + n);
@@ -154,6 +158,10 @@ inline void softmax_rows(float* scores, int64_t group, int64_t n) {
     }
     float sum = vec::sum1(total);
     for (; p < n; ++p) sum += row[p] = std::exp(row[p] - top);
+    if (stats) {
+      stats[g] = top, stats[group + g] = sum;
+      continue;
+    }
     const float inv = 1.f / sum;
     for (p = 0; p < n; ++p) row[p] *= inv;
   }
@@ -162,11 +170,13 @@ inline void softmax_rows(float* scores, int64_t group, int64_t n) {
 using attention_tiles::Tile;
 
 // A decode row's item: its scores, their softmax and the weighted sums of V, pulling the next item's pages into the
-// cache as it computes (spans: theirs, if the thread takes a decode row next).
+// cache as it computes (spans: theirs, if the thread takes a decode row next). A part of a row's context (t.part)
+// keeps its unnormalized sums, maxima and totals in parts + t.part ([group, head_dim], [group], [group]) for
+// merge_parts.
 template <typename T, typename C>
 void run_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, const Tile& t, const Shape& s,
-             float scale, float v_scale, T* out, const std::vector<vec::Span>& next, std::vector<float>& qf,
-             std::vector<float>& scores) {
+             float scale, float v_scale, T* out, float* parts, const std::vector<vec::Span>& next,
+             std::vector<float>& qf, std::vector<float>& scores) {
   const int64_t q_offset = t.first_row * s.q_row_stride + t.head * s.group * s.head_dim;
   const int64_t out_offset = (t.first_row * s.num_heads + t.head * s.group) * s.head_dim;
   const int64_t head_offset = t.head * s.cache_head_stride;
@@ -180,28 +190,87 @@ void run_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* tabl
                 ahead);
   });
   cap_scores(scores.data(), s.group * n, s.softcap);
-  softmax_rows(scores.data(), s.group, n);
-  for_group_rows<C>(s.group, [&](auto rows, int64_t g0) {
-    rows.values(scores.data() + g0 * n, v_cache + head_offset, table, t.lo, t.hi, s, v_scale,
-                out + out_offset + g0 * s.head_dim, ahead);
-  });
+  auto sums_into = [&](auto* dst, float dst_scale) {
+    for_group_rows<C>(s.group, [&](auto rows, int64_t g0) {
+      rows.values(scores.data() + g0 * n, v_cache + head_offset, table, t.lo, t.hi, s, dst_scale,
+                  dst + g0 * s.head_dim, ahead);
+    });
+  };
+  if (t.part < 0) {
+    softmax_rows(scores.data(), s.group, n);
+    sums_into(out + out_offset, v_scale);
+    return;
+  }
+  softmax_rows(scores.data(), s.group, n, parts + t.part + s.group * s.head_dim);
+  sums_into(parts + t.part, 1.f);
 }
 
-// The step's items: a sequence with one query row (decode) gives a row per KV head, one with more (a prompt
-// chunk) tiles of up to attention_tiles::kRows rows per KV head, each head's tiles in turn (they share its pages).
-std::vector<Tile> plan_items(const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs, const Shape& s,
-                             int64_t window) {
+// A decode row whose context went in parts: items [first, first + num_parts), consecutive.
+struct Split {
+  int64_t first, num_parts;
+};
+
+// out[g] = v_scale * sum_i exp(m_i - m) sums_i[g] / sum_i exp(m_i - m) total_i over a split row's parts, m the
+// largest of their maxima m_i.
+template <typename T>
+void merge_parts(const std::vector<Tile>& items, const Split& split, const float* parts, const Shape& s,
+                 float v_scale, T* out) {
+  const Tile& t = items[split.first];
+  const int64_t stats = s.group * s.head_dim;
+  std::vector<float> weights(split.num_parts), acc(s.head_dim);
+  for (int64_t g = 0; g < s.group; ++g) {
+    float top = -__builtin_huge_valf(), total = 0.f;
+    for (int64_t i = 0; i < split.num_parts; ++i) top = std::max(top, parts[items[split.first + i].part + stats + g]);
+    for (int64_t i = 0; i < split.num_parts; ++i) {
+      const float* part = parts + items[split.first + i].part;
+      weights[i] = std::exp(part[stats + g] - top);
+      total += weights[i] * part[stats + s.group + g];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t i = 0; i < split.num_parts; ++i) {
+      const float* sums = parts + items[split.first + i].part + g * s.head_dim;
+      for (int64_t d = 0; d < s.head_dim; ++d) acc[d] += weights[i] * sums[d];
+    }
+    T* o = out + (t.first_row * s.num_heads + t.head * s.group + g) * s.head_dim;
+    const float factor = v_scale / total;
+    for (int64_t d = 0; d < s.head_dim; ++d) o[d] = static_cast<T>(acc[d] * factor);
+  }
+}
+
+// The step's items: a sequence with one query row (decode) gives a row per KV head, in parts of its context where
+// it is longer than kPartPositions (splits; each part's place in a buffer of num_part_floats), one with more (a
+// prompt chunk) tiles of up to attention_tiles::kRows rows per KV head, each head's tiles in turn (they share its
+// pages). How a row splits depends on its own context alone, so its result does not depend on the rows beside it.
+struct Plan {
   std::vector<Tile> items;
+  std::vector<Split> splits;
+  int64_t num_part_floats = 0;
+};
+
+Plan plan_items(const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs, const Shape& s,
+                int64_t window) {
+  Plan plan;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t num_rows = query_starts[seq + 1] - query_starts[seq], first_pos = seq_lens[seq] - num_rows;
     TORCH_CHECK(num_rows >= 0 && first_pos >= 0, "sequence ", seq, ": more query rows than context");
     for (int64_t h = 0; h < s.num_kv_heads; ++h)
       for (int64_t r = 0; r < num_rows; r += attention_tiles::kRows) {
         const int64_t rows = std::min(attention_tiles::kRows, num_rows - r), pos = first_pos + r;
-        items.push_back({seq, h, query_starts[seq] + r, rows, pos, window_start(pos, window), pos + rows});
+        const int64_t lo = window_start(pos, window), hi = pos + rows;
+        const int64_t num_parts = num_rows == 1 ? (hi - lo + kPartPositions - 1) / kPartPositions : 1;
+        if (num_parts <= 1) {
+          plan.items.push_back({seq, h, query_starts[seq] + r, rows, pos, lo, hi});
+          continue;
+        }
+        plan.splits.push_back({static_cast<int64_t>(plan.items.size()), num_parts});
+        for (int64_t i = 0; i < num_parts; ++i) {
+          const int64_t part_lo = lo + (hi - lo) * i / num_parts, part_hi = lo + (hi - lo) * (i + 1) / num_parts;
+          plan.items.push_back({seq, h, query_starts[seq] + r, 1, pos, part_lo, part_hi, plan.num_part_floats});
+          plan.num_part_floats += s.group * (s.head_dim + 2);
+        }
       }
   }
-  return items;
+  return plan;
 }
 
 // The caches hold T, or int8 (an INT8 KV cache: scale is the scores' times K's scale, v_scale V's scale).
@@ -209,7 +278,8 @@ template <typename T, typename C>
 void attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
                const int32_t* query_starts, T* out, int64_t num_seqs, const Shape& s, float scale, float v_scale,
                int64_t window) {
-  const std::vector<Tile> items = plan_items(seq_lens, query_starts, num_seqs, s, window);
+  const Plan plan = plan_items(seq_lens, query_starts, num_seqs, s, window);
+  const std::vector<Tile>& items = plan.items;
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (num_items == 0) return;
   std::vector<int64_t> costs(num_items);
@@ -220,6 +290,7 @@ void attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* bl
   auto table_of = [&](const Tile& t) { return block_tables + t.seq * s.max_blocks; };
   const int num_threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_items));
   Claims claims(costs, num_threads);
+  std::vector<float> parts(plan.num_part_floats);
 #pragma omp parallel num_threads(num_threads)
   {
     const int thread = omp_get_thread_num();
@@ -238,7 +309,13 @@ void attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* bl
         item_spans(k_cache + u.head * s.cache_head_stride, v_cache + u.head * s.cache_head_stride, table_of(u), u.lo,
                    u.hi, s, next);
       }
-      run_row(q, k_cache, v_cache, table_of(t), t, s, scale, v_scale, out, next, qf, scores);
+      run_row(q, k_cache, v_cache, table_of(t), t, s, scale, v_scale, out, parts.data(), next, qf, scores);
+    }
+    if (!plan.splits.empty()) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (size_t i = 0; i < plan.splits.size(); ++i)
+        merge_parts(items, plan.splits[i], parts.data(), s, v_scale, out);
     }
   }
 }

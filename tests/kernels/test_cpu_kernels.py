@@ -61,6 +61,31 @@ def test_decode_rows_of_every_group_size_match_reference(group, head_dim, cache)
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window,softcap", [(None, None), (700, None), (None, 2.0)])
+def test_long_decode_rows_in_parts_match_reference(cache, group, window, softcap):
+    """A decode row's context past 512 positions goes in parts of about equal length, their sums merged by their
+    maxima; beside a prompt chunk and short rows, and bit for bit the same alone as in the batch."""
+    seq_lens, query_lens = [513, 1100, 40, 2049, 300], [1, 1, 1, 1, 24]
+    q, k_cache, v_cache, meta = make_batch(seq_lens, query_lens, 2 * group, 2, 64, 16, torch.float32)
+    scales = None
+    if cache == "bf16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    elif cache != "fp32":
+        k_cache, v_cache, scales = quantized_caches(k_cache, v_cache, cache)
+    q = q * 3                                                       # peaked: the parts' maxima differ
+    want = reference.paged_attention(q, k_cache, v_cache, meta, 0.125, window, softcap, kv_scales=scales)
+    got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125, window, softcap, kv_scales=scales)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    row = 3                                                         # the 2049-position row, alone
+    alone = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2049], dtype=torch.int32),
+                              meta.block_tables[row:row + 1], torch.zeros(0, dtype=torch.int32), [0, 1], [2049], 1,
+                              2049)
+    assert torch.equal(cpu_ops.paged_attention(q[row:row + 1], k_cache, v_cache, alone, 0.125, window, softcap,
+                                               kv_scales=scales), got[row:row + 1])
+
+
 @pytest.mark.parametrize("query_lens", [[37, 18, 1, 1], [1, 1, 1, 30]])
 def test_decode_rows_beside_prefill_chunks_match_reference(query_lens):
     seq_lens = [37, 50, 21, 40]
