@@ -1,8 +1,9 @@
 // Attention over the paged KV cache, read in place. A decode row runs alone: the GQA group of a KV head goes
 // together, its scores, softmax and sums of V on one thread, each K and V row loaded 8 values at a time (bf16, fp16,
 // int8 and e4m3 caches converted on load) once for all the group's queries (GroupRow), their sums side by side so
-// none waits on another. Prompt rows run in tiles of consecutive rows (attention_tiles.h). Threads claim
-// (row or tile, KV head) items, shares of equal cost first (claims.h); nothing at or past a row's position is read.
+// none waits on another; a long context in parts, merged after. Prompt rows run in tiles of consecutive rows
+// (attention_tiles.h). Threads claim (row, part of a row or tile, KV head) items, shares of equal cost first
+// (claims.h); nothing at or past a row's position is read.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -122,9 +123,8 @@ struct GroupRow {
   }
 };
 
-// A group's queries in runs of 8, then 4, then the rest: f(GroupRow<G>{}, first query of the run). An fp32 cache's
-// rows need no conversion to share, so its queries go one at a time (fewer passes over V's columns).
-template <typename C, typename F>
+// A group's queries in runs of 8, then 4, then the rest: f(GroupRow<G>{}, first query of the run).
+template <typename F>
 void for_group_rows(int64_t group, F&& f) {
   for (int64_t g0 = 0; g0 < group;) {
     const int64_t left = group - g0;
@@ -185,13 +185,13 @@ void run_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* tabl
   scores.resize(std::max<size_t>(scores.size(), s.group * (t.hi - t.lo)));
   for (int64_t i = 0; i < s.group * s.head_dim; ++i) qf[i] = static_cast<float>(q[q_offset + i]) * scale;
   const int64_t n = t.hi - t.lo;
-  for_group_rows<C>(s.group, [&](auto rows, int64_t g0) {
+  for_group_rows(s.group, [&](auto rows, int64_t g0) {
     rows.scores(qf.data() + g0 * s.head_dim, k_cache + head_offset, table, t.lo, t.hi, s, scores.data() + g0 * n,
                 ahead);
   });
   cap_scores(scores.data(), s.group * n, s.softcap);
   auto sums_into = [&](auto* dst, float dst_scale) {
-    for_group_rows<C>(s.group, [&](auto rows, int64_t g0) {
+    for_group_rows(s.group, [&](auto rows, int64_t g0) {
       rows.values(scores.data() + g0 * n, v_cache + head_offset, table, t.lo, t.hi, s, dst_scale,
                   dst + g0 * s.head_dim, ahead);
     });
