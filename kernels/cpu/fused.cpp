@@ -178,28 +178,11 @@ void rotary_and_cache_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   TORCH_CHECK(positions.scalar_type() == torch::kInt32 && slots.scalar_type() == torch::kInt32, "int32 indices");
   positions = positions.contiguous();
   slots = slots.contiguous();
-  const bool int8_cache = k_cache.scalar_type() == torch::kInt8, fp8_cache = k_cache.scalar_type() == torch::kByte;
-  const bool bf16_cache = k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat32;
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (int8_cache || fp8_cache || bf16_cache || k_cache.scalar_type() == q.scalar_type()),
-              "the caches in q's dtype, bf16 beside fp32 q, int8 or uint8 (e4m3 bits)");
   const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
-  auto run = [&](auto* q_data, auto* k_cache_data, auto* v_cache_data) {
+  dispatch_kv_cache(q, k_cache, v_cache, [&](auto* q_data, auto* k_data, auto* v_data) {
     using T = std::remove_pointer_t<decltype(q_data)>;
     rotary_and_cache<T>(q_data, k.data_ptr<T>(), v.data_ptr<T>(), positions.data_ptr<int32_t>(),
-                        cos_sin.data_ptr<float>(), k_cache_data, v_cache_data, slots.data_ptr<int32_t>(), q.size(0),
-                        q.size(1), k.size(1), q.size(2), q.stride(0), k.stride(0), k_cache.stride(0), inv_k, inv_v);
-  };
-  if (bf16_cache) {
-    run(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
-    return;
-  }
-  DISPATCH_KERNEL_TYPES(q.scalar_type(), "rotary_and_cache", [&] {
-    if (int8_cache)
-      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
-    else if (fp8_cache)
-      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
-    else
-      run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+                        cos_sin.data_ptr<float>(), k_data, v_data, slots.data_ptr<int32_t>(), q.size(0), q.size(1),
+                        k.size(1), q.size(2), q.stride(0), k.stride(0), k_cache.stride(0), inv_k, inv_v);
   });
 }

@@ -331,12 +331,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor seq_lens, torch::Tensor query_starts, double scale, int64_t window,
                               double softcap, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  const bool int8_cache = k_cache.scalar_type() == torch::kInt8, fp8_cache = k_cache.scalar_type() == torch::kByte;
-  const bool bf16_cache = k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kFloat32;
-  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || int8_cache || fp8_cache || bf16_cache) &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "the caches in q's dtype, bf16 beside fp32 q, int8 or uint8 (e4m3 bits)");
-  TORCH_CHECK(int8_cache || fp8_cache || (k_scale == 1.0 && v_scale == 1.0), "scales belong to an INT8 or FP8 cache");
+  const bool quantized = k_cache.scalar_type() == torch::kInt8 || k_cache.scalar_type() == torch::kByte;
+  TORCH_CHECK(quantized || (k_scale == 1.0 && v_scale == 1.0), "scales belong to an INT8 or FP8 cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   for (const auto& t : {block_tables, seq_lens, query_starts})
     TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.device().is_cpu(), "int32 tables on the CPU");
@@ -359,26 +355,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const auto tables = block_tables.data_ptr<int32_t>();
   const auto lens = seq_lens.data_ptr<int32_t>();
   const auto starts = query_starts.data_ptr<int32_t>();
-  const float k_scaled = static_cast<float>(scale * k_scale);
-  if (bf16_cache) {
-    attention<float, c10::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
-                                    v_cache.data_ptr<c10::BFloat16>(), tables, lens, starts, out.data_ptr<float>(),
-                                    num_seqs, shape, static_cast<float>(scale), 1.f, window);
-    return out;
-  }
-  DISPATCH_KERNEL_TYPES(q.scalar_type(), "paged_attention", [&] {
-    if (int8_cache)
-      attention<scalar_t, int8_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                                  tables, lens, starts, out.data_ptr<scalar_t>(), num_seqs, shape, k_scaled,
-                                  static_cast<float>(v_scale), window);
-    else if (fp8_cache)
-      attention<scalar_t, uint8_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<uint8_t>(),
-                                   v_cache.data_ptr<uint8_t>(), tables, lens, starts, out.data_ptr<scalar_t>(),
-                                   num_seqs, shape, k_scaled, static_cast<float>(v_scale), window);
-    else
-      attention<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                    v_cache.data_ptr<scalar_t>(), tables, lens, starts, out.data_ptr<scalar_t>(),
-                                    num_seqs, shape, static_cast<float>(scale), 1.f, window);
+  const float k_scaled = static_cast<float>(scale * k_scale);        // (scales of 1 but for a quantized cache)
+  dispatch_kv_cache(q, k_cache, v_cache, [&](auto* q_data, auto* k_data, auto* v_data) {
+    using T = std::remove_pointer_t<decltype(q_data)>;
+    attention(q_data, k_data, v_data, tables, lens, starts, out.data_ptr<T>(), num_seqs, shape, k_scaled,
+              static_cast<float>(v_scale), window);
   });
   return out;
 }

@@ -18,6 +18,28 @@
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                                    \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
+// f(q's data, K cache's, V cache's), each pointer of its type, for the KV caches the kernels read: in q's dtype, bf16
+// beside fp32 q (dtype auto where the CPU has no bf16 arithmetic), int8 (an INT8 cache) or uint8 (an FP8 cache's
+// e4m3 bits) beside any of the kernels' dtypes.
+template <typename F>
+void dispatch_kv_cache(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, F&& f) {
+  const auto type = k_cache.scalar_type();
+  const bool bf16_beside_fp32 = type == torch::kBFloat16 && q.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(v_cache.scalar_type() == type &&
+                  (type == q.scalar_type() || type == torch::kInt8 || type == torch::kByte || bf16_beside_fp32),
+              "the caches in q's dtype, bf16 beside fp32 q, int8 or uint8 (e4m3 bits)");
+  if (bf16_beside_fp32)
+    return f(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  DISPATCH_KERNEL_TYPES(q.scalar_type(), "q beside a KV cache", [&] {
+    if (type == torch::kInt8)
+      f(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else if (type == torch::kByte)
+      f(q.data_ptr<scalar_t>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
+    else
+      f(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+  });
+}
+
 namespace vec {
 
 using vec8 = float __attribute__((vector_size(32), aligned(4)));   // unaligned loads and stores
